@@ -80,7 +80,8 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False, seed: int = 0) -> RewardModel:
+def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False, seed: int = 0,
+                      attention: str = "auto") -> RewardModel:
     """Build the reward model a checkpoint describes and load its weights."""
     folder = resolve(checkpoint)
     cfg, raw = read_config(folder)
@@ -88,7 +89,7 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
     is_classifier = any(a.endswith("ForSequenceClassification") for a in raw.get("architectures") or [])
     if is_classifier and raw.get("num_labels", len(raw.get("id2label") or {0: 0, 1: 1})) != 1:
         raise CheckpointError("a sequence-classification checkpoint must have num_labels=1 to be a reward model")
-    model = RewardModel(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))
+    model = RewardModel(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention)
     state = nnx.state(model, nnx.Param)
     missing, bad_shape, used = [], [], set()
     for path, var in nnx.to_flat_state(state):

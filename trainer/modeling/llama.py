@@ -2,18 +2,23 @@
 
 Attribute names mirror Hugging Face's (``model.layers.0.self_attn.q_proj``, ``score``), so
 weight conversion is a name map (``trainer.modeling.convert``). Attention takes per-token
-segment ids and positions: tokens attend only to earlier tokens of the same segment, so
-several pairs packed into one row never see each other. Segment 0 is padding.
+segment ids, positions and branch ids (``trainer.modeling.attention``): tokens attend only to
+earlier tokens of the same segment, so several pairs packed into one row never see each
+other, and a pair packed as one prompt followed by both replies scores each reply as if it
+were a sequence of its own. Segment 0 is padding.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer.modeling.attention import attention, dense_mask, resolve_attention
 from trainer.modeling.config import ModelConfig
 
 INIT_STD = 0.02  # Hugging Face's initializer_range default
@@ -69,16 +74,20 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
 
 
-def attention_mask(segment_ids: jax.Array, positions: jax.Array, sliding_window: int | None) -> jax.Array:
-    """(B, 1, T, T): causal within each segment (by position), optionally windowed."""
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    causal = positions[:, :, None] >= positions[:, None, :]
-    # Causality by index too: positions restart per segment, indices never do.
-    idx = jnp.arange(segment_ids.shape[1])
-    mask = same & causal & (idx[:, None] >= idx[None, :])
-    if sliding_window is not None:
-        mask &= (positions[:, :, None] - positions[:, None, :]) < sliding_window
-    return mask[:, None]
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["segment_ids", "positions", "branch_ids", "mask"],
+                   meta_fields=["implementation", "window"])
+@dataclasses.dataclass(frozen=True)
+class AttentionContext:
+    """What every layer's attention needs besides its activations (a pytree; the
+    implementation and window are static)."""
+
+    segment_ids: jax.Array
+    positions: jax.Array
+    branch_ids: jax.Array
+    implementation: str
+    window: int | None
+    mask: jax.Array | None = None
 
 
 class Attention(nnx.Module):
@@ -94,7 +103,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.qk_norm = cfg.qk_norm
 
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, ctx: AttentionContext):
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.n_kv, self.head_dim)
@@ -102,7 +111,8 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=self.head_dim**-0.5)
+        out = attention(q, k, v, ctx.segment_ids, ctx.positions, ctx.branch_ids, implementation=ctx.implementation,
+                        window=ctx.window, mask=ctx.mask)
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -124,39 +134,44 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def __call__(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def __call__(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _layer_forward(layer: DecoderLayer, x, cos, sin, mask):
-    return layer(x, cos, sin, mask)
+def _layer_forward(layer: DecoderLayer, x, cos, sin, ctx):
+    return layer(x, cos, sin, ctx)
 
 
 class DecoderModel(nnx.Module):
     """The transformer body (Hugging Face's ``model.`` prefix)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, remat: bool, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, remat: bool, *, rngs: nnx.Rngs, attention: str = "auto"):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=jnp.float32,
                                       embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # a constant, not a parameter
         self.sliding_window, self.dtype = cfg.sliding_window, dtype
+        self.attention = resolve_attention(attention, dtype)
         self._forward = nnx.remat(_layer_forward) if remat else _layer_forward
 
-    def __call__(self, input_ids, positions, segment_ids):
+    def __call__(self, input_ids, positions, segment_ids, branch_ids=None):
         """Hidden states before the final norm, (B, T, H)."""
-        return self.hidden_states(input_ids, positions, segment_ids)[-1]
+        return self.hidden_states(input_ids, positions, segment_ids, branch_ids)[-1]
 
-    def hidden_states(self, input_ids, positions, segment_ids) -> list[jax.Array]:
+    def hidden_states(self, input_ids, positions, segment_ids, branch_ids=None) -> list[jax.Array]:
         """The embeddings and each layer's output (for per-layer parity checks)."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq.value, self.dtype)
-        mask = attention_mask(segment_ids, positions, self.sliding_window)
+        if branch_ids is None:
+            branch_ids = jnp.zeros_like(segment_ids)
+        ctx = AttentionContext(segment_ids, positions, branch_ids, self.attention, self.sliding_window)
+        if self.attention != "blockwise":  # built once for all layers
+            ctx = dataclasses.replace(ctx, mask=dense_mask(segment_ids, positions, branch_ids, self.sliding_window))
         out = [x]
         for layer in self.layers:
-            x = self._forward(layer, x, cos, sin, mask)
+            x = self._forward(layer, x, cos, sin, ctx)
             out.append(x)
         return out
 
@@ -166,24 +181,25 @@ class RewardModel(nnx.Module):
 
     ``reward_index`` holds the explicit index of each sequence's reward token, (B,) or (B, K)
     for K sequences packed per row; rewards come back in float32 with the same shape.
+    ``attention`` picks the implementation (``trainer.modeling.attention.ATTENTION``).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, remat: bool = False, rngs: nnx.Rngs,
-                 score_init_std: float | None = None):
+                 score_init_std: float | None = None, attention: str = "auto"):
         self.config = cfg
-        self.model = DecoderModel(cfg, dtype, remat, rngs=rngs)
+        self.model = DecoderModel(cfg, dtype, remat, rngs=rngs, attention=attention)
         std = score_init_std if score_init_std is not None else 1.0 / math.sqrt(cfg.hidden_size + 1)
         self.score = nnx.Linear(cfg.hidden_size, 1, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
                                 kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
-    def hidden_at(self, input_ids, positions, segment_ids, reward_index):
+    def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
         """Final-norm hidden states at the reward tokens, (B, [K,] H)."""
-        h = self.model(input_ids, positions, segment_ids)
+        h = self.model(input_ids, positions, segment_ids, branch_ids)
         idx = reward_index if reward_index.ndim == 2 else reward_index[:, None]
         g = jnp.take_along_axis(h, idx[..., None], axis=1)  # (B, K, H)
         g = self.model.norm(g)
         return g if reward_index.ndim == 2 else g[:, 0]
 
-    def __call__(self, input_ids, positions, segment_ids, reward_index):
-        g = self.hidden_at(input_ids, positions, segment_ids, reward_index)
+    def __call__(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
+        g = self.hidden_at(input_ids, positions, segment_ids, reward_index, branch_ids)
         return self.score(g)[..., 0].astype(jnp.float32)

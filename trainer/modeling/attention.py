@@ -1,0 +1,218 @@
+"""Attention over packed rows: who may attend to whom, and three ways to compute it.
+
+Each token carries a segment id (0 = padding), a position and a branch id. A query attends
+to a key when both are in the same segment, the key comes no later (by index and by
+position), the key is within the sliding window (by position), and the key's branch is 0 (the
+shared prefix) or the query's own branch. Branches let one packed unit hold a prompt once and
+both replies after it: the rejected reply (branch 2) sees the prompt (branch 0) but not the
+chosen reply (branch 1), with positions continuing from the prompt, which gives exactly the
+hidden states of two separate sequences. With every branch id 0 this is plain causal
+attention within segments.
+
+Implementations (``ATTENTION``):
+
+* ``xla``: the reference. ``jax.nn.dot_product_attention`` with a dense (B, 1, T, T) mask;
+  materialises (B, H, T, T) scores. Used for parity tests.
+* ``blockwise``: flash attention in pure JAX with a custom VJP. Queries go in blocks; each
+  block visits only key blocks from the start of its earliest segment up to itself (dynamic
+  loop bounds), keeps a running softmax, and the backward pass recomputes scores block by
+  block from the saved log-sum-exp. Memory is O(T) besides one block of scores, and the work
+  is proportional to the tokens each query may see, not to T squared. The default on CPU.
+* ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention(implementation=
+  "cudnn")``) with the mask, on NVIDIA GPUs in bfloat16/float16. The default on GPU when the
+  compute dtype allows it.
+
+Segments must be contiguous runs of tokens (every rmflow loader builds them so).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from schemas.config import ATTENTION  # one list: the config validates against it
+
+BLOCK = 128
+_NEG = -1e30
+
+
+def resolve_attention(name: str, dtype, backend: str | None = None) -> str:
+    """``auto`` -> the implementation for this backend and compute dtype."""
+    if name not in ATTENTION:
+        raise ValueError(f"attention {name!r}: use one of {ATTENTION}")
+    if name != "auto":
+        return name
+    backend = backend or jax.default_backend()
+    if backend == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "cudnn"
+    return "blockwise"
+
+
+def allowed(seg_q, pos_q, br_q, idx_q, seg_k, pos_k, br_k, idx_k, window: int | None) -> jax.Array:
+    """(B, Tq, Tk) boolean: may each query attend to each key (rules in the module doc)."""
+    q = lambda a: a[:, :, None]  # noqa: E731
+    k = lambda a: a[:, None, :]  # noqa: E731
+    ok = (q(seg_q) == k(seg_k)) & (q(pos_q) >= k(pos_k)) & (q(idx_q) >= k(idx_k))
+    ok &= (k(br_k) == 0) | (k(br_k) == q(br_q))
+    if window is not None:
+        ok &= (q(pos_q) - k(pos_k)) < window
+    return ok
+
+
+def dense_mask(segment_ids, positions, branch_ids, window: int | None) -> jax.Array:
+    """(B, 1, T, T) mask for the reference implementation."""
+    idx = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
+    return allowed(segment_ids, positions, branch_ids, idx, segment_ids, positions, branch_ids, idx, window)[:, None]
+
+
+def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: str, window: int | None = None,
+              mask: jax.Array | None = None, block: int = BLOCK) -> jax.Array:
+    """q (B, T, N, D), k/v (B, T, K, D) with N a multiple of K -> (B, T, N, D)."""
+    scale = q.shape[-1] ** -0.5
+    if implementation == "blockwise":
+        return blockwise_attention(q, k, v, segment_ids, positions, branch_ids, window=window, block=block)
+    if mask is None:
+        mask = dense_mask(segment_ids, positions, branch_ids, window)
+    if implementation == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
+    if implementation == "xla":
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    raise ValueError(f"attention implementation {implementation!r}: use one of {ATTENTION[1:]}")
+
+
+# --------------------------------------------------------------------------- blockwise
+
+
+def blockwise_attention(q, k, v, segment_ids, positions, branch_ids, *, window: int | None = None,
+                        block: int = BLOCK) -> jax.Array:
+    """Flash attention in pure JAX (see the module doc). Padding queries get zeros."""
+    b, t, n, d = q.shape
+    block = min(block, t)
+    pad = -t % block
+    if pad:  # padded to whole blocks with segment 0, which nothing attends to
+        widen = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        q, k, v, segment_ids, positions, branch_ids = map(widen, (q, k, v, segment_ids, positions, branch_ids))
+    out = _flash(q, k, v, segment_ids.astype(jnp.int32), positions.astype(jnp.int32),
+                 branch_ids.astype(jnp.int32), window, block)
+    return out[:, :t]
+
+
+def _first_key_block(segment_ids, block: int) -> jax.Array:
+    """(T // block,): for each query block, the first key block any of its queries may see,
+    the block where its earliest segment starts (padding queries see nothing)."""
+    b, t = segment_ids.shape
+    idx = jnp.arange(t, dtype=jnp.int32)
+    change = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(change, idx, 0), axis=1)
+    first = jnp.where(segment_ids > 0, start // block, idx // block)
+    return first.reshape(b, t // block, block).min(axis=(0, 2))
+
+
+def _blocks(x, block):  # (B, T, ...) -> (T // block, B, block, ...)
+    b, t = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
+
+
+def _unblocks(x):  # inverse of _blocks
+    nb, b, block = x.shape[:3]
+    return jnp.moveaxis(x, 0, 1).reshape(b, nb * block, *x.shape[3:])
+
+
+class _Layout:
+    """Blocked views of one call's inputs; q is grouped (B, T, K, G, D) for GQA."""
+
+    def __init__(self, q, k, v, seg, pos, br, block):
+        b, t, n, d = q.shape
+        kh = k.shape[2]
+        self.groups, self.block, self.scale = n // kh, block, d**-0.5
+        self.q = _blocks(q.reshape(b, t, kh, n // kh, d), block)
+        self.k, self.v = _blocks(k, block), _blocks(v, block)
+        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg.shape)
+        self.meta = tuple(_blocks(a, block) for a in (seg, pos, br, idx))
+        self.first = _first_key_block(seg, block)
+
+    def scores(self, i, j, qi, window):
+        """Scaled float32 scores of query block i against key block j, (B, K, G, Qb, Kb), and the mask."""
+        kj = self.k[j]
+        s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * self.scale
+        mi = [m[i] for m in self.meta]
+        mj = [m[j] for m in self.meta]
+        ok = allowed(*mi, *mj, window)[:, None, None]
+        return jnp.where(ok, s, _NEG), ok
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q, k, v, seg, pos, br, window, block):
+    return _flash_fwd(q, k, v, seg, pos, br, window, block)[0]
+
+
+def _flash_fwd(q, k, v, seg, pos, br, window, block):
+    lay = _Layout(q, k, v, seg, pos, br, block)
+    nb = lay.q.shape[0]
+
+    def query_block(i):
+        qi = lay.q[i]
+        b, qb, kh, g, d = qi.shape
+        init = (jnp.full((b, kh, g, qb), _NEG, jnp.float32), jnp.zeros((b, kh, g, qb), jnp.float32),
+                jnp.zeros((b, kh, g, qb, d), jnp.float32))
+
+        def step(j, carry):
+            m, denom, acc = carry
+            s, ok = lay.scores(i, j, qi, window)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+            corr = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(lay.v.dtype), lay.v[j], preferred_element_type=jnp.float32)
+            return m_new, corr * denom + p.sum(-1), corr[..., None] * acc + pv
+
+        m, denom, acc = jax.lax.fori_loop(lay.first[i], i + 1, step, init)
+        seen = denom > 0
+        out = acc / jnp.where(seen, denom, 1.0)[..., None]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
+        return jnp.einsum("bkgqd->bqkgd", out), lse
+
+    out, lse = jax.lax.map(query_block, jnp.arange(nb))  # (nb, B, Qb, K, G, D), (nb, B, K, G, Qb)
+    b, t, n, d = q.shape
+    out = _unblocks(out).reshape(b, t, n, d).astype(q.dtype)
+    return out, (q, k, v, seg, pos, br, out, lse)
+
+
+def _flash_bwd(window, block, res, dout):
+    q, k, v, seg, pos, br, out, lse = res
+    lay = _Layout(q, k, v, seg, pos, br, block)
+    b, t, n, d = q.shape
+    kh = k.shape[2]
+    do = _blocks(dout.reshape(b, t, kh, n // kh, d).astype(jnp.float32), block)
+    delta = (dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # (B, T, N)
+    delta = _blocks(delta.reshape(b, t, kh, n // kh), block)  # (nb, B, Qb, K, G)
+
+    def query_block(carry, i):
+        dk, dv = carry
+        qi, doi = lay.q[i], do[i]
+        lse_i = lse[i][..., None]
+        delta_i = jnp.einsum("bqkg->bkgq", delta[i])[..., None]
+
+        def step(j, inner):
+            dq_i, dk, dv = inner
+            s, ok = lay.scores(i, j, qi, window)
+            p = jnp.where(ok, jnp.exp(s - lse_i), 0.0)  # (B, K, G, Qb, Kb)
+            dv_j = jnp.einsum("bkgqs,bqkgd->bskd", p, doi)
+            dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, lay.v[j], preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_i) * lay.scale
+            dq_i = dq_i + jnp.einsum("bkgqs,bskd->bqkgd", ds, lay.k[j], preferred_element_type=jnp.float32)
+            dk_j = jnp.einsum("bkgqs,bqkgd->bskd", ds, qi, preferred_element_type=jnp.float32)
+            return dq_i, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
+
+        dq_i = jnp.zeros(qi.shape, jnp.float32)
+        dq_i, dk, dv = jax.lax.fori_loop(lay.first[i], i + 1, step, (dq_i, dk, dv))
+        return (dk, dv), dq_i
+
+    zeros = jnp.zeros(lay.k.shape, jnp.float32)
+    (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(lay.q.shape[0]))
+    dq = _unblocks(dq).reshape(b, t, n, d).astype(q.dtype)
+    return dq, _unblocks(dk).astype(k.dtype), _unblocks(dv).astype(v.dtype), None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
