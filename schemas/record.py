@@ -170,3 +170,12 @@ def decode(buf: bytes) -> PairRecord:
     ):
         object.__setattr__(rec, key, value)
     return rec
+
+
+def peek_lengths(buf: bytes) -> tuple[int, int]:
+    """(chosen tokens, rejected tokens) from the header alone; ``decode`` verifies the rest
+    when the record is read for training."""
+    if len(buf) < _HEADER.size or buf[:4] != MAGIC:
+        raise RecordCorruptError("not an rmflow pair record (bad magic or too short)")
+    fields = _HEADER.unpack_from(buf, 0)
+    return fields[4], fields[5]

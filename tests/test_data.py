@@ -26,7 +26,7 @@ def test_collate_layout_padding_and_explicit_indices():
     b = Collate(batch_size=3, max_length=512, pad_id=2)([rec(0, 5, 3, 1.5), rec(1, 70, 4)])
     assert b["input_ids"].shape == (6, 128)  # 70 tokens -> bucket 128; 2 pairs + 1 filler -> 6 rows
     assert b["weight"].tolist() == [1, 1, 0]
-    assert b["reward_index"][:4].tolist() == [4, 2, 69, 3]  # chosen, rejected, chosen, rejected
+    assert b["reward_index"][:4, 0].tolist() == [4, 2, 69, 3]  # chosen, rejected, chosen, rejected
     assert b["input_ids"][0, :5].tolist() == [1, 2, 3, 4, 5] and (b["input_ids"][0, 5:] == 2).all()
     assert b["segment_ids"][1].sum() == 3 and b["margin"][:2].tolist() == [1.5, 0.0]
     assert b["real_tokens"] == 5 + 3 + 70 + 4

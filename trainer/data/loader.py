@@ -1,23 +1,35 @@
-"""The Grain input pipeline: ArrayRecord shards to fixed-shape batches of pairs.
+"""The Grain DataLoader: ArrayRecord shards to micro-batches (layout: ``trainer.data.collate``).
 
-Each pair becomes two rows, chosen then rejected, side by side ([c0, r0, c1, r1, ...]), so
-splitting the row axis evenly over devices never separates a pair. Rows are right-padded to a
-length bucket (a power of two from 16 up to max_length) to bound recompilation; the last
-partial batch is filled with weight-0 pairs, so every batch has the same number of rows.
-Records are decoded (and CRC-checked) in Grain's worker processes.
+``packing`` picks how pairs become rows (``PACKING``):
+
+* ``none``: each sequence its own row, right-padded to a power of two (from 16, capped at
+  max_length); pairs in shuffled order.
+* ``bucket``: the same rows, but the pairs of a micro-batch have similar lengths
+  (``trainer.data.bucketing``), and rows are padded to a finer set of lengths.
+* ``pack``: each pair packed as one unit (prompt once, both replies) into ``rows`` long rows
+  with no padding between pairs (``trainer.data.packing``).
+
+In every mode a micro-batch holds exactly ``batch_size`` pairs (fewer only at the end of a
+finite pass, the rest weight 0) and the loader's state, checkpointed with the run, resumes on
+exactly the next batch. Records are decoded (and CRC-checked) in Grain's worker processes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import grain
-import numpy as np
 
+from schemas.config import PACKING
 from schemas.record import PairRecord, decode
+from trainer.data.bucketing import LengthBucketSampler
+from trainer.data.collate import Collate
+from trainer.data.packing import PackCollate
 
-MIN_BUCKET = 16
+BUCKET_WINDOW = 32  # micro-batches whose pairs are sorted by length together in bucket mode
+# Record reads per process: Grain's default (16 threads, 500 records ahead) holds memory in 16
+# threads' heaps for no gain; 4 threads read far faster than a step consumes (benchmarks/train.py).
+READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=128)
 
 
 class DecodePair(grain.transforms.Map):
@@ -25,48 +37,12 @@ class DecodePair(grain.transforms.Map):
         return decode(raw)
 
 
-def bucket_length(longest: int, max_length: int) -> int:
-    if longest > max_length:
-        raise ValueError(f"a record has {longest} tokens, more than max_length {max_length}: "
-                         "preprocess with this max_length or raise it")
-    length = MIN_BUCKET
-    while length < longest:
-        length *= 2
-    return min(length, max_length)
-
-
-@dataclasses.dataclass(frozen=True)
-class Collate:
-    """A list of PairRecords to a dict of numpy arrays with fixed leading shapes."""
-
-    batch_size: int
-    max_length: int
-    pad_id: int = 0
-
-    def __call__(self, records: Sequence[PairRecord]) -> dict[str, np.ndarray]:
-        real = len(records)
-        records = list(records) + [records[0]] * (self.batch_size - real)
-        longest = max(max(len(r.chosen_ids), len(r.rejected_ids)) for r in records)
-        length = bucket_length(longest, self.max_length)
-        rows = 2 * self.batch_size
-        ids = np.full((rows, length), self.pad_id, np.int32)
-        seg = np.zeros((rows, length), np.int32)
-        index = np.zeros(rows, np.int32)
-        for i, r in enumerate(records):
-            for j, (seq, last) in enumerate(((r.chosen_ids, r.chosen_last), (r.rejected_ids, r.rejected_last))):
-                ids[2 * i + j, : len(seq)] = seq
-                seg[2 * i + j, : len(seq)] = 1
-                index[2 * i + j] = last
-        weight = (np.arange(self.batch_size) < real).astype(np.float32)
-        return {
-            "input_ids": ids,
-            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
-            "segment_ids": seg,
-            "reward_index": index,
-            "margin": np.array([r.margin or 0.0 for r in records], np.float32),
-            "weight": weight,
-            "real_tokens": np.int64((seg[: 2 * real] > 0).sum()),
-        }
+def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int):
+    if packing == "pack":
+        return PackCollate(batch_size, max_length, pad_id, rows)
+    if packing in ("none", "bucket"):
+        return Collate(batch_size, max_length, pad_id, lengths="pow2" if packing == "none" else "fine")
+    raise ValueError(f"packing {packing!r}: use one of {PACKING}")
 
 
 def make_loader(
@@ -80,23 +56,30 @@ def make_loader(
     worker_count: int = 0,
     pad_id: int = 0,
     shard_by_process: bool = True,
+    packing: str = "none",
+    rows: int = 1,
 ) -> grain.DataLoader:
     """A Grain DataLoader over the shards: seeded global shuffle, epochs, one shard of the data
-    per JAX process, decoding in ``worker_count`` processes (0: in this process)."""
+    per JAX process, decoding in ``worker_count`` processes (0: in this process). ``rows``:
+    packed rows per micro-batch (``pack``; a multiple of the data-parallel devices)."""
     if worker_count:
         from absl import flags
 
         if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we do not run under absl.app
             flags.FLAGS.mark_as_parsed()
+    collate = collate_fn(packing, batch_size=batch_size, max_length=max_length, pad_id=pad_id, rows=rows)
     source = grain.sources.ArrayRecordDataSource(list(shard_paths))
     sharding = grain.sharding.ShardByJaxProcess(drop_remainder=True) if shard_by_process else grain.sharding.NoSharding()
     sampler = grain.samplers.IndexSampler(
         num_records=len(source), shard_options=sharding, shuffle=shuffle, num_epochs=num_epochs, seed=seed
     )
+    if packing == "bucket":
+        sampler = LengthBucketSampler(sampler, source, batch_size=batch_size, window=BUCKET_WINDOW, seed=seed)
     return grain.DataLoader(
         data_source=source,
         sampler=sampler,
-        operations=[DecodePair(), grain.transforms.Batch(batch_size, drop_remainder=False,
-                                                         batch_fn=Collate(batch_size, max_length, pad_id))],
+        operations=[DecodePair(), grain.transforms.Batch(batch_size, drop_remainder=False, batch_fn=collate)],
         worker_count=worker_count,
+        shard_options=sharding,
+        read_options=READ_OPTIONS,
     )

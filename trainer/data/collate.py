@@ -1,0 +1,104 @@
+"""The batch layout every mode shares, and the padded collation (one sequence a row).
+
+A batch is a dict of numpy arrays:
+
+* ``input_ids``, ``positions``, ``segment_ids``, ``branch_ids``: (R, T) rows of tokens; segment 0 is
+  padding; branches are explained in ``trainer.modeling.attention``.
+* ``reward_index``: (R, S), S even: the explicit index, within its row, of each scored
+  sequence's reward token. Read row by row, the scored sequences come in pairs, chosen then
+  rejected, so the model's (R, S) rewards reshaped to (-1, 2) are the pairs in order.
+* ``margin``, ``weight``: (R * S / 2,) per pair; weight 0 marks a slot holding no real pair.
+* ``pair_slot``: (n,) the slot of each of the n records collated, in their order (host only).
+* ``real_tokens``: tokens of the real pairs' chosen and rejected sequences as stored (prompt
+  counted in both, as every trainer counts them); ``computed_tokens``: the non-padding slots
+  the model actually runs (fewer when a packed pair holds its prompt once).
+
+Splitting the row axis evenly over devices never separates a pair, and every pair's rows
+and its margin and weight land on the same device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from schemas.record import PairRecord
+
+MIN_BUCKET = 16
+
+
+def bucket_length(longest: int, max_length: int) -> int:
+    """The power of two (from 16) that holds ``longest``, capped at max_length."""
+    _check_fits(longest, max_length)
+    length = MIN_BUCKET
+    while length < longest:
+        length *= 2
+    return min(length, max_length)
+
+
+def fine_length(longest: int) -> int:
+    """A length from a small fixed set that wastes at most 1/8 (about 1/16 on average): powers
+    of two up to 16, then 8 lengths per doubling, multiples of 2**(k-3) in (2**k, 2**(k+1)]."""
+    if longest <= MIN_BUCKET:
+        return MIN_BUCKET
+    step = 1 << ((longest - 1).bit_length() - 4)
+    return -(-longest // step) * step
+
+
+def _check_fits(longest: int, max_length: int) -> None:
+    if longest > max_length:
+        raise ValueError(f"a record has {longest} tokens, more than max_length {max_length}: "
+                         "preprocess with this max_length or raise it")
+
+
+def pair_arrays(records: Sequence[PairRecord], slots: int) -> dict[str, np.ndarray]:
+    """margin and weight for ``slots`` pair slots, the first ``len(records)`` real."""
+    margin = np.zeros(slots, np.float32)
+    margin[: len(records)] = [r.margin or 0.0 for r in records]
+    return {"margin": margin, "weight": (np.arange(slots) < len(records)).astype(np.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collate:
+    """Pairs -> 2 * batch_size rows [c0, r0, c1, r1, ...], right-padded to one length.
+
+    ``lengths``: "pow2" (a power of two from 16, capped at max_length) or "fine"
+    (``fine_length``: at most 1/8 wasted, for batches of similar lengths). A partial last
+    batch is filled with weight-0 slots.
+    """
+
+    batch_size: int
+    max_length: int
+    pad_id: int = 0
+    lengths: str = "pow2"
+
+    def __call__(self, records: Sequence[PairRecord]) -> dict[str, np.ndarray]:
+        longest = max(max(len(r.chosen_ids), len(r.rejected_ids)) for r in records)
+        _check_fits(longest, self.max_length)
+        if self.lengths == "pow2":
+            length = bucket_length(longest, self.max_length)
+        else:
+            length = min(fine_length(longest), self.max_length)
+        rows = 2 * self.batch_size
+        ids = np.full((rows, length), self.pad_id, np.int32)
+        seg = np.zeros((rows, length), np.int32)
+        index = np.zeros((rows, 1), np.int32)
+        for i, r in enumerate(records):
+            for j, (seq, last) in enumerate(((r.chosen_ids, r.chosen_last), (r.rejected_ids, r.rejected_last))):
+                ids[2 * i + j, : len(seq)] = seq
+                seg[2 * i + j, : len(seq)] = 1
+                index[2 * i + j] = last
+        real = int(seg.sum())
+        return {
+            "input_ids": ids,
+            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
+            "segment_ids": seg,
+            "branch_ids": np.zeros((rows, length), np.int32),
+            "reward_index": index,
+            **pair_arrays(records, self.batch_size),
+            "pair_slot": np.arange(len(records), dtype=np.int32),
+            "real_tokens": np.int64(real),
+            "computed_tokens": np.int64(real),
+        }
