@@ -128,6 +128,8 @@ def _check_int(value: Any, name: str, minimum: int) -> None:
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
+PACKING = ("none", "bucket", "pack")
+ATTENTION = ("auto", "xla", "blockwise", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +142,8 @@ class TrainConfig(_Serializable):
     output: str = _opt("", "Run directory: config, metrics.jsonl, TensorBoard events, checkpoints.")
     max_steps: int = _opt(0, "Optimizer steps to run; 0 = num_epochs over the train split.")
     num_epochs: int = _opt(1, "Passes over the train split when max_steps is 0.")
-    batch_size: int = _opt(32, "Pairs per micro-batch, over all devices (a multiple of the device count).")
+    batch_size: int = _opt(32, "Pairs per micro-batch, over all devices (a multiple of the device count), "
+                               "in every packing mode.")
     grad_accum: int = _opt(1, "Micro-batches per optimizer step.")
     learning_rate: float = _opt(1e-5, "Peak learning rate (AdamW).")
     learning_rate_end: float = _opt(0.0, "Learning rate at the last step.")
@@ -156,6 +159,13 @@ class TrainConfig(_Serializable):
     max_length: int = _opt(0, "Longest sequence; 0 = the shards' max_length.")
     dtype: str = _opt("float32", "Compute dtype: float32 or bfloat16 (parameters and loss stay float32).")
     gradient_checkpointing: bool = _opt(False, "Recompute each layer's activations in the backward pass.")
+    packing: str = _opt("pack", "How pairs become rows: pack (each pair's prompt once and both replies, packed into "
+                                "one row per device, no padding between pairs), bucket (one sequence a row, pairs "
+                                "of similar length batched together) or none (one sequence a row, shuffled, padded "
+                                "to a power of two).")
+    attention: str = _opt("auto", "Attention implementation: auto (blockwise on CPU and TPU, cudnn on GPU in "
+                                  "bfloat16), xla (dense reference), blockwise (memory-efficient, pure JAX) or "
+                                  "cudnn (fused flash attention, NVIDIA GPUs, bfloat16).")
     seed: int = _opt(0, "Seed of the data order and of the score head's initialisation.")
     logging_steps: int = _opt(10, "Steps per metrics window (metrics.jsonl, TensorBoard, progress bar).")
     eval_steps: int = _opt(0, "Evaluate on the eval split every this many steps; 0 = only at the end.")
@@ -176,6 +186,10 @@ class TrainConfig(_Serializable):
             raise ConfigError("learning_rate must be > 0 and learning_rate_end >= 0")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r}: use one of {DTYPES}")
+        if self.packing not in PACKING:
+            raise ConfigError(f"packing {self.packing!r}: use one of {PACKING}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION}")
         if self.lr_schedule not in SCHEDULES:
             raise ConfigError(f"lr_schedule {self.lr_schedule!r}: use one of {SCHEDULES}")
         for name in ("weight_decay", "max_grad_norm", "center_rewards_coefficient"):

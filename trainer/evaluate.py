@@ -18,8 +18,9 @@ import jax
 import numpy as np
 
 from schemas.record import PairRecord
-from trainer.data import Collate
+from trainer.data import PackCollate
 from trainer.modeling.llama import RewardModel
+from trainer.step import DEVICE_KEYS, pair_rewards
 
 ECE_BINS = 10
 
@@ -105,21 +106,18 @@ def pair_metrics(
 
 def score_pairs(model: RewardModel, records: Sequence[PairRecord], *, batch_size: int = 16,
                 max_length: int | None = None, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Rewards of chosen and rejected for each record, in order."""
+    """Rewards of chosen and rejected for each record, in order: the records packed as in
+    training (``PackCollate``, one row) and scored by the same ``pair_rewards``."""
     longest = max(max(len(r.chosen_ids), len(r.rejected_ids)) for r in records)
-    collate = Collate(batch_size, max(max_length or 0, longest), pad_id)
-
-    @jax.jit
-    def forward(ids, pos, seg, idx):
-        return model(ids, pos, seg, idx)
-
+    collate = PackCollate(batch_size, max(max_length or 0, longest), pad_id)
+    forward = jax.jit(lambda batch: pair_rewards(model, batch))
     rc, rr = [], []
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
         b = collate(chunk)
-        r = np.asarray(forward(b["input_ids"], b["positions"], b["segment_ids"], b["reward_index"]))
-        rc.append(r[0::2][: len(chunk)])
-        rr.append(r[1::2][: len(chunk)])
+        c, r = (np.asarray(x) for x in forward({k: b[k] for k in DEVICE_KEYS}))
+        rc.append(c[b["pair_slot"]])
+        rr.append(r[b["pair_slot"]])
     return np.concatenate(rc), np.concatenate(rr)
 
 

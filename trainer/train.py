@@ -36,10 +36,12 @@ from schemas.manifest import (
 )
 from trainer.data import make_loader
 from trainer.loss import SUM_KEYS, finalize
+from trainer.memory import release_free_memory
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import load_reward_model, resolve
 from trainer.modeling.llama import RewardModel
 from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches
+from trainer.tensorboard import summary_writer
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -76,7 +78,7 @@ def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
     vocab = manifest.tokenizer.vocab_size
     if cfg.model == "tiny":
         return RewardModel(ModelConfig.tiny(vocab_size=vocab), dtype=dtype, remat=cfg.gradient_checkpointing,
-                           rngs=nnx.Rngs(cfg.seed))
+                           rngs=nnx.Rngs(cfg.seed), attention=cfg.attention)
     folder = resolve(cfg.model)
     files = {}
     for name in TOKENIZER_FILES:
@@ -88,7 +90,8 @@ def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
         manifest.check_compatible(tokenizer_sha256=sha256_files(files) if "tokenizer.json" in files else None)
     except ManifestError as e:
         raise TrainError(f"{e}. Preprocess with the model's tokenizer (--tokenizer {folder}).") from e
-    model = load_reward_model(folder, dtype=dtype, remat=cfg.gradient_checkpointing, seed=cfg.seed)
+    model = load_reward_model(folder, dtype=dtype, remat=cfg.gradient_checkpointing, seed=cfg.seed,
+                              attention=cfg.attention)
     if model.config.vocab_size < vocab:
         raise TrainError(f"the shards' tokenizer has {vocab} tokens, the model's embedding only "
                          f"{model.config.vocab_size}: they do not belong together")
@@ -137,7 +140,7 @@ def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardMod
     except OSError as e:
         raise TrainError(f"{run_dir} is not an rmflow run directory: {e}") from e
     mcfg = ModelConfig(**{**raw, "rope_params": tuple(tuple(p) for p in raw["rope_params"])})
-    model = RewardModel(mcfg, rngs=nnx.Rngs(0))
+    model = RewardModel(mcfg, rngs=nnx.Rngs(0), attention=cfg.attention)
     trainer = make_trainer(cfg, model, 1)
     manager = checkpoint_manager(run_dir, keep=cfg.save_total_limit)
     step = manager.latest_step() if step is None else step
@@ -171,15 +174,17 @@ class Run:
         if cfg.batch_size % len(devices):
             raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {len(devices)} devices")
         self.mesh = Mesh(np.array(devices), ("data",))
+        self.rows = len(devices)  # packed rows per micro-batch: one per device
         self.total_steps = plan_steps(cfg, self.manifest.splits["train"].pairs)
         model = build_model(cfg, self.manifest)
         self.pad_id = self.manifest.tokenizer.pad_token_id or 0
         self.trainer = make_trainer(cfg, model, self.total_steps)
+        release_free_memory()  # initialisation temporaries
 
     def loader(self, paths, *, train: bool):
         return make_loader(paths, batch_size=self.cfg.batch_size, max_length=self.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.loader_workers,
-                           pad_id=self.pad_id)
+                           pad_id=self.pad_id, packing=self.cfg.packing, rows=self.rows)
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         return jax.device_put(stack_micro_batches(micro), NamedSharding(self.mesh, P(None, "data")))
@@ -192,6 +197,7 @@ class Run:
             s = self.trainer.eval_step(params, {k: v[0] for k, v in self.to_device([b]).items()})
             for k in SUM_KEYS:
                 sums[k] += float(s[k])
+        release_free_memory()  # what compiling the eval shapes left
         return {f"eval_{k}": v for k, v in finalize(sums).items()}
 
 
@@ -225,19 +231,25 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
         history = [h for h in _read_history(metrics_path) if h["step"] <= latest]
     _write_history(metrics_path, history)
 
-    from tensorboardX import SummaryWriter
-
     # After a resume, TensorBoard drops the events logged past the restored checkpoint.
-    writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"),
-                           purge_step=int(state.step) + 1 if resume and latest is not None else None)
+    writer = summary_writer(os.path.join(cfg.output, "tensorboard"),
+                            purge_step=int(state.step) + 1 if resume and latest is not None else None)
     window = _Window()
     step = int(state.step)
+    shapes = set()  # batch shapes compiled so far
     try:
         while step < r.total_steps:
             micro = [next(iterator) for _ in range(cfg.grad_accum)]
-            state, m = r.trainer.train_step(state, r.to_device(micro))
+            batch = r.to_device(micro)
+            compiles = batch["input_ids"].shape not in shapes
+            if compiles:  # the compiler needs a few hundred MiB: start it from a trimmed heap
+                shapes.add(batch["input_ids"].shape)
+                release_free_memory()
+            state, m = r.trainer.train_step(state, batch)
             step += 1
             m = jax.device_get(m)
+            if compiles:  # and give back what it freed
+                release_free_memory()
             loss = float(m["loss_sum"]) / max(float(m["pairs"]), 1.0)
             if not math.isfinite(loss):
                 raise TrainError(
@@ -276,7 +288,8 @@ class _Window:
 
     def reset(self):
         self.sums = {k: 0.0 for k in SUM_KEYS}
-        self.grad_norm, self.steps, self.real, self.total, self.start = 0.0, 0, 0, 0, time.perf_counter()
+        self.grad_norm, self.steps, self.start = 0.0, 0, time.perf_counter()
+        self.real = self.computed = self.total = 0
         self.lr = 0.0
 
     def add(self, m: dict[str, Any], micro: list[dict[str, np.ndarray]]):
@@ -286,13 +299,15 @@ class _Window:
         self.lr = float(m["learning_rate"])
         self.steps += 1
         self.real += sum(int(b["real_tokens"]) for b in micro)
+        self.computed += sum(int(b["computed_tokens"]) for b in micro)
         self.total += sum(b["input_ids"].size for b in micro)
 
     def finish(self) -> dict[str, Any]:
         seconds = time.perf_counter() - self.start
         out = {**finalize(self.sums), "grad_norm": self.grad_norm / max(self.steps, 1), "learning_rate": self.lr,
-               "tokens_per_second": self.real / seconds if seconds else 0.0,
-               "padding_fraction": 1.0 - self.real / self.total if self.total else 0.0}
+               "real_tokens": self.real, "tokens_per_second": self.real / seconds if seconds else 0.0,
+               "padding_fraction": 1.0 - self.computed / self.total if self.total else 0.0,
+               "computed_fraction": self.computed / self.real if self.real else 0.0}
         self.reset()
         return out
 
