@@ -89,7 +89,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     data = pathlib.Path(tmp.name)
     for k in range(args.scale):
-        for f in sorted(DATA.glob("*.jsonl.gz")):
+        for f in sorted(DATA.glob("hh_*.jsonl.gz")):  # the HH-RLHF pairs; the folder holds other sets too
             shutil.copy(f, data / f"{k:03d}-{f.name}")
     files = sorted(data.glob("*.jsonl.gz"))
     rows = [("plain loop (ceiling)", [plain_loop(files) for _ in range(args.repeat)])]

@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         shards = pathlib.Path(tmp) / "shards"
-        preprocess(PreprocessConfig(inputs=(str(DATA),), output=str(shards), tokenizer=str(TOKENIZER),
+        preprocess(PreprocessConfig(inputs=(str(DATA / "hh_*.jsonl.gz"),), output=str(shards), tokenizer=str(TOKENIZER),
                                     max_length=args.max_length))
         loader_bps = loader_alone(shards, args.batch_size, args.max_length, 200)
         step_times: list[float] = []

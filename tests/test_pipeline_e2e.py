@@ -1,5 +1,6 @@
-"""End to end on all of ../shared/data with the SmolLM2 tokenizer: reconciliation, ties,
-determinism (byte-identical reruns, 1 vs 2 workers), read-back through Grain."""
+"""End to end on the HH-RLHF pairs of ../shared/data (a glob over the folder, which also
+holds other data sets) with the SmolLM2 tokenizer: reconciliation, ties, determinism
+(byte-identical reruns, 1 vs 2 workers), read-back through Grain."""
 
 import gzip
 import json
@@ -19,7 +20,7 @@ EXPECTED_TIES = 33  # documented in ../shared/data/README.md (1 + 32)
 
 
 def config(shared_data, tokenizer_dir, out, **kw):
-    return PreprocessConfig(inputs=(str(shared_data),), output=str(out), tokenizer=tokenizer_dir,
+    return PreprocessConfig(inputs=(str(shared_data / "hh_*.jsonl.gz"),), output=str(out), tokenizer=tokenizer_dir,
                             max_length=1024, eval_fraction=0.05, num_shards=2, **kw)
 
 

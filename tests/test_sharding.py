@@ -1,5 +1,6 @@
 """Data parallelism on 8 (fake CPU) devices: the sharded step equals the single-device step,
-and each device holds whole pairs (a chosen row and its rejected row together)."""
+and each device holds whole pairs (a chosen row and its rejected row together, or packed
+rows of whole pairs)."""
 
 import os
 import subprocess
@@ -11,7 +12,7 @@ SCRIPT = textwrap.dedent('''
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from tests.test_step import CFG, records
-    from trainer.data import Collate
+    from trainer.data import Collate, PackCollate
     from trainer.modeling.llama import RewardModel
     from trainer.step import OptimConfig, Trainer, stack_micro_batches
 
@@ -32,6 +33,17 @@ SCRIPT = textwrap.dedent('''
     for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(sharded.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     assert abs(float(m1["loss_sum"]) - float(m8["loss_sum"])) < 1e-4
+
+    # Packed: one row per device, each holding whole pairs; equal to the padded single-device step.
+    packed = {k: np.asarray(v) for k, v in stack_micro_batches([PackCollate(8, 64, rows=8)(records(7))]).items()}
+    batch = jax.device_put(packed, NamedSharding(mesh, P(None, "data")))
+    for shard in batch["reward_index"].addressable_shards:  # a row's reward tokens live on its device
+        assert shard.data.shape[1] == 1
+    t = fresh()
+    sharded, m8 = t.train_step(jax.device_put(t.init_state, NamedSharding(mesh, P())), batch)
+    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(sharded.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    assert abs(float(m1["loss_sum"]) - float(m8["loss_sum"])) < 1e-4 and float(m8["pairs"]) == 7
     print("OK")
 ''')
 

@@ -152,3 +152,25 @@ def test_shards_must_match_the_run(synthetic, tmp_path, tokenizer_dir):
     checkpoint(tmp_path / "same", 49152, tokenizer_patch=False)
     result = train(config(synthetic, tmp_path / "e", model=str(tmp_path / "same"), max_steps=2, logging_steps=1))
     assert [h["step"] for h in result.history] == [1, 2]
+
+
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX imports torch when installed (it is, in the test environment): ~180 MiB of a
+    training process's memory for nothing. rmflow's writer keeps it out."""
+    import textwrap
+
+    script = textwrap.dedent(f'''
+        import sys
+        import importlib.util
+        assert importlib.util.find_spec("torch") is not None, "the test needs torch installed"
+        from trainer.tensorboard import summary_writer
+        w = summary_writer({str(tmp_path)!r})
+        w.add_scalar("loss", 1.0, 1)
+        w.close()
+        assert "torch" not in sys.modules
+        print("OK")
+    ''')
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-2000:]
+    assert os.listdir(tmp_path)

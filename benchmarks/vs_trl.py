@@ -1,0 +1,280 @@
+"""rmflow against TRL's RewardTrainer on the same workload, back to back in one run.
+
+The same real HH-RLHF pairs (../shared/data), tokenized once by `rmflow preprocess` with the
+SmolLM2 tokenizer and fed to both as the same token ids, in the same batches (TRL reads the
+pairs in the order of rmflow's seeded loader; rmflow's `bucket` mode regroups them); the same tiny Llama built once with
+transformers and saved (both load it, score head included); the same max_length, pairs per
+step, learning-rate schedule (linear warmup, linear decay to 0), AdamW settings, gradient
+clipping, centering coefficient and number of steps. Each trainer runs in a process of its
+own (so peak memory is its own) and rmflow runs once per packing mode.
+
+Printed for each: real tokens/s (tokens of the chosen and rejected sequences, prompt counted
+in both, as TRL counts them; steady state: steps that compiled nothing, after the first
+`--skip` steps), compilations and their seconds, padding fraction of the computed batches,
+peak resident memory, wall time, the mean training loss over the last 10 steps, and
+accuracy on the same held-out pairs; then the ratios rmflow / TRL.
+
+    .venv/bin/python benchmarks/vs_trl.py [--steps 40] [--batch-size 8] [--max-length 512] [--repeat 1]
+
+Needs the `bench` extra (`pip install -e '.[bench]'`: trl, torch CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+DATA = REPO.parent / "shared" / "data"
+TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"
+MODES = ("none", "bucket", "pack")
+TINY = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096)
+
+
+def records(shards: pathlib.Path, split: str):
+    import grain
+
+    from schemas.record import decode
+
+    paths = sorted(str(p) for p in shards.glob(f"{split}-*.array_record"))
+    source = grain.sources.ArrayRecordDataSource(paths)
+    return [decode(source[i]) for i in range(len(source))]
+
+
+def rmflow_order(num_records: int, count: int) -> list[int]:
+    """The record order of rmflow's loader (seed 0, one process) for packing none and pack."""
+    import grain
+
+    sampler = grain.samplers.IndexSampler(num_records=num_records, shard_options=grain.sharding.NoSharding(),
+                                          shuffle=True, num_epochs=None, seed=0)
+    return [sampler[i].record_key for i in range(count)]
+
+
+def prepare(work: pathlib.Path, max_length: int) -> dict:
+    """Shards (rmflow preprocess) and the initial model (transformers), made once."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from pipelines.preprocess import run as preprocess
+    from schemas.config import PreprocessConfig
+
+    shards = work / "shards"
+    preprocess(PreprocessConfig(inputs=(str(DATA / "hh_helpful_base_test_first2000.jsonl.gz"),
+                                        str(DATA / "hh_helpful_rejection_sampled_test.jsonl.gz")),
+                                output=str(shards), tokenizer=str(TOKENIZER), max_length=max_length))
+    manifest = json.loads((shards / "manifest.json").read_text())
+    tok = manifest["tokenizer"]
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tok["vocab_size"], num_labels=1, pad_token_id=tok["pad_token_id"],
+                         eos_token_id=tok["eos_token_id"], tie_word_embeddings=False, **TINY)
+    model = LlamaForSequenceClassification(config)
+    model.save_pretrained(work / "model")
+    for f in (shards / "tokenizer").iterdir():  # the model folder carries the shards' tokenizer
+        (work / "model" / f.name).write_bytes(f.read_bytes())
+    return {"shards": str(shards), "model": str(work / "model")}
+
+
+# --------------------------------------------------------------------------- children
+
+
+def child_trl(args: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    shards = pathlib.Path(args["shards"])
+    train = records(shards, "train")
+    order = rmflow_order(len(train), args["steps"] * args["batch"])  # the pairs in rmflow's order, read in sequence
+    ds = Dataset.from_dict({"chosen_ids": [train[i].chosen_ids.tolist() for i in order],
+                            "rejected_ids": [train[i].rejected_ids.tolist() for i in order]})
+    tokenizer = AutoTokenizer.from_pretrained(args["model"])
+    model = AutoModelForSequenceClassification.from_pretrained(args["model"], dtype=torch.float32)
+    steps: list[dict] = []
+
+    class Collator(DataCollatorForPreference):  # records each batch's real and padded token counts
+        def torch_call(self, examples):
+            out = super().torch_call(examples)
+            steps.append({"real": int(out["attention_mask"].sum()), "slots": int(out["attention_mask"].numel())})
+            return out
+
+    class Clock(TrainerCallback):  # wall time from one step's end to the next's, data loading included
+        def on_train_begin(self, a, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            now = time.perf_counter()
+            steps[state.global_step - 1]["seconds"], self.t = now - self.t, now
+
+    losses: list[float] = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    class SameOrder(RewardTrainer):  # batches in the dataset's order: rmflow's batches, pair for pair
+        def _get_train_sampler(self, *a, **kw):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    cfg = RewardConfig(output_dir=args["work"] + "/trl", max_steps=args["steps"], per_device_train_batch_size=args["batch"],
+                       learning_rate=args["lr"], lr_scheduler_type="linear", warmup_steps=args["warmup"],
+                       weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                       center_rewards_coefficient=args["center"], max_length=args["max_length"], logging_steps=1,
+                       save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
+                       disable_tqdm=True, bf16=False, fp16=False)
+    trainer = SameOrder(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer,
+                            data_collator=Collator(pad_token_id=tokenizer.pad_token_id), callbacks=[Clock(), Losses()])
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    model.eval()
+    correct = 0
+    evals = records(shards, "eval")
+    with torch.no_grad():
+        for r in evals:
+            rc = model(input_ids=torch.tensor([r.chosen_ids.tolist()])).logits[0, 0]
+            rr = model(input_ids=torch.tensor([r.rejected_ids.tolist()])).logits[0, 0]
+            correct += bool(rc > rr)
+    return {"steps": steps[: args["steps"]], "compiles": [], "wall": wall, "losses": losses,
+            "eval_accuracy": correct / len(evals), "eval_pairs": len(evals)}
+
+
+def child_rmflow(args: dict) -> dict:
+    import jax
+
+    from schemas.config import TrainConfig
+    from trainer.train import run
+
+    compiles: list[tuple[float, float]] = []  # (when, seconds)
+
+    def on_event(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((time.perf_counter(), duration))
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    marks = [time.perf_counter()]
+    history: list[dict] = []
+
+    def on_log(rec):
+        marks.append(time.perf_counter())
+        history.append(rec)
+
+    cfg = TrainConfig(data=args["shards"], model=args["model"], output=args["work"] + f"/rm-{args['mode']}",
+                      max_steps=args["steps"], batch_size=args["batch"], learning_rate=args["lr"],
+                      warmup_steps=args["warmup"], lr_schedule="linear", max_grad_norm=1.0,
+                      center_rewards_coefficient=args["center"], logging_steps=1, seed=0, packing=args["mode"])
+    start = time.perf_counter()
+    result = run(cfg, on_log=on_log)
+    wall = time.perf_counter() - start
+    steps = []
+    for i, rec in enumerate(history):
+        t0, t1 = marks[i], marks[i + 1]
+        n_compiles = sum(1 for when, _ in compiles if t0 <= when <= t1)
+        seconds = t1 - t0  # wall time from one step's log to the next's, data loading included
+        steps.append({"real": rec["real_tokens"], "padding": rec["padding_fraction"], "seconds": seconds, "compiles": n_compiles,
+                      "computed_fraction": rec.get("computed_fraction", 1.0)})
+    final = result.history[-1]
+    return {"steps": steps, "compiles": [d for _, d in compiles], "wall": wall,
+            "losses": [h["loss"] for h in history], "eval_accuracy": final["eval_accuracy"],
+            "eval_pairs": final["eval_pairs"]}
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def summarize(name: str, out: dict, skip: int) -> dict:
+    steps = out["steps"]
+    steady = [s for i, s in enumerate(steps) if i >= skip and not s.get("compiles")]
+    # The last step also evaluates (rmflow) or may hold end-of-training work: left out of the steady state.
+    steady = steady[:-1] if len(steady) > 1 else steady
+    real = sum(s["real"] for s in steady)
+    seconds = sum(s["seconds"] for s in steady)
+    if "slots" in steps[0]:
+        padding = 1 - sum(s["real"] for s in steps) / sum(s["slots"] for s in steps)
+    else:
+        padding = statistics.fmean(s["padding"] for s in steps)
+    return {"name": name, "tokens_per_s": real / seconds if seconds else float("nan"), "steady_steps": len(steady),
+            "padding": padding, "peak_mib": out["peak_mib"], "wall": out["wall"], "compiles": len(out["compiles"]),
+            "compile_s": sum(out["compiles"]), "loss": statistics.fmean(out["losses"][-10:]),
+            "eval_accuracy": out["eval_accuracy"], "eval_pairs": out["eval_pairs"], "losses": out["losses"],
+            "computed": statistics.fmean(s.get("computed_fraction", 1.0) for s in steps)}
+
+
+def launch(kind: str, args: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(args)], capture_output=True,
+                          text=True, env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    if proc.returncode:
+        raise SystemExit(f"{kind} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--learning-rate", type=float, default=1e-4)
+    ap.add_argument("--center", type=float, default=0.01)
+    ap.add_argument("--skip", type=int, default=3, help="first steps left out of the steady state")
+    ap.add_argument("--modes", default=",".join(MODES), help="rmflow packing modes to run")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        kind, args = a.child[0], json.loads(a.child[1])
+        out = child_trl(args) if kind == "trl" else child_rmflow(args)
+        out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(out))
+        return
+    import logging
+
+    logging.getLogger("apache_beam").setLevel(logging.ERROR)
+    modes = [m for m in a.modes.split(",") if m]
+    with tempfile.TemporaryDirectory() as tmp:
+        made = prepare(pathlib.Path(tmp), a.max_length)
+        base = {**made, "work": tmp, "steps": a.steps, "batch": a.batch_size, "lr": a.learning_rate,
+                "warmup": max(a.steps // 10, 1), "center": a.center, "max_length": a.max_length}
+        runs: dict[str, list[dict]] = {}
+        for rep in range(a.repeat):
+            for kind in ["trl", *modes]:
+                name = "TRL RewardTrainer" if kind == "trl" else f"rmflow packing={kind}"
+                out = launch("trl" if kind == "trl" else "rmflow", {**base, "mode": kind, "work": f"{tmp}/r{rep}"})
+                runs.setdefault(name, []).append(summarize(name, out, a.skip))
+                print(f"  repeat {rep + 1}: {name}: {runs[name][-1]['tokens_per_s']:,.0f} real tokens/s", flush=True)
+    print(f"\n{a.steps} steps of {a.batch_size} pairs, max_length {a.max_length}, tiny Llama (hidden 256, 4 layers), "
+          f"float32, CPU ({os.cpu_count()} cores); median of {a.repeat} run(s), spread = min..max")
+    ref = {k: statistics.median(r[k] for r in runs["TRL RewardTrainer"]) for k in ("tokens_per_s", "peak_mib")}
+    head = ("run", "real tok/s", "spread", "vs TRL", "padding", "computed/real", "peak MiB", "vs TRL", "compiles",
+            "compile s", "wall s", "loss (last 10)", "eval acc")
+    print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+    for name, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("name", "losses")}
+        lo, hi = min(r["tokens_per_s"] for r in rs), max(r["tokens_per_s"] for r in rs)
+        print(f"| {name} | {med['tokens_per_s']:,.0f} | {lo:,.0f}..{hi:,.0f} | {med['tokens_per_s'] / ref['tokens_per_s']:.2f}x "
+              f"| {med['padding']:.3f} | {med['computed']:.2f} | {med['peak_mib']:,.0f} "
+              f"| {med['peak_mib'] / ref['peak_mib']:.2f}x | {med['compiles']:.0f} | {med['compile_s']:.1f} "
+              f"| {med['wall']:.0f} | {med['loss']:.4f} | {med['eval_accuracy']:.3f} ({rs[0]['eval_pairs']}) |")
+    trl_losses = runs["TRL RewardTrainer"][0]["losses"]
+    for name, rs in runs.items():
+        if name.endswith(("none", "pack")):  # the same batches as TRL, step for step
+            gap = max(abs(a - b) for a, b in zip(rs[0]["losses"], trl_losses))
+            print(f"{name}: largest per-step training-loss difference from TRL on the same batches: {gap:.2e}"
+                  f" (first steps: rmflow {[round(x, 5) for x in rs[0]['losses'][:4]]}, TRL {trl_losses[:4]})")
+
+
+if __name__ == "__main__":
+    main()
