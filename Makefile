@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export JAX_PLATFORMS ?= cpu
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench bench-trl clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/preprocess.py
+
+bench-trl: install
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python benchmarks/vs_trl.py --repeat 3
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache

@@ -4,7 +4,7 @@ Prints real (non-pad) tokens/s, the padding fraction, the Grain loader alone (ba
 against the train step time, peak memory, and the final eval accuracy beside the length-only
 baseline ("the longer reply wins") on the same eval pairs.
 
-    .venv/bin/python benchmarks/train.py [--steps 30] [--batch-size 8] [--max-length 1024]
+    .venv/bin/python benchmarks/train.py [--steps 30] [--batch-size 8] [--max-length 1024] [--packing pack]
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def length_baseline(shards: pathlib.Path) -> tuple[float, int]:
     return wins / len(source), len(source)
 
 
-def loader_alone(shards: pathlib.Path, batch_size: int, max_length: int, n: int) -> float:
+def loader_alone(shards: pathlib.Path, batch_size: int, max_length: int, n: int, packing: str) -> float:
     paths = sorted(str(p) for p in shards.glob("train-*.array_record"))
-    it = iter(make_loader(paths, batch_size=batch_size, max_length=max_length, seed=0, num_epochs=None))
+    it = iter(make_loader(paths, batch_size=batch_size, max_length=max_length, seed=0, num_epochs=None,
+                          packing=packing))
     next(it)
     start = time.perf_counter()
     for _ in range(n):
@@ -63,12 +64,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--packing", default="pack", choices=("none", "bucket", "pack"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         shards = pathlib.Path(tmp) / "shards"
         preprocess(PreprocessConfig(inputs=(str(DATA / "hh_*.jsonl.gz"),), output=str(shards), tokenizer=str(TOKENIZER),
                                     max_length=args.max_length))
-        loader_bps = loader_alone(shards, args.batch_size, args.max_length, 200)
+        loader_bps = loader_alone(shards, args.batch_size, args.max_length, 200, args.packing)
         step_times: list[float] = []
         last = [time.perf_counter()]
 
@@ -79,18 +81,22 @@ def main() -> None:
 
         cfg = TrainConfig(data=str(shards), model="tiny", output=str(pathlib.Path(tmp) / "run"),
                           max_steps=args.steps, batch_size=args.batch_size, learning_rate=3e-4,
-                          warmup_steps=max(args.steps // 10, 1), logging_steps=1, seed=0)
+                          warmup_steps=max(args.steps // 10, 1), logging_steps=1, seed=0, packing=args.packing)
         start = time.perf_counter()
         result = train(cfg, on_log=on_log)
         wall = time.perf_counter() - start
         baseline, n_eval = length_baseline(shards)
     hist = result.history
     steady = hist[len(hist) // 2:-1] or hist  # past the first compilations, before the final eval
-    step_s = float(np.median(step_times[len(step_times) // 2:-1] or step_times))
+    # steady state: past the first compilations, before the final eval; steps that compiled a new
+    # shape (several times the median) are left out
+    tail = step_times[len(step_times) // 2:-1] or step_times
+    step_s = float(np.median(tail))
     final = hist[-1]
     peak_host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     stats = jax.devices()[0].memory_stats() or {}
-    print(f"\ntiny preset, {args.steps} steps of {args.batch_size} pairs, max_length {args.max_length}, "
+    print(f"\ntiny preset, packing={args.packing}, {args.steps} steps of {args.batch_size} pairs, "
+          f"max_length {args.max_length}, "
           f"device {jax.devices()[0].device_kind}, {wall:.0f} s in all")
     print(f"real tokens/s (steady state, median)  {np.median([h['tokens_per_second'] for h in steady]):,.0f}")
     print(f"padding fraction                      {np.mean([h['padding_fraction'] for h in hist]):.3f}")

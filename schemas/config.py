@@ -128,7 +128,7 @@ def _check_int(value: Any, name: str, minimum: int) -> None:
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
-PACKING = ("none", "bucket", "pack")
+PACKING = ("auto", "none", "bucket", "pack")
 ATTENTION = ("auto", "xla", "blockwise", "cudnn")
 
 
@@ -159,10 +159,11 @@ class TrainConfig(_Serializable):
     max_length: int = _opt(0, "Longest sequence; 0 = the shards' max_length.")
     dtype: str = _opt("float32", "Compute dtype: float32 or bfloat16 (parameters and loss stay float32).")
     gradient_checkpointing: bool = _opt(False, "Recompute each layer's activations in the backward pass.")
-    packing: str = _opt("pack", "How pairs become rows: pack (each pair's prompt once and both replies, packed into "
+    packing: str = _opt("auto", "How pairs become rows: pack (each pair's prompt once and both replies, packed into "
                                 "one row per device, no padding between pairs), bucket (one sequence a row, pairs "
-                                "of similar length batched together) or none (one sequence a row, shuffled, padded "
-                                "to a power of two).")
+                                "of similar length batched together), none (one sequence a row, shuffled, padded "
+                                "to a power of two), or auto: pack on CPU, bucket on GPU and TPU (where the fused "
+                                "attention kernels need one sequence a row).")
     attention: str = _opt("auto", "Attention implementation: auto (blockwise on CPU and TPU, cudnn on GPU in "
                                   "bfloat16), xla (dense reference), blockwise (memory-efficient, pure JAX) or "
                                   "cudnn (fused flash attention, NVIDIA GPUs, bfloat16).")

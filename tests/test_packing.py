@@ -17,8 +17,8 @@ import optax
 import pytest
 from flax import nnx
 
-from pipelines.io import write_array_record_shard
 from schemas.record import PairRecord, encode
+from tests.layouts import packed_layout
 from tests.test_model_parity import ARCHS, build_hf
 from trainer.data import Collate, PackCollate, fine_length, make_loader
 from trainer.data.packing import assign_rows, pack_unit
@@ -28,21 +28,6 @@ from trainer.modeling.convert import load_reward_model
 from trainer.step import DEVICE_KEYS, clip_scale, pair_rewards
 
 VOCAB = 97
-
-
-def packed_layout(rng, b, t):
-    """Random rows of units: a prompt, then two branches with positions continuing from it."""
-    seg, pos, br = (np.zeros((b, t), np.int32) for _ in range(3))
-    for row in range(b):
-        start, s = 0, 1
-        while start < t - 20:
-            p, c, r = (int(x) for x in rng.integers(1, 40, 3))
-            n = min(p + c + r, t - start)
-            seg[row, start : start + n] = s
-            pos[row, start : start + n] = np.r_[np.arange(p), p + np.arange(c), p + np.arange(r)][:n]
-            br[row, start : start + n] = np.r_[np.zeros(p), np.ones(c), np.full(r, 2)][:n]
-            start, s = start + n, s + 1
-    return seg, pos, br
 
 
 @pytest.mark.parametrize("window", [None, 17])
@@ -63,7 +48,8 @@ def test_blockwise_attention_equals_reference(window, t, block):
         (_, o), g = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, *kv)
         return o, g
 
-    (o_ref, g_ref), (o, g) = run("xla"), run("blockwise")
+    with jax.default_matmul_precision("highest"):  # float32 products on every backend (GPUs default to TF32)
+        (o_ref, g_ref), (o, g) = run("xla"), run("blockwise")
     np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
     for a, r in zip(g, g_ref):  # gradients reach ~30 here: float32 rounding needs the relative term
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
@@ -187,6 +173,8 @@ def test_clip_scale_equals_optax_clipping():
 
 @pytest.fixture()
 def shards(tmp_path):
+    from pipelines.io import write_array_record_shard
+
     rng = np.random.default_rng(3)
     paths = []
     for s in range(2):
@@ -275,3 +263,43 @@ def _steps_compile_once_per_shape(compiles, trainer, records, stack_micro_batche
         shape = batch["input_ids"].shape
         assert (len(compiles) > before) == (shape not in seen), f"shape {shape}"
         seen.add(shape)
+
+
+def test_auto_packing_and_attention_resolve_by_backend():
+    from schemas.config import ConfigError, TrainConfig
+    from trainer.data import resolve_packing
+    from trainer.modeling.attention import resolve_attention
+
+    assert [resolve_packing("auto", b) for b in ("cpu", "gpu", "tpu")] == ["pack", "bucket", "bucket"]
+    assert resolve_packing("none", "gpu") == "none"
+    assert resolve_attention("auto", jnp.float32, "cpu") == "blockwise"
+    assert resolve_attention("auto", jnp.bfloat16, "gpu") == "cudnn"
+    assert resolve_attention("auto", jnp.float32, "gpu") == "blockwise"  # cuDNN takes 16-bit types only
+    with pytest.raises(ConfigError, match="packing 'tight'"):
+        TrainConfig(data="d", model="m", output="o", packing="tight")
+    with pytest.raises(ConfigError, match="attention 'flash'"):
+        TrainConfig(data="d", model="m", output="o", attention="flash")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU (CI has none); "
+                    "measured on an H100 with benchmarks/device.py, see the README")
+def test_cudnn_attention_equals_reference_on_gpu():
+    rng = np.random.default_rng(0)
+    b, t, n, k, d = 2, 1024, 8, 2, 64
+    seg, pos, br = packed_layout(rng, b, t, (16, 200))
+    real = seg[:, :, None, None] > 0
+    q, kk, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.bfloat16) for h in (n, k, k))
+
+    def run(impl):
+        def f(q, k, v):
+            o = attention(q, k, v, seg, pos, br, implementation=impl)
+            return jnp.where(real, o, 0).astype(jnp.float32).sum(), o
+        return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, kk, v)
+
+    (_, o), g = run("cudnn")
+    (_, o_ref), g_ref = run("xla")
+    np.testing.assert_allclose(np.where(real, o, 0).astype(np.float32), np.where(real, o_ref, 0).astype(np.float32),
+                               atol=3e-2)
+    for a, r in zip(g, g_ref):  # bfloat16: compare relative to the gradient's scale
+        r = np.asarray(r, np.float32)
+        assert np.abs(np.asarray(a, np.float32) - r).max() <= 2e-2 * np.abs(r).max()

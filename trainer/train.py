@@ -34,7 +34,7 @@ from schemas.manifest import (
     ManifestError,
     sha256_files,
 )
-from trainer.data import make_loader
+from trainer.data import make_loader, resolve_packing
 from trainer.loss import SUM_KEYS, finalize
 from trainer.memory import release_free_memory
 from trainer.modeling.config import ModelConfig
@@ -175,6 +175,7 @@ class Run:
             raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {len(devices)} devices")
         self.mesh = Mesh(np.array(devices), ("data",))
         self.rows = len(devices)  # packed rows per micro-batch: one per device
+        self.packing = resolve_packing(cfg.packing, jax.default_backend())
         self.total_steps = plan_steps(cfg, self.manifest.splits["train"].pairs)
         model = build_model(cfg, self.manifest)
         self.pad_id = self.manifest.tokenizer.pad_token_id or 0
@@ -184,7 +185,7 @@ class Run:
     def loader(self, paths, *, train: bool):
         return make_loader(paths, batch_size=self.cfg.batch_size, max_length=self.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.loader_workers,
-                           pad_id=self.pad_id, packing=self.cfg.packing, rows=self.rows)
+                           pad_id=self.pad_id, packing=self.packing, rows=self.rows)
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         return jax.device_put(stack_micro_batches(micro), NamedSharding(self.mesh, P(None, "data")))

@@ -68,11 +68,11 @@ def dense_mask(segment_ids, positions, branch_ids, window: int | None) -> jax.Ar
 
 
 def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: str, window: int | None = None,
-              mask: jax.Array | None = None, block: int = BLOCK) -> jax.Array:
+              mask: jax.Array | None = None, block: int | None = None) -> jax.Array:
     """q (B, T, N, D), k/v (B, T, K, D) with N a multiple of K -> (B, T, N, D)."""
     scale = q.shape[-1] ** -0.5
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids, positions, branch_ids, window=window, block=block)
+        return blockwise_attention(q, k, v, segment_ids, positions, branch_ids, window=window, block=block or BLOCK)
     if mask is None:
         mask = dense_mask(segment_ids, positions, branch_ids, window)
     if implementation == "cudnn":
