@@ -20,6 +20,8 @@ from typing import Any
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
+GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet",)
 _COPY_CHUNK = 8 << 20
@@ -69,6 +71,8 @@ def iter_records(path: str) -> Iterator[tuple[int, str, str | None]]:
         return
     with _open_text_source(path) as f:
         line = f.readline()
+        if line.startswith(UTF8_BOM):  # files saved on Windows or from spreadsheets: valid data
+            line = line[len(UTF8_BOM):]
         if line.lstrip()[:1] == b"[" and not _is_jsonl(path):
             yield from _iter_json_array(line + f.read())
             return
@@ -86,14 +90,21 @@ def iter_records(path: str) -> Iterator[tuple[int, str, str | None]]:
 
 @contextlib.contextmanager
 def _open_text_source(path: str):
-    """Open a data file, gunzipping ``.gz`` with Python's gzip module: unlike Beam's
-    CompressedFile it raises on a truncated stream instead of ending early and quietly."""
+    """Open a data file, gunzipping it when it starts with gzip's magic bytes, whatever its
+    name, with Python's gzip module: unlike Beam's CompressedFile it raises on a truncated
+    stream instead of ending early and quietly."""
     with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
-        if path.lower().endswith(".gz"):
-            with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
+        head = raw.read(len(GZIP_MAGIC))
+        try:
+            raw.seek(0)
+            source = raw
+        except (OSError, AttributeError, NotImplementedError):  # a stream that cannot seek
+            source = io.BytesIO(head + raw.read())
+        if head == GZIP_MAGIC:
+            with gzip.GzipFile(fileobj=source, mode="rb") as unzipped:
                 yield unzipped
         else:
-            yield raw
+            yield source
 
 
 def _iter_json_array(data: bytes) -> Iterator[tuple[int, str, str | None]]:

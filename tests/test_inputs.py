@@ -95,3 +95,24 @@ def test_truncate_prompt_policy_end_to_end(tmp_path, tokenizer_dir, hf_tokenizer
     assert [e["code"] for e in errors] == ["replies_too_long"]
     assert result.stats["counters"]["prompt_truncated"] == 1
     assert result.stats["counters"]["not_written_too_long"] == 1
+
+
+def test_byte_order_mark_and_gzip_by_magic_bytes(tmp_path):
+    """A UTF-8 BOM (files saved on Windows or from spreadsheets) is valid data, not bad JSON;
+    gzip is recognised by its magic bytes, whatever the file is called."""
+    import gzip
+
+    from pipelines.io import iter_records
+
+    rows = [{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "c", "rejected": "d"}]
+    text = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
+    bom = tmp_path / "excel.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + text)
+    array = tmp_path / "excel.json"
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode("utf-8"))
+    hidden_gzip = tmp_path / "export.jsonl"  # gzipped, named as plain JSON Lines
+    hidden_gzip.write_bytes(gzip.compress(b"\xef\xbb\xbf" + text))
+    for path in (bom, array, hidden_gzip):
+        got = list(iter_records(str(path)))
+        assert [problem for _, _, problem in got] == [None, None], path.name
+        assert [json.loads(raw) for _, raw, _ in got] == rows, path.name
