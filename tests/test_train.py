@@ -20,7 +20,7 @@ from pipelines.io import write_array_record_shard
 from pipelines.preprocess import run as preprocess
 from schemas.config import PreprocessConfig, TrainConfig
 from schemas.record import decode, encode
-from trainer.train import TrainError
+from trainer.train import METRICS_FILE, TrainError
 from trainer.train import run as train
 
 GOOD = 1000  # the token that makes a reply preferred
@@ -95,8 +95,11 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(synthetic, tmp_path):
 
 def test_existing_run_needs_resume(synthetic, tmp_path):
     train(config(synthetic, tmp_path / "r", max_steps=2, logging_steps=1))
-    with pytest.raises(TrainError, match="--resume"):
-        train(config(synthetic, tmp_path / "r", max_steps=2, logging_steps=1))
+    before = {f: (tmp_path / "r" / f).read_bytes() for f in ("config.json", "model_config.json", METRICS_FILE)}
+    with pytest.raises(TrainError, match="--resume"):  # a different config, refused
+        train(config(synthetic, tmp_path / "r", max_steps=3, logging_steps=1, learning_rate=0.5))
+    # nothing of the existing run was touched before the refusal (it can still be exported)
+    assert {f: (tmp_path / "r" / f).read_bytes() for f in before} == before
 
 
 def test_nan_loss_stops_with_the_step_and_saves_nothing_corrupt(synthetic, tmp_path):

@@ -128,6 +128,13 @@ def checkpoint_manager(run_dir: str, keep: int = 1):
     )
 
 
+def existing_checkpoint(run_dir: str) -> int | None:
+    """The newest checkpoint step of a run directory, or None; creates nothing."""
+    if not os.path.isdir(os.path.join(run_dir, CHECKPOINTS)):
+        return None
+    return checkpoint_manager(run_dir).latest_step()
+
+
 def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardModel, TrainConfig, int]:
     """The reward model of a run directory, with the parameters of its newest (or given) checkpoint."""
     import orbax.checkpoint as ocp
@@ -207,6 +214,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     import orbax.checkpoint as ocp
 
     r = Run(cfg)
+    # Every check before anything is written: a refused run leaves the existing one intact.
+    latest = existing_checkpoint(cfg.output)
+    if latest is not None and not resume:
+        raise TrainError(f"{cfg.output} already has checkpoints (step {latest}): pass --resume to continue "
+                         "or choose another --output")
     os.makedirs(cfg.output, exist_ok=True)
     with open(os.path.join(cfg.output, "config.json"), "w") as f:
         f.write(cfg.to_json())
@@ -220,10 +232,6 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     manager = checkpoint_manager(cfg.output, keep=cfg.save_total_limit)
     history = []
     metrics_path = os.path.join(cfg.output, METRICS_FILE)
-    latest = manager.latest_step()
-    if latest is not None and not resume:
-        raise TrainError(f"{cfg.output} already has checkpoints (step {latest}): pass --resume to continue "
-                         "or choose another --output")
     if resume and latest is not None:
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated) for x in jax.tree.leaves(state)]
         restored = manager.restore(latest, args=ocp.args.Composite(
@@ -256,7 +264,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
                 raise TrainError(
                     f"loss is {loss} at step {step}: training diverged. Nothing from this step was saved; the "
                     f"newest checkpoint is step {manager.latest_step()}. Lower learning_rate or max_grad_norm.")
-            window.add(m, micro)
+            window.add(m, micro, slots=batch["input_ids"].size)
             record = None
             saving = (cfg.save_steps and step % cfg.save_steps == 0) or step == r.total_steps
             if step % cfg.logging_steps == 0 or saving:  # windows end at saves: resumed runs log alike
@@ -293,7 +301,9 @@ class _Window:
         self.real = self.computed = self.total = 0
         self.lr = 0.0
 
-    def add(self, m: dict[str, Any], micro: list[dict[str, np.ndarray]]):
+    def add(self, m: dict[str, Any], micro: list[dict[str, np.ndarray]], slots: int):
+        """``slots``: token slots of the step's batch as the device got it (micro-batches padded
+        to one length when accumulating)."""
         for k in SUM_KEYS:
             self.sums[k] += float(m[k])
         self.grad_norm += float(m["grad_norm"])
@@ -301,7 +311,7 @@ class _Window:
         self.steps += 1
         self.real += sum(int(b["real_tokens"]) for b in micro)
         self.computed += sum(int(b["computed_tokens"]) for b in micro)
-        self.total += sum(b["input_ids"].size for b in micro)
+        self.total += slots
 
     def finish(self) -> dict[str, Any]:
         seconds = time.perf_counter() - self.start
