@@ -303,3 +303,15 @@ def test_cudnn_attention_equals_reference_on_gpu():
     for a, r in zip(g, g_ref):  # bfloat16: compare relative to the gradient's scale
         r = np.asarray(r, np.float32)
         assert np.abs(np.asarray(a, np.float32) - r).max() <= 2e-2 * np.abs(r).max()
+
+
+def test_xla_flags_respect_the_user():
+    from trainer.backend import configure_xla
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    added = configure_xla(env)
+    assert all(f.split("=")[0] in env["XLA_FLAGS"] for f in added)
+    assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=8")
+    assert configure_xla(env) == []  # never twice, never over the user's own setting
+    untouched = {"XLA_FLAGS": "--x", "RMFLOW_XLA_DEFAULTS": "1"}
+    assert configure_xla(untouched) == [] and untouched["XLA_FLAGS"] == "--x"

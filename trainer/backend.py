@@ -1,14 +1,16 @@
 """XLA settings rmflow applies itself, before JAX starts its backend.
 
-Measured on a 2-core CPU (benchmarks/vs_trl.py, tiny Llama, packed batches of about 2,300
-tokens): turning off XLA:CPU's experimental YNNPACK fusions makes a train step about 7%
-faster (0.61 s against 0.66 s, two runs each), removes a slow first execution, and lowers the
-step's temporary buffer (394 against 424 MiB). Tried and not adopted, because they did not
-help here: ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` (temporaries +20%, speed
-unchanged), ``--xla_cpu_parallel_codegen_split_count``, ``MALLOC_ARENA_MAX``.
+Measured on the 2-core development CPU with ``benchmarks/profile_step.py --repeat 9`` (tiny
+preset, one packed batch of 8 HH-RLHF pairs, 3,328 tokens), three runs each: turning off
+XLA:CPU's experimental YNNPACK fusions makes the train step 8% faster (median 608 ms, 601-618,
+against 665 ms, 658-669, with ``RMFLOW_XLA_DEFAULTS=1``) and lowers its temporaries (395
+against 424 MiB). Tried the same way and not adopted:
+``--xla_cpu_enable_concurrency_optimized_scheduler=false`` (temporaries 447 MiB, +13%; time
+604 ms, within noise) and ``--xla_cpu_use_fusion_emitters=false`` (681 ms, 12% slower).
 
 XLA aborts the process on a flag it does not know, so a flag is only added for the jaxlib
-versions it was verified on, and never when the user's XLA_FLAGS already sets it.
+versions it was verified on, never when the user's XLA_FLAGS already sets it, and not at all
+with RMFLOW_XLA_DEFAULTS=1 in the environment.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ CPU_FLAGS = {"--xla_cpu_experimental_ynn_fusion_type": ("", ("0.10.",))}
 def configure_xla(environ=os.environ) -> list[str]:
     """Add rmflow's XLA flags to XLA_FLAGS; returns the flags added. A flag for one backend is
     ignored by the others. Takes effect only if JAX's backend has not started yet."""
+    if environ.get("RMFLOW_XLA_DEFAULTS"):  # keep XLA's own defaults (to compare, or to debug)
+        return []
     try:
         from importlib.metadata import version
 
