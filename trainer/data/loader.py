@@ -40,7 +40,7 @@ class DecodePair(grain.transforms.Map):
 def resolve_packing(packing: str, backend: str) -> str:
     """``auto`` -> ``pack`` on CPU, ``bucket`` on accelerators. Measured (README, Benchmarks): on
     CPU packing with the blockwise attention trains 3x faster than TRL; on an H100, batches of
-    similar lengths with cuDNN's fused attention train 3.4x faster than packed rows with the
+    similar lengths with cuDNN's fused attention train 3.3x faster than packed rows with the
     pure-JAX blockwise kernel, whose loops XLA runs as many small kernels."""
     if packing not in PACKING:
         raise ValueError(f"packing {packing!r}: use one of {PACKING}")
