@@ -31,7 +31,7 @@ MIN_BUCKET = 16
 
 def bucket_length(longest: int, max_length: int) -> int:
     """The power of two (from 16) that holds ``longest``, capped at max_length."""
-    _check_fits(longest, max_length)
+    check_fits(longest, max_length)
     length = MIN_BUCKET
     while length < longest:
         length *= 2
@@ -47,7 +47,7 @@ def fine_length(longest: int) -> int:
     return -(-longest // step) * step
 
 
-def _check_fits(longest: int, max_length: int) -> None:
+def check_fits(longest: int, max_length: int) -> None:
     if longest > max_length:
         raise ValueError(f"a record has {longest} tokens, more than max_length {max_length}: "
                          "preprocess with this max_length or raise it")
@@ -76,7 +76,7 @@ class Collate:
 
     def __call__(self, records: Sequence[PairRecord]) -> dict[str, np.ndarray]:
         longest = max(max(len(r.chosen_ids), len(r.rejected_ids)) for r in records)
-        _check_fits(longest, self.max_length)
+        check_fits(longest, self.max_length)
         if self.lengths == "pow2":
             length = bucket_length(longest, self.max_length)
         else:

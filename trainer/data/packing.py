@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from schemas.record import PairRecord
-from trainer.data.collate import _check_fits, fine_length, pair_arrays
+from trainer.data.collate import check_fits, fine_length, pair_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ class PackCollate:
 
     def __call__(self, records: Sequence[PairRecord]) -> dict[str, np.ndarray]:
         for r in records:
-            _check_fits(max(len(r.chosen_ids), len(r.rejected_ids)), self.max_length)
+            check_fits(max(len(r.chosen_ids), len(r.rejected_ids)), self.max_length)
         units = [pack_unit(r) for r in records]
         placement = assign_rows([len(u.ids) for u in units], self.rows)
         length = fine_length(max(sum(len(units[i].ids) for i in row) for row in placement))
