@@ -18,6 +18,7 @@ from schemas.config import FORMATS
 
 Message = tuple[str, str]  # (role, content)
 ROLES = ("system", "user", "assistant", "tool")
+MAX_SUBSET_CHARS = 1000  # a label, not text (the record codec holds at most 64 KiB)
 
 
 class BadRecord(Exception):
@@ -88,6 +89,8 @@ def parse_json_object(raw: str) -> dict[str, Any]:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
         raise BadRecord("bad_json", f"malformed JSON: {e}") from e
+    except RecursionError as e:  # thousands of nested brackets: no preference record looks like this
+        raise BadRecord("too_deeply_nested", "JSON nested deeper than the parser's recursion limit") from e
     if not isinstance(obj, dict):
         raise BadRecord("not_an_object", f"record is a JSON {type(obj).__name__}, not an object")
     return obj
@@ -353,6 +356,9 @@ def normalize(
     subset = record.get("subset")
     if subset is not None and not isinstance(subset, str):
         raise BadRecord("bad_type", f"field 'subset' must be str, got {type(subset).__name__}")
+    if subset is not None and len(subset) > MAX_SUBSET_CHARS:
+        raise BadRecord("bad_value", f"field 'subset' has {len(subset):,} characters; a subset name has at most "
+                        f"{MAX_SUBSET_CHARS:,}")
     if fmt == "tokenized":
         return _tokenized(record, source, line, margin, subset)
     prompt, chosen, rejected = _ADAPTERS[fmt](record)

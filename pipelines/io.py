@@ -20,6 +20,8 @@ from typing import Any
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
+from schemas.errors import RmflowError
+
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz")
@@ -27,7 +29,7 @@ PARQUET_SUFFIXES = (".parquet",)
 _COPY_CHUNK = 8 << 20
 
 
-class InputError(ValueError):
+class InputError(RmflowError, ValueError):
     """An input path or pattern cannot be read."""
 
 
@@ -110,8 +112,8 @@ def _open_text_source(path: str):
 def _iter_json_array(data: bytes) -> Iterator[tuple[int, str, str | None]]:
     try:
         items = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        yield 1, data.decode("utf-8", errors="replace"), f"unreadable JSON array file: {e}"
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        yield 1, data.decode("utf-8", errors="replace"), f"unreadable JSON array file: {type(e).__name__}: {e}"
         return
     for i, item in enumerate(items, 1):
         yield i, json.dumps(item, ensure_ascii=False), None

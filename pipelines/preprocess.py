@@ -12,8 +12,9 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import time
-import uuid
+import warnings
 from typing import Any
 
 import apache_beam as beam
@@ -21,6 +22,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from pipelines import io as rio
+from pipelines.staging import OWNER_FILE, clean_leftovers, new_staging
 from pipelines.tokenize import TokenizerAssets, load_tokenizer_assets, tokenizer_info
 from pipelines.transforms import (
     NAMESPACE,
@@ -37,6 +39,7 @@ from pipelines.transforms import (
     shared_pair_tokenizer,
 )
 from schemas.config import PreprocessConfig
+from schemas.errors import RmflowError, RmflowWarning
 from schemas.manifest import (
     COMPLETED_FILE,
     CONFIG_FILE,
@@ -55,7 +58,7 @@ BYTES_PER_SHARD = 256 << 20  # raw input bytes per train shard when --num-shards
 PERCENTILES = (50, 90, 95, 99)
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(RmflowError, RuntimeError):
     """The job cannot start or did not produce a usable output; the message says why."""
 
 
@@ -84,6 +87,8 @@ def plan_shards(cfg: PreprocessConfig, input_bytes: int) -> dict[str, int]:
 
 def make_plan(cfg: PreprocessConfig) -> Plan:
     out = cfg.output.rstrip("/")
+    if "://" not in out and os.path.isfile(out):
+        raise PreprocessError(f"--output {out} is a file; give a folder for the shards")
     if rio.exists(out) and not cfg.overwrite:
         raise PreprocessError(f"output {out} already exists: choose another --output or pass --overwrite")
     try:
@@ -91,8 +96,20 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
     except rio.InputError as e:
         raise PreprocessError(str(e)) from e
     assets = load_tokenizer_assets(cfg.tokenizer, cfg.chat_template)
-    return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)),
-                f"{out}.tmp-{uuid.uuid4().hex[:12]}")
+    report_leftovers(out)
+    return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), new_staging(out))
+
+
+def report_leftovers(output: str) -> None:
+    """Remove what interrupted runs of this output left behind; name what cannot be removed safely."""
+    removed, kept = clean_leftovers(output)
+    if removed:
+        warnings.warn(f"removed {len(removed)} staging folder(s) left by interrupted runs of {output}: "
+                      + ", ".join(removed), RmflowWarning, stacklevel=3)
+    if kept:
+        warnings.warn(f"{len(kept)} staging folder(s) of other runs of {output} exist: {', '.join(kept)}. Delete "
+                      "them once no job writes there (they may belong to a job still running)",
+                      RmflowWarning, stacklevel=3)
 
 
 # Ways to give remote workers the rmflow code; one is needed on any non-local runner.
@@ -155,6 +172,7 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan) -> None:
 def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None) -> PreprocessResult:
     """Run the whole stage; raises PreprocessError when it fails (nothing is published then)."""
     start = time.perf_counter()
+    cfg = cfg.with_absolute_paths()  # the config written with the shards names the same files from anywhere
     p = pipeline if pipeline is not None else make_pipeline(cfg)  # validates the runner options first
     plan = make_plan(cfg)
     core = shared_pair_tokenizer(plan.assets)  # kept referenced: in-process workers reuse it
@@ -191,7 +209,7 @@ def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None) -> Preproc
         rio.write_bytes(f"{plan.staging}/{TOKENIZER_DIR}/{name}", data)
     from apache_beam.io.filesystems import FileSystems
 
-    FileSystems.delete([f"{plan.staging}/{SUMMARY_FILE}"])
+    FileSystems.delete([f"{plan.staging}/{SUMMARY_FILE}", f"{plan.staging}/{OWNER_FILE}"])
     out = cfg.output.rstrip("/")
     if rio.exists(out):  # --overwrite was given (make_plan refused otherwise)
         rio.delete_tree(out)

@@ -18,13 +18,20 @@ from typing import Any
 import numpy as np
 
 from pipelines.formats import BadRecord, CanonicalPair, Message
+from schemas.errors import RmflowError
 from schemas.manifest import TOKENIZER_FILES, TokenizerInfo, sha256_files, sha256_text
 
 # transformers announces at import that PyTorch is absent: irrelevant here (tokenizers only).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-class TokenizerError(RuntimeError):
+def _looks_like_path(name: str) -> bool:
+    """A hub id is 'name' or 'namespace/name'; anything else is meant as a path."""
+    return "://" in name or os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 \
+        or os.sep != "/" and os.sep in name
+
+
+class TokenizerError(RmflowError, RuntimeError):
     """The tokenizer cannot be loaded or cannot do what the run needs."""
 
 
@@ -73,6 +80,9 @@ def load_tokenizer_assets(name_or_path: str, chat_template_file: str | None = No
         raise TokenizerError(
             f"{name_or_path} is not a tokenizer folder: it has no tokenizer.json or tokenizer_config.json"
         )
+    elif _looks_like_path(name_or_path):  # not a hub id: no point asking the Hub
+        raise TokenizerError(f"tokenizer folder {name_or_path} does not exist: pass a tokenizer folder "
+                             "(with tokenizer.json) or a Hugging Face Hub id such as HuggingFaceTB/SmolLM2-135M")
     else:
         try:
             from huggingface_hub import snapshot_download

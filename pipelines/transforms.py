@@ -28,6 +28,7 @@ from schemas.record import PairRecord, encode
 
 NAMESPACE = "rmflow"
 DEAD = "dead"
+INTERNAL_ERROR = "internal_error"
 FILES = "files"
 
 
@@ -45,6 +46,17 @@ def dead_letter(stage: str, source: str, line: int, raw: Any, err: BadRecord) ->
         "reason": err.message,
         "record": raw,
     }
+
+
+def as_bad_record(e: Exception) -> BadRecord:
+    """Whatever one record raised, as the reason it was not written: a ``BadRecord`` keeps its
+    code; anything unexpected (a bug here or in a library, a RecursionError on absurd nesting)
+    becomes ``internal_error`` with the exception's text, so one record never stops the job."""
+    if isinstance(e, BadRecord):
+        return e
+    text = str(e)
+    text = text if len(text) <= 500 else text[:500] + "..."
+    return BadRecord(INTERNAL_ERROR, f"unexpected error while processing this record: {type(e).__name__}: {text}")
 
 
 def _split_outputs(pcoll_tuple) -> dict[str, beam.PCollection]:
@@ -76,8 +88,8 @@ class ReadRecordsFn(beam.DoFn):
                 if fmt is None:  # parse here only until the file's layout is known
                     try:
                         fmt = detect_format(parse_json_object(raw))
-                    except BadRecord as e:
-                        yield TaggedOutput(DEAD, dead_letter("read", path, line, raw, e))
+                    except Exception as e:  # noqa: BLE001 - contained to this record
+                        yield TaggedOutput(DEAD, dead_letter("read", path, line, raw, as_bad_record(e)))
                         continue
                 yield path, line, fmt, raw
         except Exception as e:  # noqa: BLE001 - a truncated gzip, an unreadable Parquet file ...
@@ -116,8 +128,8 @@ class NormalizeFn(beam.DoFn):
         try:
             pair = normalize(parse_json_object(raw), fmt, source=source, line=line,
                              margin_from_scores=self.margin_from_scores)
-        except BadRecord as e:
-            yield TaggedOutput(DEAD, dead_letter(f"normalize:{fmt}", source, line, raw, e))
+        except Exception as e:  # noqa: BLE001 - contained to this record
+            yield TaggedOutput(DEAD, dead_letter(f"normalize:{fmt}", source, line, raw, as_bad_record(e)))
             return
         yield dataclasses.replace(pair, raw=raw)
 
@@ -181,12 +193,27 @@ class _TokenizerDoFn(beam.DoFn):
         self.core = shared_pair_tokenizer(self.assets)
 
 
+def _per_record(fn, batch: list) -> list:
+    """``fn`` maps a batch to one result (or BadRecord) per item; if the batch call itself raises,
+    each item is retried alone and an item that still raises gets its own dead letter."""
+    try:
+        return fn(batch)
+    except Exception:  # noqa: BLE001 - find the record(s) responsible
+        out = []
+        for item in batch:
+            try:
+                out.extend(fn([item]))
+            except Exception as e:  # noqa: BLE001 - contained to this record
+                out.append(as_bad_record(e))
+        return out
+
+
 class RenderFn(_TokenizerDoFn):
     """A batch of canonical pairs to a batch of rendered pairs (template errors dead-lettered)."""
 
     def process(self, batch: list[CanonicalPair]):
         ok = []
-        for pair, r in zip(batch, self.core.render(batch)):
+        for pair, r in zip(batch, _per_record(self.core.render, batch)):
             if isinstance(r, BadRecord):
                 yield TaggedOutput(DEAD, dead_letter("chat_template", pair.source, pair.line, pair.raw, r))
             else:
@@ -201,7 +228,7 @@ class TokenizeFn(_TokenizerDoFn):
         self.tokens = counter("tokens")
 
     def process(self, batch: list[Rendered]):
-        for r, result in zip(batch, self.core.tokenize(batch)):
+        for r, result in zip(batch, _per_record(self.core.tokenize, batch)):
             if isinstance(result, BadRecord):
                 yield TaggedOutput(DEAD, dead_letter("tokenize", r.pair.source, r.pair.line, r.pair.raw, result))
             else:
@@ -249,22 +276,24 @@ class LengthPolicyFn(beam.DoFn):
             chosen, rejected, prompt_len = apply_length_policy(
                 tp.chosen_ids, tp.rejected_ids, tp.prompt_len, tp.head_len, self.max_length, self.policy
             )
-        except BadRecord as e:
-            yield TaggedOutput(DEAD, dead_letter("length", p.source, p.line, p.raw, e))
+            record = PairRecord(
+                chosen_ids=chosen,
+                rejected_ids=rejected,
+                chosen_last=len(chosen) - 1,
+                rejected_last=len(rejected) - 1,
+                prompt_len=prompt_len,
+                pair_id=p.pair_id,
+                source=os.path.basename(p.source),
+                margin=p.margin,
+                subset=p.subset,
+            )
+            encoded = encode(record)  # here, so a record the codec refuses is dead-lettered, not fatal
+        except Exception as e:  # noqa: BLE001 - contained to this record
+            yield TaggedOutput(DEAD, dead_letter("length", p.source, p.line, p.raw, as_bad_record(e)))
             return
         if prompt_len != tp.prompt_len:
             self.truncated.inc()
-        yield PairRecord(
-            chosen_ids=chosen,
-            rejected_ids=rejected,
-            chosen_last=len(chosen) - 1,
-            rejected_last=len(rejected) - 1,
-            prompt_len=prompt_len,
-            pair_id=p.pair_id,
-            source=os.path.basename(p.source),
-            margin=p.margin,
-            subset=p.subset,
-        ), p.line
+        yield record, encoded, p.line
 
 
 class ApplyLengthPolicy(beam.PTransform):
@@ -282,11 +311,11 @@ class ApplyLengthPolicy(beam.PTransform):
 
 
 def _to_shard_entry(item, eval_fraction: float, seed: int, shard_counts: dict[str, int]):
-    rec, line = item
+    rec, encoded, line = item
     split = assign_split(rec.pair_id, eval_fraction, seed)
     key = (split, assign_shard(rec.pair_id, shard_counts[split]))
     lengths = (rec.prompt_len, len(rec.chosen_ids), len(rec.rejected_ids))
-    return key, ((rec.pair_id, rec.source, line), encode(rec), lengths)
+    return key, ((rec.pair_id, rec.source, line), encoded, lengths)
 
 
 class SplitTrainEval(beam.PTransform):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
+
+from schemas.errors import RmflowError
 
 # Raw layouts `rmflow preprocess` reads; "auto" detects one per file.
 FORMATS = (
@@ -32,7 +35,17 @@ def help_for(cls: type, name: str) -> str:
     return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
 
 
-class ConfigError(ValueError):
+def absolute(path: str) -> str:
+    """A local path made absolute (from the current directory); URLs such as gs:// unchanged."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def absolute_if_local(path: str | None) -> str | None:
+    """Absolute when it names an existing local file or folder; otherwise (a hub id, a URL) unchanged."""
+    return absolute(path) if path and "://" not in path and os.path.exists(path) else path
+
+
+class ConfigError(RmflowError, ValueError):
     """A configuration value is invalid; the message says which and how to fix it."""
 
 
@@ -112,6 +125,13 @@ class PreprocessConfig(_Serializable):
             raise ConfigError(f"eval_fraction {self.eval_fraction}: must be in [0, 1)")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ConfigError(f"max_bad_fraction {self.max_bad_fraction}: must be in [0, 1]")
+
+    def with_absolute_paths(self) -> PreprocessConfig:
+        """Local paths made absolute, so the config written with the shards names the same files from
+        anywhere (globs and URLs are kept; a tokenizer hub id too)."""
+        return dataclasses.replace(
+            self, inputs=tuple(absolute(p) for p in self.inputs), output=absolute(self.output),
+            tokenizer=absolute_if_local(self.tokenizer), chat_template=absolute_if_local(self.chat_template))
 
     def output_affecting(self) -> dict[str, Any]:
         """The fields that change the shards' bytes (not where or how the job runs)."""
@@ -196,6 +216,11 @@ class TrainConfig(_Serializable):
         for name in ("weight_decay", "max_grad_norm", "center_rewards_coefficient"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+
+    def with_absolute_paths(self) -> TrainConfig:
+        """Local paths made absolute (the run stores them; a hub id or 'tiny' stays as it is)."""
+        model = self.model if self.model == "tiny" else absolute_if_local(self.model)
+        return dataclasses.replace(self, data=absolute(self.data), output=absolute(self.output), model=model)
 
     def with_overrides(self, pairs: list[str]) -> TrainConfig:
         """Apply ``key=value`` strings, each parsed as its field's type."""

@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from schemas.errors import RmflowError
 from schemas.record import RECORD_VERSION
 
 MANIFEST_VERSION = 1
@@ -33,7 +34,7 @@ TOKENIZER_FILES = (
 )
 
 
-class ManifestError(ValueError):
+class ManifestError(RmflowError, ValueError):
     """A manifest is malformed or does not match the run that wants to read it."""
 
 

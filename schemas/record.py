@@ -33,6 +33,8 @@ import zlib
 
 import numpy as np
 
+from schemas.errors import RmflowError
+
 MAGIC = b"RMPR"
 RECORD_VERSION = 1
 
@@ -44,7 +46,7 @@ _MAX_STR = 0xFFFF
 _TOKENS = np.dtype("<i4")
 
 
-class RecordCorruptError(ValueError):
+class RecordCorruptError(RmflowError, ValueError):
     """A shard record failed its integrity checks (bad magic, version, CRC or bounds)."""
 
 

@@ -60,6 +60,8 @@ BROKEN = {
         (b'{"prompt": "p", "chosen": "c\\ud800", "rejected": "r"}', "bad_text"),  # lone surrogate
         (J({"prompt": "p", "chosen": "word " * 3000, "rejected": "r"}), "too_long"),
         (J(VALID["text.jsonl"](0)), "duplicate"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "too_deeply_nested"),  # RecursionError
+        (J({"prompt": "p", "chosen": "c", "rejected": "r", "subset": "s" * 70_000}), "bad_value"),
     ],
     "conv.jsonl": [
         (J({"prompt": [], "chosen": [A("c")], "rejected": [A("r")]}), "empty_prompt"),
@@ -160,3 +162,27 @@ def test_too_many_bad_records_fail_the_job_and_publish_nothing(bad_inputs, token
     staging = next(tmp_path.glob("out.tmp-*"))
     assert str(staging) in str(e.value)
     assert len((staging / "errors.jsonl").read_text().splitlines()) == len(expected)
+
+
+def test_an_unexpected_exception_is_contained_to_its_record(tmp_path, tokenizer_dir, monkeypatch):
+    """A bug in one adapter (any exception, not only BadRecord) dead-letters that record as
+    internal_error with the exception's text; the job goes on and the counts reconcile."""
+    import pipelines.formats as formats
+
+    real = formats._ADAPTERS["text"]
+
+    def buggy(record):
+        if record.get("prompt") == "BOOM":
+            raise ZeroDivisionError("division by zero in an adapter")
+        return real(record)
+
+    monkeypatch.setitem(formats._ADAPTERS, "text", buggy)
+    lines = [J(VALID["text.jsonl"](i)) for i in range(4)]
+    lines.insert(2, J({"prompt": "BOOM", "chosen": "c", "rejected": "r"}))
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    result = run(PreprocessConfig(inputs=(str(tmp_path / "in.jsonl"),), output=str(tmp_path / "out"),
+                                  tokenizer=tokenizer_dir, max_length=128, max_bad_fraction=1.0))
+    assert result.stats["counts"]["pairs_written"] == 4
+    (err,) = [json.loads(x) for x in open(tmp_path / "out" / "errors.jsonl")]
+    assert (err["code"], err["line"]) == ("internal_error", 3)
+    assert "ZeroDivisionError: division by zero in an adapter" in err["reason"]
