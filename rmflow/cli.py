@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
+import warnings
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from schemas.config import ConfigError, PreprocessConfig, TrainConfig, help_for
+from schemas.errors import RmflowError, RmflowWarning
 
 app = typer.Typer(
     name="rmflow",
@@ -18,7 +21,48 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    console.print(f"[yellow]warning:[/yellow] {_escape(str(message))}")
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def command(name: str | None = None, **kwargs):
+    """An `rmflow` command whose errors the user can act on print as one line: a bad option
+    (ConfigError) exits 2, any other RmflowError or an unreadable or unwritable path exits 1.
+    RmflowWarnings print as one ``warning:`` line each. Anything else is a bug: traceback."""
+
+    def register(fn):
+        verb = (name or fn.__name__).strip("_")
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kw):
+            with warnings.catch_warnings():
+                warnings.simplefilter("always", RmflowWarning)
+                warnings.showwarning = _show_warning
+                try:
+                    return fn(*args, **kw)
+                except ConfigError as e:
+                    console.print(f"[red]error:[/red] {_escape(str(e))}")
+                    raise typer.Exit(2) from e
+                except RmflowError as e:
+                    console.print(f"[red]{verb} failed:[/red] {_escape(str(e))}")
+                    raise typer.Exit(1) from e
+                except OSError as e:  # a path the user gave: missing, a folder, not writable ...
+                    where = f": {e.filename}" if e.filename else ""
+                    console.print(f"[red]{verb} failed:[/red] {_escape((e.strerror or str(e)) + where)}")
+                    raise typer.Exit(1) from e
+
+        return app.command(name=name, **kwargs)(wrapper)
+
+    return register
 
 
 def _h(name: str) -> str:
@@ -30,7 +74,7 @@ def main() -> None:
     """rmflow: reward models from human preference pairs."""
 
 
-@app.command(
+@command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     epilog="Any other --option is a Beam pipeline option and is passed to Beam unchanged, "
     "e.g. --runner DataflowRunner --project P --region R --temp_location gs://B/tmp.",
@@ -60,28 +104,18 @@ def preprocess(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     if not verbose:  # local worker processes log harmless warnings at every start
         logging.getLogger("apache_beam").setLevel(logging.ERROR)
-    try:
-        cfg = PreprocessConfig(
-            inputs=tuple(input), output=output, tokenizer=tokenizer, chat_template=chat_template,
-            format=format, max_length=max_length, length_policy=length_policy,
-            eval_fraction=eval_fraction, split_seed=split_seed, dedup=dedup,
-            margin_from_scores=margin_from_scores, max_bad_fraction=max_bad_fraction,
-            num_shards=num_shards, overwrite=overwrite, num_workers=num_workers, runner=runner,
-            beam_args=tuple(ctx.args), batch_size=batch_size,
-        )
-    except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from e
+    cfg = PreprocessConfig(
+        inputs=tuple(input), output=output, tokenizer=tokenizer, chat_template=chat_template,
+        format=format, max_length=max_length, length_policy=length_policy,
+        eval_fraction=eval_fraction, split_seed=split_seed, dedup=dedup,
+        margin_from_scores=margin_from_scores, max_bad_fraction=max_bad_fraction,
+        num_shards=num_shards, overwrite=overwrite, num_workers=num_workers, runner=runner,
+        beam_args=tuple(ctx.args), batch_size=batch_size,
+    )
+    from pipelines.preprocess import run
 
-    from pipelines.preprocess import PreprocessError, run
-    from pipelines.tokenize import TokenizerError
-
-    try:
-        with console.status("preprocessing ..."):
-            result = run(cfg)
-    except (PreprocessError, TokenizerError) as e:
-        console.print(f"[red]preprocess failed:[/red] {e}")
-        raise typer.Exit(1) from e
+    with console.status("preprocessing ..."):
+        result = run(cfg)
     print_summary(result.stats, result.output)
 
 
@@ -134,7 +168,7 @@ def _train_options_epilog() -> str:
     return "Options for --config and --set:\n\n" + "\n\n".join(lines)
 
 
-@app.command(epilog=_train_options_epilog())
+@command(epilog=_train_options_epilog())
 def train(
     data: str | None = typer.Option(None, help=_t("data")),
     model: str | None = typer.Option(None, help=_t("model")),
@@ -145,52 +179,52 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output."),
 ) -> None:
     """Train a reward model on preprocessed shards (JAX / Flax / Optax, fed by Grain)."""
-    try:
-        base: dict = {}
-        if config:
-            import yaml
+    base: dict = {}
+    if config:
+        import yaml
 
+        try:
             with open(config) as f:
                 base = yaml.safe_load(f) or {}
-        base.update({k: v for k, v in (("data", data), ("model", model), ("output", output)) if v})
-        cfg = TrainConfig.from_dict(base).with_overrides(list(set_))
-    except (ConfigError, OSError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from e
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"--config {config}: {e}") from e
+        if not isinstance(base, dict):
+            raise ConfigError(f"--config {config}: expected a mapping of option: value")
+    base.update({k: v for k, v in (("data", data), ("model", model), ("output", output)) if v})
+    cfg = TrainConfig.from_dict(base).with_overrides(list(set_))
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from trainer.modeling.convert import CheckpointError
-    from trainer.train import TrainError, plan_steps, read_manifest, run
+    from trainer.train import plan_steps, read_manifest, run
 
-    try:
-        total = plan_steps(cfg, read_manifest(cfg.data).splits["train"].pairs)
-    except TrainError as e:
-        console.print(f"[red]train failed:[/red] {e}")
-        raise typer.Exit(1) from e
+    total = plan_steps(cfg, read_manifest(cfg.data).splits["train"].pairs)
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[info]}")]
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=total, info="")
+    progress = Progress(*columns, console=console)
+    task = progress.add_task("train", total=total, info="", start=False)
 
-        def on_log(rec: dict) -> None:
-            info = (f"loss {rec.get('loss', float('nan')):.4f}  acc {rec.get('accuracy', float('nan')):.3f}  "
-                    f"{rec.get('tokens_per_second', 0):,.0f} tok/s")
-            if "eval_accuracy" in rec:
-                info += f"  eval acc {rec['eval_accuracy']:.3f}"
-            progress.update(task, completed=rec["step"], info=info)
+    def on_start(step: int) -> None:  # every check passed: show the bar from here
+        progress.update(task, completed=step)
+        progress.start_task(task)
+        progress.start()
 
-        try:
-            result = run(cfg, resume=resume, on_log=on_log)
-        except (TrainError, CheckpointError) as e:
-            console.print(f"[red]train failed:[/red] {e}")
-            raise typer.Exit(1) from e
+    def on_log(rec: dict) -> None:
+        info = (f"loss {rec.get('loss', float('nan')):.4f}  acc {rec.get('accuracy', float('nan')):.3f}  "
+                f"{rec.get('tokens_per_second', 0):,.0f} tok/s")
+        if "eval_accuracy" in rec:
+            info += f"  eval acc {rec['eval_accuracy']:.3f}"
+        progress.update(task, completed=rec["step"], info=info)
+
+    try:
+        result = run(cfg, resume=resume, on_log=on_log, on_start=on_start)
+    finally:
+        progress.stop()
     last = result.history[-1] if result.history else {}
     console.print(f"trained {result.total_steps} steps; eval accuracy {last.get('eval_accuracy', float('nan')):.4f}. "
                   f"Run: [bold]{cfg.output}[/bold]")
 
 
-@app.command(name="run")
+@command(name="run")
 def run_workflow(
     workflow: str = typer.Argument(..., help="workflow.yaml: output, preprocess, train, eval, export."),
 ) -> None:
@@ -199,25 +233,13 @@ def run_workflow(
     from rmflow.workflow import run as run_stages
 
     logging.getLogger("apache_beam").setLevel(logging.ERROR)
-    try:
-        wf = Workflow.load(workflow)
-    except (ConfigError, OSError, KeyError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from e
-    from pipelines.preprocess import PreprocessError
-    from trainer.modeling.convert import CheckpointError
-    from trainer.train import TrainError
-
-    try:
-        status = run_stages(wf, log=lambda msg: console.print(f"[bold]rmflow[/bold] {msg}"))
-    except (PreprocessError, TrainError, CheckpointError) as e:
-        console.print(f"[red]workflow failed:[/red] {e}")
-        raise typer.Exit(1) from e
+    wf = Workflow.load(workflow)
+    status = run_stages(wf, log=lambda msg: console.print(f"[bold]rmflow[/bold] {_escape(msg)}"))
     console.print(", ".join(f"{k}: {v}" for k, v in status.items()))
     console.print(f"report: [bold]{os.path.join(wf.output, 'eval', 'report.md')}[/bold]")
 
 
-@app.command(name="eval")
+@command(name="eval")
 def eval_(
     model: str = typer.Option(..., help="A run directory from `rmflow train` or an exported checkpoint folder."),
     data: list[str] = typer.Option(..., help="A shard directory, or raw preference files in any layout "
@@ -233,14 +255,8 @@ def eval_(
 ) -> None:
     """Evaluate a reward model: accuracy, loss, margins, calibration, length bias, per-subset accuracy."""
     from rmflow.evaluation import run_eval
-    from trainer.modeling.convert import CheckpointError
-    from trainer.train import TrainError
 
-    try:
-        m = run_eval(model, list(data), output, split=split, batch_size=batch_size, normalize=normalize, mode=mode)
-    except (TrainError, CheckpointError) as e:
-        console.print(f"[red]eval failed:[/red] {e}")
-        raise typer.Exit(1) from e
+    m = run_eval(model, list(data), output, split=split, batch_size=batch_size, normalize=normalize, mode=mode)
     if mode == "rewardbench-v2":
         console.print(f"RewardBench 2 score {m['rewardbench_v2']['score']:.2f} on {m['examples']:,} examples; "
                       f"report: [bold]{os.path.join(output, 'report.md')}[/bold]")
@@ -248,20 +264,28 @@ def eval_(
     table = Table(title=f"rmflow eval: {m['pairs']:,} pairs")
     table.add_column("")
     table.add_column("value", justify="right")
-    rows = [("accuracy", f"{m['accuracy']:.4f}"), ("ties", f"{m['ties']:,}"), ("loss", f"{m['loss']:.4f}"),
+    lo, hi = m["accuracy_ci95"]
+    rows = [("accuracy", f"{m['accuracy']:.4f}"), ("  95% interval", f"{lo:.4f} – {hi:.4f}"),
+            ("ties", f"{m['ties']:,}"), ("loss", f"{m['loss']:.4f}"),
             ("mean margin", f"{m['margin_mean']:.4f}"), ("ECE", f"{m['calibration']['ece']:.4f}"),
             ("Brier", f"{m['calibration']['brier']:.4f}")]
     if "length_bias" in m:
         rows.append(("longer-reply baseline", f"{m['length_bias']['longer_wins_accuracy']:.4f}"))
     if "rewardbench_v1" in m:
-        rows.append(("RewardBench v1 score", f"{m['rewardbench_v1']['score']:.2f}"))
+        rb = m["rewardbench_v1"]
+        if rb["complete"]:
+            rows.append(("RewardBench v1 score", f"{rb['score']:.2f}"))
+        else:
+            rows.append(("RewardBench v1 score", f"incomplete: {rb['subsets_covered']} of {rb['subsets_total']} subsets"))
+            for section, value in rb["sections"].items():
+                rows.append((f"  {section} (subsets present only)", f"{value:.2f}"))
     for row in rows:
         table.add_row(*row)
     console.print(table)
     console.print(f"report: [bold]{os.path.join(output, 'report.md')}[/bold]")
 
 
-@app.command()
+@command()
 def score(
     model: str = typer.Option(..., help="A run directory or an exported checkpoint folder."),
     input: str = typer.Option(..., "--input", "-i", help="JSONL of conversations: message lists, or objects "
@@ -273,26 +297,20 @@ def score(
     from rich.progress import Progress
 
     from rmflow.scoring import score_file
-    from trainer.modeling.convert import CheckpointError
-    from trainer.train import TrainError
 
     with Progress(console=console) as progress:
         def factory(total: int):
             task = progress.add_task("scoring", total=total)
             return lambda n: progress.advance(task, n)
 
-        try:
-            counts = score_file(model, input, output, batch_size=batch_size, progress_factory=factory)
-        except (TrainError, CheckpointError, OSError) as e:
-            console.print(f"[red]score failed:[/red] {e}")
-            raise typer.Exit(1) from e
+        counts = score_file(model, input, output, batch_size=batch_size, progress_factory=factory)
     console.print(f"{counts['scored']:,} scored, {counts['errors']:,} bad lines (with 'error' in the output): "
                   f"[bold]{output}[/bold]")
     if counts["errors"]:
         raise typer.Exit(1)
 
 
-@app.command()
+@command()
 def export(
     run: str = typer.Argument(..., help="A run directory written by `rmflow train`."),
     output: str = typer.Option(..., "--output", "-o", help="Folder for the Hugging Face checkpoint."),
@@ -301,13 +319,8 @@ def export(
 ) -> None:
     """Export a trained run as a Hugging Face *ForSequenceClassification checkpoint (with its tokenizer)."""
     from trainer.export import export as do_export
-    from trainer.train import TrainError
 
-    try:
-        out = do_export(run, output, step=step, max_shard_bytes=int(max_shard_gb * 2**30))
-    except TrainError as e:
-        console.print(f"[red]export failed:[/red] {e}")
-        raise typer.Exit(1) from e
+    out = do_export(run, output, step=step, max_shard_bytes=int(max_shard_gb * 2**30))
     console.print(f"exported to [bold]{out}[/bold]: load it with "
                   "transformers.AutoModelForSequenceClassification.from_pretrained")
 

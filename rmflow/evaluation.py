@@ -7,6 +7,8 @@ never by a second implementation.
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -17,45 +19,84 @@ import grain
 import numpy as np
 
 from schemas.config import PreprocessConfig
-from schemas.manifest import ERRORS_FILE, MANIFEST_FILE, TOKENIZER_DIR
+from schemas.manifest import ERRORS_FILE, MANIFEST_FILE
 from schemas.record import decode
 from trainer.evaluate import pair_metrics, score_pairs, score_sequences, write_report
+from trainer.export import EXPORT_INFO
 from trainer.modeling.convert import load_reward_model
 from trainer.rewardbench import best_of_n_credit, v1_scores, v2_scores
-from trainer.train import TrainError, load_trained_model, read_manifest
+from trainer.rundir import is_run_dir, tokenizer_fingerprint
+from trainer.train import TrainError, check_tokenizer, check_vocabulary, load_trained_model, read_manifest
 
 NORMALIZATION_FILE = "reward_normalization.json"
+INPUT_ERRORS = "input_errors.jsonl"
 
 
-def load_model(path: str):
-    """(model, tokenizer folder, pad id) for a run directory or an exported checkpoint."""
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        model, cfg, _ = load_trained_model(path)
-        manifest = read_manifest(cfg.data)
-        return model, os.path.join(cfg.data, TOKENIZER_DIR), manifest.tokenizer.pad_token_id or 0
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    model: Any
+    tokenizer_dir: str | None  # None: no tokenizer files (callers that need one say so)
+    pad_id: int
+    description: str  # which weights: the run and step, or the checkpoint folder
+
+
+def load_model(path: str) -> LoadedModel:
+    """A run directory (its newest checkpoint) or an exported checkpoint folder."""
+    if is_run_dir(path):
+        model, run, step = load_trained_model(path)
+        return LoadedModel(model, run.tokenizer_dir, run.pad_id,
+                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})")
+    if not os.path.isdir(path):
+        raise TrainError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an exported "
+                         "checkpoint folder")
     model = load_reward_model(path)
     with open(os.path.join(path, "config.json")) as f:
         pad = json.load(f).get("pad_token_id") or 0
-    return model, path, pad
+    description = f"checkpoint {os.path.abspath(path)}"
+    info = os.path.join(path, EXPORT_INFO)
+    if os.path.exists(info):
+        with open(info) as f:
+            exported = json.load(f)
+        description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
+    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description)
 
 
-def load_records(data: list[str], split: str, tokenizer: str, max_length: int, workdir: str):
-    """(records, summary of the raw-input preprocessing or None). Raw inputs keep their errors
-    file in ``workdir``/shards/errors.jsonl."""
+def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
+    if tokenizer is None:
+        raise TrainError(f"{model_path} has no tokenizer files (tokenizer.json ...), which {why} needs: copy the "
+                         "tokenizer the model was trained with into it")
+    return tokenizer
+
+
+def load_records(data: list[str], split: str, model, tokenizer: str | None, model_path: str, workdir: str,
+                 output: str):
+    """(records, summary of the raw-input preprocessing or None). Shards are checked against the
+    model's tokenizer and vocabulary; raw inputs are preprocessed with the model's tokenizer, and
+    what that set aside is copied to ``output``/input_errors.jsonl (also when nothing was usable)."""
     input_summary = None
     if len(data) == 1 and os.path.exists(os.path.join(data[0], MANIFEST_FILE)):
         folder = data[0]
+        manifest = read_manifest(folder)
+        check_tokenizer(manifest, tokenizer, f"the model {model_path}")
+        check_vocabulary(manifest, model.config)
     else:
+        from pipelines.preprocess import PreprocessError
         from pipelines.preprocess import run as preprocess
 
-        if not os.path.isdir(tokenizer):
-            raise TrainError(f"raw input needs the model's tokenizer files, not found at {tokenizer}")
+        tokenizer = require_tokenizer(model_path, tokenizer, "evaluating raw files")
         folder = os.path.join(workdir, "shards")
-        result = preprocess(PreprocessConfig(inputs=tuple(data), output=folder, tokenizer=tokenizer,
-                                             max_length=max_length, eval_fraction=0.0, max_bad_fraction=1.0))
+        try:
+            result = preprocess(PreprocessConfig(inputs=tuple(data), output=folder, tokenizer=tokenizer,
+                                                 max_length=model.config.max_position_embeddings,
+                                                 eval_fraction=0.0, max_bad_fraction=1.0))
+        except PreprocessError as e:  # e.g. no usable pair: keep the reasons where the user can read them
+            kept = _keep_input_errors(glob.glob(os.path.join(workdir, "shards.tmp-*", ERRORS_FILE)), output)
+            raise TrainError(f"{e}".split("; staging left at")[0]
+                             + (f"; every record set aside and its reason: {kept}" if kept else "")) from e
+        _keep_input_errors([os.path.join(folder, ERRORS_FILE)], output)
         input_summary = {"counts": result.stats["counts"], "not_scored": result.stats["dead_letters"]}
         split = "train"  # everything lands there when eval_fraction is 0
-    manifest = read_manifest(folder)
+        manifest = read_manifest(folder)
     splits = list(manifest.splits) if split == "all" else [split]
     paths = [os.path.join(folder, s.file) for name in splits if name in manifest.splits
              for s in manifest.splits[name].shards]
@@ -66,7 +107,23 @@ def load_records(data: list[str], split: str, tokenizer: str, max_length: int, w
     return records, input_summary
 
 
+def _keep_input_errors(found: list[str], output: str) -> str | None:
+    """Copy the errors file of an in-process preprocessing to ``output``/input_errors.jsonl."""
+    found = [f for f in found if os.path.exists(f)]
+    if not found:
+        return None
+    os.makedirs(output, exist_ok=True)
+    dest = os.path.join(output, INPUT_ERRORS)
+    shutil.copy(found[0], dest)
+    return dest
+
+
 MODES = ("pairs", "rewardbench-v1", "rewardbench-v2")
+
+
+def check_eval_output(output: str) -> None:
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise TrainError(f"--output {output} is a file; give a folder for eval.json, report.md and the plots")
 
 
 def run_eval(model_path: str, data: list[str], output: str, *, split: str = "eval", batch_size: int = 16,
@@ -75,13 +132,17 @@ def run_eval(model_path: str, data: list[str], output: str, *, split: str = "eva
         raise TrainError(f"mode {mode!r}: use one of {MODES}")
     if mode == "rewardbench-v2":
         return run_rewardbench_v2(model_path, data, output, batch_size=batch_size)
-    model, tokenizer, pad_id = load_model(model_path)
+    check_eval_output(output)
+    loaded = load_model(model_path)
+    model = loaded.model
     with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:
-        records, input_summary = load_records(data, split, tokenizer, model.config.max_position_embeddings, workdir)
-        if input_summary is not None:  # raw input: keep what preprocessing set aside, with reasons
-            os.makedirs(output, exist_ok=True)
-            shutil.copy(os.path.join(workdir, "shards", ERRORS_FILE), os.path.join(output, "input_errors.jsonl"))
-    rc, rr = score_pairs(model, records, batch_size=batch_size, pad_id=pad_id)
+        records, input_summary = load_records(data, split, model, loaded.tokenizer_dir, model_path, workdir, output)
+    if mode == "rewardbench-v1":
+        unlabeled = sum(r.subset is None for r in records)
+        if unlabeled:
+            raise TrainError(f"rewardbench-v1 needs a 'subset' on every pair; {unlabeled:,} of {len(records):,} pairs "
+                             "have none (RewardBench rows carry it: keep the column when converting)")
+    rc, rr = score_pairs(model, records, batch_size=batch_size, pad_id=loaded.pad_id)
     subsets = [r.subset for r in records]
     if any(s is None for s in subsets):
         sources = [r.source for r in records]
@@ -95,11 +156,9 @@ def run_eval(model_path: str, data: list[str], output: str, *, split: str = "eva
     if input_summary is not None:
         metrics["input"] = input_summary
     if mode == "rewardbench-v1":
-        if not metrics.get("subsets"):
-            raise TrainError("rewardbench-v1 needs a 'subset' field on every pair")
         metrics["rewardbench_v1"] = v1_scores(metrics["subsets"])
-    config = {"model": model_path, "data": list(data), "split": split, "batch_size": batch_size,
-              "normalize": normalize, "mode": mode}
+    config = {"model": model_path, "model_description": loaded.description, "data": list(data), "split": split,
+              "batch_size": batch_size, "normalize": normalize, "mode": mode}
     write_report(metrics, rc, rr, output, config)
     if normalize:  # stored with the model, so scores can be standardised at inference
         both = np.concatenate([rc, rr])
@@ -115,8 +174,10 @@ def run_rewardbench_v2(model_path: str, data: list[str], output: str, *, batch_s
 
     from pipelines.io import expand_inputs, iter_records
 
-    model, tokenizer, pad_id = load_model(model_path)
-    tok = AutoTokenizer.from_pretrained(tokenizer)
+    check_eval_output(output)
+    loaded = load_model(model_path)
+    model, pad_id = loaded.model, loaded.pad_id
+    tok = AutoTokenizer.from_pretrained(require_tokenizer(model_path, loaded.tokenizer_dir, "rewardbench-v2"))
     seqs, examples = [], []
     for path, _ in expand_inputs(tuple(data)):
         for line, raw, problem in iter_records(path):

@@ -70,3 +70,40 @@ def test_shape_errors():
         pair_metrics(RC[:, None], RR)
     with pytest.raises(ValueError, match="no pairs"):
         pair_metrics(np.array([]), np.array([]))
+
+
+def test_accuracy_interval_is_wilsons():
+    from trainer.evaluate import wilson_interval
+
+    lo, hi = wilson_interval(8, 10)  # textbook values: 0.490 - 0.943
+    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+    assert wilson_interval(0, 5)[0] == 0.0 and wilson_interval(5, 5)[1] == 1.0
+    m = pair_metrics(RC, RR)
+    assert m["accuracy_ci95"] == list(wilson_interval(round(m["accuracy"] * m["pairs"]), m["pairs"]))
+
+
+def test_report_names_model_and_data_and_plots_count_in_whole_pairs(tmp_path, monkeypatch):
+    import matplotlib.ticker
+
+    import trainer.evaluate as ev
+
+    figures = {}
+    real_save = ev._save
+    monkeypatch.setattr(ev, "_save", lambda fig, out, name: figures.setdefault(name, fig) and real_save(fig, out, name))
+    rng = np.random.default_rng(0)
+    rc, rr = rng.normal(1, 1, 12), rng.normal(0, 1, 12)  # a small eval set
+    m = pair_metrics(rc, rr)
+    write_report(m, rc, rr, str(tmp_path), {"model": "runs/x", "model_description": "run /abs/runs/x, checkpoint "
+                                            "step 40 (base: tiny)", "data": ["shards/"], "split": "eval"})
+    md = (tmp_path / "report.md").read_text()
+    assert "Model: run /abs/runs/x, checkpoint step 40" in md and "Data: shards/, split eval." in md
+    lo, hi = m["accuracy_ci95"]
+    assert f"{lo:.4f} – {hi:.4f}" in md
+    for name in ("rewards.png", "margins.png"):
+        (ax,) = figures[name].axes
+        locator = ax.yaxis.get_major_locator()
+        assert isinstance(locator, matplotlib.ticker.MaxNLocator) and locator._integer
+    (ax,) = figures["calibration.png"].axes
+    notes = [t.get_text() for t in ax.texts]
+    used = [b for b in m["calibration"]["bins"] if b["count"]]
+    assert notes == [f"n={b['count']}" for b in used] and sum(b["count"] for b in used) == 12

@@ -75,7 +75,7 @@ def test_export_command(trained_run, tmp_path):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "cli" / "model.safetensors").exists()
     bad = CliRunner().invoke(app, ["export", str(tmp_path / "nothing"), "--output", str(tmp_path / "x")])
-    assert bad.exit_code == 1 and "not an rmflow run directory" in " ".join(bad.output.split())
+    assert bad.exit_code == 1 and "nothing does not exist: give a run directory" in " ".join(bad.output.split())
 
 
 def test_eval_on_shards_raw_files_and_exported_model(trained_run, tmp_path):
@@ -118,7 +118,7 @@ def test_score_command_matches_the_model_and_keeps_order(trained_run, tmp_path):
     assert result.exit_code == 1  # one bad line: reported, nothing lost
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(out) == 5 and "error" in out[1] and out[1]["line"] == 2
-    assert [o.get("id") for o in out] == [0, None, 1, 2, None]
+    assert [o.get("id") for o in out] == [0, "bad", 1, 2, None]  # the error line keeps the user's id
     model, _, _ = load_trained_model(str(trained_run / "run"))
     tok = transformers.AutoTokenizer.from_pretrained(str(trained_run / "shards" / "tokenizer"))
     ids_list = [tok.apply_chat_template(c, tokenize=True, return_dict=False) for c in CONVERSATIONS]
@@ -139,7 +139,17 @@ def test_rewardbench_modes(trained_run, tmp_path):
     rb = m["rewardbench_v1"]
     assert rb["sections"]["Chat"] == pytest.approx(100 * m["subsets"]["alpacaeval-easy"]["accuracy"])
     assert rb["sections"]["Reasoning"] == pytest.approx(100 * m["subsets"]["hep-go"]["accuracy"])
-    assert rb["score"] == pytest.approx((rb["sections"]["Chat"] + rb["sections"]["Reasoning"]) / 2)
+    assert rb["score"] is None and not rb["complete"]  # 2 of 23 subsets: no headline score
+    assert rb["partial_score"] == pytest.approx((rb["sections"]["Chat"] + rb["sections"]["Reasoning"]) / 2)
+    assert "incomplete: 2 of 23 subsets" in r.output
+    assert "incomplete, no overall score" in (tmp_path / "rb1" / "report.md").read_text()
+    # Rows without a subset: one clear line, nothing written.
+    (tmp_path / "nosub.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "subset"}) + "\n"
+                                                  for r in v1))
+    r = CliRunner().invoke(app, ["eval", "--model", str(trained_run / "run"), "--data", str(tmp_path / "nosub.jsonl"),
+                                 "--output", str(tmp_path / "rb-nosub"), "--mode", "rewardbench-v1"])
+    assert r.exit_code == 1 and "needs a 'subset' on every pair; 8 of 8" in r.output, r.output
+    assert not (tmp_path / "rb-nosub" / "report.md").exists()
 
     v2 = [{"prompt": f"Q{i}?", "chosen": [f"Right {i}"], "rejected": [f"W{i}a", f"W{i}b", f"W{i}c"],
            "subset": "Focus"} for i in range(3)]

@@ -12,8 +12,22 @@ def test_v1_sections_weight_subsets_by_rewardbench_counts():
     assert out["sections"]["Chat"] == pytest.approx(100 * (1.0 * 100 + 0.5 * 28) / 128)
     # math-prm counts 984 (upweighted from 447), hep-go 164
     assert out["sections"]["Reasoning"] == pytest.approx(100 * (0.25 * 984 + 1.0 * 164) / (984 + 164))
-    assert out["score"] == pytest.approx((out["sections"]["Chat"] + out["sections"]["Reasoning"]) / 2)
+    # Two sections of four, 4 subsets of 23: no headline score, a partial one flagged as such.
+    assert out["complete"] is False and out["score"] is None
+    assert out["partial_score"] == pytest.approx((out["sections"]["Chat"] + out["sections"]["Reasoning"]) / 2)
+    assert out["subsets_covered"] == 4 and out["subsets_total"] == 23 and "donotanswer" in out["missing_subsets"]
     assert out["other_subsets"] == {"subsets": ["my-own"], "pairs": 10, "accuracy": 50.0}
+
+
+def test_v1_headline_score_only_when_every_subset_is_present():
+    from trainer.rewardbench import V1_EXAMPLE_COUNTS, V1_SECTIONS
+
+    subsets = {n: {"accuracy": 0.5, "pairs": 10} for n in V1_EXAMPLE_COUNTS}
+    out = v1_scores(subsets)
+    assert out["complete"] and out["score"] == pytest.approx(50.0) and out["missing_subsets"] == []
+    del subsets[V1_SECTIONS["Safety"][0]]
+    out = v1_scores(subsets)
+    assert not out["complete"] and out["score"] is None and out["missing_subsets"] == [V1_SECTIONS["Safety"][0]]
 
 
 def test_v2_best_of_four_with_tie_credit():

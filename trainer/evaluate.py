@@ -25,6 +25,18 @@ from trainer.step import DEVICE_KEYS, pair_rewards
 ECE_BINS = 10
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion: sound for small n and for accuracies near 0 or 1,
+    where the normal approximation is not."""
+    if n == 0:
+        return 0.0, 1.0
+    phat = successes / n
+    denom = 1 + z * z / n
+    centre = (phat + z * z / (2 * n)) / denom
+    half = z * np.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / denom
+    return float(max(0.0, centre - half)), float(min(1.0, centre + half))
+
+
 def _log_sigmoid(x: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0.0, -x)
 
@@ -73,6 +85,7 @@ def pair_metrics(
     out: dict[str, Any] = {
         "pairs": n,
         "accuracy": float((d > 0).sum() / n),
+        "accuracy_ci95": list(wilson_interval(int((d > 0).sum()), n)),
         "ties": int((d == 0).sum()),
         "tie_rate": float((d == 0).sum() / n),
         "loss": float(-_log_sigmoid(d - m).mean()),
@@ -158,13 +171,22 @@ def write_report(metrics: dict[str, Any], rc: np.ndarray, rr: np.ndarray, output
         json.dump({"metrics": metrics, "config": config}, f, indent=2, sort_keys=True)
     plots = _plots(metrics, rc, rr, output)
     with open(os.path.join(output, "report.md"), "w") as f:
-        f.write(report_markdown(metrics, plots))
+        f.write(report_markdown(metrics, plots, config))
     return ["eval.json", "report.md", *plots]
 
 
-def report_markdown(m: dict[str, Any], plots: Sequence[str] = ()) -> str:
-    lines = ["# Reward model evaluation", "", f"{m['pairs']:,} pairs.", "", "| figure | value |", "| --- | ---: |"]
+def report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[str, Any] | None = None) -> str:
+    config = config or {}
+    lines = ["# Reward model evaluation", ""]
+    if config.get("model_description"):
+        lines.append(f"Model: {config['model_description']}.  ")
+    if config.get("data"):
+        split = f", split {config['split']}" if config.get("split") and not m.get("input") else ""
+        lines.append(f"Data: {', '.join(map(str, config['data']))}{split}.  ")
+    lo, hi = m["accuracy_ci95"]
+    lines += [f"{m['pairs']:,} pairs.", "", "| figure | value |", "| --- | ---: |"]
     rows = [("accuracy (chosen scored strictly higher)", f"{m['accuracy']:.4f}"),
+            ("accuracy, 95% confidence interval (Wilson)", f"{lo:.4f} – {hi:.4f}"),
             ("ties (equal rewards)", f"{m['ties']:,}"),
             ("loss (-log σ(r_c - r_r - margin))", f"{m['loss']:.4f}"),
             ("mean margin r_c - r_r", f"{m['margin_mean']:.4f}"),
@@ -181,12 +203,29 @@ def report_markdown(m: dict[str, Any], plots: Sequence[str] = ()) -> str:
         lines += ["", "## Per subset", "", "| subset | pairs | accuracy |", "| --- | ---: | ---: |"]
         lines += [f"| {k} | {v['pairs']:,} | {v['accuracy']:.4f} |" for k, v in m["subsets"].items()]
     if m.get("rewardbench_v1"):
-        rb = m["rewardbench_v1"]
-        lines += ["", f"## RewardBench v1: score {rb['score']:.2f}", "", "| section | score |", "| --- | ---: |"]
-        lines += [f"| {k} | {v:.2f} |" for k, v in rb["sections"].items()]
+        lines += ["", *rewardbench_v1_lines(m["rewardbench_v1"])]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def rewardbench_v1_lines(rb: dict[str, Any]) -> list[str]:
+    if rb["complete"]:
+        head = [f"## RewardBench v1: score {rb['score']:.2f}"]
+    else:
+        head = ["## RewardBench v1: incomplete, no overall score",
+                "", f"The data covers {rb['subsets_covered']} of {rb['subsets_total']} RewardBench v1 subsets "
+                f"(missing: {', '.join(rb['missing_subsets'])}). Section scores below cover only the subsets "
+                "present; their mean over the sections present, "
+                + (f"{rb['partial_score']:.2f}, " if rb["partial_score"] is not None else "")
+                + "is not comparable with published RewardBench scores."]
+    lines = [*head, "", "| section | score |", "| --- | ---: |"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in rb["sections"].items()]
+    if rb.get("other_subsets"):
+        o = rb["other_subsets"]
+        lines += ["", f"Subsets outside RewardBench v1 ({', '.join(o['subsets'])}): {o['pairs']:,} pairs, "
+                  f"accuracy {o['accuracy']:.2f}%, not in any section."]
+    return lines
 
 
 def _plots(m: dict[str, Any], rc: np.ndarray, rr: np.ndarray, output: str) -> list[str]:
@@ -194,13 +233,15 @@ def _plots(m: dict[str, Any], rc: np.ndarray, rr: np.ndarray, output: str) -> li
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     files = []
     fig, ax = plt.subplots(figsize=(6, 4))
     bins = np.histogram_bin_edges(np.concatenate([rc, rr]), bins=40)
     ax.hist(rc, bins=bins, alpha=0.6, label="chosen", color="tab:green")
     ax.hist(rr, bins=bins, alpha=0.6, label="rejected", color="tab:red")
-    ax.set(xlabel="reward", ylabel="pairs", title="Rewards of chosen and rejected replies")
+    ax.set(xlabel="reward", ylabel="replies", title="Rewards of chosen and rejected replies")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: whole numbers
     ax.legend()
     files.append(_save(fig, output, "rewards.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -208,11 +249,16 @@ def _plots(m: dict[str, Any], rc: np.ndarray, rr: np.ndarray, output: str) -> li
     ax.axvline(0, color="black", linewidth=1)
     ax.set(xlabel="margin r_chosen - r_rejected", ylabel="pairs",
            title=f"Margins (accuracy {m['accuracy']:.3f}: right of the line)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     files.append(_save(fig, output, "margins.png"))
     fig, ax = plt.subplots(figsize=(5, 5))
     table = m["calibration"]["bins"]
     ax.plot([0.5, 1], [0.5, 1], color="grey", linestyle="--", label="perfect calibration")
+    table = [b for b in table if b["count"]]
     ax.plot([b["confidence"] for b in table], [b["accuracy"] for b in table], marker="o", label="model")
+    for b in table:  # how many pairs each point stands on
+        ax.annotate(f"n={b['count']:,}", (b["confidence"], b["accuracy"]), textcoords="offset points",
+                    xytext=(0, 7), ha="center", fontsize=7)
     ax.set(xlabel="confidence in the predicted winner, max(p, 1-p)", ylabel="accuracy",
            title=f"Calibration (ECE {m['calibration']['ece']:.3f})", xlim=(0.5, 1), ylim=(0, 1.02))
     ax.legend()

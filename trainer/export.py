@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
+import warnings
 
 import numpy as np
 from flax import nnx
 
-from schemas.manifest import TOKENIZER_DIR
+from schemas.errors import RmflowError, RmflowWarning
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import hf_name, resolve
 from trainer.modeling.llama import RewardModel
-from trainer.train import load_trained_model, read_manifest
+from trainer.train import load_trained_model
 
 MAX_SHARD_BYTES = 2 << 30
 
@@ -81,22 +83,62 @@ def save_safetensors(tensors: dict[str, np.ndarray], folder: str, max_shard_byte
     return names
 
 
+EXPORT_INFO = "rmflow_export.json"
+
+
+class ExportError(RmflowError):
+    """The export cannot be written where asked; the message says why."""
+
+
+def check_destination(output: str) -> None:
+    """A new or empty folder, or an earlier rmflow export (replaced whole): never a folder of other
+    files, whose config.json or weights an export would overwrite or leave stale beside its own."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ExportError(f"--output {output} is a file; give a folder for the checkpoint")
+    if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, EXPORT_INFO)):
+        raise ExportError(f"--output {output} holds other files ({', '.join(sorted(os.listdir(output))[:5])} ...) "
+                          "and is not an rmflow export: export into a new or empty folder")
+
+
 def export(run_dir: str, output: str, *, step: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
-    model, cfg, step = load_trained_model(run_dir, step)
-    manifest = read_manifest(cfg.data)
-    base = None
-    if cfg.model != "tiny":
-        with open(os.path.join(resolve(cfg.model), "config.json")) as f:
+    """Write the checkpoint into a staging folder beside ``output``, then swap it in: an earlier
+    export there is replaced whole (no stale weight file survives), and an interrupted export
+    leaves the old one intact."""
+    output = os.path.abspath(output)
+    check_destination(output)
+    model, run, step = load_trained_model(run_dir, step)
+    base = run.base_config
+    if base is None and run.config.model != "tiny":  # a run from before runs kept base_config.json
+        with open(os.path.join(resolve(run.config.model), "config.json")) as f:
             base = json.load(f)
-    os.makedirs(output, exist_ok=True)
-    save_safetensors(state_dict(model), output, max_shard_bytes)
-    with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(hf_config(model.config, base, manifest.tokenizer.pad_token_id), f, indent=2, sort_keys=True)
-    tok_dir = os.path.join(cfg.data, TOKENIZER_DIR)
-    if os.path.isdir(tok_dir):
-        for name in os.listdir(tok_dir):
-            shutil.copy(os.path.join(tok_dir, name), os.path.join(output, name))
-    with open(os.path.join(output, "rmflow_export.json"), "w") as f:
-        json.dump({"run": os.path.abspath(run_dir), "step": step, "data": cfg.data,
-                   "tokenizer_sha256": manifest.tokenizer.sha256}, f, indent=2)
+    if run.tokenizer_dir is None:
+        warnings.warn(f"{run_dir} has no tokenizer files; the export will have none: copy the tokenizer the "
+                      "shards were made with into it", RmflowWarning, stacklevel=2)
+    parent = os.path.dirname(output)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=os.path.basename(output) + ".tmp-", dir=parent)
+    try:
+        save_safetensors(state_dict(model), staging, max_shard_bytes)
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(hf_config(model.config, base, run.manifest.tokenizer.pad_token_id), f, indent=2, sort_keys=True)
+        if run.tokenizer_dir is not None:
+            for name in os.listdir(run.tokenizer_dir):
+                shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
+        with open(os.path.join(staging, EXPORT_INFO), "w") as f:
+            json.dump({"run": os.path.abspath(run_dir), "step": step, "data": run.config.data,
+                       "tokenizer_sha256": run.manifest.tokenizer.sha256}, f, indent=2)
+        _swap_in(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return output
+
+
+def _swap_in(staging: str, output: str) -> None:
+    if not os.path.exists(output):
+        os.rename(staging, output)
+        return
+    old = staging + ".old"
+    os.rename(output, old)
+    os.rename(staging, output)
+    shutil.rmtree(old)

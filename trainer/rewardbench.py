@@ -2,8 +2,10 @@
 
 v1: accuracy per subset; a section's score weights its subsets' accuracies by RewardBench's
 published example counts (math-prm counted as 984, its 447 pairs upweighted to equal the six
-code subsets); the overall score is the mean of the four sections. Subsets outside the
-mapping are reported apart, weighted by their own counts.
+code subsets); the overall score is the mean of the four sections, given only when the data
+covers every subset (otherwise ``score`` is None and ``partial_score`` the mean over the sections
+present, flagged as not comparable). Subsets outside the mapping are reported apart, weighted by
+their own counts.
 
 v2: best-of-4: an example is right when its chosen completion scores above all rejected
 ones; when k completions tie at the top, chosen among them, it earns 1/k. The overall score
@@ -44,7 +46,11 @@ def v1_scores(subsets: Mapping[str, Mapping[str, float]]) -> dict:
             sections[section] = 100 * sum(subsets[n]["accuracy"] * V1_EXAMPLE_COUNTS[n] for n in present) / weight
     known = {n for names in V1_SECTIONS.values() for n in names}
     other = {n: v for n, v in subsets.items() if n not in known}
-    out = {"sections": sections, "score": float(np.mean(list(sections.values()))) if sections else None}
+    missing = [n for names in V1_SECTIONS.values() for n in names if n not in subsets]
+    partial = float(np.mean(list(sections.values()))) if sections else None
+    out = {"sections": sections, "complete": not missing, "score": partial if not missing else None,
+           "partial_score": partial, "missing_subsets": missing, "subsets_total": len(V1_EXAMPLE_COUNTS),
+           "subsets_covered": len(V1_EXAMPLE_COUNTS) - len(missing)}
     if other:
         pairs = sum(v["pairs"] for v in other.values())
         out["other_subsets"] = {"subsets": sorted(other), "pairs": pairs,

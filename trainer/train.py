@@ -15,6 +15,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,28 +27,22 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from schemas.config import TrainConfig
-from schemas.manifest import (
-    COMPLETED_FILE,
-    MANIFEST_FILE,
-    TOKENIZER_FILES,
-    Manifest,
-    ManifestError,
-    sha256_files,
-)
+from schemas.errors import RmflowError, RmflowWarning
+from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
 from trainer.data import make_loader, resolve_packing
 from trainer.loss import SUM_KEYS, finalize
 from trainer.memory import release_free_memory
 from trainer.modeling.config import ModelConfig
-from trainer.modeling.convert import load_reward_model, resolve
+from trainer.modeling.convert import load_reward_model, read_config, resolve
 from trainer.modeling.llama import RewardModel
+from trainer.rundir import CHECKPOINTS, RunFiles, is_run_dir, read_run, tokenizer_fingerprint, write_run_files
 from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches
 from trainer.tensorboard import summary_writer
 
 METRICS_FILE = "metrics.jsonl"
-CHECKPOINTS = "checkpoints"
 
 
-class TrainError(RuntimeError):
+class TrainError(RmflowError, RuntimeError):
     """The run cannot start or had to stop; the message says why and what to do."""
 
 
@@ -60,6 +55,15 @@ class TrainResult:
 
 
 # --------------------------------------------------------------------------- set-up
+
+
+def check_output(output: str, resume: bool) -> None:
+    """The run directory must be a folder: a new one, an empty one, or an earlier run."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise TrainError(f"--output {output} is a file; give a folder for the run")
+    if os.path.isdir(output) and os.listdir(output) and not is_run_dir(output):
+        raise TrainError(f"--output {output} is a folder that holds other files and no rmflow run; give a new or "
+                         "empty folder")
 
 
 def read_manifest(data: str) -> Manifest:
@@ -80,22 +84,33 @@ def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
         return RewardModel(ModelConfig.tiny(vocab_size=vocab), dtype=dtype, remat=cfg.gradient_checkpointing,
                            rngs=nnx.Rngs(cfg.seed), attention=cfg.attention)
     folder = resolve(cfg.model)
-    files = {}
-    for name in TOKENIZER_FILES:
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                files[name] = f.read()
-    try:
-        manifest.check_compatible(tokenizer_sha256=sha256_files(files) if "tokenizer.json" in files else None)
-    except ManifestError as e:
-        raise TrainError(f"{e}. Preprocess with the model's tokenizer (--tokenizer {folder}).") from e
+    read_config(folder)  # an unsupported or incomplete config.json fails first
+    check_tokenizer(manifest, folder, "the model")
     model = load_reward_model(folder, dtype=dtype, remat=cfg.gradient_checkpointing, seed=cfg.seed,
                               attention=cfg.attention)
-    if model.config.vocab_size < vocab:
-        raise TrainError(f"the shards' tokenizer has {vocab} tokens, the model's embedding only "
-                         f"{model.config.vocab_size}: they do not belong together")
+    check_vocabulary(manifest, model.config)
     return model
+
+
+def check_tokenizer(manifest: Manifest, folder: str | None, what: str) -> None:
+    """The shards must come from the tokenizer in ``folder``; a folder without one gets a warning
+    (the check cannot run), never silence."""
+    sha = tokenizer_fingerprint(folder) if folder else None
+    if sha is None:
+        warnings.warn(f"{what} ({folder}) has no tokenizer files, so rmflow cannot check that the shards "
+                      f"({manifest.tokenizer.name}) were made with its tokenizer; make sure they were",
+                      RmflowWarning, stacklevel=2)
+        return
+    try:
+        manifest.check_compatible(tokenizer_sha256=sha)
+    except ManifestError as e:
+        raise TrainError(f"{e}. Preprocess with {what}'s tokenizer (--tokenizer {folder}).") from e
+
+
+def check_vocabulary(manifest: Manifest, model_config: ModelConfig) -> None:
+    if model_config.vocab_size < manifest.tokenizer.vocab_size:
+        raise TrainError(f"the shards' tokenizer has {manifest.tokenizer.vocab_size} tokens, the model's embedding "
+                         f"only {model_config.vocab_size}: they do not belong together")
 
 
 def shard_paths(data: str, manifest: Manifest, split: str) -> list[str]:
@@ -135,30 +150,27 @@ def existing_checkpoint(run_dir: str) -> int | None:
     return checkpoint_manager(run_dir).latest_step()
 
 
-def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardModel, TrainConfig, int]:
+def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardModel, RunFiles, int]:
     """The reward model of a run directory, with the parameters of its newest (or given) checkpoint."""
     import orbax.checkpoint as ocp
 
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            cfg = TrainConfig.from_dict(json.load(f))
-        with open(os.path.join(run_dir, "model_config.json")) as f:
-            raw = json.load(f)
-    except OSError as e:
-        raise TrainError(f"{run_dir} is not an rmflow run directory: {e}") from e
-    mcfg = ModelConfig(**{**raw, "rope_params": tuple(tuple(p) for p in raw["rope_params"])})
-    model = RewardModel(mcfg, rngs=nnx.Rngs(0), attention=cfg.attention)
-    trainer = make_trainer(cfg, model, 1)
-    manager = checkpoint_manager(run_dir, keep=cfg.save_total_limit)
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise TrainError(f"{run_dir} has no checkpoint yet")
+    run = read_run(run_dir)
+    latest = existing_checkpoint(run_dir)
+    if latest is None:
+        raise TrainError(f"{run_dir} has no checkpoint yet: training stopped before its first save "
+                         "(resume it with `rmflow train --resume`, or set save_steps)")
+    model = RewardModel(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention)
+    trainer = make_trainer(run.config, model, 1)
+    manager = checkpoint_manager(run_dir, keep=run.config.save_total_limit)
+    step = latest if step is None else step
+    if step not in manager.all_steps():
+        raise TrainError(f"{run_dir} has no checkpoint of step {step}; it has {sorted(manager.all_steps())}")
     leaves = jax.tree.leaves(trainer.init_state)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
     state = jax.tree.unflatten(jax.tree.structure(trainer.init_state), list(restored["state"]))
     nnx.update(model, state.params)
-    return model, cfg, step
+    return model, run, step
 
 
 # --------------------------------------------------------------------------- run
@@ -209,21 +221,26 @@ class Run:
         return {f"eval_{k}": v for k, v in finalize(sums).items()}
 
 
-def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None] | None = None) -> TrainResult:
+def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None] | None = None,
+        on_start: Callable[[int], None] | None = None) -> TrainResult:
+    """Train; ``on_start(step)`` is called once every check has passed, before the first step
+    (``step`` > 0 when resuming), ``on_log(record)`` with each metrics record."""
     import grain
     import orbax.checkpoint as ocp
 
+    cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
+    check_output(cfg.output, resume)
     r = Run(cfg)
     # Every check before anything is written: a refused run leaves the existing one intact.
     latest = existing_checkpoint(cfg.output)
     if latest is not None and not resume:
         raise TrainError(f"{cfg.output} already has checkpoints (step {latest}): pass --resume to continue "
                          "or choose another --output")
-    os.makedirs(cfg.output, exist_ok=True)
-    with open(os.path.join(cfg.output, "config.json"), "w") as f:
-        f.write(cfg.to_json())
-    with open(os.path.join(cfg.output, "model_config.json"), "w") as f:
-        json.dump(dataclasses.asdict(r.trainer.model(r.trainer.init_state.params).config), f, indent=2)
+    if resume and latest is None:
+        warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
+                      RmflowWarning, stacklevel=2)
+    write_run_files(cfg.output, cfg, r.trainer.model(r.trainer.init_state.params).config,
+                    None if cfg.model == "tiny" else resolve(cfg.model))
 
     replicated = NamedSharding(r.mesh, P())
     state = jax.device_put(r.trainer.init_state, replicated)
@@ -245,6 +262,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
                             purge_step=int(state.step) + 1 if resume and latest is not None else None)
     window = _Window()
     step = int(state.step)
+    if on_start:
+        on_start(step)
     shapes = set()  # batch shapes compiled so far
     try:
         while step < r.total_steps:

@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from schemas.errors import RmflowError
+
 ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "llama": "Llama",
     "mistral": "Mistral",
@@ -17,9 +19,10 @@ ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "qwen3": "Qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(RmflowError, ValueError):
     """The checkpoint's config.json describes something rmflow cannot build; says what."""
 
 
@@ -71,6 +74,10 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model_type {model_type!r} is not supported; rmflow builds {sorted(ARCHITECTURES)}"
             )
+        missing = [k for k in REQUIRED_HF_KEYS if d.get(k) is None]
+        if missing:
+            raise ModelConfigError(f"the checkpoint's config.json has no {missing}: a {model_type} config needs them "
+                                   "(is it complete, and from a transformers model?)")
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"

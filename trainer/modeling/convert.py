@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from schemas.errors import RmflowError
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.llama import RewardModel
 
@@ -22,7 +23,7 @@ IGNORED = ("lm_head.weight",)  # a causal LM's head: not part of a reward model
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 
 
-class CheckpointError(ValueError):
+class CheckpointError(RmflowError, ValueError):
     """The checkpoint cannot be loaded; the message lists every problem."""
 
 

@@ -1,0 +1,255 @@
+"""What real users do to a tool: reruns into the same folders, relative paths from elsewhere,
+mismatched tokenizers, odd files, interrupted commands. Each test failed before its fix.
+
+Every command's errors are one line (exit 1, no traceback); checks run before anything is
+written; nothing is silently wrong or silently skipped.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from pipelines.preprocess import run as preprocess
+from rmflow.cli import app
+from schemas.config import PreprocessConfig, TrainConfig
+from schemas.errors import RmflowWarning
+from trainer.train import run as train
+
+DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
+CONV = [{"role": "user", "content": "How do I boil an egg?"},
+        {"role": "assistant", "content": "Eight minutes in boiling water."}]
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_line_error(result, code=1):
+    """Exit ``code`` with a single message line, no traceback."""
+    assert result.exit_code == code, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A run trained from relative paths (cwd = base), and a second tokenizer that differs."""
+    base = tmp_path_factory.mktemp("hardening")
+    cwd = os.getcwd()
+    os.chdir(base)
+    try:
+        preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output="shards",
+                                    tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
+        train(TrainConfig(data="shards", model="tiny", output="run", max_steps=2, batch_size=4, logging_steps=1))
+    finally:
+        os.chdir(cwd)
+    other = base / "other-tokenizer"
+    shutil.copytree(DEMO / "tokenizer", other)
+    (other / "chat_template.jinja").write_text((other / "chat_template.jinja").read_text() + "\n")
+    return base
+
+
+# --------------------------------------------------------------------------- silent wrong results
+
+
+@pytest.mark.parametrize("first, second", [(4 << 20, 2 << 30), (2 << 30, 4 << 20)])
+def test_export_replaces_an_earlier_export_whole(base, tmp_path, first, second):
+    """No stale weights file survives beside the new ones (sharded <-> single)."""
+    out = tmp_path / "hf"
+    assert cli("export", base / "run", "-o", out, "--max-shard-gb", first / 2**30).exit_code == 0
+    assert cli("export", base / "run", "-o", out, "--max-shard-gb", second / 2**30).exit_code == 0
+    names = {p.name for p in out.iterdir()}
+    weights = {n for n in names if n.endswith(".safetensors") or n.endswith(".index.json")}
+    if second >= 2 << 30:
+        assert weights == {"model.safetensors"}
+    else:
+        assert "model.safetensors" not in weights and "model.safetensors.index.json" in weights
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"].values()) == weights - {"model.safetensors.index.json"}
+    assert not list(tmp_path.glob("hf.tmp-*"))  # staging swapped in, nothing left
+
+
+def test_export_refuses_a_folder_of_other_files(base, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    msg = one_line_error(cli("export", base / "run", "-o", out))
+    assert "not an rmflow export" in msg
+    assert (out / "config.json").read_text() == '{"mine": true}' and len(list(out.iterdir())) == 1
+    (tmp_path / "afile").write_text("x")
+    assert "is a file" in one_line_error(cli("export", base / "run", "-o", tmp_path / "afile"))
+
+
+def test_a_run_is_self_contained_and_its_paths_absolute(base, tmp_path, monkeypatch):
+    """Score and export from another directory, the shards gone, a decoy shards/ with another
+    tokenizer in the working directory: the run's own tokenizer is used."""
+    cfg = json.loads((base / "run" / "config.json").read_text())
+    assert cfg["data"] == str(base / "shards") and cfg["output"] == str(base / "run")
+    run_copy = tmp_path / "run"
+    shutil.copytree(base / "run", run_copy)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "shards" / "tokenizer").mkdir(parents=True)
+    shutil.copytree(base / "other-tokenizer", elsewhere / "shards" / "tokenizer", dirs_exist_ok=True)
+    monkeypatch.chdir(elsewhere)
+    shutil.copytree(base / "shards", tmp_path / "shards-moved")  # keep the module's shards for other tests
+    cfg["data"] = "shards"  # what an older rmflow stored: relative, now pointing at the decoy
+    (run_copy / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "in.jsonl").write_text(json.dumps({"messages": CONV}) + "\n")
+    assert cli("score", "--model", run_copy, "-i", tmp_path / "in.jsonl", "-o", tmp_path / "s.jsonl").exit_code == 0
+    assert cli("export", run_copy, "-o", tmp_path / "hf").exit_code == 0
+    manifest = json.loads((base / "shards" / "manifest.json").read_text())
+    assert json.loads((tmp_path / "hf" / "rmflow_export.json").read_text())["tokenizer_sha256"] == \
+        manifest["tokenizer"]["sha256"]
+    assert (tmp_path / "hf" / "chat_template.jinja").read_text() == \
+        (base / "shards" / "tokenizer" / "chat_template.jinja").read_text()
+
+
+def test_eval_checks_the_shards_tokenizer_against_the_model(base, tmp_path):
+    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(tmp_path / "s"),
+                                tokenizer=str(base / "other-tokenizer"), max_length=128, max_bad_fraction=1.0))
+    msg = one_line_error(cli("eval", "--model", base / "run", "--data", tmp_path / "s", "-o", tmp_path / "e"))
+    assert "tokenizer hash" in msg and not (tmp_path / "e").exists()
+
+
+def test_a_model_folder_without_tokenizer_files_is_said(base, tmp_path):
+    hf = tmp_path / "hf"
+    assert cli("export", base / "run", "-o", hf).exit_code == 0
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (hf / name).unlink(missing_ok=True)
+    r = cli("eval", "--model", hf, "--data", base / "shards", "-o", tmp_path / "e")
+    assert r.exit_code == 0 and "warning:" in r.output and "has no tokenizer files" in r.output
+    # training from such a checkpoint warns the same way
+    from trainer.train import check_tokenizer, read_manifest
+
+    with pytest.warns(RmflowWarning, match="no tokenizer files"):
+        check_tokenizer(read_manifest(str(base / "shards")), str(hf), "the model")
+    (tmp_path / "in.jsonl").write_text(json.dumps(CONV) + "\n")
+    assert "no tokenizer files" in one_line_error(cli("score", "--model", hf, "-i", tmp_path / "in.jsonl",
+                                                      "-o", tmp_path / "s.jsonl"))
+
+
+# --------------------------------------------------------------------------- score
+
+
+def test_score_reports_bad_lines_and_keeps_the_users_fields(base, tmp_path):
+    lines = [json.dumps({"id": "ok", "messages": CONV}).encode(),
+             b'{"id": "latin1", "messages": [{"role": "user", "content": "caf\xe9"}]}',
+             json.dumps({"id": "user-last", "messages": CONV + [{"role": "user", "content": "and?"}]}).encode(),
+             json.dumps({"id": "system-only", "messages": [{"role": "system", "content": "Be brief."}]}).encode(),
+             json.dumps({"id": "shape", "messages": "not a list"}).encode(),
+             json.dumps(CONV).encode()]
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    r = cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl")
+    assert r.exit_code == 1 and "2 scored, 4 bad lines" in r.output, r.output
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o.get("id") for o in out] == ["ok", None, "user-last", "system-only", "shape", None]
+    assert "score" in out[0] and "score" in out[5]
+    assert "not valid UTF-8" in out[1]["error"] and out[1]["line"] == 2
+    assert "last message is the user's" in out[2]["error"]
+    assert "last message is the system's" in out[3]["error"]
+    assert all("score" not in o for o in out[1:5])
+
+
+# --------------------------------------------------------------------------- lost work
+
+
+def test_resume_on_an_empty_or_missing_folder_says_so(base, tmp_path):
+    for out in (tmp_path / "missing", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        r = cli("train", "--data", base / "shards", "--model", "tiny", "-o", out, "--resume",
+                "--set", "max_steps=1", "--set", "batch_size=2")
+        assert r.exit_code == 0, r.output
+        assert "warning:" in r.output and "no checkpoint to continue from; starting at step 0" in r.output
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_staging_is_cleaned_and_other_staging_reported(tmp_path):
+    out = tmp_path / "shards"
+    stale, foreign = tmp_path / "shards.tmp-0123456789ab", tmp_path / "shards.tmp-ba9876543210"
+    for folder, host, pid in ((stale, socket.gethostname(), _dead_pid()), (foreign, "another-host", 1)):
+        folder.mkdir()
+        (folder / "train-00000-of-00001.array_record").write_bytes(b"x" * 1000)
+        (folder / "_owner.json").write_text(json.dumps({"host": host, "pid": pid, "started": 0}))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "p", "chosen": "yes", "rejected": "no"}) + "\n")
+    r = cli("preprocess", "-i", src, "--tokenizer", DEMO / "tokenizer", "-o", out, "--eval-fraction", "0")
+    assert r.exit_code == 0, r.output
+    assert not stale.exists() and foreign.exists()
+    text = " ".join(r.output.split())
+    assert f"removed 1 staging folder(s) left by interrupted runs of {out}: {stale}" in text
+    assert f"staging folder(s) of other runs of {out} exist: {foreign}" in text
+    assert not list(tmp_path.glob("shards.tmp-*[!a-z]")) or foreign.exists()
+    assert not (out / "_owner.json").exists()  # the owner file never reaches the published output
+
+
+# --------------------------------------------------------------------------- one-line errors
+
+
+def _checkpoint(folder: pathlib.Path, **config) -> pathlib.Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_every_command_fails_in_one_line(base, tmp_path):
+    shards = base / "shards"
+    gpt2 = _checkpoint(tmp_path / "gpt2", model_type="gpt2", vocab_size=100)
+    assert "model_type 'gpt2' is not supported" in one_line_error(
+        cli("train", "--data", shards, "--model", gpt2, "-o", tmp_path / "r1"))
+    partial = _checkpoint(tmp_path / "partial", model_type="llama", vocab_size=100, hidden_size=64)
+    assert "has no ['intermediate_size', 'num_hidden_layers', 'num_attention_heads']" in one_line_error(
+        cli("train", "--data", shards, "--model", partial, "-o", tmp_path / "r2"))
+    (tmp_path / "afile").write_text("x")
+    assert "is a file" in one_line_error(cli("train", "--data", shards, "--model", "tiny", "-o", tmp_path / "afile"))
+    assert "is a file" in one_line_error(cli("eval", "--model", base / "run", "--data", shards,
+                                             "-o", tmp_path / "afile"))
+    assert "is a file" in one_line_error(cli("preprocess", "-i", DEMO / "hh_rlhf_helpful_sample.jsonl.gz",
+                                             "--tokenizer", DEMO / "tokenizer", "-o", tmp_path / "afile",
+                                             "--overwrite"))
+    assert (tmp_path / "afile").read_text() == "x"
+    assert "is a folder" in one_line_error(cli("score", "--model", base / "run", "-i", tmp_path / "afile",
+                                               "-o", tmp_path))
+    # A run with no checkpoint yet (stopped before its first save).
+    nockpt = tmp_path / "nockpt"
+    shutil.copytree(base / "run", nockpt, ignore=shutil.ignore_patterns("checkpoints"))
+    assert "has no checkpoint yet" in one_line_error(cli("eval", "--model", nockpt, "--data", shards,
+                                                         "-o", tmp_path / "e"))
+    # An older run's model_config.json that lacks a key.
+    old = tmp_path / "old"
+    shutil.copytree(base / "run", old)
+    mc = json.loads((old / "model_config.json").read_text())
+    del mc["head_dim"]
+    (old / "model_config.json").write_text(json.dumps(mc))
+    assert "missing ['head_dim']" in one_line_error(cli("export", old, "-o", tmp_path / "x"))
+    # `rmflow run` with a tokenizer path that does not exist.
+    wf = tmp_path / "wf.yaml"
+    wf.write_text(json.dumps({"output": str(tmp_path / "wf"), "train": {"model": "tiny"},
+                              "preprocess": {"inputs": [str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz")],
+                                             "tokenizer": str(tmp_path / "no-such-tokenizer")}}))
+    r = cli("run", wf)  # progress lines, then the error in one line
+    assert r.exit_code == 1 and "Traceback" not in r.output and isinstance(r.exception, SystemExit)
+    assert r.output.strip().splitlines()[-1].startswith("run failed: tokenizer folder ")
+    assert "no-such-tokenizer does not exist" in " ".join(r.output.split())
+
+
+def test_eval_on_raw_files_that_are_all_broken_keeps_the_errors(base, tmp_path):
+    (tmp_path / "raw.jsonl").write_text('{"prompt": "p"}\n{"broken\n')
+    msg = " ".join(one_line_error(cli("eval", "--model", base / "run", "--data", tmp_path / "raw.jsonl",
+                                      "-o", tmp_path / "e")).split())
+    kept = tmp_path / "e" / "input_errors.jsonl"
+    assert str(kept) in msg and len(kept.read_text().splitlines()) == 2

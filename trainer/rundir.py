@@ -1,0 +1,165 @@
+"""The run directory `rmflow train` writes, and everything read back from it.
+
+A run is self-contained where it matters: besides its config (with absolute paths) it keeps
+the tokenizer it trained with (``tokenizer/``, copied from the shards), the shards' manifest
+(``data_manifest.json``: pad id, tokenizer hash, vocabulary) and the base checkpoint's
+``config.json`` (``base_config.json``), so scoring, evaluating and exporting a run need neither
+the shard folder nor the base model, and read nothing through a path relative to the caller.
+
+    RUN/config.json          TrainConfig (absolute local paths)
+    RUN/model_config.json    the architecture
+    RUN/data_manifest.json   the shards' manifest
+    RUN/base_config.json     the base checkpoint's config.json (absent for the tiny preset)
+    RUN/tokenizer/           the shards' tokenizer files
+    RUN/checkpoints/         Orbax checkpoints
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any
+
+from schemas.config import ConfigError, TrainConfig
+from schemas.errors import RmflowError
+from schemas.manifest import (
+    MANIFEST_FILE,
+    TOKENIZER_DIR,
+    TOKENIZER_FILES,
+    Manifest,
+    ManifestError,
+    sha256_files,
+)
+from trainer.modeling.config import ModelConfig, ModelConfigError
+
+CONFIG = "config.json"
+MODEL_CONFIG = "model_config.json"
+DATA_MANIFEST = "data_manifest.json"
+BASE_CONFIG = "base_config.json"
+CHECKPOINTS = "checkpoints"
+
+
+class RunDirError(RmflowError):
+    """A run directory is missing or unreadable; the message says which file and what to do."""
+
+
+def is_run_dir(path: str) -> bool:
+    """Written by `rmflow train` (even one that has no checkpoint yet)."""
+    return os.path.exists(os.path.join(path, MODEL_CONFIG)) or os.path.isdir(os.path.join(path, CHECKPOINTS))
+
+
+def tokenizer_fingerprint(folder: str) -> str | None:
+    """The hash the manifest records for a tokenizer folder, or None when it has no tokenizer.json."""
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                files[name] = f.read()
+    return sha256_files(files) if "tokenizer.json" in files else None
+
+
+def write_run_files(run_dir: str, cfg: TrainConfig, model_config: ModelConfig, base_folder: str | None) -> None:
+    """Everything a run needs besides its checkpoints; called once the run's checks passed."""
+    os.makedirs(run_dir, exist_ok=True)
+    _write_json(os.path.join(run_dir, MODEL_CONFIG), dataclasses.asdict(model_config))
+    shutil.copyfile(os.path.join(cfg.data, MANIFEST_FILE), os.path.join(run_dir, DATA_MANIFEST))
+    tok_src, tok_dst = os.path.join(cfg.data, TOKENIZER_DIR), os.path.join(run_dir, TOKENIZER_DIR)
+    if os.path.isdir(tok_src):
+        shutil.copytree(tok_src, tok_dst, dirs_exist_ok=True)
+    if base_folder is not None:
+        shutil.copyfile(os.path.join(base_folder, "config.json"), os.path.join(run_dir, BASE_CONFIG))
+    with open(os.path.join(run_dir, CONFIG), "w") as f:  # last: its presence means the rest is there
+        f.write(cfg.to_json())
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFiles:
+    """What a run directory says about itself (not its parameters)."""
+
+    path: str
+    config: TrainConfig
+    model_config: ModelConfig
+    manifest: Manifest
+    tokenizer_dir: str | None  # None: the tokenizer is not available
+    base_config: dict[str, Any] | None
+
+    @property
+    def pad_id(self) -> int:
+        return self.manifest.tokenizer.pad_token_id or 0
+
+
+def read_run(run_dir: str) -> RunFiles:
+    if not os.path.isdir(run_dir):
+        raise RunDirError(f"{run_dir} does not exist: give a run directory written by `rmflow train`")
+    if not is_run_dir(run_dir):
+        raise RunDirError(f"{run_dir} is not an rmflow run directory (no {MODEL_CONFIG}): give the --output "
+                          "folder of `rmflow train`")
+    raw_cfg = _read_json(run_dir, CONFIG)
+    try:
+        cfg = TrainConfig.from_dict(raw_cfg)
+    except ConfigError as e:
+        raise RunDirError(f"{os.path.join(run_dir, CONFIG)}: {e}") from e
+    model_config = _model_config(run_dir, _read_json(run_dir, MODEL_CONFIG))
+    tokenizer_dir = os.path.join(run_dir, TOKENIZER_DIR)
+    if os.path.exists(os.path.join(run_dir, DATA_MANIFEST)):
+        text = _read_text(run_dir, DATA_MANIFEST)
+    else:  # a run written before runs kept their data's manifest: read it where it was
+        data = cfg.data
+        if not os.path.isabs(data) and "://" not in data:
+            raise RunDirError(
+                f"{run_dir} was written by an older rmflow and names its shards by the relative path "
+                f"{data!r}; set 'data' in {os.path.join(run_dir, CONFIG)} to the absolute shard folder")
+        text = _read_text(data, MANIFEST_FILE)
+        tokenizer_dir = os.path.join(data, TOKENIZER_DIR)
+    try:
+        manifest = Manifest.from_json(text)
+    except ManifestError as e:
+        raise RunDirError(f"{run_dir}: cannot read its data manifest: {e}") from e
+    base = json.loads(_read_text(run_dir, BASE_CONFIG)) if os.path.exists(os.path.join(run_dir, BASE_CONFIG)) \
+        else None
+    return RunFiles(run_dir, cfg, model_config, manifest,
+                    tokenizer_dir if os.path.isdir(tokenizer_dir) else None, base)
+
+
+def _model_config(run_dir: str, raw: dict[str, Any]) -> ModelConfig:
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in raw]
+    unknown = sorted(set(raw) - set(fields))
+    if missing or unknown:
+        raise RunDirError(
+            f"{os.path.join(run_dir, MODEL_CONFIG)} does not describe a model this rmflow builds "
+            f"(missing {missing}, unknown {unknown}): it was written by another rmflow version; retrain, or "
+            "export it with the version that trained it")
+    try:
+        return ModelConfig(**{**raw, "rope_params": tuple(tuple(p) for p in raw.get("rope_params", ()))})
+    except (ModelConfigError, TypeError, ValueError) as e:
+        raise RunDirError(f"{os.path.join(run_dir, MODEL_CONFIG)}: {e}") from e
+
+
+def _read_text(folder: str, name: str) -> str:
+    path = os.path.join(folder, name)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise RunDirError(f"cannot read {path}: {e.strerror or e}") from e
+
+
+def _read_json(folder: str, name: str) -> dict[str, Any]:
+    try:
+        value = json.loads(_read_text(folder, name))
+    except ValueError as e:
+        raise RunDirError(f"{os.path.join(folder, name)} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise RunDirError(f"{os.path.join(folder, name)} is not a JSON object")
+    return value
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
