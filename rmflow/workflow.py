@@ -7,6 +7,14 @@ marker holds the current hash is skipped, so an interrupted workflow resumes whe
 a changed config reruns that stage and every stage after it. An interrupted training run with
 unchanged config resumes from its newest checkpoint.
 
+Inputs changed in place count as a changed config: the preprocess hash covers the path, size
+and modification time of every input file (local or gs://: listing metadata only, so it costs
+the same for a terabyte as for a kilobyte; a content hash would read every byte), the content of
+the tokenizer files and of the chat template; the train hash covers the same metadata of the
+model checkpoint's files. A training run that a changed config replaces is not deleted: it is
+moved to ``previous/run-<its hash>/`` (the newest one replaced is kept), and the log says what
+changed.
+
     output: demo-output
     preprocess: {inputs: [data.jsonl.gz], tokenizer: path/to/tokenizer, max_length: 512}
     train: {model: tiny, max_steps: 40, batch_size: 8}
@@ -46,6 +54,11 @@ class Workflow:
         for key in ("output", "preprocess", "train"):
             if key not in d:
                 raise ConfigError(f"workflow needs '{key}'")
+        for key in ("preprocess", "train", "eval"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise ConfigError(f"workflow '{key}' must be a mapping of option: value")
+        if not isinstance(d["output"], str):
+            raise ConfigError("workflow 'output' must be a folder path")
         out = _path(d["output"], base_dir)
         pre = dict(d["preprocess"])
         pre["inputs"] = tuple(_path(p, base_dir) for p in ([pre["inputs"]] if isinstance(pre.get("inputs"), str)
@@ -67,8 +80,14 @@ class Workflow:
     def load(cls, path: str) -> Workflow:
         import yaml
 
-        with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f) or {}, base_dir=os.path.dirname(os.path.abspath(path)))
+        try:
+            with open(path) as f:
+                spec = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read workflow {path}: {e}") from e
+        if not isinstance(spec, dict):
+            raise ConfigError(f"workflow {path} must be a mapping with output, preprocess, train ...")
+        return cls.from_dict(spec, base_dir=os.path.dirname(os.path.abspath(path)))
 
 
 def _path(p: str, base_dir: str) -> str:
@@ -101,8 +120,8 @@ def run(wf: Workflow, log=print) -> dict[str, str]:
     """Run the stages that are not already done; returns each stage's status (ran, skipped, off)."""
     os.makedirs(wf.output, exist_ok=True)
     status: dict[str, str] = {}
-    h_pre = _hash(wf.preprocess.output_affecting())
-    h_train = _hash(dataclasses.asdict(wf.train), h_pre)
+    h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
+    h_train = _hash({**dataclasses.asdict(wf.train), "model_identity": model_identity(wf.train.model)}, h_pre)
     h_eval = _hash(wf.eval, h_train)
     h_export = _hash("export", h_train)
     hashes = {"preprocess": h_pre, "train": h_train, "eval": h_eval, "export": h_export}
@@ -123,11 +142,71 @@ def run(wf: Workflow, log=print) -> dict[str, str]:
     return status
 
 
+def file_identity(pattern: str) -> list[tuple[str, int, float]]:
+    """(path, size, modification time) of every file under a file, glob or folder (local or remote)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    stripped = pattern.rstrip("/")
+    query = stripped + "/**" if "://" in stripped or os.path.isdir(stripped) else pattern
+    try:
+        metas = FileSystems.match([query])[0].metadata_list
+    except Exception:  # noqa: BLE001 - not listable: the stage itself reports it
+        return []
+    return sorted((m.path, m.size_in_bytes, m.last_updated_in_seconds) for m in metas)
+
+
+def preprocess_identity(cfg: PreprocessConfig) -> dict[str, Any]:
+    """What the shards depend on besides the config: the inputs' metadata, the tokenizer's files."""
+    from pipelines.io import InputError, expand_inputs
+
+    try:
+        files = [p for p, _ in expand_inputs(cfg.inputs)]
+    except InputError:
+        files = []  # the stage reports the problem when it runs
+    ident: dict[str, Any] = {"inputs": [f for p in files for f in file_identity(p)]}
+    for key in ("tokenizer", "chat_template"):
+        path = getattr(cfg, key)
+        if path and os.path.exists(path):
+            ident[key] = _content_hash(path)
+    return ident
+
+
+def model_identity(model: str) -> list[tuple[str, int, float]] | None:
+    return file_identity(model) if model != "tiny" and os.path.isdir(model) else None
+
+
+def _content_hash(path: str) -> str:
+    h = hashlib.sha256()
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else [""]
+    for name in names:
+        full = os.path.join(path, name) if name else path
+        if os.path.isfile(full):
+            h.update(name.encode() + b"\0")
+            with open(full, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def _run_preprocess(wf: Workflow, hashes, log) -> dict[str, Any]:
     from pipelines.preprocess import run as preprocess
 
     result = preprocess(wf.preprocess)
+    for line in summary_lines(result.stats, wf.preprocess.max_length):
+        log(f"  {line}")
     return {"counts": result.stats["counts"]}
+
+
+def summary_lines(stats: dict[str, Any], max_length: int) -> list[str]:
+    """The preprocess counts in a few lines, with what was set aside and why."""
+    c = stats["counts"]
+    read = max(c["records_read"], 1)
+    lines = [f"{c['records_read']:,} records read, {c['pairs_written']:,} pairs written "
+             f"({c['pairs_written_train']:,} train / {c['pairs_written_eval']:,} eval)"]
+    for key, what in (("dropped_too_long", f"longer than max_length {max_length}"), ("ties", "ties"),
+                      ("duplicates", "duplicates"), ("errors", "errors")):
+        if c[key]:
+            lines.append(f"not written: {c[key]:,} {what} ({c[key] / read:.1%})")
+    return lines
 
 
 def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
@@ -138,11 +217,12 @@ def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
     if os.path.isdir(wf.train.output):
         try:
             with open(started) as f:
-                resume = json.load(f)["hash"] == hashes["train"]
+                old_hash = json.load(f)["hash"]
         except (OSError, ValueError, KeyError):
-            resume = False
-        if not resume:  # a run for another config: start over
-            shutil.rmtree(wf.train.output)
+            old_hash = "unknown"
+        resume = old_hash == hashes["train"]
+        if not resume:  # a run for another config or other shards: set it aside, start over
+            _set_aside(wf, old_hash, log)
     with open(started, "w") as f:
         json.dump({"hash": hashes["train"]}, f)
     def on_log(r: dict[str, Any]) -> None:
@@ -156,6 +236,32 @@ def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
         log("  resuming the interrupted run from its newest checkpoint")
     result = train(wf.train, resume=resume, on_log=on_log)
     return {"steps": result.total_steps, "final": result.history[-1] if result.history else {}}
+
+
+def _set_aside(wf: Workflow, old_hash: str, log) -> None:
+    """Move the run a changed config replaces to previous/run-<hash> (the last one is kept) and say
+    what changed."""
+    from trainer.train import existing_checkpoint
+
+    run_dir = wf.train.output
+    changes = []
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            old = json.load(f)
+        new = dataclasses.asdict(wf.train)
+        changes = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k]]
+    except (OSError, ValueError):
+        pass
+    reason = "; ".join(changes) if changes else "the shards or the model checkpoint changed"
+    step = existing_checkpoint(run_dir)
+    dest = os.path.join(wf.output, "previous", f"run-{old_hash}")
+    if os.path.exists(os.path.join(wf.output, "previous")):
+        shutil.rmtree(os.path.join(wf.output, "previous"))
+    os.makedirs(os.path.dirname(dest))
+    shutil.move(run_dir, dest)
+    log(f"  train config changed ({reason}): the previous run "
+        f"({'step ' + str(step) if step is not None else 'no checkpoint'}) is moved to {dest}, "
+        "where it stays until another config change replaces it")
 
 
 def _run_eval(wf: Workflow, hashes, log) -> dict[str, Any]:

@@ -3,7 +3,10 @@ stopped, rerun from a changed stage onwards; and the embedded demo runs end to e
 
 import gzip
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import yaml
 
@@ -40,19 +43,75 @@ def test_skip_resume_and_rerun_from_a_changed_stage(tmp_path):
     logs = []
     assert run(wf, log=logs.append)["train"] == "ran"
     assert any("resuming" in m for m in logs)
-    # A changed train config reruns train and eval, not preprocess.
-    changed = Workflow.from_dict(small(tmp_path, max_steps=4))
-    assert run(changed, log=lambda m: None) == {"preprocess": "skipped", "train": "ran", "eval": "ran",
-                                                "export": "off"}
+    # A changed train config reruns train and eval, not preprocess; the replaced run is kept, and
+    # the log says what changed and where the old run went.
+    spec["train"]["max_steps"] = 4
+    changed = Workflow.from_dict(spec)
+    logs = []
+    assert run(changed, log=logs.append) == {"preprocess": "skipped", "train": "ran", "eval": "ran",
+                                             "export": "off"}
     history = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3, 4]  # a fresh run for the new config
+    (note,) = [m for m in logs if "train config changed" in m]
+    assert "max_steps: 3 -> 4" in note and "previous run (step 3)" in note
+    (kept,) = (out / "previous").iterdir()
+    assert kept.name.startswith("run-") and (kept / "checkpoints").is_dir()
 
 
-def test_the_embedded_demo_runs(tmp_path):
+def test_an_input_changed_in_place_reruns_preprocess(tmp_path):
+    """Same path, new content: the stage hash covers each input's size and modification time."""
+    spec = small(tmp_path)
+    wf = Workflow.from_dict(spec)
+    logs = []
+    assert run(wf, log=logs.append)["preprocess"] == "ran"
+    assert any("80 records read" in m for m in logs)  # the preprocess summary is shown
+    assert run(wf, log=lambda m: None)["preprocess"] == "skipped"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(pairs.read_text().splitlines(keepends=True)[:60]))
+    assert run(wf, log=lambda m: None) == {"preprocess": "ran", "train": "ran", "eval": "ran", "export": "off"}
+    manifest = json.loads((tmp_path / "out" / "shards" / "manifest.json").read_text())
+    assert sum(s["pairs"] for s in manifest["splits"].values()) <= 60
+
+
+# Make torch unfindable, as if not installed (transformers imports it whenever it can).
+HIDE_TORCH = """import sys
+class _Hide:
+    def __init__(self, inner):
+        self.inner = inner
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            return None
+        find = getattr(self.inner, "find_spec", None)
+        return find(name, path, target) if find else None
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+sys.meta_path[:] = [_Hide(f) for f in sys.meta_path]
+"""
+
+
+def test_the_embedded_demo_runs_without_torch_and_shows_its_summary(tmp_path):
+    """`rmflow run` on the demo, in a fresh process: it completes, prints the preprocess summary
+    (nothing dropped silently) and keeps nearly every pair at its max_length; PyTorch is hidden
+    from the process, as in the demo's install (tests/test_packaging.py checks that install has
+    neither PyTorch nor the Google Cloud extras)."""
     spec = yaml.safe_load((DEMO / "workflow.yaml").read_text())
     spec["output"] = str(tmp_path / "demo")
-    status = run(Workflow.from_dict(spec, base_dir=str(DEMO)), log=lambda m: None)
-    assert status == {"preprocess": "ran", "train": "ran", "eval": "ran", "export": "ran"}
+    spec["preprocess"]["inputs"] = [str(DEMO / p) for p in spec["preprocess"]["inputs"]]
+    spec["preprocess"]["tokenizer"] = str(DEMO / spec["preprocess"]["tokenizer"])
+    (tmp_path / "workflow.yaml").write_text(yaml.safe_dump(spec))
+    code = HIDE_TORCH + (
+        "import json\nfrom rmflow.cli import app\n"
+        "try:\n    app(['run', sys.argv[1]], standalone_mode=False)\n"
+        "finally:\n    print('MODULES', json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "workflow.yaml")], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "COLUMNS": "200"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "MODULES []" in out
+    assert "500 records read, 477 pairs written" in out  # the summary; max_length 512 keeps 95% of pairs
+    assert "not written: 22 longer than max_length 512 (4.4%)" in out and "not written: 1 errors" in out
     report = json.loads((tmp_path / "demo" / "eval" / "eval.json").read_text())["metrics"]
     assert report["pairs"] > 20 and (tmp_path / "demo" / "eval" / "report.md").exists()
     assert (tmp_path / "demo" / "export" / "model.safetensors").exists()
+    md = (tmp_path / "demo" / "eval" / "report.md").read_text()
+    assert "checkpoint step 40" in md and "95% confidence interval" in md and "split eval" in md
