@@ -91,6 +91,9 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
         raise PreprocessError(f"--output {out} is a file; give a folder for the shards")
     if rio.exists(out) and not cfg.overwrite:
         raise PreprocessError(f"output {out} already exists: choose another --output or pass --overwrite")
+    if rio.exists(out) and not _is_shard_folder(out):  # --overwrite deletes it: only ever our own output
+        raise PreprocessError(f"--overwrite would delete {out}, which is not an rmflow shard folder (no "
+                              f"{MANIFEST_FILE}, {COMPLETED_FILE} or {SUMMARY_FILE}): choose another --output")
     try:
         files = rio.expand_inputs(cfg.inputs)
     except rio.InputError as e:
@@ -98,6 +101,13 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
     assets = load_tokenizer_assets(cfg.tokenizer, cfg.chat_template)
     report_leftovers(out)
     return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), new_staging(out))
+
+
+def _is_shard_folder(path: str) -> bool:
+    """Written by `rmflow preprocess` (complete, or failed after its counts were gathered), or empty."""
+    if "://" not in path and os.path.isdir(path) and not os.listdir(path):
+        return True
+    return any(rio.exists(f"{path}/{name}") for name in (MANIFEST_FILE, COMPLETED_FILE, SUMMARY_FILE))
 
 
 def report_leftovers(output: str) -> None:

@@ -222,6 +222,13 @@ def test_every_command_fails_in_one_line(base, tmp_path):
                                              "--tokenizer", DEMO / "tokenizer", "-o", tmp_path / "afile",
                                              "--overwrite"))
     assert (tmp_path / "afile").read_text() == "x"
+    # --overwrite deletes only rmflow's own output, never a folder of other files
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    assert "not an rmflow shard folder" in one_line_error(
+        cli("preprocess", "-i", DEMO / "hh_rlhf_helpful_sample.jsonl.gz", "--tokenizer", DEMO / "tokenizer",
+            "-o", tmp_path / "mine", "--overwrite"))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
     assert "is a folder" in one_line_error(cli("score", "--model", base / "run", "-i", tmp_path / "afile",
                                                "-o", tmp_path))
     # A run with no checkpoint yet (stopped before its first save).
