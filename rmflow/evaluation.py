@@ -202,17 +202,22 @@ def run_rewardbench_v2(model_path: str, data: list[str], output: str, *, batch_s
                "rewardbench_v2": v2_scores(credits, [sub for _, _, sub in examples])}
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, "eval.json"), "w") as f:
-        json.dump({"metrics": metrics, "config": {"model": model_path, "data": list(data),
-                                                  "mode": "rewardbench-v2"}}, f, indent=2, sort_keys=True)
+        json.dump({"metrics": metrics, "config": {"model": model_path, "model_description": loaded.description,
+                                                  "data": list(data), "mode": "rewardbench-v2"}},
+                  f, indent=2, sort_keys=True)
     with open(os.path.join(output, "report.md"), "w") as f:
-        f.write(rewardbench_v2_markdown(metrics))
+        f.write(rewardbench_v2_markdown(metrics, loaded.description, data))
     return metrics
 
 
-def rewardbench_v2_markdown(m: dict[str, Any]) -> str:
+def rewardbench_v2_markdown(m: dict[str, Any], model: str = "", data: list[str] = ()) -> str:
     rb = m["rewardbench_v2"]
-    lines = ["# RewardBench 2 (best-of-n, 1/k credit for ties)", "",
-             f"{m['examples']:,} examples of {m['completions_per_example']} completions. Score: {rb['score']:.2f}", "",
-             "| subset | examples | accuracy |", "| --- | ---: | ---: |"]
+    lines = ["# RewardBench 2 (best-of-n, 1/k credit for ties)", ""]
+    if model:
+        lines.append(f"Model: {model}.  ")
+    if data:
+        lines.append(f"Data: {', '.join(data)}.  ")
+    lines += [f"{m['examples']:,} examples of {m['completions_per_example']} completions. Score: {rb['score']:.2f}",
+              "", "| subset | examples | accuracy |", "| --- | ---: | ---: |"]
     lines += [f"| {k} | {v['examples']:,} | {v['accuracy']:.4f} |" for k, v in rb["subsets"].items()]
     return "\n".join(lines) + "\n"

@@ -158,6 +158,7 @@ def test_rewardbench_modes(trained_run, tmp_path):
                                  "--output", str(tmp_path / "rb2"), "--mode", "rewardbench-v2"])
     assert r.exit_code == 0, r.output
     m2 = json.loads((tmp_path / "rb2" / "eval.json").read_text())["metrics"]
+    assert "checkpoint step 3" in (tmp_path / "rb2" / "report.md").read_text()  # names the weights it scored
     # Same completions through `rmflow score`: the credit must follow from those scores.
     convs = [{"messages": [{"role": "user", "content": x["prompt"]}, {"role": "assistant", "content": c}]}
              for x in v2 for c in x["chosen"] + x["rejected"]]
