@@ -187,6 +187,12 @@ class TrainConfig(_Serializable):
     attention: str = _opt("auto", "Attention implementation: auto (blockwise on CPU and TPU, cudnn on GPU in "
                                   "bfloat16), xla (dense reference), blockwise (memory-efficient, pure JAX) or "
                                   "cudnn (fused flash attention, NVIDIA GPUs, bfloat16).")
+    mesh_data: int = _opt(-1, "Device mesh, data axis: devices that split the batch and hold whole replicas "
+                              "of the parameters; -1 = the devices left by the other two axes.")
+    mesh_fsdp: int = _opt(1, "Device mesh, fsdp axis: devices that split the batch and shard the parameters and "
+                             "optimizer state (FSDP / ZeRO-3); -1 = the devices left.")
+    mesh_tensor: int = _opt(1, "Device mesh, tensor axis: devices that shard attention heads and MLP columns "
+                               "within each layer; -1 = the devices left.")
     seed: int = _opt(0, "Seed of the data order and of the score head's initialisation.")
     logging_steps: int = _opt(10, "Steps per metrics window (metrics.jsonl, TensorBoard, progress bar).")
     eval_steps: int = _opt(0, "Evaluate on the eval split every this many steps; 0 = only at the end.")
@@ -203,6 +209,10 @@ class TrainConfig(_Serializable):
                               ("eval_steps", 0), ("save_steps", 0), ("save_total_limit", 1),
                               ("loader_workers", 0)):
             _check_int(getattr(self, name), name, minimum)
+        sizes = (self.mesh_data, self.mesh_fsdp, self.mesh_tensor)
+        if any(isinstance(v, bool) or not isinstance(v, int) or v == 0 or v < -1 for v in sizes) \
+                or sizes.count(-1) > 1:
+            raise ConfigError(f"mesh_data, mesh_fsdp, mesh_tensor = {sizes}: positive sizes, at most one -1")
         if self.learning_rate <= 0 or self.learning_rate_end < 0:
             raise ConfigError("learning_rate must be > 0 and learning_rate_end >= 0")
         if self.dtype not in DTYPES:
@@ -216,6 +226,10 @@ class TrainConfig(_Serializable):
         for name in ("weight_decay", "max_grad_norm", "center_rewards_coefficient"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        return (self.mesh_data, self.mesh_fsdp, self.mesh_tensor)
 
     def with_absolute_paths(self) -> TrainConfig:
         """Local paths made absolute (the run stores them; a hub id or 'tiny' stays as it is)."""

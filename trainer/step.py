@@ -118,6 +118,19 @@ class Trainer:
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
 
+    def use_mesh(self, mesh) -> TrainState:
+        """Shard the state over ``mesh`` by the parameter-name rules (``trainer.parallel``) and
+        keep it so: the step's output state has the input's shardings. Returns the placed state."""
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from trainer.parallel import shardings
+
+        self.state_shardings = shardings(self.init_state, mesh)
+        self.train_step = jax.jit(self._train_step, donate_argnums=0,
+                                  out_shardings=(self.state_shardings, NamedSharding(mesh, P())))
+        return jax.device_put(self.init_state, self.state_shardings)
+
     def model(self, params: Any) -> RewardModel:
         return nnx.merge(self.graphdef, params, self.others)
 

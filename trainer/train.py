@@ -1,7 +1,9 @@
 """`rmflow train`: shards + a checkpoint (or the tiny preset) to a trained reward model.
 
 ``run(cfg)`` checks the shards' manifest against the run, builds the model and the Grain
-loader, and trains with the jitted step on a data-parallel mesh over all local devices.
+loader, and trains with the jitted step on a device mesh (``data`` x ``fsdp`` x ``tensor``, from
+the config) over the devices of every process, parameters and optimizer state sharded by the
+name rules of ``trainer.parallel``.
 Every ``save_steps`` it saves, with Orbax, the train state (params, optimizer state, step, RNG)
 together with the Grain iterator's state, so ``resume=True`` continues on exactly the next
 batch: after a crash or ``kill -9`` the final parameters and the metric history equal those
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from schemas.config import TrainConfig
@@ -35,6 +37,7 @@ from trainer.memory import release_free_memory
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import load_reward_model, read_config, resolve
 from trainer.modeling.llama import RewardModel
+from trainer.parallel import BATCH_AXES, batch_shards, make_mesh
 from trainer.rundir import CHECKPOINTS, RunFiles, is_run_dir, read_run, tokenizer_fingerprint, write_run_files
 from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches
 from trainer.tensorboard import summary_writer
@@ -166,7 +169,8 @@ def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardMod
     if step not in manager.all_steps():
         raise TrainError(f"{run_dir} has no checkpoint of step {step}; it has {sorted(manager.all_steps())}")
     leaves = jax.tree.leaves(trainer.init_state)
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # whatever mesh trained it
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) for x in leaves]
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
     state = jax.tree.unflatten(jax.tree.structure(trainer.init_state), list(restored["state"]))
     nnx.update(model, state.params)
@@ -189,11 +193,15 @@ class Run:
         self.eval_paths = shard_paths(cfg.data, self.manifest, "eval")
         if not self.train_paths:
             raise TrainError(f"{cfg.data} has no train pairs")
-        devices = jax.devices()
-        if cfg.batch_size % len(devices):
-            raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {len(devices)} devices")
-        self.mesh = Mesh(np.array(devices), ("data",))
-        self.rows = len(devices)  # packed rows per micro-batch: one per device
+        self.mesh = make_mesh(cfg.mesh_shape)
+        shards, procs = batch_shards(self.mesh), jax.process_count()
+        if cfg.batch_size % shards:
+            raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {shards} batch shards "
+                             f"(mesh data x fsdp = {self.mesh.shape['data']} x {self.mesh.shape['fsdp']})")
+        if shards % procs:
+            raise TrainError(f"the mesh splits batches {shards} ways, not a multiple of the {procs} processes")
+        self.rows = shards // procs  # packed rows of this process's micro-batch: one per batch shard
+        self.local_batch = cfg.batch_size // procs  # pairs this process reads per micro-batch
         self.packing = resolve_packing(cfg.packing, jax.default_backend())
         self.total_steps = plan_steps(cfg, self.manifest.splits["train"].pairs)
         model = build_model(cfg, self.manifest)
@@ -202,12 +210,21 @@ class Run:
         release_free_memory()  # initialisation temporaries
 
     def loader(self, paths, *, train: bool):
-        return make_loader(paths, batch_size=self.cfg.batch_size, max_length=self.max_length, seed=self.cfg.seed,
+        return make_loader(paths, batch_size=self.local_batch, max_length=self.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.loader_workers,
                            pad_id=self.pad_id, packing=self.packing, rows=self.rows)
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
-        return jax.device_put(stack_micro_batches(micro), NamedSharding(self.mesh, P(None, "data")))
+        """Each process's micro-batches become its slice of the global batch (rows split over
+        data x fsdp; a pair's rows never separate). Processes agree on one row length first."""
+        host = stack_micro_batches(micro)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            length = int(np.max(multihost_utils.process_allgather(np.int32(host["input_ids"].shape[-1]))))
+            host = stack_micro_batches([_widen(b, length) for b in micro])
+        sharding = NamedSharding(self.mesh, P(None, BATCH_AXES))
+        return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}
 
     def evaluate(self, params) -> dict[str, Any]:
         if not self.eval_paths:
@@ -242,15 +259,15 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     write_run_files(cfg.output, cfg, r.trainer.model(r.trainer.init_state.params).config,
                     None if cfg.model == "tiny" else resolve(cfg.model))
 
-    replicated = NamedSharding(r.mesh, P())
-    state = jax.device_put(r.trainer.init_state, replicated)
+    state = r.trainer.use_mesh(r.mesh)  # parameters and optimizer state sharded by the name rules
     treedef = jax.tree.structure(state)
     iterator = iter(r.loader(r.train_paths, train=True))
     manager = checkpoint_manager(cfg.output, keep=cfg.save_total_limit)
     history = []
     metrics_path = os.path.join(cfg.output, METRICS_FILE)
     if resume and latest is not None:
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated) for x in jax.tree.leaves(state)]
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # onto this run's mesh, whatever saved it
+                    for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(r.trainer.state_shardings))]
         restored = manager.restore(latest, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
         state = jax.tree.unflatten(treedef, list(restored["state"]))
@@ -306,6 +323,14 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
         manager.wait_until_finished()
         writer.close()
     return TrainResult(state, r.trainer, history, r.total_steps)
+
+
+def _widen(batch: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+    """Right-pad a micro-batch's rows (segment 0: padding) to ``length`` tokens."""
+    from trainer.step import ROW_KEYS
+
+    return {k: np.pad(v, [(0, 0), (0, length - v.shape[1])]) if k in ROW_KEYS and v.shape[1] < length else v
+            for k, v in batch.items()}
 
 
 class _Window:

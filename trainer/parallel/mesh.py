@@ -1,0 +1,54 @@
+"""The device mesh: named axes ``data``, ``fsdp`` and ``tensor``, its shape from the config.
+
+``data`` replicates the parameters and splits the batch; ``fsdp`` splits the batch and shards
+the parameters and optimizer state (each device holds 1/n, gathered per layer when used);
+``tensor`` shards attention heads and MLP columns within a layer. Batches are split over
+``data`` x ``fsdp`` (``BATCH_AXES``). One size may be -1: it takes the devices left over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from schemas.errors import RmflowError
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+class MeshError(RmflowError, ValueError):
+    """The mesh shape does not fit the devices; the message says how to fix it."""
+
+
+def mesh_shape(requested: Sequence[int], n_devices: int) -> tuple[int, ...]:
+    """``requested`` (one entry per axis, at most one -1) resolved against ``n_devices``."""
+    if len(requested) != len(AXES):
+        raise MeshError(f"mesh shape {tuple(requested)} needs one size per axis {AXES}")
+    if any(s == 0 or s < -1 for s in requested) or list(requested).count(-1) > 1:
+        raise MeshError(f"mesh shape {tuple(requested)}: sizes are positive, and at most one is -1 (the rest)")
+    fixed = math.prod(s for s in requested if s != -1)
+    if -1 in requested:
+        if n_devices % fixed:
+            raise MeshError(f"mesh shape {tuple(requested)}: {n_devices} devices are not a multiple of {fixed}")
+        return tuple(n_devices // fixed if s == -1 else s for s in requested)
+    if fixed != n_devices:
+        raise MeshError(f"mesh shape {tuple(requested)} holds {fixed} devices, but there are {n_devices}; "
+                        "use -1 for one axis to take the rest")
+    return tuple(requested)
+
+
+def make_mesh(requested: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh over all devices (of every process), axes typed explicitly (Auto: the compiler
+    propagates shardings from the parameters' and the batch's)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(requested, len(devices))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many pieces a batch is split into (rows per micro-batch are a multiple of this)."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
