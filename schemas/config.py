@@ -150,6 +150,7 @@ DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
 PACKING = ("auto", "none", "bucket", "pack")
 ATTENTION = ("auto", "xla", "blockwise", "cudnn")
+DISTRIBUTED = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +194,12 @@ class TrainConfig(_Serializable):
                              "optimizer state (FSDP / ZeRO-3); -1 = the devices left.")
     mesh_tensor: int = _opt(1, "Device mesh, tensor axis: devices that shard attention heads and MLP columns "
                                "within each layer; -1 = the devices left.")
+    distributed: str = _opt("auto", "Several processes (hosts): auto = join when a coordinator is named "
+                                    "(coordinator_address or JAX_COORDINATOR_ADDRESS), on = always call "
+                                    "jax.distributed.initialize (TPU VM slices, SLURM, MPI find the rest), off.")
+    coordinator_address: str = _opt("", "host:port of process 0, for distributed runs (or JAX_COORDINATOR_ADDRESS); "
+                                        "each process sets JAX_PROCESS_ID.")
+    num_processes: int = _opt(0, "Processes in a distributed run; 0 = JAX_NUM_PROCESSES or the cluster's own count.")
     seed: int = _opt(0, "Seed of the data order and of the score head's initialisation.")
     logging_steps: int = _opt(10, "Steps per metrics window (metrics.jsonl, TensorBoard, progress bar).")
     eval_steps: int = _opt(0, "Evaluate on the eval split every this many steps; 0 = only at the end.")
@@ -221,6 +228,9 @@ class TrainConfig(_Serializable):
             raise ConfigError(f"packing {self.packing!r}: use one of {PACKING}")
         if self.attention not in ATTENTION:
             raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION}")
+        if self.distributed not in DISTRIBUTED:
+            raise ConfigError(f"distributed {self.distributed!r}: use one of {DISTRIBUTED}")
+        _check_int(self.num_processes, "num_processes", 0)
         if self.lr_schedule not in SCHEDULES:
             raise ConfigError(f"lr_schedule {self.lr_schedule!r}: use one of {SCHEDULES}")
         for name in ("weight_decay", "max_grad_norm", "center_rewards_coefficient"):

@@ -37,7 +37,7 @@ from trainer.memory import release_free_memory
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import load_reward_model, read_config, resolve
 from trainer.modeling.llama import RewardModel
-from trainer.parallel import BATCH_AXES, batch_shards, make_mesh
+from trainer.parallel import BATCH_AXES, batch_shards, distributed, make_mesh
 from trainer.rundir import CHECKPOINTS, RunFiles, is_run_dir, read_run, tokenizer_fingerprint, write_run_files
 from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches
 from trainer.tensorboard import summary_writer
@@ -246,6 +246,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     import orbax.checkpoint as ocp
 
     cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
+    distributed.initialize(cfg.distributed, cfg.coordinator_address, cfg.num_processes)  # before any backend use
+    primary = distributed.is_primary()
     check_output(cfg.output, resume)
     r = Run(cfg)
     # Every check before anything is written: a refused run leaves the existing one intact.
@@ -256,8 +258,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     if resume and latest is None:
         warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
                       RmflowWarning, stacklevel=2)
-    write_run_files(cfg.output, cfg, r.trainer.model(r.trainer.init_state.params).config,
-                    None if cfg.model == "tiny" else resolve(cfg.model))
+    if primary:  # one writer for the run's own files; every process takes part in checkpoints
+        write_run_files(cfg.output, cfg, r.trainer.model(r.trainer.init_state.params).config,
+                        None if cfg.model == "tiny" else resolve(cfg.model))
 
     state = r.trainer.use_mesh(r.mesh)  # parameters and optimizer state sharded by the name rules
     treedef = jax.tree.structure(state)
@@ -272,11 +275,13 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
             state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
         state = jax.tree.unflatten(treedef, list(restored["state"]))
         history = [h for h in _read_history(metrics_path) if h["step"] <= latest]
-    _write_history(metrics_path, history)
+    if primary:
+        _write_history(metrics_path, history)
 
     # After a resume, TensorBoard drops the events logged past the restored checkpoint.
     writer = summary_writer(os.path.join(cfg.output, "tensorboard"),
-                            purge_step=int(state.step) + 1 if resume and latest is not None else None)
+                            purge_step=int(state.step) + 1 if resume and latest is not None else None) \
+        if primary else None
     window = _Window()
     step = int(state.step)
     if on_start:
@@ -309,10 +314,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
                 record = {**(record or {"step": step}), **r.evaluate(state.params)}
             if record:
                 history.append(record)
-                _append_history(metrics_path, record)
-                for k, v in record.items():
-                    if k != "step" and isinstance(v, (int, float)):
-                        writer.add_scalar(k, v, step)
+                if primary:
+                    _append_history(metrics_path, record)
+                    for k, v in record.items():
+                        if k != "step" and isinstance(v, (int, float)):
+                            writer.add_scalar(k, v, step)
                 if on_log:
                     on_log(record)
             if saving:
@@ -321,7 +327,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
                     data=grain.checkpoint.CheckpointSave(iterator)))
     finally:
         manager.wait_until_finished()
-        writer.close()
+        if writer is not None:
+            writer.close()
     return TrainResult(state, r.trainer, history, r.total_steps)
 
 
@@ -359,6 +366,11 @@ class _Window:
 
     def finish(self) -> dict[str, Any]:
         seconds = time.perf_counter() - self.start
+        if jax.process_count() > 1:  # token counts are per process: add them up (every process logs here)
+            from jax.experimental import multihost_utils
+
+            totals = multihost_utils.process_allgather(np.array([self.real, self.computed, self.total], np.int64))
+            self.real, self.computed, self.total = (int(v) for v in np.asarray(totals).reshape(-1, 3).sum(0))
         out = {**finalize(self.sums), "grad_norm": self.grad_norm / max(self.steps, 1), "learning_rate": self.lr,
                "real_tokens": self.real, "tokens_per_second": self.real / seconds if seconds else 0.0,
                "padding_fraction": 1.0 - self.computed / self.total if self.total else 0.0,

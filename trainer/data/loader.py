@@ -70,6 +70,7 @@ def make_loader(
     shard_by_process: bool = True,
     packing: str = "none",
     rows: int = 1,
+    shard: tuple[int, int] | None = None,
 ) -> grain.DataLoader:
     """A Grain DataLoader over the shards: seeded global shuffle, epochs, one shard of the data
     per JAX process, decoding in ``worker_count`` processes (0: in this process). ``rows``:
@@ -81,7 +82,12 @@ def make_loader(
             flags.FLAGS.mark_as_parsed()
     collate = collate_fn(packing, batch_size=batch_size, max_length=max_length, pad_id=pad_id, rows=rows)
     source = grain.sources.ArrayRecordDataSource(list(shard_paths))
-    sharding = grain.sharding.ShardByJaxProcess(drop_remainder=True) if shard_by_process else grain.sharding.NoSharding()
+    if shard is not None:  # an explicit (index, count): what process ``index`` of ``count`` would read
+        sharding = grain.sharding.ShardOptions(shard_index=shard[0], shard_count=shard[1], drop_remainder=True)
+    elif shard_by_process:
+        sharding = grain.sharding.ShardByJaxProcess(drop_remainder=True)
+    else:
+        sharding = grain.sharding.NoSharding()
     sampler = grain.samplers.IndexSampler(
         num_records=len(source), shard_options=sharding, shuffle=shuffle, num_epochs=num_epochs, seed=seed
     )

@@ -1,0 +1,137 @@
+"""Two processes on localhost (JAX's CPU collectives, 2 devices each) train like one process fed
+the same global batch: each process reads its own slice of the shards, global batches are built
+from process-local data, both processes save and restore the checkpoint (with their own Grain
+iterator state), and a run resumed from its step-2 checkpoint by both processes ends exactly where
+the uninterrupted one did. Every process is killed at a deadline: a stalled one cannot hang CI."""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEMO = REPO / "rmflow" / "demo"
+DEADLINE = 300  # seconds for a whole multi-process run
+
+WORKER = textwrap.dedent('''
+    import sys
+    from schemas.config import TrainConfig
+    from trainer.train import run
+    data, output, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    run(TrainConfig(data=data, model="tiny", output=output, max_steps=4, batch_size=8, save_steps=2,
+                    logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack"), resume=resume)
+    print("WORKER DONE")
+''')
+
+REFERENCE = textwrap.dedent('''
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from schemas.config import TrainConfig
+    from trainer.data import make_loader
+    from trainer.step import stack_micro_batches
+    from trainer.train import _widen, build_model, load_trained_model, make_trainer, read_manifest, shard_paths
+    data, run_dir = sys.argv[1], sys.argv[2]
+    cfg = TrainConfig(data=data, model="tiny", output=run_dir, max_steps=4, batch_size=8, save_steps=2,
+                      logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack")
+    manifest = read_manifest(data)
+    trainer = make_trainer(cfg, build_model(cfg, manifest), 4)
+    paths = shard_paths(data, manifest, "train")
+    # What process i of 2 reads: half the pairs of each global batch, packed into its 2 rows.
+    its = [iter(make_loader(paths, batch_size=4, max_length=manifest.max_length, seed=cfg.seed, num_epochs=None,
+                            pad_id=manifest.tokenizer.pad_token_id or 0, packing="pack", rows=2, shard=(i, 2)))
+           for i in range(2)]
+    state, losses = trainer.init_state, []
+    for _ in range(4):
+        local = [next(it) for it in its]
+        length = max(b["input_ids"].shape[1] for b in local)
+        parts = [stack_micro_batches([_widen(b, length)]) for b in local]
+        batch = {k: jnp.asarray(np.concatenate([p[k] for p in parts], axis=1)) for k in parts[0]}
+        state, m = trainer.train_step(state, batch)
+        losses.append(float(m["loss_sum"]) / float(m["pairs"]))
+    got = [json.loads(line)["loss"] for line in open(run_dir + "/metrics.jsonl")]
+    np.testing.assert_allclose(got, losses, atol=1e-5, rtol=0)
+    trained, _, _ = load_trained_model(run_dir)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(nnx.state(trained, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    print("REFERENCE OK")
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_processes(data: pathlib.Path, output: pathlib.Path, resume: bool) -> list[str]:
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(data), str(output), "1" if resume else "0"],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=DEADLINE)
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"a process stalled for {DEADLINE} s; both killed")
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0 and "WORKER DONE" in out, out[-4000:]
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from pipelines.preprocess import run as preprocess
+    from schemas.config import PreprocessConfig
+
+    out = tmp_path_factory.mktemp("multihost") / "shards"
+    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(out),
+                                tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
+    return out
+
+
+def test_two_processes_equal_one_and_resume_exactly(shards, tmp_path):
+    run_two_processes(shards, tmp_path / "a", resume=False)
+    # Both processes saved: one checkpoint, with each process's Grain iterator state.
+    data_items = sorted(p.name for p in (tmp_path / "a" / "checkpoints" / "4" / "data").iterdir())
+    assert any("process_0" in n for n in data_items) and any("process_1" in n for n in data_items), data_items
+    ref = subprocess.run([sys.executable, "-c", REFERENCE, str(shards), str(tmp_path / "a")], cwd=REPO,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=DEADLINE)
+    assert ref.returncode == 0 and "REFERENCE OK" in ref.stdout, (ref.stdout[-2000:], ref.stderr[-4000:])
+
+    # Killed after the step-2 checkpoint (what a kill leaves: checkpoint 2, metrics up to where it
+    # stopped), then resumed by both processes: the same final parameters and losses.
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
+    run_two_processes(shards, tmp_path / "b", resume=True)
+    check = textwrap.dedent('''
+        import sys, jax, numpy as np
+        from flax import nnx
+        from trainer.train import load_trained_model
+        (a, _, sa), (b, _, sb) = load_trained_model(sys.argv[1]), load_trained_model(sys.argv[2])
+        assert sa == sb == 4
+        for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        print("RESUME OK")
+    ''')
+    res = subprocess.run([sys.executable, "-c", check, str(tmp_path / "a"), str(tmp_path / "b")], cwd=REPO,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=DEADLINE)
+    assert res.returncode == 0 and "RESUME OK" in res.stdout, res.stderr[-4000:]
+    la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert la == lb and len(la) == 4
+    pairs = [json.loads(x)["pairs"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert pairs == [8, 8, 8, 8]  # the global batch: 4 pairs from each process
