@@ -195,9 +195,9 @@ def train(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from trainer.train import plan_steps, read_manifest, run
+    from trainer.train import planned_steps, run
 
-    total = plan_steps(cfg, read_manifest(cfg.data).splits["train"].pairs)
+    total = planned_steps(cfg)
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[info]}")]
     progress = Progress(*columns, console=console)

@@ -21,6 +21,7 @@ import numpy as np
 from schemas.config import PreprocessConfig
 from schemas.manifest import ERRORS_FILE, MANIFEST_FILE
 from schemas.record import decode
+from trainer import storage
 from trainer.evaluate import pair_metrics, score_pairs, score_sequences, write_report
 from trainer.export import EXPORT_INFO
 from trainer.modeling.convert import load_reward_model
@@ -41,7 +42,9 @@ class LoadedModel:
 
 
 def load_model(path: str) -> LoadedModel:
-    """A run directory (its newest checkpoint) or an exported checkpoint folder."""
+    """A run directory (its newest checkpoint) or an exported checkpoint folder, local or remote
+    (copied down first)."""
+    path = storage.stage_run(path)
     if is_run_dir(path):
         model, run, step = load_trained_model(path)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
@@ -74,6 +77,8 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
     model's tokenizer and vocabulary; raw inputs are preprocessed with the model's tokenizer, and
     what that set aside is copied to ``output``/input_errors.jsonl (also when nothing was usable)."""
     input_summary = None
+    if len(data) == 1 and storage.is_remote(data[0]) and storage.has_manifest(data[0]):
+        data = [storage.stage_shards(data[0])]
     if len(data) == 1 and os.path.exists(os.path.join(data[0], MANIFEST_FILE)):
         folder = data[0]
         manifest = read_manifest(folder)
@@ -133,6 +138,9 @@ def run_eval(model_path: str, data: list[str], output: str, *, split: str = "eva
     if mode == "rewardbench-v2":
         return run_rewardbench_v2(model_path, data, output, batch_size=batch_size)
     check_eval_output(output)
+    if normalize and storage.is_remote(model_path):
+        raise TrainError("--normalize stores reward_normalization.json in the model folder: give a local copy "
+                         f"of {model_path}")
     loaded = load_model(model_path)
     model = loaded.model
     with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:

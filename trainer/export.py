@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from schemas.errors import RmflowError, RmflowWarning
+from trainer import storage
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import hf_name, resolve
 from trainer.modeling.llama import RewardModel
@@ -125,7 +126,7 @@ def export(run_dir: str, output: str, *, step: int | None = None, max_shard_byte
             for name in os.listdir(run.tokenizer_dir):
                 shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
         with open(os.path.join(staging, EXPORT_INFO), "w") as f:
-            json.dump({"run": os.path.abspath(run_dir), "step": step, "data": run.config.data,
+            json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step, "data": run.config.data,
                        "tokenizer_sha256": run.manifest.tokenizer.sha256}, f, indent=2)
         _swap_in(staging, output)
     except BaseException:

@@ -61,12 +61,15 @@ def tokenizer_fingerprint(folder: str) -> str | None:
     return sha256_files(files) if "tokenizer.json" in files else None
 
 
-def write_run_files(run_dir: str, cfg: TrainConfig, model_config: ModelConfig, base_folder: str | None) -> None:
-    """Everything a run needs besides its checkpoints; called once the run's checks passed."""
+def write_run_files(run_dir: str, cfg: TrainConfig, model_config: ModelConfig, base_folder: str | None,
+                    data_dir: str | None = None) -> None:
+    """Everything a run needs besides its checkpoints; called once the run's checks passed.
+    ``data_dir``: where the shards are read (a local copy of remote ones); default ``cfg.data``."""
+    data_dir = data_dir or cfg.data
     os.makedirs(run_dir, exist_ok=True)
     _write_json(os.path.join(run_dir, MODEL_CONFIG), dataclasses.asdict(model_config))
-    shutil.copyfile(os.path.join(cfg.data, MANIFEST_FILE), os.path.join(run_dir, DATA_MANIFEST))
-    tok_src, tok_dst = os.path.join(cfg.data, TOKENIZER_DIR), os.path.join(run_dir, TOKENIZER_DIR)
+    shutil.copyfile(os.path.join(data_dir, MANIFEST_FILE), os.path.join(run_dir, DATA_MANIFEST))
+    tok_src, tok_dst = os.path.join(data_dir, TOKENIZER_DIR), os.path.join(run_dir, TOKENIZER_DIR)
     if os.path.isdir(tok_src):
         shutil.copytree(tok_src, tok_dst, dirs_exist_ok=True)
     if base_folder is not None:

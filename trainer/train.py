@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from schemas.config import TrainConfig
 from schemas.errors import RmflowError, RmflowWarning
 from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
+from trainer import storage
 from trainer.data import make_loader, resolve_packing
 from trainer.loss import SUM_KEYS, finalize
 from trainer.memory import release_free_memory
@@ -121,6 +122,11 @@ def shard_paths(data: str, manifest: Manifest, split: str) -> list[str]:
     return [os.path.join(data, s.file) for s in info.shards] if info and info.pairs else []
 
 
+def planned_steps(cfg: TrainConfig) -> int:
+    """The run's optimizer steps, from the config and the shards' manifest (staged if remote)."""
+    return plan_steps(cfg, read_manifest(storage.stage_shards(cfg.data)).splits["train"].pairs)
+
+
 def plan_steps(cfg: TrainConfig, train_pairs: int) -> int:
     if cfg.max_steps:
         return cfg.max_steps
@@ -157,6 +163,7 @@ def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardMod
     """The reward model of a run directory, with the parameters of its newest (or given) checkpoint."""
     import orbax.checkpoint as ocp
 
+    run_dir = storage.stage_run(run_dir)  # a remote run: a local copy
     run = read_run(run_dir)
     latest = existing_checkpoint(run_dir)
     if latest is None:
@@ -248,10 +255,15 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
     distributed.initialize(cfg.distributed, cfg.coordinator_address, cfg.num_processes)  # before any backend use
     primary = distributed.is_primary()
-    check_output(cfg.output, resume)
-    r = Run(cfg)
+    if storage.is_remote(cfg.output) and jax.process_count() > 1:
+        raise TrainError(f"--output {cfg.output}: a multi-process run writes its checkpoints from every process, "
+                         "so --output must be a folder all hosts share (NFS/Filestore, or a gcsfuse mount)")
+    data_dir = storage.stage_shards(cfg.data)  # remote shards: a local copy (disk checked first)
+    run_dir = storage.local_run_dir(cfg.output, resume)  # remote run: written locally, mirrored after saves
+    check_output(run_dir, resume)
+    r = Run(dataclasses.replace(cfg, data=data_dir, output=run_dir))
     # Every check before anything is written: a refused run leaves the existing one intact.
-    latest = existing_checkpoint(cfg.output)
+    latest = existing_checkpoint(run_dir)
     if latest is not None and not resume:
         raise TrainError(f"{cfg.output} already has checkpoints (step {latest}): pass --resume to continue "
                          "or choose another --output")
@@ -259,15 +271,15 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
         warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
                       RmflowWarning, stacklevel=2)
     if primary:  # one writer for the run's own files; every process takes part in checkpoints
-        write_run_files(cfg.output, cfg, r.trainer.model(r.trainer.init_state.params).config,
-                        None if cfg.model == "tiny" else resolve(cfg.model))
+        write_run_files(run_dir, cfg, r.trainer.model(r.trainer.init_state.params).config,
+                        None if cfg.model == "tiny" else resolve(cfg.model), data_dir=data_dir)
 
     state = r.trainer.use_mesh(r.mesh)  # parameters and optimizer state sharded by the name rules
     treedef = jax.tree.structure(state)
     iterator = iter(r.loader(r.train_paths, train=True))
-    manager = checkpoint_manager(cfg.output, keep=cfg.save_total_limit)
+    manager = checkpoint_manager(run_dir, keep=cfg.save_total_limit)
     history = []
-    metrics_path = os.path.join(cfg.output, METRICS_FILE)
+    metrics_path = os.path.join(run_dir, METRICS_FILE)
     if resume and latest is not None:
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # onto this run's mesh, whatever saved it
                     for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(r.trainer.state_shardings))]
@@ -279,7 +291,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
         _write_history(metrics_path, history)
 
     # After a resume, TensorBoard drops the events logged past the restored checkpoint.
-    writer = summary_writer(os.path.join(cfg.output, "tensorboard"),
+    writer = summary_writer(os.path.join(run_dir, "tensorboard"),
                             purge_step=int(state.step) + 1 if resume and latest is not None else None) \
         if primary else None
     window = _Window()
@@ -325,10 +337,17 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
                 manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(jax.tree.leaves(state)),
                     data=grain.checkpoint.CheckpointSave(iterator)))
+                if primary and storage.is_remote(cfg.output):
+                    manager.wait_until_finished()
+                    if writer is not None:
+                        writer.flush()
+                    storage.mirror(run_dir, cfg.output)
     finally:
         manager.wait_until_finished()
         if writer is not None:
             writer.close()
+    if primary and storage.is_remote(cfg.output):  # the closed event files, the last metrics
+        storage.mirror(run_dir, cfg.output)
     return TrainResult(state, r.trainer, history, r.total_steps)
 
 
