@@ -1,14 +1,14 @@
 """`rmflow preprocess`: raw preference files to ArrayRecord shards plus a manifest.
 
 ``run(cfg)`` plans the job (inputs, tokenizer, shard counts), builds the Beam graph with
-``build``, runs it on any runner (a test pipeline may be passed in), then reconciles the
-counts, writes ``manifest.json``, ``stats.json`` and ``config.json``, publishes the
-staging folder atomically and writes ``COMPLETED`` last.
+``build`` and runs it on any runner (a test pipeline may be passed in). The graph's last step
+(``pipelines.finalize``) reconciles the counts, writes ``manifest.json``, ``stats.json`` and
+``config.json``, publishes the staging folder (atomically on local disk) and writes
+``COMPLETED`` last, inside the job: no launcher has to stay alive for it.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import math
@@ -22,44 +22,39 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from pipelines import io as rio
-from pipelines.staging import OWNER_FILE, clean_leftovers, new_staging
-from pipelines.tokenize import TokenizerAssets, load_tokenizer_assets, tokenizer_info
+from pipelines.finalize import (
+    FAILED_FILE,
+    SUMMARY_FILE,
+    Finalization,
+    PreprocessError,
+)
+from pipelines.staging import clean_leftovers, new_staging
+from pipelines.tokenize import TokenizerAssets, build_tokenizer, load_tokenizer_assets, tokenizer_info
 from pipelines.transforms import (
     NAMESPACE,
     ApplyChatTemplate,
     ApplyLengthPolicy,
     DropDuplicates,
+    Finalize,
     NormalizePairs,
     ReadPreferenceData,
     SplitTrainEval,
     Tokenize,
     WriteErrors,
     WriteShards,
-    WriteSummary,
     shared_pair_tokenizer,
 )
 from schemas.config import PreprocessConfig
-from schemas.errors import RmflowError, RmflowWarning
+from schemas.errors import RmflowWarning
 from schemas.manifest import (
     COMPLETED_FILE,
-    CONFIG_FILE,
     ERRORS_FILE,
     MANIFEST_FILE,
     STATS_FILE,
-    TOKENIZER_DIR,
-    InputFile,
     Manifest,
-    ShardInfo,
-    SplitInfo,
 )
 
-SUMMARY_FILE = "_summary.json"
 BYTES_PER_SHARD = 256 << 20  # raw input bytes per train shard when --num-shards is 0 (auto)
-PERCENTILES = (50, 90, 95, 99)
-
-
-class PreprocessError(RmflowError, RuntimeError):
-    """The job cannot start or did not produce a usable output; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +151,10 @@ def make_pipeline(cfg: PreprocessConfig) -> beam.Pipeline:
     return beam.Pipeline(options=opts)
 
 
-def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan) -> None:
-    """The preprocess graph: read, normalize, [dedup], template, tokenize, length, split, write."""
+def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization | None = None) -> None:
+    """The preprocess graph: read, normalize, [dedup], template, tokenize, length, split, write,
+    and the last step that reconciles, writes the manifest and publishes (``finalize``)."""
+    fin = fin or finalization(cfg, plan)
     read = p | "Read" >> ReadPreferenceData([f for f, _ in plan.files], cfg.format)
     norm = read["main"] | "NormalizePairs" >> NormalizePairs(cfg.margin_from_scores)
     pairs, dead = norm["main"], [read["dead"], norm["dead"]]
@@ -175,102 +172,52 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan) -> None:
         | "WriteShards" >> WriteShards(plan.staging, plan.shard_counts)
     )
     all_dead = dead | "AllDeadLetters" >> beam.Flatten()
-    all_dead | "WriteErrors" >> WriteErrors(f"{plan.staging}/{ERRORS_FILE}")
-    (read["files"], all_dead, shards) | "Summary" >> WriteSummary(f"{plan.staging}/{SUMMARY_FILE}")
+    errors_file = all_dead | "WriteErrors" >> WriteErrors(f"{plan.staging}/{ERRORS_FILE}")
+    (read["files"], all_dead, shards) | "Finalize" >> Finalize(fin, errors_file)
 
 
-def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None) -> PreprocessResult:
-    """Run the whole stage; raises PreprocessError when it fails (nothing is published then)."""
-    start = time.perf_counter()
+def finalization(cfg: PreprocessConfig, plan: Plan, started: float | None = None, tok: Any = None) -> Finalization:
+    tok = tok if tok is not None else build_tokenizer(plan.assets)
+    return Finalization(cfg=cfg, staging=plan.staging, output=cfg.output.rstrip("/"), files=tuple(plan.files),
+                        splits=tuple(plan.shard_counts), tokenizer=tokenizer_info(plan.assets, tok),
+                        tokenizer_files=plan.assets.files_as_used(),
+                        started=time.time() if started is None else started)
+
+
+def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None, *, wait: bool = True) -> PreprocessResult | None:
+    """Run the whole stage. The job finalises itself (``finalize``: reconcile, manifest, publish,
+    COMPLETED); here the launcher only waits and reads the result back, so with ``wait=False``
+    (a Dataflow job left to run) the output still appears complete, or not at all. Raises
+    PreprocessError when the job fails (nothing is published then)."""
+    started = time.time()
     cfg = cfg.with_absolute_paths()  # the config written with the shards names the same files from anywhere
     p = pipeline if pipeline is not None else make_pipeline(cfg)  # validates the runner options first
     plan = make_plan(cfg)
     core = shared_pair_tokenizer(plan.assets)  # kept referenced: in-process workers reuse it
-    tok = core.tok
-    build(p, cfg, plan)
-    result = p.run()
-    state = result.wait_until_finish()
+    fin = finalization(cfg, plan, started, core.tok)
+    build(p, cfg, plan, fin)
+    try:
+        result = p.run()
+        if not wait:
+            return None
+        state = result.wait_until_finish()
+    except Exception as e:  # noqa: BLE001 - the pipeline's own exception, wrapped by the runner
+        raise job_failure(plan.staging, e) from e
     if state is not None and str(state).upper().split(".")[-1] not in ("DONE", "UNKNOWN"):
-        raise PreprocessError(f"the Beam job ended in state {state}; staging left at {plan.staging}")
-    seconds = time.perf_counter() - start
-
-    summary = json.loads(rio.read_bytes(f"{plan.staging}/{SUMMARY_FILE}"))
-    stats = summarize(summary, cfg, seconds)
-    stats["counters"] = beam_counters(result)
-    _check_quality(stats, cfg, plan.staging)
-    manifest = Manifest(
-        tokenizer=tokenizer_info(plan.assets, tok),
-        max_length=cfg.max_length,
-        length_policy=cfg.length_policy,
-        splits={
-            split: SplitInfo(
-                pairs=sum(s["pairs"] for s in summary["shards"] if s["split"] == split),
-                shards=tuple(ShardInfo(s["file"], s["pairs"]) for s in summary["shards"] if s["split"] == split),
-            )
-            for split in plan.shard_counts
-        },
-        inputs=tuple(InputFile(path, size) for path, size in plan.files),
-        config=json.loads(cfg.to_json()),
-    )
-    for name, text in ((MANIFEST_FILE, manifest.to_json()), (STATS_FILE, json.dumps(stats, indent=2) + "\n"),
-                       (CONFIG_FILE, cfg.to_json())):
-        rio.write_bytes(f"{plan.staging}/{name}", text.encode())
-    for name, data in plan.assets.files_as_used().items():  # export ships these with the model
-        rio.write_bytes(f"{plan.staging}/{TOKENIZER_DIR}/{name}", data)
-    from apache_beam.io.filesystems import FileSystems
-
-    FileSystems.delete([f"{plan.staging}/{SUMMARY_FILE}", f"{plan.staging}/{OWNER_FILE}"])
-    out = cfg.output.rstrip("/")
-    if rio.exists(out):  # --overwrite was given (make_plan refused otherwise)
-        rio.delete_tree(out)
-    rio.publish(plan.staging, out)
-    rio.write_bytes(f"{out}/{COMPLETED_FILE}", b"")
-    return PreprocessResult(out, manifest, stats)
+        raise job_failure(plan.staging, f"the Beam job ended in state {state}")
+    out = fin.output
+    stats = json.loads(rio.read_bytes(f"{out}/{STATS_FILE}"))
+    stats["counters"] = beam_counters(result)  # monitoring only; the exact counts are in stats
+    return PreprocessResult(out, Manifest.from_json(rio.read_bytes(f"{out}/{MANIFEST_FILE}").decode()), stats)
 
 
-# --------------------------------------------------------------------------- statistics
-
-
-def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) -> dict[str, Any]:
-    """Counts that reconcile exactly, dead letters by reason, length histograms, throughput."""
-    read = sum(summary["files"].values())
-    by_category = collections.Counter()
-    for d in summary["dead"]:
-        by_category[d["category"]] += d["count"]
-    written = {split: 0 for split in ("train", "eval")}
-    lengths: dict[str, dict[str, collections.Counter]] = {}
-    for s in summary["shards"]:
-        written[s["split"]] += s["pairs"]
-        per_split = lengths.setdefault(s["split"], {})
-        for field, hist in s["lengths"].items():
-            per_split.setdefault(field, collections.Counter()).update({int(k): v for k, v in hist.items()})
-    counts = {
-        "records_read": read,
-        "pairs_written": sum(written.values()),
-        "pairs_written_train": written["train"],
-        "pairs_written_eval": written["eval"],
-        "dropped_too_long": by_category["too_long"],
-        "ties": by_category["tie"],
-        "duplicates": by_category["duplicate"],
-        "errors": by_category["error"],
-    }
-    accounted = sum(counts[k] for k in ("pairs_written", "dropped_too_long", "ties", "duplicates", "errors"))
-    if accounted != read:
-        raise PreprocessError(f"internal error: {read} records read but {accounted} accounted for ({counts})")
-    tokens = sum(n * length for split in lengths.values() for f in ("chosen", "rejected")
-                 for length, n in split.get(f, {}).items())
-    return {
-        "counts": counts,
-        "reconciles": True,
-        "dead_letters": summary["dead"],
-        "records_per_file": summary["files"],
-        "lengths": {split: {f: length_stats(h, cfg.max_length) for f, h in fields.items()}
-                    for split, fields in sorted(lengths.items())},
-        "tokens_written": tokens,
-        "seconds": round(seconds, 3),
-        "pairs_per_second": round(read / seconds, 1) if seconds else None,
-        "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
-    }
+def job_failure(staging: str, cause: Any) -> PreprocessError:
+    """The reason the job failed: the finalisation's own (``_FAILED.json``) when a check refused
+    the output, else the runner's error."""
+    try:
+        return PreprocessError(json.loads(rio.read_bytes(f"{staging}/{FAILED_FILE}"))["error"])
+    except Exception:  # noqa: BLE001 - no failure record: the job itself broke
+        return PreprocessError(f"the Beam job failed ({cause}); nothing was published; staging left at {staging}")
 
 
 def beam_counters(result: Any) -> dict[str, int]:
@@ -281,43 +228,3 @@ def beam_counters(result: Any) -> dict[str, int]:
         return {}
     return {c.key.metric.name: c.committed if c.committed is not None else c.attempted
             for c in sorted(found, key=lambda c: c.key.metric.name)}
-
-
-def length_stats(hist: collections.Counter, max_length: int) -> dict[str, Any]:
-    n = sum(hist.values())
-    if not n:
-        return {"count": 0}
-    values = sorted(hist)
-    out: dict[str, Any] = {"count": n, "mean": round(sum(k * v for k, v in hist.items()) / n, 2),
-                           "min": values[0], "max": values[-1]}
-    for q in PERCENTILES:  # nearest-rank percentiles, exact
-        rank, seen = math.ceil(q / 100 * n), 0
-        for v in values:
-            seen += hist[v]
-            if seen >= rank:
-                out[f"p{q}"] = v
-                break
-    width = max(1, math.ceil(max(max_length, values[-1] + 1) / 32))
-    bins = collections.Counter()
-    for v, c in hist.items():
-        bins[v // width] += c
-    out["histogram"] = {"bin_width": width, "counts": [bins[i] for i in range(max(bins) + 1)]}
-    return out
-
-
-def _check_quality(stats: dict[str, Any], cfg: PreprocessConfig, staging: str) -> None:
-    counts = stats["counts"]
-    read, errors = counts["records_read"], counts["errors"]
-    if read == 0:
-        raise PreprocessError(f"the inputs hold no records; staging left at {staging}")
-    if errors / read > cfg.max_bad_fraction:
-        top = sorted((d for d in stats["dead_letters"] if d["category"] == "error"),
-                     key=lambda d: -d["count"])[:5]
-        reasons = ", ".join(f"{d['code']} x{d['count']}" for d in top)
-        raise PreprocessError(
-            f"{errors} of {read} records ({errors / read:.1%}) are bad, more than --max-bad-fraction "
-            f"{cfg.max_bad_fraction:.1%} (top reasons: {reasons}). Nothing was published; every bad "
-            f"record and its reason is in {staging}/{ERRORS_FILE}"
-        )
-    if counts["pairs_written"] == 0:
-        raise PreprocessError(f"no pair survived preprocessing; see {staging}/{ERRORS_FILE}")

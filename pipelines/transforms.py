@@ -19,8 +19,9 @@ from apache_beam.metrics import Metrics
 from apache_beam.pvalue import TaggedOutput
 from apache_beam.utils import shared
 
+from pipelines.finalize import finalize
 from pipelines.formats import BadRecord, CanonicalPair, Duplicate, detect_format, normalize, parse_json_object
-from pipelines.io import iter_records, write_array_record_shard, write_bytes
+from pipelines.io import iter_records, write_array_record_shard
 from pipelines.length import apply_length_policy, assign_shard, assign_split
 from pipelines.tokenize import PairTokenizer, Rendered, TokenizerAssets, build_tokenizer
 from schemas.manifest import shard_name
@@ -291,9 +292,10 @@ class LengthPolicyFn(beam.DoFn):
         except Exception as e:  # noqa: BLE001 - contained to this record
             yield TaggedOutput(DEAD, dead_letter("length", p.source, p.line, p.raw, as_bad_record(e)))
             return
-        if prompt_len != tp.prompt_len:
+        truncated = prompt_len != tp.prompt_len
+        if truncated:
             self.truncated.inc()
-        yield record, encoded, p.line
+        yield record, encoded, p.line, truncated
 
 
 class ApplyLengthPolicy(beam.PTransform):
@@ -311,11 +313,11 @@ class ApplyLengthPolicy(beam.PTransform):
 
 
 def _to_shard_entry(item, eval_fraction: float, seed: int, shard_counts: dict[str, int]):
-    rec, encoded, line = item
+    rec, encoded, line, truncated = item
     split = assign_split(rec.pair_id, eval_fraction, seed)
     key = (split, assign_shard(rec.pair_id, shard_counts[split]))
     lengths = (rec.prompt_len, len(rec.chosen_ids), len(rec.rejected_ids))
-    return key, ((rec.pair_id, rec.source, line), encoded, lengths)
+    return key, ((rec.pair_id, rec.source, line), encoded, lengths, truncated)
 
 
 class SplitTrainEval(beam.PTransform):
@@ -343,11 +345,11 @@ class WriteShardFn(beam.DoFn):
         write_array_record_shard(f"{self.folder}/{name}", [e[1] for e in entries])
         self.written.inc(len(entries))
         hist = {k: collections.Counter() for k in ("prompt", "chosen", "rejected")}
-        for _, _, (p, c, r) in entries:
+        for _, _, (p, c, r), _ in entries:
             hist["prompt"][p] += 1
             hist["chosen"][c] += 1
             hist["rejected"][r] += 1
-        yield {"split": split, "file": name, "pairs": len(entries),
+        yield {"split": split, "file": name, "pairs": len(entries), "truncated": sum(e[3] for e in entries),
                "lengths": {k: dict(v) for k, v in hist.items()}}
 
 
@@ -404,27 +406,14 @@ def _summary_items(files, dead, shards) -> Iterable:
     )
 
 
-def _write_summary(items: list, path: str) -> None:
-    summary: dict[str, Any] = {"files": {}, "dead": [], "shards": []}
-    for kind, value in items:
-        if kind == "file":
-            summary["files"][value[0]] = value[1]
-        elif kind == "dead":
-            (category, code), n = value
-            summary["dead"].append({"category": category, "code": code, "count": n})
-        else:
-            summary["shards"].append(value)
-    summary["dead"].sort(key=lambda d: (d["category"], d["code"]))
-    summary["shards"].sort(key=lambda s: s["file"])
-    write_bytes(path, json.dumps(summary, sort_keys=True).encode())
+class Finalize(beam.PTransform):
+    """Exact counts gathered in the pipeline itself (not from metrics), then the job's last step,
+    run once: reconcile, write manifest and statistics, publish (``pipelines.finalize``). It waits
+    for every shard (its input) and for the errors file (``after``, a side input)."""
 
-
-class WriteSummary(beam.PTransform):
-    """Exact counts gathered in the pipeline itself (not from metrics), for reconciliation."""
-
-    def __init__(self, path: str):
+    def __init__(self, fin, after):
         super().__init__()
-        self.path = path
+        self.fin, self.after = fin, after
 
     def expand(self, inputs):
         files, dead, shards = inputs
@@ -432,5 +421,5 @@ class WriteSummary(beam.PTransform):
             _summary_items(files, dead, shards)
             | "Gather" >> beam.Flatten()
             | "ToList" >> beam.combiners.ToList()
-            | "Write" >> beam.Map(_write_summary, self.path)
+            | "Publish" >> beam.Map(finalize, self.fin, beam.pvalue.AsList(self.after))
         )

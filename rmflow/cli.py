@@ -98,6 +98,8 @@ def preprocess(
     runner: str = typer.Option("DirectRunner", help=_h("runner")),
     batch_size: int = typer.Option(128, help=_h("batch_size")),
     overwrite: bool = typer.Option(False, "--overwrite", help=_h("overwrite")),
+    detach: bool = typer.Option(False, "--detach", help="Submit the job and return (remote runners): the job "
+                                "finalises itself and writes COMPLETED when the output is complete."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Beam's log."),
 ) -> None:
     """Tokenize raw preference pairs into ArrayRecord shards plus a manifest (Apache Beam)."""
@@ -115,7 +117,11 @@ def preprocess(
     from pipelines.preprocess import run
 
     with console.status("preprocessing ..."):
-        result = run(cfg)
+        result = run(cfg, wait=not detach)
+    if result is None:
+        console.print(f"submitted; the job publishes {cfg.output} and writes COMPLETED in it when it is done "
+                      "(nothing, if it fails)")
+        return
     print_summary(result.stats, result.output)
 
 
@@ -131,7 +137,7 @@ def print_summary(stats: dict, output: str) -> None:
     table.add_row("dropped: ties (chosen == rejected)", f"{c['ties']:,}")
     table.add_row("dropped: duplicates", f"{c['duplicates']:,}")
     table.add_row("errors", f"{c['errors']:,}")
-    truncated = stats.get("counters", {}).get("prompt_truncated", 0)
+    truncated = c.get("prompt_truncated", 0)
     if truncated:
         table.add_row("written with a truncated prompt", f"{truncated:,}")
     console.print(table)

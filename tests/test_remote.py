@@ -73,7 +73,7 @@ def test_graph_builds_for_dataflow(tokenizer_dir, monkeypatch):
     proto = p.to_runner_api()  # serialises every DoFn, as submission does
     labels = {t.unique_name for t in proto.components.transforms.values()}
     for step in ("Read", "NormalizePairs", "ApplyChatTemplate", "Tokenize", "LengthPolicy", "Split",
-                 "WriteShards", "WriteErrors", "Summary"):
+                 "WriteShards", "WriteErrors", "Finalize"):
         assert step in labels
 
 

@@ -1,0 +1,201 @@
+"""The last step of the preprocess job, inside the pipeline: it runs once, after every shard and
+the errors file are written, reconciles the counts, writes ``manifest.json``, ``stats.json``,
+``config.json`` and the tokenizer files, publishes the staging folder as the output and writes
+``COMPLETED`` last. So a job launched and left alone (a scheduled Dataflow run, a Flex Template)
+produces a complete, correct output by itself, and a failed one publishes nothing: a failed
+check writes ``_FAILED.json`` (the reason) into the staging folder, raises, and the job fails.
+
+Retries are safe: a step that finds the output already complete, its staging gone, does nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+from pipelines import io as rio
+from pipelines.staging import OWNER_FILE
+from schemas.config import PreprocessConfig
+from schemas.errors import RmflowError
+from schemas.manifest import (
+    COMPLETED_FILE,
+    CONFIG_FILE,
+    ERRORS_FILE,
+    MANIFEST_FILE,
+    STATS_FILE,
+    TOKENIZER_DIR,
+    InputFile,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+    TokenizerInfo,
+)
+
+SUMMARY_FILE = "_summary.json"
+FAILED_FILE = "_FAILED.json"
+PERCENTILES = (50, 90, 95, 99)
+
+
+class PreprocessError(RmflowError, RuntimeError):
+    """The job cannot start or did not produce a usable output; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finalization:
+    """Everything the last step needs, fixed when the job is planned (picklable: it travels to
+    the worker that runs the step)."""
+
+    cfg: PreprocessConfig
+    staging: str
+    output: str
+    files: tuple[tuple[str, int], ...]
+    splits: tuple[str, ...]
+    tokenizer: TokenizerInfo
+    tokenizer_files: dict[str, bytes]
+    started: float  # epoch seconds, when the job was planned
+
+
+def gather(items: list) -> dict[str, Any]:
+    """The exact per-file, per-reason and per-shard counts gathered in the pipeline."""
+    summary: dict[str, Any] = {"files": {}, "dead": [], "shards": []}
+    for kind, value in items:
+        if kind == "file":
+            summary["files"][value[0]] = value[1]
+        elif kind == "dead":
+            (category, code), n = value
+            summary["dead"].append({"category": category, "code": code, "count": n})
+        else:
+            summary["shards"].append(value)
+    summary["dead"].sort(key=lambda d: (d["category"], d["code"]))
+    summary["shards"].sort(key=lambda s: s["file"])
+    return summary
+
+
+def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
+    """Reconcile, write the manifest and statistics, publish; returns the statistics.
+    ``_after``: side inputs (the errors file's name) that make this step wait for their writers."""
+    out, staging = fin.output.rstrip("/"), fin.staging
+    if rio.exists(f"{out}/{COMPLETED_FILE}") and not rio.exists(staging):  # a retry after publishing
+        return json.loads(rio.read_bytes(f"{out}/{STATS_FILE}"))
+    summary = gather(items)
+    rio.write_bytes(f"{staging}/{SUMMARY_FILE}", json.dumps(summary, sort_keys=True).encode())
+    stats = summarize(summary, fin.cfg, time.time() - fin.started)
+    try:
+        check_quality(stats, fin.cfg, staging)
+    except PreprocessError as e:
+        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps({"error": str(e), "counts": stats["counts"]}).encode())
+        raise
+    manifest = Manifest(
+        tokenizer=fin.tokenizer,
+        max_length=fin.cfg.max_length,
+        length_policy=fin.cfg.length_policy,
+        splits={
+            split: SplitInfo(
+                pairs=sum(s["pairs"] for s in summary["shards"] if s["split"] == split),
+                shards=tuple(ShardInfo(s["file"], s["pairs"]) for s in summary["shards"] if s["split"] == split),
+            )
+            for split in fin.splits
+        },
+        inputs=tuple(InputFile(path, size) for path, size in fin.files),
+        config=json.loads(fin.cfg.to_json()),
+    )
+    for name, text in ((MANIFEST_FILE, manifest.to_json()), (STATS_FILE, json.dumps(stats, indent=2) + "\n"),
+                       (CONFIG_FILE, fin.cfg.to_json())):
+        rio.write_bytes(f"{staging}/{name}", text.encode())
+    for name, data in fin.tokenizer_files.items():  # export ships these with the model
+        rio.write_bytes(f"{staging}/{TOKENIZER_DIR}/{name}", data)
+    from apache_beam.io.filesystems import FileSystems
+
+    FileSystems.delete([f"{staging}/{SUMMARY_FILE}", f"{staging}/{OWNER_FILE}"])
+    if rio.exists(out):  # --overwrite was given and checked when the job was planned
+        rio.delete_tree(out)
+    rio.publish(staging, out)
+    rio.write_bytes(f"{out}/{COMPLETED_FILE}", b"")
+    return stats
+
+
+def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) -> dict[str, Any]:
+    """Counts that reconcile exactly, dead letters by reason, length histograms, throughput."""
+    read = sum(summary["files"].values())
+    by_category = collections.Counter()
+    for d in summary["dead"]:
+        by_category[d["category"]] += d["count"]
+    written = {split: 0 for split in ("train", "eval")}
+    lengths: dict[str, dict[str, collections.Counter]] = {}
+    for s in summary["shards"]:
+        written[s["split"]] += s["pairs"]
+        per_split = lengths.setdefault(s["split"], {})
+        for field, hist in s["lengths"].items():
+            per_split.setdefault(field, collections.Counter()).update({int(k): v for k, v in hist.items()})
+    counts = {
+        "records_read": read,
+        "pairs_written": sum(written.values()),
+        "pairs_written_train": written["train"],
+        "pairs_written_eval": written["eval"],
+        "dropped_too_long": by_category["too_long"],
+        "ties": by_category["tie"],
+        "duplicates": by_category["duplicate"],
+        "errors": by_category["error"],
+        "prompt_truncated": sum(s.get("truncated", 0) for s in summary["shards"]),  # written, prompt cut
+    }
+    accounted = sum(counts[k] for k in ("pairs_written", "dropped_too_long", "ties", "duplicates", "errors"))
+    if accounted != read:
+        raise PreprocessError(f"internal error: {read} records read but {accounted} accounted for ({counts})")
+    tokens = sum(n * length for split in lengths.values() for f in ("chosen", "rejected")
+                 for length, n in split.get(f, {}).items())
+    return {
+        "counts": counts,
+        "reconciles": True,
+        "dead_letters": summary["dead"],
+        "records_per_file": summary["files"],
+        "lengths": {split: {f: length_stats(h, cfg.max_length) for f, h in fields.items()}
+                    for split, fields in sorted(lengths.items())},
+        "tokens_written": tokens,
+        "seconds": round(seconds, 3),
+        "pairs_per_second": round(read / seconds, 1) if seconds else None,
+        "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
+    }
+
+
+def length_stats(hist: collections.Counter, max_length: int) -> dict[str, Any]:
+    n = sum(hist.values())
+    if not n:
+        return {"count": 0}
+    values = sorted(hist)
+    out: dict[str, Any] = {"count": n, "mean": round(sum(k * v for k, v in hist.items()) / n, 2),
+                           "min": values[0], "max": values[-1]}
+    for q in PERCENTILES:  # nearest-rank percentiles, exact
+        rank, seen = math.ceil(q / 100 * n), 0
+        for v in values:
+            seen += hist[v]
+            if seen >= rank:
+                out[f"p{q}"] = v
+                break
+    width = max(1, math.ceil(max(max_length, values[-1] + 1) / 32))
+    bins = collections.Counter()
+    for v, c in hist.items():
+        bins[v // width] += c
+    out["histogram"] = {"bin_width": width, "counts": [bins[i] for i in range(max(bins) + 1)]}
+    return out
+
+
+def check_quality(stats: dict[str, Any], cfg: PreprocessConfig, staging: str) -> None:
+    counts = stats["counts"]
+    read, errors = counts["records_read"], counts["errors"]
+    if read == 0:
+        raise PreprocessError(f"the inputs hold no records; staging left at {staging}")
+    if errors / read > cfg.max_bad_fraction:
+        top = sorted((d for d in stats["dead_letters"] if d["category"] == "error"),
+                     key=lambda d: -d["count"])[:5]
+        reasons = ", ".join(f"{d['code']} x{d['count']}" for d in top)
+        raise PreprocessError(
+            f"{errors} of {read} records ({errors / read:.1%}) are bad, more than --max-bad-fraction "
+            f"{cfg.max_bad_fraction:.1%} (top reasons: {reasons}). Nothing was published; every bad "
+            f"record and its reason is in {staging}/{ERRORS_FILE}"
+        )
+    if counts["pairs_written"] == 0:
+        raise PreprocessError(f"no pair survived preprocessing; see {staging}/{ERRORS_FILE}")
