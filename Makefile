@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export JAX_PLATFORMS ?= cpu
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: install demo test lint bench bench-trl clean
+.PHONY: install demo test lint bench bench-trl clean wheel template-metadata template-constraints template-image template schedule
 
 # The demo needs rmflow alone (no PyTorch, no Google Cloud client); the tests add those.
 install: $(VENV)/.installed-demo
@@ -41,3 +41,45 @@ bench-trl: $(VENV)/.installed-test
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache
+
+# ---- Dataflow Flex Template (needs Docker, gcloud and a Google Cloud project; see README) ----
+PROJECT ?= $(shell gcloud config get-value project 2>/dev/null)
+REGION ?= europe-west4
+BUCKET ?= $(PROJECT)-rmflow
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= $(REGION)-docker.pkg.dev/$(PROJECT)/rmflow/preprocess:$(VERSION)
+TEMPLATE ?= gs://$(BUCKET)/templates/rmflow-preprocess.json
+SCHEDULE ?= 0 2 * * *
+INPUTS ?= gs://$(BUCKET)/raw/*.jsonl.gz
+TOKENIZER ?= gs://$(BUCKET)/tokenizer
+SERVICE_ACCOUNT ?= rmflow-scheduler@$(PROJECT).iam.gserviceaccount.com
+
+wheel: $(VENV)/.installed-test
+	rm -rf dist && $(BIN)/pip wheel --quiet --no-deps -w dist .
+
+template-metadata: $(VENV)/.installed-demo
+	$(BIN)/python -m pipelines.template metadata > deploy/dataflow/metadata.json
+
+template-constraints:
+	rm -rf /tmp/rmflow-lock && $(PYTHON) -m venv /tmp/rmflow-lock
+	/tmp/rmflow-lock/bin/pip install --quiet '.[gcp]'
+	( echo "# pip freeze of rmflow[gcp], made by make template-constraints"; \
+	  /tmp/rmflow-lock/bin/pip freeze --exclude rmflow ) > deploy/dataflow/constraints.txt
+
+template-image: wheel
+	docker build -f deploy/dataflow/Dockerfile --build-arg WORKER_IMAGE=$(IMAGE) -t $(IMAGE) .
+	docker push $(IMAGE)
+
+template: template-image template-metadata
+	gcloud dataflow flex-template build $(TEMPLATE) --image $(IMAGE) --sdk-language PYTHON \
+	    --metadata-file deploy/dataflow/metadata.json
+
+schedule: $(VENV)/.installed-demo
+	$(BIN)/python -m pipelines.template launch-body --template $(TEMPLATE) --param inputs='$(INPUTS)' \
+	    --param tokenizer=$(TOKENIZER) --param 'output=gs://$(BUCKET)/shards/{date}' \
+	    --temp-location gs://$(BUCKET)/tmp --job-name rmflow-preprocess-nightly > /tmp/rmflow-launch.json
+	gcloud scheduler jobs create http rmflow-preprocess-nightly --location $(REGION) \
+	    --schedule '$(SCHEDULE)' --time-zone UTC --http-method POST \
+	    --uri https://dataflow.googleapis.com/v1b3/projects/$(PROJECT)/locations/$(REGION)/flexTemplates:launch \
+	    --oauth-service-account-email $(SERVICE_ACCOUNT) --headers Content-Type=application/json \
+	    --message-body-from-file /tmp/rmflow-launch.json

@@ -1,0 +1,66 @@
+"""Airflow DAG: nightly rmflow on new preference data.
+
+    preprocess (Dataflow Flex Template) -> train (accelerator host, over SSH) -> eval -> export
+
+Each run writes dated folders (``{{ ds }}``): shards, run, eval report and export of one day never
+touch another day's. The preprocess job publishes its output and ``COMPLETED`` by itself; the
+Dataflow operator waits for the job to finish, so training starts on complete shards only.
+Settings are Airflow Variables (``rmflow_project``, ``rmflow_region``, ``rmflow_bucket``,
+``rmflow_template``, ``rmflow_tokenizer``, ``rmflow_train_config``) and the SSH connection
+``rmflow_accelerator`` to a host with ``rmflow[cuda]`` (or a TPU VM) installed.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from airflow import DAG
+from airflow.providers.google.cloud.operators.dataflow import DataflowStartFlexTemplateOperator
+from airflow.providers.ssh.operators.ssh import SSHOperator
+
+BUCKET = "{{ var.value.rmflow_bucket }}"
+DAY = "{{ ds }}"
+SHARDS = f"gs://{BUCKET}/shards/{DAY}"
+RUN = f"gs://{BUCKET}/runs/{DAY}"
+
+with DAG(
+    dag_id="rmflow_nightly",
+    schedule="0 2 * * *",
+    start_date=datetime.datetime(2026, 1, 1),
+    catchup=False,
+    max_active_runs=1,
+    tags=["rmflow"],
+    doc_md=__doc__,
+) as dag:
+    preprocess = DataflowStartFlexTemplateOperator(
+        task_id="preprocess",
+        project_id="{{ var.value.rmflow_project }}",
+        location="{{ var.value.rmflow_region }}",
+        wait_until_finished=True,
+        body={"launchParameter": {
+            "jobName": "rmflow-preprocess-{{ ds_nodash }}",
+            "containerSpecGcsPath": "{{ var.value.rmflow_template }}",
+            "parameters": {"inputs": f"gs://{BUCKET}/raw/{DAY}/*.jsonl.gz", "output": SHARDS,
+                           "tokenizer": "{{ var.value.rmflow_tokenizer }}", "max_length": "2048"},
+            "environment": {"tempLocation": f"gs://{BUCKET}/tmp"},
+        }},
+    )
+    train = SSHOperator(
+        task_id="train",
+        ssh_conn_id="rmflow_accelerator",
+        command=f"rmflow train --config {{{{ var.value.rmflow_train_config }}}} --data {SHARDS} --output {RUN}",
+        cmd_timeout=None,
+    )
+    evaluate = SSHOperator(
+        task_id="eval",
+        ssh_conn_id="rmflow_accelerator",
+        command=f"rmflow eval --model {RUN} --data {SHARDS} --output /tmp/rmflow-eval-{DAY} && "
+                f"gsutil -m cp -r /tmp/rmflow-eval-{DAY} gs://{BUCKET}/eval/{DAY}",
+    )
+    export = SSHOperator(
+        task_id="export",
+        ssh_conn_id="rmflow_accelerator",
+        command=f"rmflow export {RUN} --output /tmp/rmflow-export-{DAY} && "
+                f"gsutil -m cp -r /tmp/rmflow-export-{DAY} gs://{BUCKET}/export/{DAY}",
+    )
+    preprocess >> train >> evaluate >> export

@@ -1,0 +1,56 @@
+"""Deployment files stay in step with the code: the committed template metadata is what the code
+generates, the image's Beam version satisfies rmflow's, the entry point file calls the template
+entry point, and the Airflow DAG (where Airflow is installed: the `airflow` extra) has the
+documented task graph."""
+
+import pathlib
+import re
+import tomllib
+
+import pytest
+
+from pipelines.template import metadata
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+
+
+def test_committed_metadata_is_generated_from_the_config():
+    import json
+
+    assert json.loads((DEPLOY / "dataflow" / "metadata.json").read_text()) == metadata(), \
+        "regenerate with: make template-metadata"
+
+
+def test_image_beam_version_satisfies_the_dependency():
+    from packaging.requirements import Requirement
+
+    version = re.search(r"ARG BEAM_VERSION=(\S+)", (DEPLOY / "dataflow" / "Dockerfile").read_text()).group(1)
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    beam = next(Requirement(d) for d in deps if d.startswith("apache-beam"))
+    assert beam.specifier.contains(version)
+    assert 'FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main.py' in (DEPLOY / "dataflow" / "Dockerfile").read_text()
+    assert "from pipelines.template import main" in (DEPLOY / "dataflow" / "main.py").read_text()
+
+
+def test_airflow_dag_task_graph():
+    pytest.importorskip("airflow.providers.google.cloud.operators.dataflow")
+    pytest.importorskip("airflow.providers.ssh.operators.ssh")
+    from airflow.models import DagBag
+
+    bag = DagBag(dag_folder=str(DEPLOY / "airflow"), include_examples=False)
+    assert not bag.import_errors, bag.import_errors
+    dag = bag.get_dag("rmflow_nightly")
+    assert {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks} == {
+        "preprocess": ["train"], "train": ["eval"], "eval": ["export"], "export": []}
+
+
+@pytest.mark.parametrize("name", ["gpu-1host-8x.yaml", "tpu-v5e-32.yaml"])
+def test_worked_train_configs_are_valid(name):
+    import yaml
+
+    from schemas.config import TrainConfig
+
+    raw = yaml.safe_load((DEPLOY / "train" / name).read_text())
+    cfg = TrainConfig.from_dict({**raw, "data": "gs://b/shards", "output": "/tmp/run"})
+    assert cfg.mesh_fsdp == -1 and cfg.dtype == "bfloat16"
