@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export JAX_PLATFORMS ?= cpu
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: install demo test lint bench bench-trl clean wheel template-metadata template-constraints template-image template schedule
+.PHONY: install demo test test-airflow lint bench bench-trl clean wheel template-metadata template-constraints template-image template schedule
 
 # The demo needs rmflow alone (no PyTorch, no Google Cloud client); the tests add those.
 install: $(VENV)/.installed-demo
@@ -28,6 +28,12 @@ demo: $(VENV)/.installed-demo
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n 2 -q --durations=10
+
+# The Airflow DAG's test, in its own virtualenv (Airflow's pins would move the main one's).
+test-airflow:
+	$(PYTHON) -m venv .venv-airflow
+	.venv-airflow/bin/pip install --quiet -e '.[airflow]' pytest
+	AIRFLOW_HOME=$(CURDIR)/.venv-airflow/home .venv-airflow/bin/python -m pytest -q -p no:cacheprovider tests/test_deploy.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

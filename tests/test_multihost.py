@@ -7,30 +7,34 @@ the uninterrupted one did. Every process is killed at a deadline: a stalled one 
 import json
 import os
 import pathlib
-import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEMO = REPO / "rmflow" / "demo"
 DEADLINE = 300  # seconds for a whole multi-process run
+STEPS = 10
 
 WORKER = textwrap.dedent('''
     import sys
+    STEPS = @STEPS@
     from schemas.config import TrainConfig
     from trainer.train import run
     data, output, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    run(TrainConfig(data=data, model="tiny", output=output, max_steps=4, batch_size=8, save_steps=2,
+    run(TrainConfig(data=data, model="tiny", output=output, max_steps=STEPS, batch_size=8, save_steps=2,
                     logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack"), resume=resume)
     print("WORKER DONE")
-''')
+''').replace("@STEPS@", str(STEPS))
 
 REFERENCE = textwrap.dedent('''
     import json, sys
+    STEPS = @STEPS@
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from schemas.config import TrainConfig
@@ -38,17 +42,17 @@ REFERENCE = textwrap.dedent('''
     from trainer.step import stack_micro_batches
     from trainer.train import _widen, build_model, load_trained_model, make_trainer, read_manifest, shard_paths
     data, run_dir = sys.argv[1], sys.argv[2]
-    cfg = TrainConfig(data=data, model="tiny", output=run_dir, max_steps=4, batch_size=8, save_steps=2,
+    cfg = TrainConfig(data=data, model="tiny", output=run_dir, max_steps=STEPS, batch_size=8, save_steps=2,
                       logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack")
     manifest = read_manifest(data)
-    trainer = make_trainer(cfg, build_model(cfg, manifest), 4)
+    trainer = make_trainer(cfg, build_model(cfg, manifest), STEPS)
     paths = shard_paths(data, manifest, "train")
     # What process i of 2 reads: half the pairs of each global batch, packed into its 2 rows.
     its = [iter(make_loader(paths, batch_size=4, max_length=manifest.max_length, seed=cfg.seed, num_epochs=None,
                             pad_id=manifest.tokenizer.pad_token_id or 0, packing="pack", rows=2, shard=(i, 2)))
            for i in range(2)]
     state, losses = trainer.init_state, []
-    for _ in range(4):
+    for _ in range(STEPS):
         local = [next(it) for it in its]
         length = max(b["input_ids"].shape[1] for b in local)
         parts = [stack_micro_batches([_widen(b, length)]) for b in local]
@@ -61,7 +65,7 @@ REFERENCE = textwrap.dedent('''
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(nnx.state(trained, nnx.Param))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     print("REFERENCE OK")
-''')
+''').replace("@STEPS@", str(STEPS))
 
 
 def _free_port() -> int:
@@ -70,7 +74,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(data: pathlib.Path, output: pathlib.Path, resume: bool) -> list[str]:
+def start_two_processes(data: pathlib.Path, output: pathlib.Path, resume: bool) -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
     for i in range(2):
@@ -78,18 +82,45 @@ def run_two_processes(data: pathlib.Path, output: pathlib.Path, resume: bool) ->
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(data), str(output), "1" if resume else "0"],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen]) -> list[str]:
+    deadline = time.monotonic() + DEADLINE
     outputs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=DEADLINE)
+            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
             outputs.append(out)
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail(f"a process stalled for {DEADLINE} s; both killed")
+        pytest.fail(f"a process stalled past the {DEADLINE} s deadline; both killed")
     for p, out in zip(procs, outputs):
         assert p.returncode == 0 and "WORKER DONE" in out, out[-4000:]
     return outputs
+
+
+def run_two_processes(data: pathlib.Path, output: pathlib.Path, resume: bool) -> list[str]:
+    return wait_all(start_two_processes(data, output, resume))
+
+
+def kill_both_after(procs: list[subprocess.Popen], metrics: pathlib.Path, step: int) -> int:
+    """SIGKILL both processes once process 0 has logged ``step``; returns the last logged step."""
+    deadline = time.monotonic() + DEADLINE
+    last = 0
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if metrics.exists():
+            lines = metrics.read_text().splitlines()
+            last = json.loads(lines[-1])["step"] if lines else 0
+            if last >= step:
+                break
+        time.sleep(0.02)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=30)
+    return last
 
 
 @pytest.fixture(scope="module")
@@ -106,32 +137,33 @@ def shards(tmp_path_factory):
 def test_two_processes_equal_one_and_resume_exactly(shards, tmp_path):
     run_two_processes(shards, tmp_path / "a", resume=False)
     # Both processes saved: one checkpoint, with each process's Grain iterator state.
-    data_items = sorted(p.name for p in (tmp_path / "a" / "checkpoints" / "4" / "data").iterdir())
+    data_items = sorted(p.name for p in (tmp_path / "a" / "checkpoints" / str(STEPS) / "data").iterdir())
     assert any("process_0" in n for n in data_items) and any("process_1" in n for n in data_items), data_items
     ref = subprocess.run([sys.executable, "-c", REFERENCE, str(shards), str(tmp_path / "a")], cwd=REPO,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=DEADLINE)
     assert ref.returncode == 0 and "REFERENCE OK" in ref.stdout, (ref.stdout[-2000:], ref.stderr[-4000:])
 
-    # Killed after the step-2 checkpoint (what a kill leaves: checkpoint 2, metrics up to where it
-    # stopped), then resumed by both processes: the same final parameters and losses.
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
+    # Both processes killed (SIGKILL) mid-run, after a checkpoint, then resumed by both: the same
+    # final parameters and losses as the uninterrupted run.
+    procs = start_two_processes(shards, tmp_path / "b", resume=False)
+    last = kill_both_after(procs, tmp_path / "b" / "metrics.jsonl", step=3)
+    assert 3 <= last < STEPS, f"the run was not interrupted (last logged step {last})"
     run_two_processes(shards, tmp_path / "b", resume=True)
     check = textwrap.dedent('''
         import sys, jax, numpy as np
         from flax import nnx
         from trainer.train import load_trained_model
         (a, _, sa), (b, _, sb) = load_trained_model(sys.argv[1]), load_trained_model(sys.argv[2])
-        assert sa == sb == 4
+        assert sa == sb == int(sys.argv[3])
         for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         print("RESUME OK")
     ''')
-    res = subprocess.run([sys.executable, "-c", check, str(tmp_path / "a"), str(tmp_path / "b")], cwd=REPO,
+    res = subprocess.run([sys.executable, "-c", check, str(tmp_path / "a"), str(tmp_path / "b"), str(STEPS)], cwd=REPO,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=DEADLINE)
     assert res.returncode == 0 and "RESUME OK" in res.stdout, res.stderr[-4000:]
     la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert la == lb and len(la) == 4
+    assert la == lb and len(la) == STEPS
     pairs = [json.loads(x)["pairs"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert pairs == [8, 8, 8, 8]  # the global batch: 4 pairs from each process
+    assert pairs == [8] * STEPS  # the global batch: 4 pairs from each process
