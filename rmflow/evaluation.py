@@ -39,6 +39,7 @@ class LoadedModel:
     tokenizer_dir: str | None  # None: no tokenizer files (callers that need one say so)
     pad_id: int
     description: str  # which weights: the run and step, or the checkpoint folder
+    folder: str = ""  # the local folder it was read from (a copy, for a remote one)
 
 
 def load_model(path: str) -> LoadedModel:
@@ -48,7 +49,7 @@ def load_model(path: str) -> LoadedModel:
     if is_run_dir(path):
         model, run, step = load_trained_model(path)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
-                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})")
+                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path)
     if not os.path.isdir(path):
         raise TrainError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an exported "
                          "checkpoint folder")
@@ -61,7 +62,7 @@ def load_model(path: str) -> LoadedModel:
         with open(info) as f:
             exported = json.load(f)
         description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
-    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description)
+    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path)
 
 
 def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:

@@ -1,0 +1,119 @@
+"""The Python API: load a trained reward model and score conversations in a few lines.
+
+    >>> from rmflow import RewardModel
+    >>> rm = RewardModel.load("runs/rm1")          # a run directory, or an exported checkpoint
+    >>> conversation = [{"role": "user", "content": "How do I boil an egg?"},
+    ...                 {"role": "assistant", "content": "Eight minutes in boiling water."}]
+    >>> rm.score([conversation]).shape
+    (1,)
+    >>> chosen = [conversation]
+    >>> rejected = [[conversation[0], {"role": "assistant", "content": "No idea."}]]
+    >>> r_chosen, r_rejected = rm.score_pairs(chosen, rejected)
+    >>> bool(abs(float(rm.score(chosen)[0]) - float(r_chosen[0])) < 1e-4)
+    True
+
+The chat template of the model's own tokenizer is applied; conversations are scored in batches
+sorted by length, results come back in input order as float32 numpy arrays. A conversation
+must end with the assistant reply to score. ``rmflow score`` is a thin wrapper over this class.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+Conversation = Sequence[dict[str, str]] | dict[str, Any]
+
+
+class BadConversation(ValueError):
+    """A conversation that cannot be scored; the message says why."""
+
+
+def conversation_messages(obj: Any) -> list[dict[str, str]]:
+    """The message list of a conversation (a list of ``{role, content}``, or an object with
+    ``messages``), checked: strings only, ending with an assistant message."""
+    msgs = obj.get("messages") if isinstance(obj, dict) else obj
+    if not isinstance(msgs, (list, tuple)) or not msgs:
+        raise BadConversation("expected a non-empty list of messages, or an object with 'messages'")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadConversation(f"message {i} must be an object with string 'role' and 'content'")
+    if msgs[-1]["role"] != "assistant":  # a reward model scores a reply, not a question
+        raise BadConversation(f"the last message is the {msgs[-1]['role']}'s; a reward model scores an assistant "
+                              "reply: end the conversation with the assistant message to score")
+    return list(msgs)
+
+
+class RewardModel:
+    """A trained reward model with its tokenizer: ``load``, then ``score`` / ``score_pairs``."""
+
+    def __init__(self, loaded, tokenizer, normalization: dict[str, float] | None = None):
+        self._loaded = loaded
+        self.tokenizer = tokenizer
+        self.normalization = normalization
+        self.max_length = loaded.model.config.max_position_embeddings
+        self.description = loaded.description
+
+    @classmethod
+    def load(cls, path: str) -> RewardModel:
+        """From a run directory (its newest checkpoint) or an exported checkpoint folder, local
+        or remote (gs://, copied down once)."""
+        from transformers import AutoTokenizer
+
+        from rmflow.evaluation import NORMALIZATION_FILE, load_model, require_tokenizer
+
+        loaded = load_model(path)
+        tok = AutoTokenizer.from_pretrained(require_tokenizer(path, loaded.tokenizer_dir, "scoring"))
+        norm = None
+        if os.path.exists(os.path.join(loaded.folder, NORMALIZATION_FILE)):
+            with open(os.path.join(loaded.folder, NORMALIZATION_FILE)) as f:
+                norm = json.load(f)
+        return cls(loaded, tok, norm)
+
+    def encode(self, conversation: Conversation) -> np.ndarray:
+        """Token ids of one conversation, chat template applied; raises BadConversation."""
+        ids = self.tokenizer.apply_chat_template(conversation_messages(conversation), tokenize=True,
+                                                 return_dict=False)
+        if len(ids) > self.max_length:
+            raise BadConversation(f"{len(ids)} tokens, more than the model's {self.max_length} positions")
+        return np.asarray(ids, np.int32)
+
+    def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = 16, progress=None) -> np.ndarray:
+        """Rewards of token sequences (each scored at its last token), in input order."""
+        from trainer.evaluate import score_sequences
+
+        if not len(sequences):
+            return np.zeros(0, np.float32)
+        return score_sequences(self._loaded.model, list(sequences), batch_size=batch_size,
+                               pad_id=self._loaded.pad_id, progress=progress)
+
+    def score(self, conversations: Sequence[Conversation], *, batch_size: int = 16,
+              normalized: bool = False) -> np.ndarray:
+        """One reward per conversation, float32, in input order. ``normalized``: standardised by
+        the mean and std that `rmflow eval --normalize` stored with the model."""
+        seqs = []
+        for i, conv in enumerate(conversations):
+            try:
+                seqs.append(self.encode(conv))
+            except BadConversation as e:
+                raise BadConversation(f"conversation {i}: {e}") from e
+        scores = self.score_ids(seqs, batch_size=batch_size)
+        return self.normalize(scores) if normalized else scores
+
+    def score_pairs(self, chosen: Sequence[Conversation], rejected: Sequence[Conversation], *,
+                    batch_size: int = 16) -> tuple[np.ndarray, np.ndarray]:
+        """Rewards of chosen and rejected conversations, pair by pair (equal lengths)."""
+        if len(chosen) != len(rejected):
+            raise ValueError(f"{len(chosen)} chosen but {len(rejected)} rejected conversations")
+        scores = self.score([*chosen, *rejected], batch_size=batch_size)
+        return scores[: len(chosen)], scores[len(chosen):]
+
+    def normalize(self, scores: np.ndarray) -> np.ndarray:
+        if not self.normalization or not self.normalization.get("std"):
+            raise ValueError("this model has no reward_normalization.json: run `rmflow eval --normalize` first")
+        return ((np.asarray(scores, np.float64) - self.normalization["mean"])
+                / self.normalization["std"]).astype(np.float32)

@@ -1,0 +1,83 @@
+"""The Python API: `from rmflow import RewardModel`; its docstring example runs as written, its
+scores equal `rmflow score` (a thin wrapper over it) and the model's own forward pass."""
+
+import doctest
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pipelines.preprocess import run as preprocess
+from rmflow.cli import app
+from schemas.config import PreprocessConfig, TrainConfig
+from trainer.train import run as train
+
+DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
+U = lambda c: {"role": "user", "content": c}  # noqa: E731
+A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
+CONVS = [[U("How do I boil an egg?"), A("Eight minutes in boiling water.")],
+         [U("Hi"), A("Hello!")],
+         [{"role": "system", "content": "Be brief."}, U("Name a colour."), A("Blue"), U("Another?"), A("Green.")]]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    base = tmp_path_factory.mktemp("api")
+    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(base / "shards"),
+                                tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
+    train(TrainConfig(data=str(base / "shards"), model="tiny", output=str(base / "runs" / "rm1"), max_steps=2,
+                      batch_size=4, learning_rate=1e-3))
+    return base
+
+
+def test_docstring_example_runs(workdir, monkeypatch):
+    import rmflow.api
+
+    monkeypatch.chdir(workdir)  # the example loads "runs/rm1"
+    failures, tried = doctest.testmod(rmflow.api, raise_on_error=False, verbose=False)
+    assert tried >= 6 and failures == 0
+
+
+def test_scores_equal_the_cli_and_keep_order(workdir, tmp_path):
+    from rmflow import RewardModel
+
+    rm = RewardModel.load(str(workdir / "runs" / "rm1"))
+    scores = rm.score(CONVS, batch_size=2)
+    assert scores.dtype == np.float32 and scores.shape == (3,)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVS))
+    r = CliRunner().invoke(app, ["score", "--model", str(workdir / "runs" / "rm1"), "-i", str(tmp_path / "in.jsonl"),
+                                 "-o", str(tmp_path / "out.jsonl")])
+    assert r.exit_code == 0, r.output
+    cli = [json.loads(x)["score"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(scores, cli, atol=1e-6)
+    # Sorted by length inside, returned in input order: reversing the input reverses the output.
+    np.testing.assert_allclose(rm.score(CONVS[::-1]), scores[::-1], atol=1e-6)
+    rc, rr = rm.score_pairs(CONVS[:2], CONVS[1:])
+    np.testing.assert_allclose(rc, scores[:2], atol=1e-6)
+    np.testing.assert_allclose(rr, scores[1:], atol=1e-6)
+
+
+def test_bad_conversations_say_which(workdir):
+    from rmflow import RewardModel
+    from rmflow.api import BadConversation
+
+    rm = RewardModel.load(str(workdir / "runs" / "rm1"))
+    with pytest.raises(BadConversation, match="conversation 1: the last message is the user's"):
+        rm.score([CONVS[0], [U("Hi")]])
+    with pytest.raises(ValueError, match="2 chosen but 1 rejected"):
+        rm.score_pairs(CONVS[:2], CONVS[:1])
+    with pytest.raises(ValueError, match="rmflow eval --normalize"):
+        rm.score(CONVS, normalized=True)
+
+
+def test_the_cli_does_not_load_jax_for_help():
+    import subprocess
+    import sys
+
+    code = "import sys, rmflow, rmflow.cli; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.strip() == "False", out.stderr
