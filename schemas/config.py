@@ -151,6 +151,7 @@ SCHEDULES = ("linear", "cosine")
 PACKING = ("auto", "none", "bucket", "pack")
 ATTENTION = ("auto", "xla", "blockwise", "cudnn")
 DISTRIBUTED = ("auto", "on", "off")
+REPORT_TO = ("tensorboard", "wandb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +201,10 @@ class TrainConfig(_Serializable):
     coordinator_address: str = _opt("", "host:port of process 0, for distributed runs (or JAX_COORDINATOR_ADDRESS); "
                                         "each process sets JAX_PROCESS_ID.")
     num_processes: int = _opt(0, "Processes in a distributed run; 0 = JAX_NUM_PROCESSES or the cluster's own count.")
+    report_to: tuple[str, ...] = _opt(("tensorboard",), "Where metrics go besides metrics.jsonl (always): "
+                                      "tensorboard, wandb (Weights & Biases; the wandb extra), both, or none "
+                                      "(comma-separated with --set).")
+    wandb_project: str = _opt("rmflow", "Weights & Biases project (WANDB_PROJECT wins when set).")
     seed: int = _opt(0, "Seed of the data order and of the score head's initialisation.")
     logging_steps: int = _opt(10, "Steps per metrics window (metrics.jsonl, TensorBoard, progress bar).")
     eval_steps: int = _opt(0, "Evaluate on the eval split every this many steps; 0 = only at the end.")
@@ -228,6 +233,11 @@ class TrainConfig(_Serializable):
             raise ConfigError(f"packing {self.packing!r}: use one of {PACKING}")
         if self.attention not in ATTENTION:
             raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION}")
+        reporters = (self.report_to,) if isinstance(self.report_to, str) else tuple(self.report_to or ())
+        object.__setattr__(self, "report_to", tuple(r for r in reporters if r != "none"))
+        bad = [r for r in self.report_to if r not in REPORT_TO]
+        if bad:
+            raise ConfigError(f"report_to {bad}: use any of {REPORT_TO} (or none)")
         if self.distributed not in DISTRIBUTED:
             raise ConfigError(f"distributed {self.distributed!r}: use one of {DISTRIBUTED}")
         _check_int(self.num_processes, "num_processes", 0)
@@ -264,6 +274,8 @@ def _parse(text: str, type_name: str, key: str) -> Any:
             return int(text)
         if type_name == "float":
             return float(text)
+        if type_name.startswith("tuple[str"):
+            return tuple(p.strip() for p in text.split(",") if p.strip())
         if type_name == "bool":
             lowered = text.strip().lower()
             if lowered not in ("true", "false", "1", "0", "yes", "no"):

@@ -33,6 +33,7 @@ from schemas.errors import RmflowError, RmflowWarning
 from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
 from trainer import storage
 from trainer.data import make_loader, resolve_packing
+from trainer.loggers import Reporters, check_available
 from trainer.loss import SUM_KEYS, finalize
 from trainer.memory import release_free_memory
 from trainer.modeling.config import ModelConfig
@@ -41,7 +42,6 @@ from trainer.modeling.llama import RewardModel
 from trainer.parallel import BATCH_AXES, batch_shards, distributed, make_mesh
 from trainer.rundir import CHECKPOINTS, RunFiles, is_run_dir, read_run, tokenizer_fingerprint, write_run_files
 from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches
-from trainer.tensorboard import summary_writer
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -267,6 +267,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     if latest is not None and not resume:
         raise TrainError(f"{cfg.output} already has checkpoints (step {latest}): pass --resume to continue "
                          "or choose another --output")
+    check_available(cfg)
     if resume and latest is None:
         warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
                       RmflowWarning, stacklevel=2)
@@ -291,8 +292,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
         _write_history(metrics_path, history)
 
     # After a resume, TensorBoard drops the events logged past the restored checkpoint.
-    writer = summary_writer(os.path.join(run_dir, "tensorboard"),
-                            purge_step=int(state.step) + 1 if resume and latest is not None else None) \
+    writer = Reporters(cfg, run_dir, purge_step=int(state.step) + 1 if resume and latest is not None else None) \
         if primary else None
     window = _Window()
     step = int(state.step)
@@ -328,9 +328,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
                 history.append(record)
                 if primary:
                     _append_history(metrics_path, record)
-                    for k, v in record.items():
-                        if k != "step" and isinstance(v, (int, float)):
-                            writer.add_scalar(k, v, step)
+                    writer.log(record, step)
                 if on_log:
                     on_log(record)
             if saving:
