@@ -58,6 +58,31 @@ def loader_alone(shards: pathlib.Path, batch_size: int, max_length: int, n: int,
     return n / (time.perf_counter() - start)
 
 
+def current_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+class RssSampler:
+    """The peak resident memory over an interval (ru_maxrss would include preprocessing's peak)."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self.done = current_rss_mib(), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.wait(0.02):
+            self.peak = max(self.peak, current_rss_mib())
+
+    def stop(self) -> float:
+        self.done.set()
+        self.thread.join()
+        return self.peak
+
+
 def main() -> None:
     logging.getLogger("apache_beam").setLevel(logging.ERROR)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,6 +90,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--packing", default="pack", choices=("none", "bucket", "pack"))
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         shards = pathlib.Path(tmp) / "shards"
@@ -81,10 +107,14 @@ def main() -> None:
 
         cfg = TrainConfig(data=str(shards), model="tiny", output=str(pathlib.Path(tmp) / "run"),
                           max_steps=args.steps, batch_size=args.batch_size, learning_rate=3e-4,
-                          warmup_steps=max(args.steps // 10, 1), logging_steps=1, seed=0, packing=args.packing)
+                          warmup_steps=max(args.steps // 10, 1), logging_steps=1, seed=0, packing=args.packing,
+                          lora={"rank": args.lora, "alpha": 2 * args.lora} if args.lora else None)
+        rss_before = current_rss_mib()
+        sampler = RssSampler()
         start = time.perf_counter()
         result = train(cfg, on_log=on_log)
         wall = time.perf_counter() - start
+        rss_peak_train = sampler.stop()
         baseline, n_eval = length_baseline(shards)
     hist = result.history
     steady = hist[len(hist) // 2:-1] or hist  # past the first compilations, before the final eval
@@ -105,6 +135,12 @@ def main() -> None:
           f"({loader_bps * step_s:,.0f}x what the step consumes)")
     print(f"peak host memory                      {peak_host:,.0f} MiB"
           + (f"; peak device memory {stats['peak_bytes_in_use'] / 2**20:,.0f} MiB" if "peak_bytes_in_use" in stats else ""))
+    state_mib = sum(x.nbytes for x in jax.tree.leaves(result.state)) / 2**20
+    trainable = sum(x.size for x in jax.tree.leaves(result.state.params))
+    print(f"trainable parameters                  {trainable:,} ({'LoRA rank ' + str(args.lora) if args.lora else 'full'})")
+    print(f"train state (params trained + AdamW)  {state_mib:,.1f} MiB")
+    print(f"host memory before training           {rss_before:,.0f} MiB (after preprocessing)")
+    print(f"peak host memory while training       {rss_peak_train:,.0f} MiB (VmRSS sampled every 20 ms)")
     print(f"final eval accuracy                   {final['eval_accuracy']:.4f} on {final['eval_pairs']} pairs")
     print(f"length-only baseline                  {baseline:.4f} on {n_eval} pairs (longer reply wins)")
 

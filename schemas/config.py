@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from schemas.errors import RmflowError
@@ -146,6 +147,45 @@ def _check_int(value: Any, name: str, minimum: int) -> None:
         raise ConfigError(f"{name} {value!r}: must be an integer >= {minimum}")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_KEYS = ("rank", "alpha", "dropout", "target_modules")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = LORA_TARGETS
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> LoraConfig | None:
+        if not d:
+            return None
+        unknown = sorted(set(d) - set(LORA_KEYS))
+        if unknown:
+            raise ConfigError(f"lora: unknown keys {unknown}; known: {list(LORA_KEYS)}")
+        targets = d.get("target_modules", "all-linear")
+        targets = LORA_TARGETS if targets in ("all-linear", ["all-linear"], ("all-linear",)) else \
+            tuple([targets] if isinstance(targets, str) else targets)
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if bad or not targets:
+            raise ConfigError(f"lora target_modules {bad or targets}: use names from {list(LORA_TARGETS)} or all-linear")
+        rank, alpha, dropout = d.get("rank", 8), d.get("alpha", 16.0), d.get("dropout", 0.0)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ConfigError(f"lora rank {rank!r}: a positive integer")
+        if not isinstance(alpha, (int, float)) or alpha <= 0:
+            raise ConfigError(f"lora alpha {alpha!r}: a positive number")
+        if dropout:
+            raise ConfigError("lora dropout > 0 is not implemented: set it to 0 (PEFT's default for reward "
+                              "models is 0.05-0.1; rmflow regularises with weight_decay instead)")
+        return cls(rank, float(alpha), 0.0, targets)
+
+
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
 PACKING = ("auto", "none", "bucket", "pack")
@@ -205,6 +245,9 @@ class TrainConfig(_Serializable):
                                       "tensorboard, wandb (Weights & Biases; the wandb extra), both, or none "
                                       "(comma-separated with --set).")
     wandb_project: str = _opt("rmflow", "Weights & Biases project (WANDB_PROJECT wins when set).")
+    lora: dict | None = _opt(None, "LoRA: {rank, alpha, dropout, target_modules} (target names as in PEFT: q_proj "
+                                   "... down_proj, or all-linear); the base weights are frozen, the adapters and "
+                                   "the score head trained. --set lora.rank=16 sets one key.")
     seed: int = _opt(0, "Seed of the data order and of the score head's initialisation.")
     logging_steps: int = _opt(10, "Steps per metrics window (metrics.jsonl, TensorBoard, progress bar).")
     eval_steps: int = _opt(0, "Evaluate on the eval split every this many steps; 0 = only at the end.")
@@ -238,6 +281,11 @@ class TrainConfig(_Serializable):
         bad = [r for r in self.report_to if r not in REPORT_TO]
         if bad:
             raise ConfigError(f"report_to {bad}: use any of {REPORT_TO} (or none)")
+        if self.lora is not None and not isinstance(self.lora, dict):
+            raise ConfigError("lora: a mapping {rank, alpha, dropout, target_modules}")
+        lcfg = LoraConfig.from_dict(self.lora)  # validates
+        if lcfg is not None:
+            object.__setattr__(self, "lora", dataclasses.asdict(lcfg) | {"target_modules": list(lcfg.target_modules)})
         if self.distributed not in DISTRIBUTED:
             raise ConfigError(f"distributed {self.distributed!r}: use one of {DISTRIBUTED}")
         _check_int(self.num_processes, "num_processes", 0)
@@ -246,6 +294,10 @@ class TrainConfig(_Serializable):
         for name in ("weight_decay", "max_grad_norm", "center_rewards_coefficient"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+
+    @property
+    def lora_config(self) -> LoraConfig | None:
+        return LoraConfig.from_dict(self.lora)
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
@@ -262,6 +314,17 @@ class TrainConfig(_Serializable):
         data = dataclasses.asdict(self)
         for pair in pairs:
             key, sep, text = pair.partition("=")
+            if sep and key.startswith("lora."):  # one key of the lora mapping
+                sub = key.split(".", 1)[1]
+                value: Any = text
+                if sub == "rank":
+                    value = _parse(text, "int", key)
+                elif sub in ("alpha", "dropout"):
+                    value = _parse(text, "float", key)
+                elif sub == "target_modules":
+                    value = [p.strip() for p in text.split(",") if p.strip()]
+                data["lora"] = {**(data.get("lora") or {}), sub: value}
+                continue
             if not sep or key not in types:
                 raise ConfigError(f"--set {pair!r}: use key=value with a key from {sorted(types)}")
             data[key] = _parse(text, types[key], key)

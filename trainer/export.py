@@ -19,6 +19,7 @@ from flax import nnx
 
 from schemas.errors import RmflowError, RmflowWarning
 from trainer import storage
+from trainer.modeling import lora
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import hf_name, resolve
 from trainer.modeling.llama import RewardModel
@@ -108,6 +109,7 @@ def export(run_dir: str, output: str, *, step: int | None = None, max_shard_byte
     output = os.path.abspath(output)
     check_destination(output)
     model, run, step = load_trained_model(run_dir, step)
+    lora.merge(model)  # a LoRA run exports W + A B alpha/rank: a plain checkpoint
     base = run.base_config
     if base is None and run.config.model != "tiny":  # a run from before runs kept base_config.json
         with open(os.path.join(resolve(run.config.model), "config.json")) as f:

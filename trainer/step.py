@@ -56,7 +56,7 @@ def decay_mask(params: Any) -> Any:
     """Weight decay on matrices and embeddings only: never on norm weights or biases."""
     def decays(path, _) -> bool:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        return bool(names) and names[-1] in ("kernel", "embedding")
+        return bool(names) and names[-1] in ("kernel", "embedding", "lora_A", "lora_B")
 
     return jax.tree_util.tree_map_with_path(decays, params)
 
@@ -105,8 +105,12 @@ class TrainState:
 class Trainer:
     """Holds the model's static structure and the jitted steps over a TrainState pytree."""
 
-    def __init__(self, model: RewardModel, optim: OptimConfig, *, center_coef: float = 0.0, seed: int = 0):
-        self.graphdef, params, self.others = nnx.split(model, nnx.Param, ...)
+    def __init__(self, model: RewardModel, optim: OptimConfig, *, center_coef: float = 0.0, seed: int = 0,
+                 trainable=nnx.Param):
+        """``trainable``: an NNX filter of the parameters to train (all, or with LoRA the adapters and
+        the score head); the other parameters are frozen: no gradient, no optimizer state, passed
+        to the jitted steps as an argument (never baked into the compiled program)."""
+        self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)
         self.tx = make_optimizer(optim)
         self.max_grad_norm = optim.max_grad_norm
         self.schedule = learning_rate_schedule(optim)
@@ -115,8 +119,8 @@ class Trainer:
             step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
             rng=jax.random.key_data(jax.random.key(seed)),
         )
-        self.train_step = jax.jit(self._train_step, donate_argnums=0)
-        self.eval_step = jax.jit(self._eval_step)
+        self._train_jit = jax.jit(self._train_step, donate_argnums=0)
+        self._eval_jit = jax.jit(self._eval_step)
 
     def use_mesh(self, mesh) -> TrainState:
         """Shard the state over ``mesh`` by the parameter-name rules (``trainer.parallel``) and
@@ -127,31 +131,38 @@ class Trainer:
         from trainer.parallel import shardings
 
         self.state_shardings = shardings(self.init_state, mesh)
-        self.train_step = jax.jit(self._train_step, donate_argnums=0,
+        self.frozen = jax.device_put(self.frozen, shardings(self.frozen, mesh))
+        self._train_jit = jax.jit(self._train_step, donate_argnums=0,
                                   out_shardings=(self.state_shardings, NamedSharding(mesh, P())))
         return jax.device_put(self.init_state, self.state_shardings)
 
-    def model(self, params: Any) -> RewardModel:
-        return nnx.merge(self.graphdef, params, self.others)
+    def train_step(self, state: TrainState, batch: dict[str, jax.Array]):
+        return self._train_jit(state, batch, self.frozen)
 
-    def rewards(self, params: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return pair_rewards(self.model(params), mb)
+    def eval_step(self, params: Any, mb: dict[str, jax.Array]):
+        return self._eval_jit(params, mb, self.frozen)
 
-    def _objective(self, params, mb):
-        rc, rr = self.rewards(params, mb)
+    def model(self, params: Any, frozen: Any = None) -> RewardModel:
+        return nnx.merge(self.graphdef, params, self.frozen if frozen is None else frozen, self.others)
+
+    def rewards(self, params: Any, mb: dict[str, jax.Array], frozen: Any = None) -> tuple[jax.Array, jax.Array]:
+        return pair_rewards(self.model(params, frozen), mb)
+
+    def _objective(self, params, mb, frozen):
+        rc, rr = self.rewards(params, mb, frozen)
         _, sums = pairwise_loss(rc, rr, mb["margin"], mb["weight"], self.center_coef)
         return sums["bt_loss_sum"] + self.center_coef * sums["center_sum"], sums
 
-    def _train_step(self, state: TrainState, batch: dict[str, jax.Array]):
+    def _train_step(self, state: TrainState, batch: dict[str, jax.Array], frozen: Any):
         grad_fn = jax.value_and_grad(self._objective, has_aux=True)
 
         def micro(carry, mb):
             grads, sums = carry
-            (_, s), g = grad_fn(state.params, mb)
+            (_, s), g = grad_fn(state.params, mb, frozen)
             return (jax.tree.map(jnp.add, grads, g), {k: sums[k] + s[k] for k in SUM_KEYS}), None
 
         if jax.tree.leaves(batch)[0].shape[0] == 1:  # one micro-batch: no accumulator buffers
-            (_, sums), grads = grad_fn(state.params, {k: v[0] for k, v in batch.items()})
+            (_, sums), grads = grad_fn(state.params, {k: v[0] for k, v in batch.items()}, frozen)
         else:
             zeros = (jax.tree.map(jnp.zeros_like, state.params), {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS})
             (grads, sums), _ = jax.lax.scan(micro, zeros, batch)
@@ -162,8 +173,8 @@ class Trainer:
         metrics = {**sums, "grad_norm": grad_norm, "learning_rate": self.schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
-    def _eval_step(self, params: Any, mb: dict[str, jax.Array]):
-        rc, rr = self.rewards(params, mb)
+    def _eval_step(self, params: Any, mb: dict[str, jax.Array], frozen: Any):
+        rc, rr = self.rewards(params, mb, frozen)
         _, sums = pairwise_loss(rc, rr, mb["margin"], mb["weight"], self.center_coef)
         return sums
 

@@ -36,6 +36,7 @@ from trainer.data import make_loader, resolve_packing
 from trainer.loggers import Reporters, check_available
 from trainer.loss import SUM_KEYS, finalize
 from trainer.memory import release_free_memory
+from trainer.modeling import lora
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import load_reward_model, read_config, resolve
 from trainer.modeling.llama import RewardModel
@@ -81,18 +82,29 @@ def read_manifest(data: str) -> Manifest:
 
 
 def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
-    """The model, checked against the shards: token ids must fit and the tokenizer must match."""
-    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    """The model, checked against the shards: token ids must fit and the tokenizer must match;
+    with LoRA adapters added when the config asks."""
     vocab = manifest.tokenizer.vocab_size
-    if cfg.model == "tiny":
-        return RewardModel(ModelConfig.tiny(vocab_size=vocab), dtype=dtype, remat=cfg.gradient_checkpointing,
-                           rngs=nnx.Rngs(cfg.seed), attention=cfg.attention)
-    folder = resolve(cfg.model)
-    read_config(folder)  # an unsupported or incomplete config.json fails first
-    check_tokenizer(manifest, folder, "the model")
-    model = load_reward_model(folder, dtype=dtype, remat=cfg.gradient_checkpointing, seed=cfg.seed,
-                              attention=cfg.attention)
+    if cfg.model != "tiny":
+        folder = resolve(cfg.model)
+        read_config(folder)  # an unsupported or incomplete config.json fails first
+        check_tokenizer(manifest, folder, "the model")
+    model = base_model(cfg, ModelConfig.tiny(vocab_size=vocab) if cfg.model == "tiny" else None)
     check_vocabulary(manifest, model.config)
+    return model
+
+
+def base_model(cfg: TrainConfig, tiny_config: ModelConfig | None = None) -> RewardModel:
+    """The run's initial model: the tiny preset (seeded) or the checkpoint, plus LoRA adapters."""
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    if cfg.model == "tiny":
+        model = RewardModel(tiny_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
+                            attention=cfg.attention)
+    else:
+        model = load_reward_model(resolve(cfg.model), dtype=dtype, remat=cfg.gradient_checkpointing,
+                                  seed=cfg.seed, attention=cfg.attention)
+    if cfg.lora_config is not None:
+        lora.apply(model, cfg.lora_config, seed=cfg.seed)
     return model
 
 
@@ -139,7 +151,8 @@ def make_trainer(cfg: TrainConfig, model: RewardModel, total_steps: int) -> Trai
         learning_rate=cfg.learning_rate, learning_rate_end=cfg.learning_rate_end,
         warmup_steps=cfg.warmup_steps, total_steps=total_steps, schedule=cfg.lr_schedule,
         weight_decay=cfg.weight_decay, adam_b1=cfg.adam_b1, adam_b2=cfg.adam_b2, adam_eps=cfg.adam_eps,
-        max_grad_norm=cfg.max_grad_norm), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed)
+        max_grad_norm=cfg.max_grad_norm), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
+        trainable=lora.trainable_filter(cfg.lora_config))
 
 
 def checkpoint_manager(run_dir: str, keep: int = 1):
@@ -169,7 +182,11 @@ def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardMod
     if latest is None:
         raise TrainError(f"{run_dir} has no checkpoint yet: training stopped before its first save "
                          "(resume it with `rmflow train --resume`, or set save_steps)")
-    model = RewardModel(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention)
+    if run.config.lora_config is not None:  # frozen base weights come from the base model, adapters from here
+        model = base_model(dataclasses.replace(run.config, dtype="float32", gradient_checkpointing=False),
+                           run.model_config)
+    else:
+        model = RewardModel(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention)
     trainer = make_trainer(run.config, model, 1)
     manager = checkpoint_manager(run_dir, keep=run.config.save_total_limit)
     step = latest if step is None else step

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer.modeling import lora
 from trainer.modeling.attention import attention, dense_mask, resolve_attention
 from trainer.modeling.config import ModelConfig
 
@@ -27,6 +28,11 @@ INIT_STD = 0.02  # Hugging Face's initializer_range default
 def _linear(cfg: ModelConfig, dtype, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
                       kernel_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+
+
+def _proj(linear: nnx.Linear, x: jax.Array) -> jax.Array:
+    """A projection, plus its LoRA adapter when it has one (``trainer.modeling.lora``)."""
+    return linear(x) + lora.delta(linear, x)
 
 
 class RMSNorm(nnx.Module):
@@ -105,15 +111,15 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, ctx: AttentionContext):
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.n_kv, self.head_dim)
+        q = _proj(self.q_proj, x).reshape(b, t, self.n_heads, self.head_dim)
+        k = _proj(self.k_proj, x).reshape(b, t, self.n_kv, self.head_dim)
+        v = _proj(self.v_proj, x).reshape(b, t, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, ctx.segment_ids, ctx.positions, ctx.branch_ids, implementation=ctx.implementation,
                         window=ctx.window, mask=ctx.mask)
-        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+        return _proj(self.o_proj, out.reshape(b, t, self.n_heads * self.head_dim))
 
 
 class MLP(nnx.Module):
@@ -124,7 +130,7 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg, dtype, i, h, cfg.mlp_bias, rngs)
 
     def __call__(self, x):
-        return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _proj(self.down_proj, nnx.silu(_proj(self.gate_proj, x)) * _proj(self.up_proj, x))
 
 
 class DecoderLayer(nnx.Module):

@@ -1,0 +1,83 @@
+"""LoRA reward models: low-rank adapters on the decoder's linear layers, base weights frozen.
+
+A targeted projection ``W`` (our kernels are (in, out)) computes ``x W + (x A) B * alpha / rank``
+with ``A`` (in, rank) initialised as PEFT does (Kaiming-uniform) and ``B`` (rank, out) zeros, so
+training starts from the base model exactly. The adapters (``LoRAParam``) and the score head are
+the only trainable parameters (``trainable_filter``): the base weights get no gradient and no
+optimizer state. Target names are Hugging Face / PEFT's (``q_proj`` ... ``down_proj``), or
+``all-linear``. ``merge`` folds the adapters into the kernels for a plain checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from schemas.config import LORA_TARGETS as TARGETS
+from schemas.config import LoraConfig
+
+__all__ = ["TARGETS", "LoRAParam", "LoraConfig", "adapters", "apply", "delta", "lora_linears", "merge",
+           "trainable_filter"]
+
+
+class LoRAParam(nnx.Param):
+    """A LoRA factor: trainable while the base weights (plain ``nnx.Param``) are frozen."""
+
+
+def lora_linears(model: nnx.Module, targets: tuple[str, ...]):
+    """(name, module) of every targeted projection."""
+    for path, module in model.iter_modules():
+        if path and str(path[-1]) in targets and isinstance(module, nnx.Linear):
+            yield ".".join(map(str, path)), module
+
+
+def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
+    """Add adapters to the targeted projections, in place; returns how many were added."""
+    key = jax.random.key(seed + 7919)
+    n = 0
+    for _, linear in lora_linears(model, cfg.target_modules):
+        n_in, n_out = linear.kernel.value.shape
+        key, sub = jax.random.split(key)
+        bound = 1.0 / math.sqrt(n_in)  # Kaiming-uniform with a=sqrt(5), as PEFT's nn.Linear init
+        linear.lora_A = LoRAParam(jax.random.uniform(sub, (n_in, cfg.rank), jnp.float32, -bound, bound))
+        linear.lora_B = LoRAParam(jnp.zeros((cfg.rank, n_out), jnp.float32))
+        linear.lora_scale = cfg.scale
+        n += 1
+    return n
+
+
+def delta(linear: nnx.Linear, x: jax.Array) -> jax.Array:
+    """The adapter's contribution to a projection's output, or 0 without adapters."""
+    if not hasattr(linear, "lora_A"):
+        return 0.0
+    a = linear.lora_A.value.astype(x.dtype)
+    b = linear.lora_B.value.astype(x.dtype)
+    return ((x @ a) @ b) * jnp.asarray(linear.lora_scale, x.dtype)
+
+
+def trainable_filter(cfg: LoraConfig | None):
+    """What the optimizer trains: everything, or with LoRA the adapters and the score head."""
+    if cfg is None:
+        return nnx.Param
+    return nnx.Any(LoRAParam, nnx.All(nnx.Param, nnx.PathContains("score")))
+
+
+def merge(model: nnx.Module) -> int:
+    """Fold every adapter into its kernel (W + A B scale) and drop the adapters, in place."""
+    n = 0
+    for _, linear in lora_linears(model, TARGETS):
+        if hasattr(linear, "lora_A"):
+            w = linear.kernel.value + (linear.lora_A.value @ linear.lora_B.value) * linear.lora_scale
+            linear.kernel.value = w.astype(linear.kernel.value.dtype)
+            del linear.lora_A, linear.lora_B, linear.lora_scale
+            n += 1
+    return n
+
+
+def adapters(model: nnx.Module) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """name -> (A, B) of every adapter."""
+    return {name: (lin.lora_A.value, lin.lora_B.value) for name, lin in lora_linears(model, TARGETS)
+            if hasattr(lin, "lora_A")}
