@@ -322,11 +322,17 @@ def export(
     output: str = typer.Option(..., "--output", "-o", help="Folder for the Hugging Face checkpoint."),
     step: int | None = typer.Option(None, help="Checkpoint step to export; default: the newest."),
     max_shard_gb: float = typer.Option(2.0, help="Split the safetensors weights into files of at most this size."),
+    adapter: bool = typer.Option(False, "--adapter", help="LoRA runs: a PEFT adapter folder (loaded onto the base "
+                                 "model by peft.PeftModel.from_pretrained) instead of merged weights."),
 ) -> None:
     """Export a trained run as a Hugging Face *ForSequenceClassification checkpoint (with its tokenizer)."""
     from trainer.export import export as do_export
 
-    out = do_export(run, output, step=step, max_shard_bytes=int(max_shard_gb * 2**30))
+    out = do_export(run, output, step=step, max_shard_bytes=int(max_shard_gb * 2**30), adapter=adapter)
+    if adapter:
+        console.print(f"exported the LoRA adapter to [bold]{out}[/bold]: load it with "
+                      "peft.PeftModel.from_pretrained(base_model, path)")
+        return
     console.print(f"exported to [bold]{out}[/bold]: load it with "
                   "transformers.AutoModelForSequenceClassification.from_pretrained")
 

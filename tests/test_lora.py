@@ -79,8 +79,35 @@ def test_merged_export_matches_in_transformers(synthetic, tmp_path):  # noqa: F8
     model, _, _ = load_trained_model(str(tmp_path / "run"))  # with adapters, unmerged
     from tests.test_export import rmflow_rewards
 
-    np.testing.assert_allclose(rmflow_rewards(model, ids), expected, atol=1e-4, rtol=0)
+    ours = rmflow_rewards(model, ids)
+    np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
     assert lora.adapters(model)  # it was a LoRA model
+
+    # The PEFT adapter folder: peft loads it onto the base model with the same scores.
+    peft = pytest.importorskip("peft")
+    from typer.testing import CliRunner
+
+    from rmflow.cli import app
+
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "-o", str(tmp_path / "adapter"), "--adapter"])
+    assert r.exit_code == 0, r.output
+    folder = tmp_path / "adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    assert cfg["modules_to_save"] == ["score"] and cfg["r"] == 4 and cfg["task_type"] == "SEQ_CLS"
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(cfg["base_model_name_or_path"],
+                                                                           dtype=torch.float32)
+    with torch.no_grad():
+        untrained = base(input_ids=torch.tensor(ids)).logits[:, 0].numpy()
+    peft_model = peft.PeftModel.from_pretrained(base, str(folder)).eval()
+    with torch.no_grad():
+        got = peft_model(input_ids=torch.tensor(ids)).logits[:, 0].numpy()
+    np.testing.assert_allclose(got, ours, atol=1e-4, rtol=0)
+    assert not np.allclose(untrained, ours, atol=1e-3)  # the adapter and the head did change the scores
+    # Not a LoRA run: --adapter is refused in one line.
+    train(config(synthetic, tmp_path / "full", max_steps=2, save_steps=2))
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "full"), "-o", str(tmp_path / "x"), "--adapter"])
+    assert r.exit_code == 1 and "is not a LoRA run" in r.output
 
 
 def test_lora_config_checks():

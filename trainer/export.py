@@ -102,14 +102,18 @@ def check_destination(output: str) -> None:
                           "and is not an rmflow export: export into a new or empty folder")
 
 
-def export(run_dir: str, output: str, *, step: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+def export(run_dir: str, output: str, *, step: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+           adapter: bool = False) -> str:
     """Write the checkpoint into a staging folder beside ``output``, then swap it in: an earlier
     export there is replaced whole (no stale weight file survives), and an interrupted export
-    leaves the old one intact."""
+    leaves the old one intact. A LoRA run exports merged weights, or with ``adapter`` a PEFT
+    adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, the score head as a
+    module to save) that ``peft.PeftModel.from_pretrained`` loads onto the base model."""
     output = os.path.abspath(output)
     check_destination(output)
     model, run, step = load_trained_model(run_dir, step)
-    lora.merge(model)  # a LoRA run exports W + A B alpha/rank: a plain checkpoint
+    if adapter and run.config.lora_config is None:
+        raise ExportError(f"{run_dir} is not a LoRA run: --adapter exports LoRA adapters; export it without --adapter")
     base = run.base_config
     if base is None and run.config.model != "tiny":  # a run from before runs kept base_config.json
         with open(os.path.join(resolve(run.config.model), "config.json")) as f:
@@ -117,24 +121,63 @@ def export(run_dir: str, output: str, *, step: int | None = None, max_shard_byte
     if run.tokenizer_dir is None:
         warnings.warn(f"{run_dir} has no tokenizer files; the export will have none: copy the tokenizer the "
                       "shards were made with into it", RmflowWarning, stacklevel=2)
+    pad = run.manifest.tokenizer.pad_token_id
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=os.path.basename(output) + ".tmp-", dir=parent)
     try:
-        save_safetensors(state_dict(model), staging, max_shard_bytes)
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(hf_config(model.config, base, run.manifest.tokenizer.pad_token_id), f, indent=2, sort_keys=True)
+        if adapter:
+            base_path = os.path.abspath(resolve(run.config.model)) if run.config.model != "tiny" else None
+            if base_path is None:  # the tiny preset's random base exists nowhere else: ship it, in base/
+                plain = nnx.clone(model)
+                lora.strip(plain)
+                _write_checkpoint(plain, os.path.join(staging, "base"), base, pad, max_shard_bytes)
+                base_path = os.path.join(output, "base")
+            write_adapter(model, staging, run.config.lora_config, base_path)
+        else:
+            lora.merge(model)  # a LoRA run exports W + A B alpha/rank: a plain checkpoint
+            _write_checkpoint(model, staging, base, pad, max_shard_bytes)
         if run.tokenizer_dir is not None:
             for name in os.listdir(run.tokenizer_dir):
                 shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
         with open(os.path.join(staging, EXPORT_INFO), "w") as f:
-            json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step, "data": run.config.data,
-                       "tokenizer_sha256": run.manifest.tokenizer.sha256}, f, indent=2)
+            json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
+                       "data": run.config.data, "tokenizer_sha256": run.manifest.tokenizer.sha256,
+                       "format": "peft-adapter" if adapter else "checkpoint"}, f, indent=2)
         _swap_in(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output
+
+
+def _write_checkpoint(model: RewardModel, folder: str, base: dict | None, pad: int | None, max_shard_bytes: int):
+    os.makedirs(folder, exist_ok=True)
+    save_safetensors(state_dict(model), folder, max_shard_bytes)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config(model.config, base, pad), f, indent=2, sort_keys=True)
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def write_adapter(model: RewardModel, folder: str, cfg, base_path: str) -> None:
+    """PEFT's adapter layout: lora_A.weight (rank, in), lora_B.weight (out, rank) per targeted module,
+    the trained score head under its own name (``modules_to_save``), task SEQ_CLS."""
+    from safetensors.numpy import save_file
+
+    tensors = {}
+    for name, (a, b) in lora.adapters(model).items():
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(a, np.float32).T)
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(b, np.float32).T)
+    tensors[f"{PEFT_PREFIX}score.weight"] = np.ascontiguousarray(np.asarray(model.score.kernel.value, np.float32).T)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "SEQ_CLS", "r": cfg.rank, "lora_alpha": cfg.alpha,
+              "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
+              "modules_to_save": ["score"], "fan_in_fan_out": False, "inference_mode": True,
+              "init_lora_weights": True, "base_model_name_or_path": base_path}
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def _swap_in(staging: str, output: str) -> None:

@@ -20,7 +20,7 @@ from schemas.config import LORA_TARGETS as TARGETS
 from schemas.config import LoraConfig
 
 __all__ = ["TARGETS", "LoRAParam", "LoraConfig", "adapters", "apply", "delta", "lora_linears", "merge",
-           "trainable_filter"]
+           "strip", "trainable_filter"]
 
 
 class LoRAParam(nnx.Param):
@@ -72,6 +72,16 @@ def merge(model: nnx.Module) -> int:
         if hasattr(linear, "lora_A"):
             w = linear.kernel.value + (linear.lora_A.value @ linear.lora_B.value) * linear.lora_scale
             linear.kernel.value = w.astype(linear.kernel.value.dtype)
+            del linear.lora_A, linear.lora_B, linear.lora_scale
+            n += 1
+    return n
+
+
+def strip(model: nnx.Module) -> int:
+    """Remove every adapter without merging it (the base model), in place."""
+    n = 0
+    for _, linear in lora_linears(model, TARGETS):
+        if hasattr(linear, "lora_A"):
             del linear.lora_A, linear.lora_B, linear.lora_scale
             n += 1
     return n
