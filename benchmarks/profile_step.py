@@ -74,7 +74,7 @@ def main() -> None:
 
     model = RewardModel(ModelConfig.tiny(vocab_size=49152), rngs=nnx.Rngs(0), attention=a.attention)
     trainer = Trainer(model, OptimConfig(learning_rate=1e-4, total_steps=1000))
-    compiled = trainer.train_step.lower(trainer.init_state, batch).compile()
+    compiled = trainer._train_jit.lower(trainer.init_state, batch, trainer.frozen).compile()
     memory = compiled.memory_analysis()
     state = [trainer.init_state]
 

@@ -59,6 +59,12 @@ def test_train_eval_export_with_remote_shards_and_run(remote_shards, tmp_path):
     assert (pathlib.Path(out) / "model.safetensors").exists()
     assert json.loads((pathlib.Path(out) / "rmflow_export.json").read_text())["run"] == run_url
 
+    # Without --resume an existing remote run is refused and left whole (the mirror would replace it).
+    before = sorted(fs.find(run_url.removeprefix("memory://")))
+    with pytest.raises(storage.StorageError, match="already holds a run: pass --resume"):
+        train(TrainConfig(data=shards, model="tiny", output=run_url, max_steps=1, batch_size=4))
+    assert sorted(fs.find(run_url.removeprefix("memory://"))) == before
+
     # Resume brings the remote run down first: more steps continue from step 3.
     train(TrainConfig(data=shards, model="tiny", output=run_url, max_steps=3, batch_size=4, save_steps=1,
                       save_total_limit=1, logging_steps=1), resume=True)  # already complete: nothing lost

@@ -127,6 +127,9 @@ def local_run_dir(url: str, resume: bool) -> str:
         return url
     if resume:
         return stage_run(url, must_exist=False)
+    fs, root = _fs(url)
+    if fs.exists(root) and _listing(fs, root):  # the mirror would replace it: refuse, as for a local run
+        raise StorageError(f"{url} already holds a run: pass --resume to continue it or choose another --output")
     local = cache_dir(url, "runs")
     if os.path.exists(local):
         shutil.rmtree(local)
