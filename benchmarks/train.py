@@ -91,10 +91,13 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--packing", default="pack", choices=("none", "bucket", "pack"))
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
+    ap.add_argument("--model", default="tiny", help="tiny, or a Hugging Face checkpoint folder (its own tokenizer "
+                    "preprocesses the data)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         shards = pathlib.Path(tmp) / "shards"
-        preprocess(PreprocessConfig(inputs=(str(DATA / "hh_*.jsonl.gz"),), output=str(shards), tokenizer=str(TOKENIZER),
+        preprocess(PreprocessConfig(inputs=(str(DATA / "hh_*.jsonl.gz"),), output=str(shards),
+                                    tokenizer=str(TOKENIZER) if args.model == "tiny" else args.model,
                                     max_length=args.max_length))
         loader_bps = loader_alone(shards, args.batch_size, args.max_length, 200, args.packing)
         step_times: list[float] = []
@@ -105,7 +108,7 @@ def main() -> None:
             step_times.append(now - last[0])
             last[0] = now
 
-        cfg = TrainConfig(data=str(shards), model="tiny", output=str(pathlib.Path(tmp) / "run"),
+        cfg = TrainConfig(data=str(shards), model=args.model, output=str(pathlib.Path(tmp) / "run"),
                           max_steps=args.steps, batch_size=args.batch_size, learning_rate=3e-4,
                           warmup_steps=max(args.steps // 10, 1), logging_steps=1, seed=0, packing=args.packing,
                           lora={"rank": args.lora, "alpha": 2 * args.lora} if args.lora else None)
@@ -125,7 +128,7 @@ def main() -> None:
     final = hist[-1]
     peak_host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     stats = jax.devices()[0].memory_stats() or {}
-    print(f"\ntiny preset, packing={args.packing}, {args.steps} steps of {args.batch_size} pairs, "
+    print(f"\n{args.model}, packing={args.packing}, {args.steps} steps of {args.batch_size} pairs, "
           f"max_length {args.max_length}, "
           f"device {jax.devices()[0].device_kind}, {wall:.0f} s in all")
     print(f"real tokens/s (steady state, median)  {np.median([h['tokens_per_second'] for h in steady]):,.0f}")
