@@ -39,7 +39,13 @@ def is_supported(path: str) -> bool:
 
 def expand_inputs(patterns: tuple[str, ...]) -> list[tuple[str, int]]:
     """Each pattern (file, glob or directory) to the sorted (path, size) of its data files."""
-    found: dict[str, int] = {}
+    return [(path, size) for path, size, _ in list_inputs(patterns)]
+
+
+def list_inputs(patterns: tuple[str, ...]) -> list[tuple[str, int, float]]:
+    """The sorted (path, size, modification time) of the data files the patterns name: one
+    listing per pattern, local or remote (metadata only)."""
+    found: dict[str, tuple[int, float]] = {}
     for pattern in patterns:
         stripped = pattern.rstrip("/")
         is_dir = not any(c in pattern for c in "*?[") and not is_supported(stripped) and (
@@ -50,14 +56,14 @@ def expand_inputs(patterns: tuple[str, ...]) -> list[tuple[str, int]]:
             metas = FileSystems.match([query])[0].metadata_list
         except Exception as e:  # noqa: BLE001 - Beam raises BeamIOError and friends
             raise InputError(f"cannot list input {pattern!r}: {e}") from e
-        files = [(m.path, m.size_in_bytes) for m in metas if is_supported(m.path)]
+        files = {m.path: (m.size_in_bytes, m.last_updated_in_seconds) for m in metas if is_supported(m.path)}
         if not files:
             raise InputError(
                 f"input {pattern!r} matches no data files (supported: "
                 f"{', '.join(JSON_SUFFIXES + PARQUET_SUFFIXES)})"
             )
         found.update(files)
-    return sorted(found.items())
+    return sorted((path, size, mtime) for path, (size, mtime) in found.items())
 
 
 def iter_records(path: str) -> Iterator[tuple[int, str, str | None]]:

@@ -185,17 +185,9 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output."),
 ) -> None:
     """Train a reward model on preprocessed shards (JAX / Flax / Optax, fed by Grain)."""
-    base: dict = {}
-    if config:
-        import yaml
+    from rmflow.workflow import read_yaml_mapping
 
-        try:
-            with open(config) as f:
-                base = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"--config {config}: {e}") from e
-        if not isinstance(base, dict):
-            raise ConfigError(f"--config {config}: expected a mapping of option: value")
+    base = read_yaml_mapping(config, f"--config {config}", "a mapping of option: value") if config else {}
     base.update({k: v for k, v in (("data", data), ("model", model), ("output", output)) if v})
     cfg = TrainConfig.from_dict(base).with_overrides(list(set_))
 

@@ -78,16 +78,22 @@ class Workflow:
 
     @classmethod
     def load(cls, path: str) -> Workflow:
-        import yaml
-
-        try:
-            with open(path) as f:
-                spec = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read workflow {path}: {e}") from e
-        if not isinstance(spec, dict):
-            raise ConfigError(f"workflow {path} must be a mapping with output, preprocess, train ...")
+        spec = read_yaml_mapping(path, f"workflow {path}", "a mapping with output, preprocess, train ...")
         return cls.from_dict(spec, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def read_yaml_mapping(path: str, what: str, expected: str) -> dict[str, Any]:
+    """A YAML file holding a mapping (empty: {}); a ConfigError naming ``what`` otherwise."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            value = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read {what}: {e}") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be {expected}")
+    return value
 
 
 def _path(p: str, base_dir: str) -> str:
@@ -142,12 +148,11 @@ def run(wf: Workflow, log=print) -> dict[str, str]:
     return status
 
 
-def file_identity(pattern: str) -> list[tuple[str, int, float]]:
-    """(path, size, modification time) of every file under a file, glob or folder (local or remote)."""
+def file_identity(folder: str) -> list[tuple[str, int, float]]:
+    """(path, size, modification time) of every file under a local folder (a model checkpoint)."""
     from apache_beam.io.filesystems import FileSystems
 
-    stripped = pattern.rstrip("/")
-    query = stripped + "/**" if "://" in stripped or os.path.isdir(stripped) else pattern
+    query = folder.rstrip("/") + "/**"
     try:
         metas = FileSystems.match([query])[0].metadata_list
     except Exception:  # noqa: BLE001 - not listable: the stage itself reports it
@@ -157,13 +162,13 @@ def file_identity(pattern: str) -> list[tuple[str, int, float]]:
 
 def preprocess_identity(cfg: PreprocessConfig) -> dict[str, Any]:
     """What the shards depend on besides the config: the inputs' metadata, the tokenizer's files."""
-    from pipelines.io import InputError, expand_inputs
+    from pipelines.io import InputError, list_inputs
 
     try:
-        files = [p for p, _ in expand_inputs(cfg.inputs)]
+        inputs = list_inputs(cfg.inputs)  # one listing per pattern, metadata only
     except InputError:
-        files = []  # the stage reports the problem when it runs
-    ident: dict[str, Any] = {"inputs": [f for p in files for f in file_identity(p)]}
+        inputs = []  # the stage reports the problem when it runs
+    ident: dict[str, Any] = {"inputs": inputs}
     for key in ("tokenizer", "chat_template"):
         path = getattr(cfg, key)
         if path and os.path.exists(path):

@@ -36,3 +36,15 @@ def pair_tokenizer(hf_tokenizer):
     from pipelines.tokenize import PairTokenizer
 
     return PairTokenizer(hf_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def demo_shards(tmp_path_factory, tokenizer_dir) -> pathlib.Path:
+    """The demo's 500 HH-RLHF pairs preprocessed at max_length 128 (read-only; shared by tests)."""
+    from pipelines.preprocess import run as preprocess
+    from schemas.config import PreprocessConfig
+
+    out = tmp_path_factory.mktemp("demo-shards") / "shards"
+    preprocess(PreprocessConfig(inputs=(str(REPO / "rmflow" / "demo" / "hh_rlhf_helpful_sample.jsonl.gz"),),
+                                output=str(out), tokenizer=tokenizer_dir, max_length=128, max_bad_fraction=1.0))
+    return out

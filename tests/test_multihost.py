@@ -123,18 +123,8 @@ def kill_both_after(procs: list[subprocess.Popen], metrics: pathlib.Path, step: 
     return last
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from pipelines.preprocess import run as preprocess
-    from schemas.config import PreprocessConfig
-
-    out = tmp_path_factory.mktemp("multihost") / "shards"
-    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(out),
-                                tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
-    return out
-
-
-def test_two_processes_equal_one_and_resume_exactly(shards, tmp_path):
+def test_two_processes_equal_one_and_resume_exactly(demo_shards, tmp_path):
+    shards = demo_shards
     run_two_processes(shards, tmp_path / "a", resume=False)
     # Both processes saved: one checkpoint, with each process's Grain iterator state.
     data_items = sorted(p.name for p in (tmp_path / "a" / "checkpoints" / str(STEPS) / "data").iterdir())

@@ -9,8 +9,7 @@ import struct
 
 import pytest
 
-from pipelines.preprocess import run as preprocess
-from schemas.config import ConfigError, PreprocessConfig, TrainConfig
+from schemas.config import ConfigError, TrainConfig
 from trainer.train import run as train
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
@@ -57,15 +56,8 @@ def logged(run_dir: pathlib.Path):
     return run_id, history, config
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("report") / "shards"
-    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(out),
-                                tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
-    return out
-
-
-def test_wandb_gets_the_same_metrics_and_the_config(shards, tmp_path, monkeypatch):
+def test_wandb_gets_the_same_metrics_and_the_config(demo_shards, tmp_path, monkeypatch):
+    shards = demo_shards
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -91,7 +83,8 @@ def test_wandb_gets_the_same_metrics_and_the_config(shards, tmp_path, monkeypatc
     assert again == run_id and sorted(history) == [3, 4]
 
 
-def test_report_to_values(shards, tmp_path):
+def test_report_to_values(demo_shards, tmp_path):
+    shards = demo_shards
     assert TrainConfig(data="d", model="tiny", output="o").report_to == ("tensorboard",)
     assert TrainConfig(data="d", model="tiny", output="o", report_to=["none"]).report_to == ()
     cfg = TrainConfig(data="d", model="tiny", output="o").with_overrides(["report_to=tensorboard,wandb"])

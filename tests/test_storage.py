@@ -10,8 +10,7 @@ import pathlib
 import fsspec
 import pytest
 
-from pipelines.preprocess import run as preprocess
-from schemas.config import PreprocessConfig, TrainConfig
+from schemas.config import TrainConfig
 from trainer import storage
 from trainer.train import run as train
 
@@ -19,14 +18,11 @@ DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 
 
 @pytest.fixture
-def remote_shards(tmp_path, monkeypatch):
+def remote_shards(demo_shards, tmp_path, monkeypatch):
     monkeypatch.setenv("RMFLOW_CACHE", str(tmp_path / "cache"))
-    local = tmp_path / "shards"
-    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(local),
-                                tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
     fs = fsspec.filesystem("memory")
     root = f"/{tmp_path.name}"
-    fs.put(str(local), f"{root}/shards", recursive=True)
+    fs.put(str(demo_shards), f"{root}/shards", recursive=True)
     yield f"memory://{root}/shards", f"memory://{root}"
     fs.rm(root, recursive=True)
 

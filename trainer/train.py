@@ -241,12 +241,13 @@ class Run:
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         """Each process's micro-batches become its slice of the global batch (rows split over
         data x fsdp; a pair's rows never separate). Processes agree on one row length first."""
-        host = stack_micro_batches(micro)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            length = int(np.max(multihost_utils.process_allgather(np.int32(host["input_ids"].shape[-1]))))
-            host = stack_micro_batches([_widen(b, length) for b in micro])
+            local = max(b["input_ids"].shape[-1] for b in micro)
+            length = int(np.max(multihost_utils.process_allgather(np.int32(local))))
+            micro = [_widen(b, length) for b in micro]
+        host = stack_micro_batches(micro)
         sharding = NamedSharding(self.mesh, P(None, BATCH_AXES))
         return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}
 
