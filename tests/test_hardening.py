@@ -193,7 +193,6 @@ def test_stale_staging_is_cleaned_and_other_staging_reported(tmp_path):
     text = " ".join(r.output.split())
     assert f"removed 1 staging folder(s) left by interrupted runs of {out}: {stale}" in text
     assert f"staging folder(s) of other runs of {out} exist: {foreign}" in text
-    assert not list(tmp_path.glob("shards.tmp-*[!a-z]")) or foreign.exists()
     assert not (out / "_owner.json").exists()  # the owner file never reaches the published output
 
 

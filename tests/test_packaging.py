@@ -2,12 +2,9 @@
 what it needs (no PyTorch, no Google Cloud extras); the tests keep them."""
 
 import pathlib
-import shutil
 import subprocess
 import tomllib
 import warnings
-
-import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,8 +24,6 @@ def test_the_demo_installs_without_torch_or_google_cloud():
     core = " ".join(project["dependencies"])
     assert "torch" not in core and "[gcp]" not in core
     assert any("torch" in d for d in project["optional-dependencies"]["test"])
-    if not shutil.which("make"):
-        pytest.skip("make is not installed")
     dry = subprocess.run(["make", "-n", "-C", str(REPO), "demo", "VENV=/nonexistent-venv"], capture_output=True,
                          text=True, check=True).stdout
     installs = [line for line in dry.splitlines() if "pip install" in line and "--upgrade pip" not in line]

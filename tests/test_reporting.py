@@ -58,7 +58,6 @@ def logged(run_dir: pathlib.Path):
 
 def test_wandb_gets_the_same_metrics_and_the_config(demo_shards, tmp_path, monkeypatch):
     shards = demo_shards
-    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = TrainConfig(data=str(shards), model="tiny", output=str(tmp_path / "run"), max_steps=4, batch_size=4,
