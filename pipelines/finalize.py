@@ -83,13 +83,16 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
         return json.loads(rio.read_bytes(f"{out}/{STATS_FILE}"))
     summary = gather(items)
     rio.write_bytes(f"{staging}/{SUMMARY_FILE}", json.dumps(summary, sort_keys=True).encode())
-    stats = summarize(summary, fin.cfg, time.time() - fin.started)
+    stats = None
     try:
+        stats = summarize(summary, fin.cfg, time.time() - fin.started)
         check_quality(stats, fin.cfg, staging)
     except PreprocessError as e:
-        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps({"error": str(e), "counts": stats["counts"]}).encode())
+        failure = {"error": str(e), "counts": stats["counts"] if stats else None}
+        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps(failure).encode())
         raise
     manifest = Manifest(
+        kind=stats["kind"],
         tokenizer=fin.tokenizer,
         max_length=fin.cfg.max_length,
         length_policy=fin.cfg.length_policy,
@@ -131,6 +134,15 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
         per_split = lengths.setdefault(s["split"], {})
         for field, hist in s["lengths"].items():
             per_split.setdefault(field, collections.Counter()).update({int(k): v for k, v in hist.items()})
+    kinds = collections.Counter()
+    for s in summary["shards"]:
+        kinds.update(s.get("kinds", {}))
+    if len(kinds) > 1:
+        raise PreprocessError(
+            f"the inputs mix preference pairs ({kinds['outcome']:,} written) and stepwise solutions "
+            f"({kinds['process']:,}): an outcome and a process reward model train on different data; "
+            "preprocess them into separate outputs")
+    kind = next(iter(kinds), "outcome")
     counts = {
         "records_read": read,
         "pairs_written": sum(written.values()),
@@ -145,9 +157,15 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
     accounted = sum(counts[k] for k in ("pairs_written", "dropped_too_long", "ties", "duplicates", "errors"))
     if accounted != read:
         raise PreprocessError(f"internal error: {read} records read but {accounted} accounted for ({counts})")
-    tokens = sum(n * length for split in lengths.values() for f in ("chosen", "rejected")
+    if kind == "process":  # every written solution's steps, and how many of them are labelled incorrect
+        for name, field in (("steps_written", "steps"), ("incorrect_steps", "incorrect")):
+            counts[name] = sum(k * n for split in lengths.values() for k, n in split.get(field, {}).items())
+        for split in lengths.values():
+            split.pop("incorrect", None)  # a count, not a length
+    tokens = sum(n * length for split in lengths.values() for f in ("chosen", "rejected", "sequence")
                  for length, n in split.get(f, {}).items())
     return {
+        "kind": kind,
         "counts": counts,
         "reconciles": True,
         "dead_letters": summary["dead"],

@@ -1,4 +1,5 @@
-"""Format adapters: one raw record (a dict from JSONL or Parquet) to one canonical pair.
+"""Format adapters: one raw record (a dict from JSONL or Parquet) to one canonical pair, or, for
+the stepwise layouts of process reward models, one canonical stepwise solution.
 
 Pure functions, no Beam. Each adapter raises ``BadRecord`` (or its subclass ``Tie``) with
 a short machine-readable ``code`` and a message that says what is wrong with the record.
@@ -14,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from schemas.config import FORMATS
+from schemas.config import FORMATS, STEP_FORMATS
 
 Message = tuple[str, str]  # (role, content)
 ROLES = ("system", "user", "assistant", "tool")
@@ -81,6 +82,29 @@ class CanonicalPair:
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
+@dataclasses.dataclass(frozen=True)
+class CanonicalSteps:
+    """A stepwise solution (process supervision): the prompt, the steps, one label per step
+    (True: the step is correct)."""
+
+    source: str
+    line: int
+    prompt: tuple[Message, ...]
+    steps: tuple[str, ...]
+    labels: tuple[bool, ...]
+    subset: str | None = None
+    raw: str = dataclasses.field(default="", compare=False, repr=False)
+    margin = None  # a pair's field, absent here
+    is_tokenized = False
+
+    @property
+    def pair_id(self) -> str:
+        """Stable 128-bit content hash (the name is the pairs': dedup and the split key on it)."""
+        blob = json.dumps(["steps", self.prompt, self.steps, self.labels], ensure_ascii=False,
+                          separators=(",", ":")).encode("utf-8")
+        return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
 # --------------------------------------------------------------------------- detection
 
 
@@ -100,13 +124,17 @@ def parse_json_object(raw: str) -> dict[str, Any]:
 def detect_format(record: Mapping[str, Any]) -> str:
     """The layout of one record, from its keys. Raises BadRecord when none fits."""
     keys = set(record)
+    if {"completions", "labels"} <= keys:
+        return "stepwise"
+    if {"problem", "steps", "label"} <= keys:
+        return "processbench"
     if {"chosen_ids", "rejected_ids"} <= keys or {"input_ids_chosen", "input_ids_rejected"} <= keys:
         return "tokenized"
     if not {"chosen", "rejected"} <= keys:
         raise BadRecord(
             "unknown_layout",
             f"no known layout has keys {sorted(keys)}: every layout needs 'chosen' and "
-            "'rejected' (or 'chosen_ids' and 'rejected_ids')",
+            "'rejected' (or 'chosen_ids' and 'rejected_ids'; stepwise data: 'prompt', 'completions', 'labels')",
         )
     if {"score_chosen", "score_rejected"} <= keys:
         return "ultrafeedback"
@@ -298,7 +326,70 @@ _ADAPTERS: dict[str, Callable] = {
     "axolotl": _axolotl,
     "ultrafeedback": _implicit,
 }
-assert set(_ADAPTERS) | {"tokenized"} == set(FORMATS)
+assert set(_ADAPTERS) | {"tokenized"} | set(STEP_FORMATS) == set(FORMATS)
+
+
+def _steps_list(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise BadRecord("bad_type", f"field '{name}' must be a list of step strings, got {type(value).__name__}")
+    if not value:
+        raise BadRecord("no_steps", f"'{name}' has no steps")
+    steps = []
+    for i, step in enumerate(value):
+        if not isinstance(step, str):
+            raise BadRecord("bad_type", f"{name}[{i}] must be a string, got {type(step).__name__}")
+        steps.append(_nonempty(step, f"{name}[{i}]", "empty_step"))
+    return tuple(steps)
+
+
+def _step_prompt(value: Any, name: str) -> tuple[Message, ...]:
+    if isinstance(value, str):
+        return (("user", _nonempty(value, name, "empty_prompt")),)
+    prompt = _messages(value, name)
+    if not prompt:
+        raise BadRecord("empty_prompt", f"'{name}' has no messages")
+    return prompt
+
+
+def _stepwise(r: Mapping[str, Any], source: str, line: int, subset: str | None) -> CanonicalSteps:
+    """TRL's ``stepwise_supervised`` layout (Axolotl's too): prompt, completions, labels."""
+    prompt = _step_prompt(_field(r, "prompt", str, list, tuple), "prompt")
+    steps = _steps_list(_field(r, "completions", list, tuple), "completions")
+    labels = _field(r, "labels", list, tuple)
+    if len(labels) != len(steps):
+        raise BadRecord("label_count", f"{len(steps)} completions but {len(labels)} labels: one label per step")
+    out = []
+    for i, label in enumerate(labels):
+        if isinstance(label, bool) or (isinstance(label, int) and label in (0, 1)):
+            out.append(bool(label))
+        else:
+            raise BadRecord("bad_label", f"labels[{i}] is {label!r}: a label is true (correct step) or false")
+    return CanonicalSteps(source, line, prompt, steps, tuple(out), subset)
+
+
+def solution_to_score(record: Any) -> CanonicalSteps:
+    """A solution to score with a process reward model: ``prompt`` (a string or messages) and its
+    steps (``completions`` as in the stepwise layout, or ``steps``); labels, if any, are ignored.
+    Raises BadRecord."""
+    if not isinstance(record, Mapping):
+        raise BadRecord("not_an_object", "a solution is an object with 'prompt' and 'completions' (the steps)")
+    prompt = _step_prompt(_field(record, "prompt", str, list, tuple), "prompt")
+    name = "completions" if "completions" in record or "steps" not in record else "steps"
+    return CanonicalSteps("", 0, prompt, _steps_list(_field(record, name, list, tuple), name), ())
+
+
+def _processbench(r: Mapping[str, Any], source: str, line: int, subset: str | None) -> CanonicalSteps:
+    """ProcessBench: problem, steps, label = the index of the earliest wrong step (-1: none). The
+    steps after the first wrong one carry no label, so the record keeps the steps up to it:
+    whether a model finds the first wrong step is decided by those steps alone."""
+    prompt = (("user", _nonempty(_field(r, "problem", str), "problem", "empty_prompt")),)
+    steps = _steps_list(_field(r, "steps", list, tuple), "steps")
+    label = _field(r, "label", int)
+    if not -1 <= label < len(steps):
+        raise BadRecord("bad_label", f"label {label} is not -1 or the index of one of the {len(steps)} steps")
+    if label == -1:
+        return CanonicalSteps(source, line, prompt, steps, (True,) * len(steps), subset)
+    return CanonicalSteps(source, line, prompt, steps[: label + 1], (True,) * label + (False,), subset)
 
 
 def _number(r: Mapping[str, Any], name: str) -> float:
@@ -340,8 +431,9 @@ def _tokenized(r, source, line, margin, subset) -> CanonicalPair:
 
 def normalize(
     record: Any, fmt: str, *, source: str, line: int, margin_from_scores: bool = False
-) -> CanonicalPair:
-    """One raw record in layout ``fmt`` to a CanonicalPair; raises BadRecord or Tie."""
+) -> CanonicalPair | CanonicalSteps:
+    """One raw record in layout ``fmt`` to a CanonicalPair (a CanonicalSteps for the stepwise
+    layouts); raises BadRecord or Tie."""
     if not isinstance(record, Mapping):
         raise BadRecord("not_an_object", f"record is a JSON {type(record).__name__}, not an object")
     margin = None
@@ -359,6 +451,8 @@ def normalize(
     if subset is not None and len(subset) > MAX_SUBSET_CHARS:
         raise BadRecord("bad_value", f"field 'subset' has {len(subset):,} characters; a subset name has at most "
                         f"{MAX_SUBSET_CHARS:,}")
+    if fmt in STEP_FORMATS:
+        return (_stepwise if fmt == "stepwise" else _processbench)(record, source, line, subset)
     if fmt == "tokenized":
         return _tokenized(record, source, line, margin, subset)
     prompt, chosen, rejected = _ADAPTERS[fmt](record)

@@ -49,9 +49,38 @@ def apply_length_policy(
             f"replies need {longest - prompt_len} tokens plus {head} template tokens; "
             f"max_length is {max_length}",
         )
-    cut = np.r_[0:head, head + excess : len(chosen)]
-    keep_r = np.r_[0:head, head + excess : len(rejected)]
-    return chosen[cut], rejected[keep_r], prompt_len - excess
+    return _cut(chosen, head, excess), _cut(rejected, head, excess), prompt_len - excess
+
+
+def _cut(ids: np.ndarray, head: int, excess: int) -> np.ndarray:
+    """``ids`` without the ``excess`` tokens that follow the first ``head``."""
+    return ids[np.r_[0:head, head + excess : len(ids)]]
+
+
+def apply_length_policy_steps(
+    ids: np.ndarray,
+    step_ends: np.ndarray,
+    prompt_len: int,
+    head_len: int,
+    max_length: int,
+    policy: str,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The same policies for a stepwise solution (one sequence): ``drop`` drops it when longer
+    than max_length; ``truncate-prompt`` cuts the oldest prompt tokens after the template's
+    leading ones and keeps every step whole (the step ends move with the cut), or drops it."""
+    excess = len(ids) - max_length
+    if excess <= 0:
+        return ids, step_ends, prompt_len
+    if policy == "drop":
+        raise TooLong("too_long", f"{len(ids)} tokens (prompt and {len(step_ends)} steps); max_length is "
+                      f"{max_length}")
+    if policy != "truncate-prompt":
+        raise ValueError(f"unknown length policy {policy!r}")
+    head = min(head_len, prompt_len)
+    if excess > prompt_len - head:
+        raise TooLong("steps_too_long", f"the {len(step_ends)} steps need {len(ids) - prompt_len} tokens plus "
+                      f"{head} template tokens; max_length is {max_length}")
+    return _cut(ids, head, excess), step_ends - excess, prompt_len - excess
 
 
 def _unit_hash(text: str) -> float:

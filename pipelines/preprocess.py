@@ -162,8 +162,8 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
         dedup = pairs | "DropDuplicates" >> DropDuplicates()
         pairs = dedup["main"]
         dead.append(dedup["dead"])
-    rendered = pairs | "ApplyChatTemplate" >> ApplyChatTemplate(plan.assets, cfg.batch_size)
-    tokenized = rendered["main"] | "Tokenize" >> Tokenize(plan.assets)
+    rendered = pairs | "ApplyChatTemplate" >> ApplyChatTemplate(plan.assets, cfg.batch_size, cfg.step_separator)
+    tokenized = rendered["main"] | "Tokenize" >> Tokenize(plan.assets, cfg.step_separator)
     fitted = tokenized["main"] | "LengthPolicy" >> ApplyLengthPolicy(cfg.max_length, cfg.length_policy)
     dead += [rendered["dead"], tokenized["dead"], fitted["dead"]]
     shards = (
@@ -193,7 +193,7 @@ def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None, *, wait: b
     cfg = cfg.with_absolute_paths()  # the config written with the shards names the same files from anywhere
     p = pipeline if pipeline is not None else make_pipeline(cfg)  # validates the runner options first
     plan = make_plan(cfg)
-    core = shared_pair_tokenizer(plan.assets)  # kept referenced: in-process workers reuse it
+    core = shared_pair_tokenizer(plan.assets, cfg.step_separator)  # kept referenced: in-process workers reuse it
     fin = finalization(cfg, plan, started, core.tok)
     build(p, cfg, plan, fin)
     try:

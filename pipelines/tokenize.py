@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.formats import BadRecord, CanonicalPair, Message
+from pipelines.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
 from schemas.errors import RmflowError
 from schemas.manifest import TOKENIZER_FILES, TokenizerInfo, sha256_files, sha256_text
 
@@ -145,6 +145,38 @@ class TokenizedPair:
     prompt_len: int
     head_len: int  # template tokens truncate-prompt must keep at the start
 
+    @property
+    def n_tokens(self) -> int:
+        return len(self.chosen_ids) + len(self.rejected_ids)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenizedSteps:
+    pair: CanonicalSteps  # the canonical record (named as for pairs: the Beam steps read .pair)
+    input_ids: np.ndarray
+    step_ends: np.ndarray  # the token scoring each step
+    prompt_len: int
+    head_len: int
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def step_token_ends(char_ends: Sequence[int], offsets: Sequence[tuple[int, int]], prompt_len: int) -> np.ndarray:
+    """The token that scores each step: the last token that ends at or before the step's end (its
+    text and separator), so it never covers text of a later step. Raises BadRecord when a step
+    gets no token of its own."""
+    ends = np.maximum.accumulate(np.asarray([o[1] for o in offsets], np.int64))
+    idx = np.searchsorted(ends, np.asarray(char_ends, np.int64), side="right") - 1
+    previous = prompt_len - 1
+    for i, t in enumerate(idx):
+        if t <= previous:
+            raise BadRecord("step_boundary", f"step {i} has no token of its own: its text merges into a token of "
+                            "the text before it (choose a --step-separator that the tokenizer keeps apart)")
+        previous = t
+    return idx.astype(np.int32)
+
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
@@ -155,8 +187,9 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class PairTokenizer:
     """Renders pairs with the chat template and tokenizes both sides, a batch at a time."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, step_separator: str = "\n"):
         self.tok = tokenizer
+        self.step_separator = step_separator
         self.backend = tokenizer.backend_tokenizer
         self.backend.no_truncation()
         self.backend.no_padding()
@@ -202,14 +235,49 @@ class PairTokenizer:
         One renderer call per kind for the whole batch; if any conversation fails, the
         batch is rendered pair by pair so that only the failing pairs are rejected.
         """
-        text_pairs = [p for p in pairs if not p.is_tokenized]
         try:
-            rendered = iter(self._render_pairs(text_pairs)) if text_pairs else iter(())
+            return self._render_batch(pairs)
         except Exception:  # noqa: BLE001 - find the pairs the template refuses
             if len(pairs) == 1:
                 return [self._template_error(pairs[0])]
             return [r for p in pairs for r in self.render([p])]
-        return [Rendered(p) if p.is_tokenized else next(rendered) for p in pairs]
+
+    def _render_batch(self, items: Sequence[CanonicalPair | CanonicalSteps]) -> list:
+        text_pairs = [p for p in items if isinstance(p, CanonicalPair) and not p.is_tokenized]
+        solutions = [p for p in items if isinstance(p, CanonicalSteps)]
+        pairs = iter(self._render_pairs(text_pairs)) if text_pairs else iter(())
+        steps = iter(self._render_steps(solutions)) if solutions else iter(())
+        return [next(steps) if isinstance(p, CanonicalSteps) else Rendered(p) if p.is_tokenized else next(pairs)
+                for p in items]
+
+    def _render_steps(self, items: Sequence[CanonicalSteps]) -> list[RenderedSteps | BadRecord]:
+        """The prompt (with generation prompt) and the whole solution, every step followed by the
+        separator in one assistant message; each step's end located in the rendered text."""
+        sep = self.step_separator
+        prompts = self._render_many([p.prompt for p in items], True)
+        full = self._render_many([p.prompt + (("assistant", "".join(s + sep for s in p.steps)),) for p in items],
+                                 False)
+        out: list[RenderedSteps | BadRecord] = []
+        for item, prompt, text in zip(items, prompts, full):
+            if not text.startswith(prompt):
+                out.append(BadRecord("template_error", "the chat template does not render the prompt as the start "
+                                     "of the conversation, so the steps cannot be located"))
+                continue
+            cursor, ends = len(prompt), []
+            for i, step in enumerate(item.steps):
+                at = text.find(step, cursor)
+                if at < 0:
+                    break
+                cursor = at + len(step)
+                if text.startswith(sep, cursor):
+                    cursor += len(sep)
+                ends.append(cursor)
+            if len(ends) < len(item.steps):
+                out.append(BadRecord("template_error", f"step {len(ends)} is not in the rendered text: the chat "
+                                     "template changed it"))
+                continue
+            out.append(RenderedSteps(item, prompt, text, tuple(ends)))
+        return out
 
     def _render_pairs(self, pairs: Sequence[CanonicalPair]) -> list[Rendered]:
         prompts = self._render_many([p.prompt for p in pairs], True)
@@ -217,16 +285,17 @@ class PairTokenizer:
         rejected = self._render_many([p.prompt + p.rejected for p in pairs], False)
         return [Rendered(*row) for row in zip(pairs, prompts, chosen, rejected)]
 
-    def _template_error(self, pair: CanonicalPair) -> BadRecord:
+    def _template_error(self, pair: CanonicalPair | CanonicalSteps) -> BadRecord:
         try:
-            self._render_pairs([pair])
+            self._render_batch([pair])
         except Exception as e:  # jinja2 errors, a template's raise_exception(...)
             return BadRecord("template_error", f"chat template failed: {type(e).__name__}: {e}")
         return BadRecord("template_error", "chat template failed in a batch but not alone")
 
-    def tokenize(self, items: Sequence[Rendered]) -> list[TokenizedPair | BadRecord]:
-        """Tokenize rendered pairs in one batch call; locate the prompt boundary in tokens."""
-        texts = [t for r in items if not r.pair.is_tokenized for t in (r.chosen_text, r.rejected_text)]
+    def tokenize(self, items: Sequence[Rendered | RenderedSteps]) -> list[TokenizedPair | TokenizedSteps | BadRecord]:
+        """Tokenize rendered pairs (and solutions) in one batch call; locate the prompt boundary
+        (and the step ends) in tokens."""
+        texts = [t for r in items if not r.pair.is_tokenized for t in r.texts]
         try:
             encodings = iter(self._encode(texts) if texts else [])
         except Exception:  # noqa: BLE001 - isolate the text the tokenizer refuses
@@ -240,20 +309,33 @@ class PairTokenizer:
                     p.prompt_len or 0, 0,
                 ))
                 continue
-            enc_c, enc_r = next(encodings), next(encodings)
-            out.append(self._tokenized(r, enc_c, enc_r))
+            out.append(self._tokenized(r, *(next(encodings) for _ in r.texts)))
         return out
 
-    def _tokenize_one(self, r: Rendered) -> TokenizedPair | BadRecord:
+    def _tokenize_one(self, r: Rendered | RenderedSteps) -> TokenizedPair | TokenizedSteps | BadRecord:
         if r.pair.is_tokenized:
             return self.tokenize([r])[0]
         try:
-            enc_c, enc_r = self._encode([r.chosen_text, r.rejected_text])
+            encodings = self._encode(list(r.texts))
         except Exception as e:  # noqa: BLE001
             return BadRecord("tokenize_error", f"the tokenizer failed: {type(e).__name__}: {e}")
-        return self._tokenized(r, enc_c, enc_r)
+        return self._tokenized(r, *encodings)
 
-    def _tokenized(self, r: Rendered, enc_c: Any, enc_r: Any) -> TokenizedPair | BadRecord:
+    def _tokenized_steps(self, r: RenderedSteps, enc: Any) -> TokenizedSteps | BadRecord:
+        ids = np.asarray(enc.ids, np.int32)
+        prompt_len = enc.char_to_token(len(r.prompt_text))
+        if prompt_len is None:
+            return BadRecord("template_error", "the rendered solution has no token after its prompt")
+        try:
+            ends = step_token_ends(r.step_char_ends, enc.offsets, prompt_len)
+        except BadRecord as e:
+            return e
+        return TokenizedSteps(r.pair, ids, ends, prompt_len, self.head_len(r.pair.prompt))
+
+    def _tokenized(self, r: Rendered | RenderedSteps, enc_c: Any, enc_r: Any = None
+                   ) -> TokenizedPair | TokenizedSteps | BadRecord:
+        if isinstance(r, RenderedSteps):
+            return self._tokenized_steps(r, enc_c)
         chosen = np.asarray(enc_c.ids, np.int32)
         rejected = np.asarray(enc_r.ids, np.int32)
         if not len(chosen) or not len(rejected):
@@ -273,7 +355,7 @@ class PairTokenizer:
     def __call__(self, pairs: Sequence[CanonicalPair]) -> list[TokenizedPair | BadRecord]:
         """Render and tokenize; a pair that fails comes back as its BadRecord."""
         rendered = self.render(pairs)
-        done = iter(self.tokenize([r for r in rendered if isinstance(r, Rendered)]))
+        done = iter(self.tokenize([r for r in rendered if not isinstance(r, BadRecord)]))
         return [r if isinstance(r, BadRecord) else next(done) for r in rendered]
 
 
@@ -283,3 +365,19 @@ class Rendered:
     prompt_text: str = ""
     chosen_text: str = ""
     rejected_text: str = ""
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        return (self.chosen_text, self.rejected_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedSteps:
+    pair: CanonicalSteps
+    prompt_text: str
+    text: str
+    step_char_ends: tuple[int, ...]  # in ``text``: after each step and its separator
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        return (self.text,)

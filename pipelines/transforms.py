@@ -22,10 +22,10 @@ from apache_beam.utils import shared
 from pipelines.finalize import finalize
 from pipelines.formats import BadRecord, CanonicalPair, Duplicate, detect_format, normalize, parse_json_object
 from pipelines.io import iter_records, write_array_record_shard
-from pipelines.length import apply_length_policy, assign_shard, assign_split
-from pipelines.tokenize import PairTokenizer, Rendered, TokenizerAssets, build_tokenizer
+from pipelines.length import apply_length_policy, apply_length_policy_steps, assign_shard, assign_split
+from pipelines.tokenize import PairTokenizer, Rendered, TokenizedSteps, TokenizerAssets, build_tokenizer
 from schemas.manifest import shard_name
-from schemas.record import PairRecord, encode
+from schemas.record import PairRecord, StepRecord, encode
 
 NAMESPACE = "rmflow"
 DEAD = "dead"
@@ -177,21 +177,22 @@ class DropDuplicates(beam.PTransform):
 _TOKENIZERS = shared.Shared()  # one tokenizer per worker process, shared by every DoFn
 
 
-def shared_pair_tokenizer(assets: TokenizerAssets) -> PairTokenizer:
+def shared_pair_tokenizer(assets: TokenizerAssets, step_separator: str = "\n") -> PairTokenizer:
     """The process-wide PairTokenizer for these assets (loaded once per worker process).
 
     The caller must keep the returned object referenced: the cache holds it weakly.
     """
-    return _TOKENIZERS.acquire(lambda: PairTokenizer(build_tokenizer(assets)), tag=assets.key)
+    return _TOKENIZERS.acquire(lambda: PairTokenizer(build_tokenizer(assets), step_separator),
+                               tag=f"{assets.key}:{step_separator!r}")
 
 
 class _TokenizerDoFn(beam.DoFn):
-    def __init__(self, assets: TokenizerAssets):
-        self.assets = assets
+    def __init__(self, assets: TokenizerAssets, step_separator: str = "\n"):
+        self.assets, self.step_separator = assets, step_separator
         self.core: PairTokenizer | None = None
 
     def setup(self):
-        self.core = shared_pair_tokenizer(self.assets)
+        self.core = shared_pair_tokenizer(self.assets, self.step_separator)
 
 
 def _per_record(fn, batch: list) -> list:
@@ -224,8 +225,8 @@ class RenderFn(_TokenizerDoFn):
 
 
 class TokenizeFn(_TokenizerDoFn):
-    def __init__(self, assets: TokenizerAssets):
-        super().__init__(assets)
+    def __init__(self, assets: TokenizerAssets, step_separator: str = "\n"):
+        super().__init__(assets, step_separator)
         self.tokens = counter("tokens")
 
     def process(self, batch: list[Rendered]):
@@ -233,33 +234,34 @@ class TokenizeFn(_TokenizerDoFn):
             if isinstance(result, BadRecord):
                 yield TaggedOutput(DEAD, dead_letter("tokenize", r.pair.source, r.pair.line, r.pair.raw, result))
             else:
-                self.tokens.inc(len(result.chosen_ids) + len(result.rejected_ids))
+                self.tokens.inc(result.n_tokens)
                 yield result
 
 
 class ApplyChatTemplate(beam.PTransform):
     """Batches pairs (the renderer and the tokenizer both work a batch per call) and renders them."""
 
-    def __init__(self, assets: TokenizerAssets, batch_size: int):
+    def __init__(self, assets: TokenizerAssets, batch_size: int, step_separator: str = "\n"):
         super().__init__()
-        self.assets, self.batch_size = assets, batch_size
+        self.assets, self.batch_size, self.step_separator = assets, batch_size, step_separator
 
     def expand(self, pairs):
         return _split_outputs(
             pairs
             | "Batch" >> beam.BatchElements(min_batch_size=min(8, self.batch_size), max_batch_size=self.batch_size)
-            | "Render" >> beam.ParDo(RenderFn(self.assets)).with_outputs(DEAD, main="main")
+            | "Render" >> beam.ParDo(RenderFn(self.assets, self.step_separator)).with_outputs(DEAD, main="main")
         )
 
 
 class Tokenize(beam.PTransform):
-    def __init__(self, assets: TokenizerAssets):
+    def __init__(self, assets: TokenizerAssets, step_separator: str = "\n"):
         super().__init__()
-        self.assets = assets
+        self.assets, self.step_separator = assets, step_separator
 
     def expand(self, rendered_batches):
         return _split_outputs(
-            rendered_batches | "Encode" >> beam.ParDo(TokenizeFn(self.assets)).with_outputs(DEAD, main="main")
+            rendered_batches
+            | "Encode" >> beam.ParDo(TokenizeFn(self.assets, self.step_separator)).with_outputs(DEAD, main="main")
         )
 
 
@@ -273,6 +275,9 @@ class LengthPolicyFn(beam.DoFn):
 
     def process(self, tp):
         p = tp.pair
+        if isinstance(tp, TokenizedSteps):
+            yield from self._steps(tp)
+            return
         try:
             chosen, rejected, prompt_len = apply_length_policy(
                 tp.chosen_ids, tp.rejected_ids, tp.prompt_len, tp.head_len, self.max_length, self.policy
@@ -297,6 +302,24 @@ class LengthPolicyFn(beam.DoFn):
             self.truncated.inc()
         yield record, encoded, p.line, truncated
 
+    def _steps(self, tp: TokenizedSteps):
+        p = tp.pair
+        try:
+            ids, ends, prompt_len = apply_length_policy_steps(
+                tp.input_ids, tp.step_ends, tp.prompt_len, tp.head_len, self.max_length, self.policy
+            )
+            record = StepRecord(input_ids=ids, step_ends=ends, step_labels=[int(x) for x in p.labels],
+                                prompt_len=prompt_len, record_id=p.pair_id, source=os.path.basename(p.source),
+                                subset=p.subset)
+            encoded = encode(record)
+        except Exception as e:  # noqa: BLE001 - contained to this record
+            yield TaggedOutput(DEAD, dead_letter("length", p.source, p.line, p.raw, as_bad_record(e)))
+            return
+        truncated = prompt_len != tp.prompt_len
+        if truncated:
+            self.truncated.inc()
+        yield record, encoded, p.line, truncated
+
 
 class ApplyLengthPolicy(beam.PTransform):
     def __init__(self, max_length: int, policy: str):
@@ -312,12 +335,21 @@ class ApplyLengthPolicy(beam.PTransform):
 # --------------------------------------------------------------------------- split + write
 
 
+def record_lengths(rec: PairRecord | StepRecord) -> dict[str, int]:
+    """The lengths the statistics report: prompt, chosen and rejected tokens of a pair; prompt,
+    sequence tokens and steps of a stepwise solution (and how many of its steps are incorrect)."""
+    if isinstance(rec, StepRecord):
+        return {"prompt": rec.prompt_len, "sequence": len(rec.input_ids), "steps": len(rec.step_ends),
+                "incorrect": int((rec.step_labels == 0).sum())}
+    return {"prompt": rec.prompt_len, "chosen": len(rec.chosen_ids), "rejected": len(rec.rejected_ids)}
+
+
 def _to_shard_entry(item, eval_fraction: float, seed: int, shard_counts: dict[str, int]):
     rec, encoded, line, truncated = item
-    split = assign_split(rec.pair_id, eval_fraction, seed)
-    key = (split, assign_shard(rec.pair_id, shard_counts[split]))
-    lengths = (rec.prompt_len, len(rec.chosen_ids), len(rec.rejected_ids))
-    return key, ((rec.pair_id, rec.source, line), encoded, lengths, truncated)
+    split = assign_split(rec.record_id, eval_fraction, seed)
+    key = (split, assign_shard(rec.record_id, shard_counts[split]))
+    kind = "process" if isinstance(rec, StepRecord) else "outcome"
+    return key, ((rec.record_id, rec.source, line), encoded, record_lengths(rec), truncated, kind)
 
 
 class SplitTrainEval(beam.PTransform):
@@ -344,13 +376,13 @@ class WriteShardFn(beam.DoFn):
         name = shard_name(split, index, self.shard_counts[split])
         write_array_record_shard(f"{self.folder}/{name}", [e[1] for e in entries])
         self.written.inc(len(entries))
-        hist = {k: collections.Counter() for k in ("prompt", "chosen", "rejected")}
-        for _, _, (p, c, r), _ in entries:
-            hist["prompt"][p] += 1
-            hist["chosen"][c] += 1
-            hist["rejected"][r] += 1
+        hist: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for _, _, lengths, _, _ in entries:
+            for field, n in lengths.items():
+                hist[field][n] += 1
         yield {"split": split, "file": name, "pairs": len(entries), "truncated": sum(e[3] for e in entries),
-               "lengths": {k: dict(v) for k, v in hist.items()}}
+               "lengths": {k: dict(v) for k, v in hist.items()},
+               "kinds": dict(collections.Counter(e[4] for e in entries))}
 
 
 class WriteShards(beam.PTransform):

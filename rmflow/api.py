@@ -15,6 +15,14 @@
 The chat template of the model's own tokenizer is applied; conversations are scored in batches
 sorted by length, results come back in input order as float32 numpy arrays. A conversation
 must end with the assistant reply to score. ``rmflow score`` is a thin wrapper over this class.
+
+A process reward model (trained on stepwise data) scores every step of a solution: the prompt
+and steps are rendered exactly as `rmflow preprocess` rendered its training data (chat template,
+each step followed by the step separator), and ``score_steps`` returns P(step is correct)::
+
+    prm = RewardModel.load("runs/prm1")
+    [p] = prm.score_steps([{"prompt": "What is 2 + 3 * 4?", "completions": ["3 * 4 = 12.", "2 + 12 = 14."]}])
+    p.shape == (2,)  # one probability per step; a step is judged wrong when it is below 0.5
 """
 
 from __future__ import annotations
@@ -57,6 +65,9 @@ class RewardModel:
         self.normalization = normalization
         self.max_length = loaded.model.config.max_position_embeddings
         self.description = loaded.description
+        self.kind = loaded.kind  # "outcome" (a score per conversation) or "process" (a score per step)
+        self.step_separator = loaded.step_separator
+        self._steps_tokenizer = None
 
     @classmethod
     def load(cls, path: str) -> RewardModel:
@@ -111,6 +122,56 @@ class RewardModel:
             raise ValueError(f"{len(chosen)} chosen but {len(rejected)} rejected conversations")
         scores = self.score([*chosen, *rejected], batch_size=batch_size)
         return scores[: len(chosen)], scores[len(chosen):]
+
+    # ------------------------------------------------------------------ process reward models
+
+    def encode_steps(self, solution: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, index of each step's scoring token) of one solution, ``{"prompt": ...,
+        "completions": [step, ...]}``, rendered by the preprocessing code itself; raises BadConversation."""
+        from pipelines.formats import BadRecord, solution_to_score
+        from pipelines.tokenize import PairTokenizer
+
+        if self.kind != "process":
+            raise BadConversation("this is an outcome reward model: it scores whole replies (score), not steps")
+        if self._steps_tokenizer is None:
+            self._steps_tokenizer = PairTokenizer(self.tokenizer, self.step_separator)
+        try:
+            [out] = self._steps_tokenizer([solution_to_score(solution)])
+        except BadRecord as e:
+            raise BadConversation(e.message) from e
+        if isinstance(out, BadRecord):
+            raise BadConversation(out.message)
+        if len(out.input_ids) > self.max_length:
+            raise BadConversation(f"{len(out.input_ids)} tokens, more than the model's {self.max_length} positions")
+        return out.input_ids, out.step_ends
+
+    def score_step_ids(self, encoded: Sequence[tuple[np.ndarray, np.ndarray]], *, batch_size: int = 16
+                       ) -> list[np.ndarray]:
+        """P(correct) of each step of each encoded solution, float32, in input order."""
+        from schemas.record import StepRecord
+        from trainer.evaluate import score_steps
+
+        if not len(encoded):
+            return []
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))  # similar lengths batched
+        records = [StepRecord(encoded[i][0], encoded[i][1], np.ones(len(encoded[i][1]), np.uint8), 0, "0" * 32)
+                   for i in order]
+        scores = score_steps(self._loaded.model, records, batch_size=batch_size, pad_id=self._loaded.pad_id)
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(encoded)
+        for i, p in zip(order, scores):
+            out[i] = p.astype(np.float32)
+        return out
+
+    def score_steps(self, solutions: Sequence[dict[str, Any]], *, batch_size: int = 16) -> list[np.ndarray]:
+        """For a process reward model: P(step is correct) for every step of every solution, one
+        float32 array per solution, in input order."""
+        encoded = []
+        for i, sol in enumerate(solutions):
+            try:
+                encoded.append(self.encode_steps(sol))
+            except BadConversation as e:
+                raise BadConversation(f"solution {i}: {e}") from e
+        return self.score_step_ids(encoded, batch_size=batch_size)
 
     def normalize(self, scores: np.ndarray) -> np.ndarray:
         if not self.normalization or not self.normalization.get("std"):

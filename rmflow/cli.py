@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import warnings
@@ -97,6 +98,7 @@ def preprocess(
     num_workers: int = typer.Option(1, help=_h("num_workers")),
     runner: str = typer.Option("DirectRunner", help=_h("runner")),
     batch_size: int = typer.Option(128, help=_h("batch_size")),
+    step_separator: str = typer.Option("\n", help=_h("step_separator")),
     overwrite: bool = typer.Option(False, "--overwrite", help=_h("overwrite")),
     detach: bool = typer.Option(False, "--detach", help="Submit the job and return (remote runners): the job "
                                 "finalises itself and writes COMPLETED when the output is complete."),
@@ -112,7 +114,7 @@ def preprocess(
         eval_fraction=eval_fraction, split_seed=split_seed, dedup=dedup,
         margin_from_scores=margin_from_scores, max_bad_fraction=max_bad_fraction,
         num_shards=num_shards, overwrite=overwrite, num_workers=num_workers, runner=runner,
-        beam_args=tuple(ctx.args), batch_size=batch_size,
+        beam_args=tuple(ctx.args), batch_size=batch_size, step_separator=step_separator,
     )
     from pipelines.preprocess import run
 
@@ -127,9 +129,11 @@ def preprocess(
 
 def print_summary(stats: dict, output: str) -> None:
     c = stats["counts"]
-    table = Table(title="rmflow preprocess", show_header=True)
+    process = stats.get("kind") == "process"
+    table = Table(title="rmflow preprocess" + (" (stepwise: process reward model)" if process else ""),
+                  show_header=True)
     table.add_column("")
-    table.add_column("pairs", justify="right")
+    table.add_column("solutions" if process else "pairs", justify="right")
     table.add_row("records read", f"{c['records_read']:,}")
     table.add_row("written (train / eval)",
                   f"{c['pairs_written']:,} ({c['pairs_written_train']:,} / {c['pairs_written_eval']:,})")
@@ -137,6 +141,8 @@ def print_summary(stats: dict, output: str) -> None:
     table.add_row("dropped: ties (chosen == rejected)", f"{c['ties']:,}")
     table.add_row("dropped: duplicates", f"{c['duplicates']:,}")
     table.add_row("errors", f"{c['errors']:,}")
+    if process:
+        table.add_row("steps written (incorrect)", f"{c.get('steps_written', 0):,} ({c.get('incorrect_steps', 0):,})")
     truncated = c.get("prompt_truncated", 0)
     if truncated:
         table.add_row("written with a truncated prompt", f"{truncated:,}")
@@ -155,7 +161,7 @@ def print_summary(stats: dict, output: str) -> None:
         t.add_column("")
         for col in ("p50", "p90", "p95", "p99", "max"):
             t.add_column(col, justify="right")
-        for field in ("prompt", "chosen", "rejected"):
+        for field in ("prompt", "sequence", "steps") if process else ("prompt", "chosen", "rejected"):
             s = lengths.get(field, {})
             t.add_row(field, *(str(s.get(k, "-")) for k in ("p50", "p90", "p95", "p99", "max")))
         console.print(t)
@@ -207,10 +213,11 @@ def train(
         progress.start()
 
     def on_log(rec: dict) -> None:
-        info = (f"loss {rec.get('loss', float('nan')):.4f}  acc {rec.get('accuracy', float('nan')):.3f}  "
-                f"{rec.get('tokens_per_second', 0):,.0f} tok/s")
-        if "eval_accuracy" in rec:
-            info += f"  eval acc {rec['eval_accuracy']:.3f}"
+        acc = "step_accuracy" if "step_accuracy" in rec else "accuracy"  # a process or an outcome model
+        info = (f"loss {rec.get('loss', float('nan')):.4f}  {acc.replace('accuracy', 'acc')} "
+                f"{rec.get(acc, float('nan')):.3f}  {rec.get('tokens_per_second', 0):,.0f} tok/s")
+        if f"eval_{acc}" in rec:
+            info += f"  eval {acc.replace('accuracy', 'acc')} {rec[f'eval_{acc}']:.3f}"
         progress.update(task, completed=rec["step"], info=info)
 
     try:
@@ -218,8 +225,9 @@ def train(
     finally:
         progress.stop()
     last = result.history[-1] if result.history else {}
-    console.print(f"trained {result.total_steps} steps; eval accuracy {last.get('eval_accuracy', float('nan')):.4f}. "
-                  f"Run: [bold]{cfg.output}[/bold]")
+    acc = "step_accuracy" if "eval_step_accuracy" in last else "accuracy"
+    console.print(f"trained {result.total_steps} steps; eval {acc.replace('_', ' ')} "
+                  f"{last.get(f'eval_{acc}', float('nan')):.4f}. Run: [bold]{cfg.output}[/bold]")
 
 
 @command(name="run")
@@ -241,7 +249,8 @@ def run_workflow(
 def eval_(
     model: str = typer.Option(..., help="A run directory from `rmflow train` or an exported checkpoint folder."),
     data: list[str] = typer.Option(..., help="A shard directory, or raw preference files in any layout "
-                                   "`rmflow preprocess` reads (preprocessed in-process)."),
+                                   "`rmflow preprocess` reads (preprocessed in-process); for a process reward "
+                                   "model, stepwise data (TRL's stepwise layout, ProcessBench)."),
     output: str = typer.Option(..., "--output", "-o", help="Folder for eval.json, report.md and the plots."),
     split: str = typer.Option("eval", help="Shard split to evaluate: eval, train or all (raw files: all)."),
     batch_size: int = typer.Option(16, help="Pairs per forward pass."),
@@ -251,10 +260,14 @@ def eval_(
                              "as RewardBench does); rewardbench-v2 (best-of-4, 1/k credit for ties). "
                              "Raw inputs are never truncated."),
 ) -> None:
-    """Evaluate a reward model: accuracy, loss, margins, calibration, length bias, per-subset accuracy."""
+    """Evaluate a reward model: accuracy, loss, margins, calibration, length bias, per-subset accuracy; a process
+    reward model: step accuracy, precision/recall/F1 of incorrect steps, first-error accuracy, ProcessBench F1."""
     from rmflow.evaluation import run_eval
 
     m = run_eval(model, list(data), output, split=split, batch_size=batch_size, normalize=normalize, mode=mode)
+    if m.get("kind") == "process":
+        print_process_eval(m, output)
+        return
     if mode == "rewardbench-v2":
         console.print(f"RewardBench 2 score {m['rewardbench_v2']['score']:.2f} on {m['examples']:,} examples; "
                       f"report: [bold]{os.path.join(output, 'report.md')}[/bold]")
@@ -283,15 +296,37 @@ def eval_(
     console.print(f"report: [bold]{os.path.join(output, 'report.md')}[/bold]")
 
 
+def print_process_eval(m: dict, output: str) -> None:
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.4f}"
+
+    table = Table(title=f"rmflow eval (process reward model): {m['solutions']:,} solutions, {m['steps']:,} steps")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for row in (("step accuracy", fmt(m["step_accuracy"])), ("step cross-entropy", fmt(m["loss"])),
+                ("incorrect steps: precision", fmt(m["incorrect_precision"])),
+                ("incorrect steps: recall", fmt(m["incorrect_recall"])), ("incorrect steps: F1", fmt(m["incorrect_f1"])),
+                ("first wrong step found", fmt(m["first_error_accuracy"])),
+                ("  solutions with an error", fmt(m["accuracy_with_error"])),
+                ("  solutions without", fmt(m["accuracy_all_correct"])),
+                ("ProcessBench F1", fmt(m["processbench_f1"]))):
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"report: [bold]{os.path.join(output, 'report.md')}[/bold]")
+
+
 @command()
 def score(
     model: str = typer.Option(..., help="A run directory or an exported checkpoint folder."),
     input: str = typer.Option(..., "--input", "-i", help="JSONL of conversations: message lists, or objects "
-                              "with 'messages'."),
-    output: str = typer.Option(..., "--output", "-o", help="JSONL of the input lines with their 'score'."),
+                              "with 'messages'; for a process reward model, solutions: objects with 'prompt' and "
+                              "'completions' (the steps)."),
+    output: str = typer.Option(..., "--output", "-o", help="JSONL of the input lines with their 'score' (a process "
+                               "model: 'step_scores', P(step is correct), and 'first_error')."),
     batch_size: int = typer.Option(16, help="Conversations per forward pass (sorted by length)."),
 ) -> None:
-    """Score conversations with a reward model, in batches sorted by length."""
+    """Score conversations with a reward model (or each step of solutions with a process reward model), in
+    batches sorted by length."""
     from rich.progress import Progress
 
     from rmflow.scoring import score_file
@@ -317,7 +352,8 @@ def export(
     adapter: bool = typer.Option(False, "--adapter", help="LoRA runs: a PEFT adapter folder (loaded onto the base "
                                  "model by peft.PeftModel.from_pretrained) instead of merged weights."),
 ) -> None:
-    """Export a trained run as a Hugging Face *ForSequenceClassification checkpoint (with its tokenizer)."""
+    """Export a trained run as a Hugging Face *ForSequenceClassification checkpoint (a process reward model:
+    *ForTokenClassification), with its tokenizer."""
     from trainer.export import export as do_export
 
     out = do_export(run, output, step=step, max_shard_bytes=int(max_shard_gb * 2**30), adapter=adapter)
@@ -325,8 +361,11 @@ def export(
         console.print(f"exported the LoRA adapter to [bold]{out}[/bold]: load it with "
                       "peft.PeftModel.from_pretrained(base_model, path)")
         return
-    console.print(f"exported to [bold]{out}[/bold]: load it with "
-                  "transformers.AutoModelForSequenceClassification.from_pretrained")
+    with open(os.path.join(out, "config.json")) as f:
+        arch = json.load(f)["architectures"][0]
+    auto = "AutoModelForTokenClassification" if arch.endswith("ForTokenClassification") \
+        else "AutoModelForSequenceClassification"
+    console.print(f"exported to [bold]{out}[/bold]: load it with transformers.{auto}.from_pretrained")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,17 @@ import numpy as np
 
 from schemas.config import PreprocessConfig
 from schemas.manifest import ERRORS_FILE, MANIFEST_FILE
-from schemas.record import decode
+from schemas.record import StepRecord, decode
 from trainer import storage
-from trainer.evaluate import pair_metrics, score_pairs, score_sequences, write_report
+from trainer.evaluate import (
+    pair_metrics,
+    process_metrics,
+    score_pairs,
+    score_sequences,
+    score_steps,
+    write_process_report,
+    write_report,
+)
 from trainer.export import EXPORT_INFO
 from trainer.modeling.convert import load_reward_model
 from trainer.rewardbench import best_of_n_credit, v1_scores, v2_scores
@@ -40,6 +48,12 @@ class LoadedModel:
     pad_id: int
     description: str  # which weights: the run and step, or the checkpoint folder
     folder: str = ""  # the local folder it was read from (a copy, for a remote one)
+    step_separator: str = "\n"  # a process model's: the text after every step, as in its training data
+
+    @property
+    def kind(self) -> str:
+        """``process`` for a process reward model (a 2-class step head), else ``outcome``."""
+        return "process" if self.model.config.num_labels == 2 else "outcome"
 
 
 def load_model(path: str) -> LoadedModel:
@@ -49,7 +63,8 @@ def load_model(path: str) -> LoadedModel:
     if is_run_dir(path):
         model, run, step = load_trained_model(path)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
-                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path)
+                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
+                           run.manifest.config.get("step_separator", "\n"))
     if not os.path.isdir(path):
         raise TrainError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an exported "
                          "checkpoint folder")
@@ -58,11 +73,13 @@ def load_model(path: str) -> LoadedModel:
         pad = json.load(f).get("pad_token_id") or 0
     description = f"checkpoint {os.path.abspath(path)}"
     info = os.path.join(path, EXPORT_INFO)
+    separator = "\n"
     if os.path.exists(info):
         with open(info) as f:
             exported = json.load(f)
         description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
-    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path)
+        separator = exported.get("step_separator", separator)
+    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator)
 
 
 def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
@@ -73,7 +90,7 @@ def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
 
 
 def load_records(data: list[str], split: str, model, tokenizer: str | None, model_path: str, workdir: str,
-                 output: str):
+                 output: str, step_separator: str = "\n"):
     """(records, summary of the raw-input preprocessing or None). Shards are checked against the
     model's tokenizer and vocabulary; raw inputs are preprocessed with the model's tokenizer, and
     what that set aside is copied to ``output``/input_errors.jsonl (also when nothing was usable)."""
@@ -94,7 +111,8 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
         try:
             result = preprocess(PreprocessConfig(inputs=tuple(data), output=folder, tokenizer=tokenizer,
                                                  max_length=model.config.max_position_embeddings,
-                                                 eval_fraction=0.0, max_bad_fraction=1.0))
+                                                 eval_fraction=0.0, max_bad_fraction=1.0,
+                                                 step_separator=step_separator))
         except PreprocessError as e:  # e.g. no usable pair: keep the reasons where the user can read them
             kept = _keep_input_errors(glob.glob(os.path.join(workdir, "shards.tmp-*", ERRORS_FILE)), output)
             raise TrainError(f"{e}".split("; staging left at")[0]
@@ -145,7 +163,20 @@ def run_eval(model_path: str, data: list[str], output: str, *, split: str = "eva
     loaded = load_model(model_path)
     model = loaded.model
     with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:
-        records, input_summary = load_records(data, split, model, loaded.tokenizer_dir, model_path, workdir, output)
+        records, input_summary = load_records(data, split, model, loaded.tokenizer_dir, model_path, workdir, output,
+                                              loaded.step_separator)
+    stepwise = isinstance(records[0], StepRecord)
+    if stepwise != (loaded.kind == "process"):
+        raise TrainError(
+            f"{model_path} is a process reward model (it scores steps): evaluate it on stepwise data"
+            if loaded.kind == "process" else
+            f"{data[0]} holds stepwise solutions, which a process reward model scores; {model_path} is an outcome "
+            "reward model: evaluate it on preference pairs")
+    if stepwise:
+        if mode != "pairs" or normalize:
+            raise TrainError(f"--mode {mode}{' and --normalize' if normalize else ''} apply to outcome reward "
+                             "models; a process reward model is evaluated per step and per solution")
+        return _eval_process(loaded, model_path, records, input_summary, data, output, split, batch_size)
     if mode == "rewardbench-v1":
         unlabeled = sum(r.subset is None for r in records)
         if unlabeled:
@@ -174,6 +205,23 @@ def run_eval(model_path: str, data: list[str], output: str, *, split: str = "eva
         with open(os.path.join(model_path, NORMALIZATION_FILE), "w") as f:
             json.dump({"mean": float(both.mean()), "std": float(both.std()), "pairs": len(records),
                        "data": list(data), "split": split}, f, indent=2)
+    return metrics
+
+
+def _eval_process(loaded: LoadedModel, model_path: str, records, input_summary, data: list[str], output: str,
+                  split: str, batch_size: int) -> dict[str, Any]:
+    p_correct = score_steps(loaded.model, records, batch_size=batch_size, pad_id=loaded.pad_id)
+    labels = [r.step_labels for r in records]
+    subsets = [r.subset for r in records]
+    if any(s is None for s in subsets):
+        sources = [r.source for r in records]
+        subsets = sources if len(set(sources)) > 1 else None
+    metrics = process_metrics(p_correct, labels, subsets=subsets)
+    if input_summary is not None:
+        metrics["input"] = input_summary
+    config = {"model": model_path, "model_description": loaded.description, "data": list(data), "split": split,
+              "batch_size": batch_size, "mode": "process"}
+    write_process_report(metrics, p_correct, labels, output, config)
     return metrics
 
 

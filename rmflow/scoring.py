@@ -6,6 +6,11 @@ to score. Output JSONL, in input order: the line's fields plus ``score`` (and
 ``score_normalized`` when the model carries reward_normalization.json from
 `rmflow eval --normalize`), or, for a line that cannot be scored, its fields plus ``line`` and
 ``error`` (bad JSON, invalid UTF-8, no final assistant message, too long ...).
+
+A process reward model scores steps: each input line is a solution, ``{"prompt": ...,
+"completions": [step, ...]}`` (TRL's stepwise layout; labels, if present, are kept and ignored),
+and the output adds ``step_scores`` (P(step is correct), one per step) and ``first_error``
+(the first step scored below 0.5, -1 when none).
 """
 
 from __future__ import annotations
@@ -14,8 +19,13 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+
 from rmflow.api import BadConversation, RewardModel
+from trainer.evaluate import STEP_THRESHOLD
 from trainer.train import TrainError
+
+STEP_FIELDS = ("step_scores", "first_error")  # what scoring a solution adds
 
 
 def _lines(path: str):
@@ -39,6 +49,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, batch_size
     if not os.path.isfile(input_path):
         raise TrainError(f"--input {input_path} is not a file; give a JSONL file of conversations")
     rm = RewardModel.load(model_path)
+    process = rm.kind == "process"
     rows: list[dict[str, Any]] = []
     seqs, where = [], []
     for line_no, text, problem in _lines(input_path):
@@ -50,15 +61,21 @@ def score_file(model_path: str, input_path: str, output_path: str, *, batch_size
                 obj = json.loads(text)
             except (ValueError, RecursionError) as e:
                 raise BadConversation(f"not valid JSON: {e}") from e
-            ids = rm.encode(obj)
+            ids = rm.encode_steps(obj) if process else rm.encode(obj)
             rows.append({**(obj if isinstance(obj, dict) else {"messages": obj})})
             seqs.append(ids)
             where.append(len(rows) - 1)
         except Exception as e:  # noqa: BLE001 - every bad line is reported, none is lost
             reason = str(e) if isinstance(e, BadConversation) else f"{type(e).__name__}: {e}"
-            kept = {k: v for k, v in obj.items() if k not in ("score", "score_normalized")} \
+            kept = {k: v for k, v in obj.items() if k not in ("score", "score_normalized", *STEP_FIELDS)} \
                 if isinstance(obj, dict) else {}  # the user's own fields (an id ...), to join results back
             rows.append({**kept, "line": line_no, "error": reason})
+    if process:
+        for i, p in zip(where, rm.score_step_ids(seqs, batch_size=batch_size)):
+            rows[i]["step_scores"] = [float(x) for x in p]
+            rows[i]["first_error"] = int(np.flatnonzero(p < STEP_THRESHOLD)[0]) if (p < STEP_THRESHOLD).any() else -1
+        _write(output_path, rows)
+        return {"scored": len(seqs), "errors": len(rows) - len(seqs)}
     progress = progress_factory(len(seqs)) if progress_factory and seqs else None
     scores = rm.score_ids(seqs, batch_size=batch_size, progress=progress)
     normalized = rm.normalize(scores) if rm.normalization and rm.normalization.get("std") else None
@@ -66,6 +83,10 @@ def score_file(model_path: str, input_path: str, output_path: str, *, batch_size
         rows[i]["score"] = float(s)
         if normalized is not None:
             rows[i]["score_normalized"] = float(normalized[k])
-    with open(output_path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    _write(output_path, rows)
     return {"scored": len(seqs), "errors": len(rows) - len(seqs)}
+
+
+def _write(path: str, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)

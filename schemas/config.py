@@ -23,7 +23,10 @@ FORMATS = (
     "axolotl",         # optional system, input, chosen, rejected (Axolotl Bradley-Terry)
     "ultrafeedback",   # chosen / rejected conversations + score_chosen / score_rejected
     "tokenized",       # chosen_ids / rejected_ids, already tokenized
+    "stepwise",        # prompt, completions (steps), labels (one bool per step): process reward models (TRL)
+    "processbench",    # problem, steps, label (index of the first wrong step, -1: none): ProcessBench
 )
+STEP_FORMATS = ("stepwise", "processbench")
 LENGTH_POLICIES = ("drop", "truncate-prompt")
 
 
@@ -99,6 +102,10 @@ class PreprocessConfig(_Serializable):
     runner: str = _opt("DirectRunner", "Beam runner, e.g. DirectRunner or DataflowRunner.")
     beam_args: tuple[str, ...] = _opt((), "Extra Beam pipeline options, passed through unchanged.")
     batch_size: int = _opt(128, "Pairs per tokenizer batch call.")
+    step_separator: str = _opt(
+        "\n", "Stepwise layouts (process reward models): text after every step; each step is scored at the "
+        "last token of the step and its separator."
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, str):
@@ -118,6 +125,9 @@ class PreprocessConfig(_Serializable):
                 f"length_policy {self.length_policy!r}: use one of {', '.join(LENGTH_POLICIES)}"
             )
         _check_int(self.max_length, "max_length", 8)
+        if not isinstance(self.step_separator, str) or not self.step_separator:
+            raise ConfigError("step_separator: give a non-empty string (the default is a newline): without one, "
+                              "a step's last token can merge with the next step's first")
         _check_int(self.num_shards, "num_shards", 0)
         _check_int(self.num_workers, "num_workers", 1)
         _check_int(self.batch_size, "batch_size", 1)

@@ -1,4 +1,5 @@
-"""Binary codec for one tokenized preference pair: the unit stored in every shard.
+"""Binary codecs for the units stored in shards: a tokenized preference pair (outcome reward
+models, ``PairRecord``) or a tokenized stepwise solution (process reward models, ``StepRecord``).
 
 The record is read on the training hot path, so decoding is one ``struct`` unpack, one
 CRC check and two zero-copy ``numpy.frombuffer`` views. Layout (little endian)::
@@ -23,6 +24,26 @@ CRC check and two zero-copy ``numpy.frombuffer`` views. Layout (little endian)::
 
 The reward positions are stored explicitly: with tokenizers whose pad id equals eos
 (SmolLM2, many Llama fine-tunes) "the last non-pad token" cannot be found by search.
+
+A step record (magic b"RMST", same version and CRC rules)::
+
+    0   magic        4s   b"RMST"
+    4   version      u8   RECORD_VERSION
+    5   flags        u8   bit 1: subset present
+    6   reserved     u16  0
+    8   n_tokens     u32  tokens of the sequence (prompt, then every step and its separator)
+    12  n_steps      u32  labelled steps
+    16  prompt_len   u32  leading tokens of the prompt
+    20  record_id    16s  stable content hash of the record
+    36  source_len   u16
+    38  subset_len   u16
+    40  source, subset    utf-8, then zero padding to a multiple of 4
+    ..  input ids    i32[n_tokens]
+    ..  step ends    i32[n_steps]  index of the token that scores each step, strictly increasing
+    ..  labels       u8[n_steps]   1: the step is correct, 0: it is not; zero padding to 4 bytes
+    -4  crc32        u32  of every byte before it
+
+``decode`` reads either kind (by magic); the manifest says which kind a shard folder holds.
 """
 
 from __future__ import annotations
@@ -36,9 +57,11 @@ import numpy as np
 from schemas.errors import RmflowError
 
 MAGIC = b"RMPR"
+STEP_MAGIC = b"RMST"
 RECORD_VERSION = 1
 
 _HEADER = struct.Struct("<4sBBHIIIIIf16sHH")
+_STEP_HEADER = struct.Struct("<4sBBHIII16sHH")
 _CRC = struct.Struct("<I")
 _FLAG_MARGIN = 1
 _FLAG_SUBSET = 2
@@ -97,6 +120,83 @@ class PairRecord:
 
     __hash__ = None  # mutable numpy payload
 
+    @property
+    def record_id(self) -> str:
+        return self.pair_id
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.chosen_ids) + len(self.rejected_ids)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepRecord:
+    """One tokenized stepwise solution: the prompt and its steps, one sequence.
+
+    ``step_ends[i]`` indexes the token whose prediction scores step i (the last token of the
+    step and its separator); ``step_labels[i]`` is 1 when step i is correct, 0 when not.
+    """
+
+    input_ids: np.ndarray
+    step_ends: np.ndarray
+    step_labels: np.ndarray
+    prompt_len: int
+    record_id: str
+    source: str = ""
+    subset: str | None = None
+
+    def __post_init__(self) -> None:
+        ids = np.asarray(self.input_ids)
+        if ids.ndim != 1:
+            raise ValueError(f"input_ids must be 1-D, got shape {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+            raise ValueError("input_ids has token ids outside [0, 2**31)")
+        object.__setattr__(self, "input_ids", ids.astype(_TOKENS, copy=False))
+        object.__setattr__(self, "step_ends", np.asarray(self.step_ends).astype(_TOKENS, copy=False))
+        labels = np.asarray(self.step_labels)
+        if labels.size and not np.isin(labels, (0, 1)).all():
+            raise ValueError("step_labels must be 0 (incorrect) or 1 (correct)")
+        object.__setattr__(self, "step_labels", labels.astype(np.uint8, copy=False))
+        _check_steps(len(self.input_ids), self.step_ends, len(self.step_labels), self.prompt_len, ValueError)
+        if len(bytes.fromhex(self.record_id)) != 16:
+            raise ValueError(f"record_id must be 32 hex characters, got {self.record_id!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepRecord):
+            return NotImplemented
+        return (
+            np.array_equal(self.input_ids, other.input_ids)
+            and np.array_equal(self.step_ends, other.step_ends)
+            and np.array_equal(self.step_labels, other.step_labels)
+            and (self.prompt_len, self.record_id, self.source, self.subset)
+            == (other.prompt_len, other.record_id, other.source, other.subset)
+        )
+
+    __hash__ = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def first_error(self) -> int:
+        """Index of the first incorrect step, -1 when every step is correct."""
+        wrong = np.flatnonzero(self.step_labels == 0)
+        return int(wrong[0]) if wrong.size else -1
+
+
+def _check_steps(n: int, ends: np.ndarray, n_labels: int, prompt_len: int, exc) -> None:
+    if n == 0:
+        raise exc("empty sequence")
+    if ends.ndim != 1 or not len(ends):
+        raise exc("a step record needs at least one step")
+    if len(ends) != n_labels:
+        raise exc(f"{len(ends)} step ends but {n_labels} labels")
+    if not 0 <= prompt_len < n:
+        raise exc(f"prompt_len {prompt_len} outside [0, {n})")
+    if ends[0] < 0 or ends[-1] >= n or (len(ends) > 1 and (np.diff(ends) <= 0).any()):
+        raise exc(f"step ends must increase strictly within [0, {n}), got {ends.tolist()[:8]}")
+
 
 def _check_bounds(n_c, n_r, c_last, r_last, prompt_len, exc) -> None:
     if n_c == 0 or n_r == 0:
@@ -116,8 +216,10 @@ def _utf8(value: str | None, field: str) -> bytes:
     return raw
 
 
-def encode(rec: PairRecord) -> bytes:
+def encode(rec: PairRecord | StepRecord) -> bytes:
     """Serialise a record; ``decode(encode(r)) == r``."""
+    if isinstance(rec, StepRecord):
+        return _encode_steps(rec)
     source = _utf8(rec.source, "source")
     subset = _utf8(rec.subset, "subset")
     flags = (_FLAG_MARGIN if rec.margin is not None else 0) | (
@@ -136,8 +238,68 @@ def encode(rec: PairRecord) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def decode(buf: bytes) -> PairRecord:
-    """Parse and verify a record. Raises RecordCorruptError on any inconsistency."""
+def _encode_steps(rec: StepRecord) -> bytes:
+    source = _utf8(rec.source, "source")
+    subset = _utf8(rec.subset, "subset")
+    header = _STEP_HEADER.pack(
+        STEP_MAGIC, RECORD_VERSION, _FLAG_SUBSET if rec.subset is not None else 0, 0,
+        len(rec.input_ids), len(rec.step_ends), rec.prompt_len, bytes.fromhex(rec.record_id),
+        len(source), len(subset),
+    )
+    strings = source + subset
+    pad = b"\0" * (-(len(header) + len(strings)) % 4)
+    labels = rec.step_labels.tobytes()
+    body = b"".join((header, strings, pad, rec.input_ids.tobytes(), rec.step_ends.tobytes(), labels,
+                     b"\0" * (-len(labels) % 4)))
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def _verify(buf: bytes, header: struct.Struct, what: str) -> None:
+    n = len(buf)
+    if n < header.size + _CRC.size:
+        raise RecordCorruptError(f"record is {n} bytes, shorter than the {header.size}-byte {what} header")
+    version = buf[4]
+    if version != RECORD_VERSION:
+        raise RecordCorruptError(
+            f"record version {version}, this rmflow reads version {RECORD_VERSION}: "
+            "re-run `rmflow preprocess` with this version"
+        )
+    (crc,) = _CRC.unpack_from(buf, n - _CRC.size)
+    if zlib.crc32(memoryview(buf)[: n - _CRC.size]) != crc:
+        raise RecordCorruptError("CRC mismatch: the record bytes are corrupted")
+
+
+def _decode_steps(buf: bytes) -> StepRecord:
+    _verify(buf, _STEP_HEADER, "step record")
+    _, _, flags, _, n_tok, n_steps, prompt_len, rid, src_len, sub_len = _STEP_HEADER.unpack_from(buf, 0)
+    str_end = _STEP_HEADER.size + src_len + sub_len
+    tok_start = str_end + (-str_end % 4)
+    labels_start = tok_start + 4 * (n_tok + n_steps)
+    if labels_start + n_steps + (-n_steps % 4) + _CRC.size != len(buf):
+        raise RecordCorruptError(f"length mismatch: header says {n_tok} tokens and {n_steps} steps, "
+                                 f"record has {len(buf)} bytes")
+    ids = np.frombuffer(buf, _TOKENS, n_tok, tok_start)
+    ends = np.frombuffer(buf, _TOKENS, n_steps, tok_start + 4 * n_tok)
+    labels = np.frombuffer(buf, np.uint8, n_steps, labels_start)
+    _check_steps(n_tok, ends, n_steps, prompt_len, RecordCorruptError)
+    if (labels > 1).any():
+        raise RecordCorruptError("step labels must be 0 or 1")
+    rec = object.__new__(StepRecord)
+    for key, value in (
+        ("input_ids", ids), ("step_ends", ends), ("step_labels", labels), ("prompt_len", prompt_len),
+        ("record_id", rid.hex()),
+        ("source", bytes(buf[_STEP_HEADER.size : _STEP_HEADER.size + src_len]).decode("utf-8")),
+        ("subset", bytes(buf[_STEP_HEADER.size + src_len : str_end]).decode("utf-8")
+         if flags & _FLAG_SUBSET else None),
+    ):
+        object.__setattr__(rec, key, value)
+    return rec
+
+
+def decode(buf: bytes) -> PairRecord | StepRecord:
+    """Parse and verify a record of either kind. Raises RecordCorruptError on any inconsistency."""
+    if bytes(buf[:4]) == STEP_MAGIC:
+        return _decode_steps(buf)
     n = len(buf)
     if n < _HEADER.size + _CRC.size:
         raise RecordCorruptError(f"record is {n} bytes, shorter than the {_HEADER.size}-byte header")
@@ -175,8 +337,10 @@ def decode(buf: bytes) -> PairRecord:
 
 
 def peek_lengths(buf: bytes) -> tuple[int, int]:
-    """(chosen tokens, rejected tokens) from the header alone; ``decode`` verifies the rest
-    when the record is read for training."""
+    """(chosen tokens, rejected tokens) from the header alone, (tokens, 0) for a step record;
+    ``decode`` verifies the rest when the record is read for training."""
+    if len(buf) >= _STEP_HEADER.size and buf[:4] == STEP_MAGIC:
+        return _STEP_HEADER.unpack_from(buf, 0)[4], 0
     if len(buf) < _HEADER.size or buf[:4] != MAGIC:
         raise RecordCorruptError("not an rmflow pair record (bad magic or too short)")
     fields = _HEADER.unpack_from(buf, 0)

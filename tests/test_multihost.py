@@ -40,7 +40,8 @@ REFERENCE = textwrap.dedent('''
     from schemas.config import TrainConfig
     from trainer.data import make_loader
     from trainer.step import stack_micro_batches
-    from trainer.train import _widen, build_model, load_trained_model, make_trainer, read_manifest, shard_paths
+    from trainer.step import widen as _widen
+    from trainer.train import build_model, load_trained_model, make_trainer, read_manifest, shard_paths
     data, run_dir = sys.argv[1], sys.argv[2]
     cfg = TrainConfig(data=data, model="tiny", output=run_dir, max_steps=STEPS, batch_size=8, save_steps=2,
                       logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack")

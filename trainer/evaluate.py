@@ -5,6 +5,11 @@ ties apart), Bradley-Terry loss, margins, reward statistics, calibration of
 sigmoid(r_c - r_r) as a preference probability (expected calibration error, Brier score),
 a length-bias diagnostic and per-subset accuracy. ``score_pairs`` runs the model over
 records; ``write_report`` writes eval.json, report.md and PNG plots.
+
+Process reward models: ``score_steps`` gives P(correct) of every step, ``process_metrics`` the
+step figures (accuracy, precision / recall / F1 of the "incorrect" class) and the solution
+figures (the first wrong step found exactly; ProcessBench's F1 of the accuracies on solutions
+with and without an error), ``write_process_report`` the report.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from schemas.record import PairRecord
-from trainer.data import PackCollate
+from schemas.record import PairRecord, StepRecord
+from trainer.data import PackCollate, StepPackCollate
+from trainer.data.steps import record_step_values
 from trainer.modeling.llama import RewardModel
+from trainer.objective import PROCESS
 from trainer.step import DEVICE_KEYS, pair_rewards
 
 ECE_BINS = 10
@@ -273,3 +280,148 @@ def _save(fig, output: str, name: str) -> str:
 
     plt.close(fig)
     return name
+
+
+# --------------------------------------------------------------------------- process reward models
+
+STEP_THRESHOLD = 0.5  # a step is predicted incorrect when P(correct) is below this
+
+
+def score_steps(model: RewardModel, records: Sequence[StepRecord], *, batch_size: int = 16,
+                max_length: int | None = None, pad_id: int = 0) -> list[np.ndarray]:
+    """P(correct) of each step of each record, in order: the records packed as in training
+    (``StepPackCollate``, one row) and scored by the model's step logits."""
+    longest = max(len(r.input_ids) for r in records)
+    collate = StepPackCollate(batch_size, max(max_length or 0, longest), pad_id)
+    forward = jax.jit(lambda b: jax.nn.softmax(model.logits(b["input_ids"], b["positions"], b["segment_ids"],
+                                                            b["reward_index"], b["branch_ids"]), axis=-1)[..., 1])
+    out: list[np.ndarray] = []
+    for i in range(0, len(records), batch_size):
+        b = collate(records[i : i + batch_size])
+        p = np.asarray(forward({k: b[k] for k in PROCESS.device_keys}))
+        out += record_step_values(p, b["record_steps"])
+    return out
+
+
+def first_error(incorrect: np.ndarray) -> int:
+    """Index of the first True (an incorrect step), -1 when none."""
+    hit = np.flatnonzero(incorrect)
+    return int(hit[0]) if hit.size else -1
+
+
+def _f1(a: float, b: float) -> float:
+    return 2 * a * b / (a + b) if a + b else 0.0
+
+
+def _first_error_figures(pred: np.ndarray, true: np.ndarray) -> dict[str, Any]:
+    erroneous, clean = true >= 0, true < 0
+    acc_err = float((pred[erroneous] == true[erroneous]).mean()) if erroneous.any() else None
+    acc_ok = float((pred[clean] == -1).mean()) if clean.any() else None
+    return {
+        "solutions": int(len(true)), "with_error": int(erroneous.sum()), "all_correct": int(clean.sum()),
+        "first_error_accuracy": float((pred == true).mean()),
+        "accuracy_with_error": acc_err, "accuracy_all_correct": acc_ok,
+        "processbench_f1": _f1(acc_err, acc_ok) if acc_err is not None and acc_ok is not None else None,
+    }
+
+
+def process_metrics(p_correct: Sequence[np.ndarray], labels: Sequence[np.ndarray], *,
+                    subsets: Sequence[str] | None = None, threshold: float = STEP_THRESHOLD) -> dict[str, Any]:
+    """Every figure from exact counts. Steps: accuracy, cross-entropy, precision / recall / F1 of
+    the "incorrect" class (positive = a wrong step). Solutions: a solution's predicted first error
+    is its first step with P(correct) < threshold (-1: none); ``first_error_accuracy`` is how often
+    it equals the labelled first error; ProcessBench's ``processbench_f1`` is the harmonic mean of
+    that accuracy on solutions with an error and on those without."""
+    if len(p_correct) != len(labels) or not len(labels):
+        raise ValueError(f"{len(p_correct)} score arrays for {len(labels)} solutions")
+    p = np.concatenate([np.asarray(x, np.float64) for x in p_correct])
+    y = np.concatenate([np.asarray(x) for x in labels]).astype(bool)  # True: correct step
+    pred_wrong, wrong = p < threshold, ~y
+    tp, fp, fn = int((pred_wrong & wrong).sum()), int((pred_wrong & ~wrong).sum()), int((~pred_wrong & wrong).sum())
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    eps = 1e-12
+    pred_first = np.array([first_error(np.asarray(x) < threshold) for x in p_correct])
+    true_first = np.array([first_error(np.asarray(x) == 0) for x in labels])
+    out: dict[str, Any] = {
+        "kind": "process",
+        "threshold": threshold,
+        "steps": int(len(y)), "incorrect_steps": int(wrong.sum()),
+        "step_accuracy": float((pred_wrong == wrong).mean()),
+        "step_accuracy_ci95": list(wilson_interval(int((pred_wrong == wrong).sum()), len(y))),
+        "loss": float(-np.where(y, np.log(np.maximum(p, eps)), np.log(np.maximum(1 - p, eps))).mean()),
+        "incorrect_precision": precision, "incorrect_recall": recall, "incorrect_f1": _f1(precision, recall),
+        "confusion": {"true_incorrect": tp, "false_incorrect": fp, "missed_incorrect": fn,
+                      "true_correct": int((~pred_wrong & ~wrong).sum())},
+        "mean_p_correct": {"correct_steps": float(p[y].mean()) if y.any() else None,
+                           "incorrect_steps": float(p[wrong].mean()) if wrong.any() else None},
+        **_first_error_figures(pred_first, true_first),
+    }
+    if subsets is not None:
+        names = np.asarray(list(subsets), dtype=object)
+        out["subsets"] = {name: _first_error_figures(pred_first[names == name], true_first[names == name])
+                          for name in sorted(set(names.tolist()))}
+    return out
+
+
+def write_process_report(metrics: dict[str, Any], p_correct: Sequence[np.ndarray], labels: Sequence[np.ndarray],
+                         output: str, config: dict[str, Any]) -> list[str]:
+    """eval.json, report.md and a plot of P(correct) for correct and incorrect steps."""
+    os.makedirs(output, exist_ok=True)
+    with open(os.path.join(output, "eval.json"), "w") as f:
+        json.dump({"metrics": metrics, "config": config}, f, indent=2, sort_keys=True)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    p = np.concatenate([np.asarray(x) for x in p_correct])
+    y = np.concatenate([np.asarray(x) for x in labels]).astype(bool)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bins = np.linspace(0, 1, 41)
+    ax.hist(p[y], bins=bins, alpha=0.6, label="correct steps", color="tab:green")
+    ax.hist(p[~y], bins=bins, alpha=0.6, label="incorrect steps", color="tab:red")
+    ax.axvline(metrics["threshold"], color="black", linewidth=1)
+    ax.set(xlabel="P(step is correct)", ylabel="steps", title="Step scores by label", yscale="log")
+    ax.legend()
+    plots = [_save(fig, output, "step_scores.png")]
+    with open(os.path.join(output, "report.md"), "w") as f:
+        f.write(process_report_markdown(metrics, plots, config))
+    return ["eval.json", "report.md", *plots]
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def process_report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[str, Any] | None = None) -> str:
+    config = config or {}
+    lines = ["# Process reward model evaluation", ""]
+    if config.get("model_description"):
+        lines.append(f"Model: {config['model_description']}.  ")
+    if config.get("data"):
+        split = f", split {config['split']}" if config.get("split") and not m.get("input") else ""
+        lines.append(f"Data: {', '.join(map(str, config['data']))}{split}.  ")
+    lo, hi = m["step_accuracy_ci95"]
+    lines += [f"{m['solutions']:,} solutions ({m['with_error']:,} with a wrong step), {m['steps']:,} labelled steps "
+              f"({m['incorrect_steps']:,} incorrect). A step is predicted incorrect when P(correct) < "
+              f"{m['threshold']}.", "", "| figure | value |", "| --- | ---: |"]
+    rows = [("step accuracy", f"{m['step_accuracy']:.4f}"), ("step accuracy, 95% interval (Wilson)", f"{lo:.4f} – {hi:.4f}"),
+            ("step cross-entropy", f"{m['loss']:.4f}"),
+            ("incorrect steps: precision", f"{m['incorrect_precision']:.4f}"),
+            ("incorrect steps: recall", f"{m['incorrect_recall']:.4f}"),
+            ("incorrect steps: F1", f"{m['incorrect_f1']:.4f}"),
+            ("first wrong step found exactly (all solutions)", f"{m['first_error_accuracy']:.4f}"),
+            ("  on solutions with an error", _fmt(m["accuracy_with_error"])),
+            ("  on solutions without one (none flagged)", _fmt(m["accuracy_all_correct"])),
+            ("ProcessBench F1 (harmonic mean of the two)", _fmt(m["processbench_f1"]))]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    if m.get("subsets"):
+        lines += ["", "## Per subset", "", "| subset | solutions | with error | first error found | ProcessBench F1 |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {v['solutions']:,} | {v['with_error']:,} | {v['first_error_accuracy']:.4f} | "
+                  f"{_fmt(v['processbench_f1'])} |" for k, v in m["subsets"].items()]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"

@@ -1,7 +1,9 @@
 """Export a trained run as a Hugging Face checkpoint that
-``transformers.AutoModelForSequenceClassification.from_pretrained`` loads.
+``transformers.AutoModelForSequenceClassification.from_pretrained`` loads (a process reward
+model: ``AutoModelForTokenClassification``).
 
-config.json names the ``*ForSequenceClassification`` architecture with num_labels 1 and the
+config.json names the ``*ForSequenceClassification`` architecture with num_labels 1 (a process
+model: ``*ForTokenClassification``, num_labels 2, label 0 "incorrect", 1 "correct") and the
 shards' pad id; weights are float32 safetensors (sharded above ``max_shard_bytes``); the
 tokenizer files and chat template used in preprocessing are copied beside them.
 """
@@ -41,11 +43,13 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
         "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu",
         "tie_word_embeddings": False,
     })
-    cfg.update({
-        "architectures": [f"{c.hf_prefix}ForSequenceClassification"],
-        "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "num_labels": 1,
-        "pad_token_id": pad_token_id, "torch_dtype": "float32", "dtype": "float32",
-    })
+    if c.num_labels == 2:  # a process reward model: a class per step end, as TRL and Axolotl export them
+        head = {"architectures": [f"{c.hf_prefix}ForTokenClassification"], "num_labels": 2,
+                "id2label": {"0": "incorrect", "1": "correct"}, "label2id": {"incorrect": 0, "correct": 1}}
+    else:
+        head = {"architectures": [f"{c.hf_prefix}ForSequenceClassification"], "num_labels": 1,
+                "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+    cfg.update({**head, "pad_token_id": pad_token_id, "torch_dtype": "float32", "dtype": "float32"})
     cfg.pop("problem_type", None)
     return cfg
 
@@ -143,7 +147,8 @@ def export(run_dir: str, output: str, *, step: int | None = None, max_shard_byte
         with open(os.path.join(staging, EXPORT_INFO), "w") as f:
             json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
                        "data": run.config.data, "tokenizer_sha256": run.manifest.tokenizer.sha256,
-                       "format": "peft-adapter" if adapter else "checkpoint"}, f, indent=2)
+                       "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.kind,
+                       "step_separator": run.manifest.config.get("step_separator", "\n")}, f, indent=2)
         _swap_in(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -163,7 +168,8 @@ PEFT_PREFIX = "base_model.model."
 
 def write_adapter(model: RewardModel, folder: str, cfg, base_path: str) -> None:
     """PEFT's adapter layout: lora_A.weight (rank, in), lora_B.weight (out, rank) per targeted module,
-    the trained score head under its own name (``modules_to_save``), task SEQ_CLS."""
+    the trained score head under its own name (``modules_to_save``), task SEQ_CLS (a process
+    model: TOKEN_CLS, the head's bias too)."""
     from safetensors.numpy import save_file
 
     tensors = {}
@@ -171,8 +177,11 @@ def write_adapter(model: RewardModel, folder: str, cfg, base_path: str) -> None:
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(a, np.float32).T)
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(b, np.float32).T)
     tensors[f"{PEFT_PREFIX}score.weight"] = np.ascontiguousarray(np.asarray(model.score.kernel.value, np.float32).T)
+    if model.score.bias is not None:
+        tensors[f"{PEFT_PREFIX}score.bias"] = np.asarray(model.score.bias.value, np.float32)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "SEQ_CLS", "r": cfg.rank, "lora_alpha": cfg.alpha,
+    task = "TOKEN_CLS" if model.config.num_labels == 2 else "SEQ_CLS"
+    config = {"peft_type": "LORA", "task_type": task, "r": cfg.rank, "lora_alpha": cfg.alpha,
               "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
               "modules_to_save": ["score"], "fan_in_fan_out": False, "inference_mode": True,
               "init_lora_weights": True, "base_model_name_or_path": base_path}

@@ -1,4 +1,5 @@
-"""Bradley-Terry loss with margin and reward centering, and metrics kept as exact sums.
+"""The losses, with metrics kept as exact sums: Bradley-Terry with margin and reward centering
+(outcome reward models), and per-step cross-entropy over 2 classes (process reward models).
 
 Rewards are (B,) float32. A (B, 1) array where (B,) is expected is refused, not broadcast:
 ``r_c (B,1) - r_r (B,)`` would silently give a (B, B) matrix, a known bug elsewhere.
@@ -68,4 +69,65 @@ def finalize(sums: dict[str, float]) -> dict[str, float]:
         "reward_chosen": sums["chosen_sum"] / n,
         "reward_rejected": sums["rejected_sum"] / n,
         "reward_std": max(sums["reward_sq_sum"] / (2 * n) - mean_r**2, 0.0) ** 0.5,
+    }
+
+
+# --------------------------------------------------------------------------- process reward models
+
+STEP_SUM_KEYS = ("steps", "loss_sum", "correct", "true_incorrect", "false_incorrect", "missed_incorrect",
+                 "p_correct_sum")
+
+
+def step_loss(logits, labels, weight):
+    """Mean over labelled steps of the cross-entropy of the 2 class logits (0: incorrect, 1:
+    correct), as TRL's PRMTrainer and Axolotl train process reward models.
+
+    ``logits`` (R, S, 2), ``labels`` (R, S) in {0, 1}, ``weight`` (R, S): 1 for a real step, 0 for
+    a padding slot. A step is predicted incorrect when P(correct) < 0.5. Returns the scalar loss
+    and the metric sums (``STEP_SUM_KEYS``): with "incorrect" as the positive class,
+    true/false/missed incorrect are true positives, false positives and false negatives.
+    """
+    if logits.ndim != 3 or logits.shape[-1] != 2 or logits.shape[:2] != labels.shape or labels.shape != weight.shape:
+        raise ValueError(f"step_loss wants logits (R, S, 2) and labels, weight (R, S); got {logits.shape}, "
+                         f"{labels.shape}, {weight.shape}")
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    y = labels.astype(jnp.int32)
+    ce = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+    w = weight.astype(jnp.float32)
+    n = w.sum()
+    predicted_incorrect = logp[..., 1] < jnp.log(0.5)
+    truly_incorrect = y == 0
+    loss = (w * ce).sum() / jnp.maximum(n, 1.0)
+    sums = {
+        "steps": n,
+        "loss_sum": (w * ce).sum(),
+        "correct": (w * (predicted_incorrect == truly_incorrect)).sum(),
+        "true_incorrect": (w * (predicted_incorrect & truly_incorrect)).sum(),
+        "false_incorrect": (w * (predicted_incorrect & ~truly_incorrect)).sum(),
+        "missed_incorrect": (w * (~predicted_incorrect & truly_incorrect)).sum(),
+        "p_correct_sum": (w * jnp.exp(logp[..., 1])).sum(),
+    }
+    return loss, sums
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def finalize_steps(sums: dict[str, float]) -> dict[str, float]:
+    """Window metrics of a process reward model from exact sums: loss, step accuracy, and
+    precision / recall / F1 of the "incorrect" class (the steps a PRM exists to find)."""
+    n = sums["steps"]
+    if not n:
+        return {"steps": 0}
+    tp, fp, fn = sums["true_incorrect"], sums["false_incorrect"], sums["missed_incorrect"]
+    precision, recall = _ratio(tp, tp + fp), _ratio(tp, tp + fn)
+    return {
+        "steps": int(n),
+        "loss": sums["loss_sum"] / n,
+        "step_accuracy": sums["correct"] / n,
+        "incorrect_precision": precision,
+        "incorrect_recall": recall,
+        "incorrect_f1": _ratio(2 * precision * recall, precision + recall),
+        "mean_p_correct": sums["p_correct_sum"] / n,
     }

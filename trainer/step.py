@@ -1,8 +1,9 @@
 """Optimizer, train state and the jitted train / eval steps.
 
 The train step takes ``accum`` micro-batches stacked on a leading axis and scans over them,
-summing gradients of the *summed* per-pair objective; it divides by the total number of real
-pairs once. So k micro-batches give exactly the update of one k-times-larger batch.
+summing gradients of the *summed* per-pair (per-step, for a process model) objective; it divides
+by the total number of real pairs (labelled steps) once. So k micro-batches give exactly the
+update of one k-times-larger batch. What is trained comes from ``trainer.objective``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from trainer.loss import SUM_KEYS, pairwise_loss
 from trainer.modeling.llama import RewardModel
+from trainer.objective import OUTCOME, ROW_KEYS, Objective
 
-DEVICE_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids", "reward_index", "margin", "weight")
+DEVICE_KEYS = OUTCOME.device_keys  # an outcome model's batch (``Objective.device_keys`` in general)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +107,15 @@ class Trainer:
     """Holds the model's static structure and the jitted steps over a TrainState pytree."""
 
     def __init__(self, model: RewardModel, optim: OptimConfig, *, center_coef: float = 0.0, seed: int = 0,
-                 trainable=nnx.Param):
+                 trainable=nnx.Param, objective: Objective = OUTCOME):
         """``trainable``: an NNX filter of the parameters to train (all, or with LoRA the adapters and
         the score head); the other parameters are frozen: no gradient, no optimizer state, passed
-        to the jitted steps as an argument (never baked into the compiled program)."""
+        to the jitted steps as an argument (never baked into the compiled program). ``objective``:
+        an outcome or a process reward model's loss and batch (``trainer.objective``)."""
+        if model.config.num_labels != objective.num_labels:
+            raise ValueError(f"a {objective.kind} reward model needs a score head of {objective.num_labels} "
+                             f"output(s); this model has {model.config.num_labels}")
+        self.objective = objective
         self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)
         self.tx = make_optimizer(optim)
         self.max_grad_norm = optim.max_grad_norm
@@ -149,9 +155,7 @@ class Trainer:
         return pair_rewards(self.model(params, frozen), mb)
 
     def _objective(self, params, mb, frozen):
-        rc, rr = self.rewards(params, mb, frozen)
-        _, sums = pairwise_loss(rc, rr, mb["margin"], mb["weight"], self.center_coef)
-        return sums["bt_loss_sum"] + self.center_coef * sums["center_sum"], sums
+        return self.objective.loss(self.model(params, frozen), mb, self.center_coef)
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array], frozen: Any):
         grad_fn = jax.value_and_grad(self._objective, has_aux=True)
@@ -159,14 +163,16 @@ class Trainer:
         def micro(carry, mb):
             grads, sums = carry
             (_, s), g = grad_fn(state.params, mb, frozen)
-            return (jax.tree.map(jnp.add, grads, g), {k: sums[k] + s[k] for k in SUM_KEYS}), None
+            return (jax.tree.map(jnp.add, grads, g), {k: sums[k] + s[k] for k in keys}), None
+
+        keys = self.objective.sum_keys
 
         if jax.tree.leaves(batch)[0].shape[0] == 1:  # one micro-batch: no accumulator buffers
             (_, sums), grads = grad_fn(state.params, {k: v[0] for k, v in batch.items()}, frozen)
         else:
-            zeros = (jax.tree.map(jnp.zeros_like, state.params), {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS})
+            zeros = (jax.tree.map(jnp.zeros_like, state.params), {k: jnp.zeros((), jnp.float32) for k in keys})
             (grads, sums), _ = jax.lax.scan(micro, zeros, batch)
-        factor, grad_norm = clip_scale(optax.global_norm(grads), sums["pairs"], self.max_grad_norm)
+        factor, grad_norm = clip_scale(optax.global_norm(grads), sums[self.objective.count_key], self.max_grad_norm)
         grads = jax.tree.map(lambda g: g * factor, grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -174,21 +180,27 @@ class Trainer:
         return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
     def _eval_step(self, params: Any, mb: dict[str, jax.Array], frozen: Any):
-        rc, rr = self.rewards(params, mb, frozen)
-        _, sums = pairwise_loss(rc, rr, mb["margin"], mb["weight"], self.center_coef)
-        return sums
+        return self.objective.loss(self.model(params, frozen), mb, self.center_coef)[1]
 
 
-ROW_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids")
+def widen(batch: dict[str, np.ndarray], length: int, slots: int | None = None,
+          objective: Objective = OUTCOME) -> dict[str, np.ndarray]:
+    """Right-pad a micro-batch's rows (segment 0: padding) to ``length`` tokens and its per-row
+    step slots (weight 0: padding) to ``slots``."""
+    def pad(k, x):
+        if k in ROW_KEYS and x.shape[1] < length:
+            return np.pad(x, [(0, 0), (0, length - x.shape[1])])
+        if slots is not None and k in objective.slot_keys and x.shape[1] < slots:
+            return np.pad(x, [(0, 0), (0, slots - x.shape[1])])
+        return x
+
+    return {k: pad(k, v) for k, v in batch.items()}
 
 
-def stack_micro_batches(batches: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+def stack_micro_batches(batches: list[dict[str, Any]], objective: Objective = OUTCOME) -> dict[str, np.ndarray]:
     """Host batches -> the train step's batch (still on the host): a leading micro-batch axis.
-    Rows are right-padded (segment 0) to the longest micro-batch's length."""
+    Rows are right-padded (segment 0) to the longest micro-batch's length, step slots to the most."""
     length = max(b["input_ids"].shape[1] for b in batches)
-
-    def widen(b, k):
-        x = b[k]
-        return np.pad(x, [(0, 0), (0, length - x.shape[1])]) if k in ROW_KEYS and x.shape[1] < length else x
-
-    return {k: np.stack([widen(b, k) for b in batches]) for k in DEVICE_KEYS}
+    slots = max(b["reward_index"].shape[1] for b in batches)
+    wide = [widen({k: b[k] for k in objective.device_keys}, length, slots, objective) for b in batches]
+    return {k: np.stack([b[k] for b in wide]) for k in objective.device_keys}

@@ -34,15 +34,15 @@ from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestEr
 from trainer import storage
 from trainer.data import make_loader, resolve_packing
 from trainer.loggers import Reporters, check_available
-from trainer.loss import SUM_KEYS, finalize
 from trainer.memory import release_free_memory
 from trainer.modeling import lora
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import load_reward_model, read_config, resolve
 from trainer.modeling.llama import RewardModel
+from trainer.objective import Objective, objective_for
 from trainer.parallel import BATCH_AXES, batch_shards, distributed, make_mesh
 from trainer.rundir import CHECKPOINTS, RunFiles, is_run_dir, read_run, tokenizer_fingerprint, write_run_files
-from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches
+from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches, widen
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -85,24 +85,27 @@ def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
     """The model, checked against the shards: token ids must fit and the tokenizer must match;
     with LoRA adapters added when the config asks."""
     vocab = manifest.tokenizer.vocab_size
+    labels = objective_for(manifest.kind).num_labels
     if cfg.model != "tiny":
         folder = resolve(cfg.model)
         read_config(folder)  # an unsupported or incomplete config.json fails first
         check_tokenizer(manifest, folder, "the model")
-    model = base_model(cfg, ModelConfig.tiny(vocab_size=vocab) if cfg.model == "tiny" else None)
+    model = base_model(cfg, ModelConfig.tiny(vocab_size=vocab, num_labels=labels) if cfg.model == "tiny" else None,
+                       num_labels=labels)
     check_vocabulary(manifest, model.config)
     return model
 
 
-def base_model(cfg: TrainConfig, tiny_config: ModelConfig | None = None) -> RewardModel:
-    """The run's initial model: the tiny preset (seeded) or the checkpoint, plus LoRA adapters."""
+def base_model(cfg: TrainConfig, tiny_config: ModelConfig | None = None, num_labels: int = 1) -> RewardModel:
+    """The run's initial model: the tiny preset (seeded) or the checkpoint, plus LoRA adapters;
+    ``num_labels``: the score head's outputs (2 for a process reward model)."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     if cfg.model == "tiny":
         model = RewardModel(tiny_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
                             attention=cfg.attention)
     else:
         model = load_reward_model(resolve(cfg.model), dtype=dtype, remat=cfg.gradient_checkpointing,
-                                  seed=cfg.seed, attention=cfg.attention)
+                                  seed=cfg.seed, attention=cfg.attention, num_labels=num_labels)
     if cfg.lora_config is not None:
         lora.apply(model, cfg.lora_config, seed=cfg.seed)
     return model
@@ -146,13 +149,14 @@ def plan_steps(cfg: TrainConfig, train_pairs: int) -> int:
     return max(micro // cfg.grad_accum, 1)
 
 
-def make_trainer(cfg: TrainConfig, model: RewardModel, total_steps: int) -> Trainer:
+def make_trainer(cfg: TrainConfig, model: RewardModel, total_steps: int, objective: Objective | None = None
+                 ) -> Trainer:
     return Trainer(model, OptimConfig(
         learning_rate=cfg.learning_rate, learning_rate_end=cfg.learning_rate_end,
         warmup_steps=cfg.warmup_steps, total_steps=total_steps, schedule=cfg.lr_schedule,
         weight_decay=cfg.weight_decay, adam_b1=cfg.adam_b1, adam_b2=cfg.adam_b2, adam_eps=cfg.adam_eps,
         max_grad_norm=cfg.max_grad_norm), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
-        trainable=lora.trainable_filter(cfg.lora_config))
+        trainable=lora.trainable_filter(cfg.lora_config), objective=objective or objective_for("outcome"))
 
 
 def checkpoint_manager(run_dir: str, keep: int = 1):
@@ -184,10 +188,10 @@ def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardMod
                          "(resume it with `rmflow train --resume`, or set save_steps)")
     if run.config.lora_config is not None:  # frozen base weights come from the base model, adapters from here
         model = base_model(dataclasses.replace(run.config, dtype="float32", gradient_checkpointing=False),
-                           run.model_config)
+                           run.model_config, num_labels=run.model_config.num_labels)
     else:
         model = RewardModel(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention)
-    trainer = make_trainer(run.config, model, 1)
+    trainer = make_trainer(run.config, model, 1, objective_for(run.manifest.kind))
     manager = checkpoint_manager(run_dir, keep=run.config.save_total_limit)
     step = latest if step is None else step
     if step not in manager.all_steps():
@@ -217,6 +221,10 @@ class Run:
         self.eval_paths = shard_paths(cfg.data, self.manifest, "eval")
         if not self.train_paths:
             raise TrainError(f"{cfg.data} has no train pairs")
+        self.objective = objective_for(self.manifest.kind)
+        if self.objective.kind == "process" and cfg.center_rewards_coefficient:
+            raise TrainError(f"{cfg.data} holds stepwise solutions (a process reward model, trained with per-step "
+                             "cross-entropy): center_rewards_coefficient applies to outcome reward models; set it to 0")
         self.mesh = make_mesh(cfg.mesh_shape)
         shards, procs = batch_shards(self.mesh), jax.process_count()
         if cfg.batch_size % shards:
@@ -230,13 +238,13 @@ class Run:
         self.total_steps = plan_steps(cfg, self.manifest.splits["train"].pairs)
         model = build_model(cfg, self.manifest)
         self.pad_id = self.manifest.tokenizer.pad_token_id or 0
-        self.trainer = make_trainer(cfg, model, self.total_steps)
+        self.trainer = make_trainer(cfg, model, self.total_steps, self.objective)
         release_free_memory()  # initialisation temporaries
 
     def loader(self, paths, *, train: bool):
         return make_loader(paths, batch_size=self.local_batch, max_length=self.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.loader_workers,
-                           pad_id=self.pad_id, packing=self.packing, rows=self.rows)
+                           pad_id=self.pad_id, packing=self.packing, rows=self.rows, kind=self.objective.kind)
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         """Each process's micro-batches become its slice of the global batch (rows split over
@@ -244,23 +252,24 @@ class Run:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            local = max(b["input_ids"].shape[-1] for b in micro)
-            length = int(np.max(multihost_utils.process_allgather(np.int32(local))))
-            micro = [_widen(b, length) for b in micro]
-        host = stack_micro_batches(micro)
+            local = [max(b[k].shape[-1] for b in micro) for k in ("input_ids", "reward_index")]
+            length, slots = (int(v) for v in np.max(multihost_utils.process_allgather(np.int32(local)), axis=0))
+            micro = [widen(b, length, slots, self.objective) for b in micro]
+        host = stack_micro_batches(micro, self.objective)
         sharding = NamedSharding(self.mesh, P(None, BATCH_AXES))
         return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}
 
     def evaluate(self, params) -> dict[str, Any]:
         if not self.eval_paths:
             return {}
-        sums = {k: 0.0 for k in SUM_KEYS}
+        keys = self.objective.sum_keys
+        sums = {k: 0.0 for k in keys}
         for b in self.loader(self.eval_paths, train=False):
             s = self.trainer.eval_step(params, {k: v[0] for k, v in self.to_device([b]).items()})
-            for k in SUM_KEYS:
+            for k in keys:
                 sums[k] += float(s[k])
         release_free_memory()  # what compiling the eval shapes left
-        return {f"eval_{k}": v for k, v in finalize(sums).items()}
+        return {f"eval_{k}": v for k, v in self.objective.finalize(sums).items()}
 
 
 def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None] | None = None,
@@ -312,7 +321,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     # After a resume, TensorBoard drops the events logged past the restored checkpoint.
     writer = Reporters(cfg, run_dir, purge_step=int(state.step) + 1 if resume and latest is not None else None) \
         if primary else None
-    window = _Window()
+    window = _Window(r.objective)
     step = int(state.step)
     if on_start:
         on_start(step)
@@ -330,7 +339,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
             m = jax.device_get(m)
             if compiles:  # and give back what it freed
                 release_free_memory()
-            loss = float(m["loss_sum"]) / max(float(m["pairs"]), 1.0)
+            loss = float(m["loss_sum"]) / max(float(m[r.objective.count_key]), 1.0)
             if not math.isfinite(loss):
                 raise TrainError(
                     f"loss is {loss} at step {step}: training diverged. Nothing from this step was saved; the "
@@ -367,22 +376,15 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     return TrainResult(state, r.trainer, history, r.total_steps)
 
 
-def _widen(batch: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
-    """Right-pad a micro-batch's rows (segment 0: padding) to ``length`` tokens."""
-    from trainer.step import ROW_KEYS
-
-    return {k: np.pad(v, [(0, 0), (0, length - v.shape[1])]) if k in ROW_KEYS and v.shape[1] < length else v
-            for k, v in batch.items()}
-
-
 class _Window:
     """Exact sums over one logging window; per-step figures (grad norm, lr) averaged."""
 
-    def __init__(self):
+    def __init__(self, objective: Objective):
+        self.objective = objective
         self.reset()
 
     def reset(self):
-        self.sums = {k: 0.0 for k in SUM_KEYS}
+        self.sums = {k: 0.0 for k in self.objective.sum_keys}
         self.grad_norm, self.steps, self.start = 0.0, 0, time.perf_counter()
         self.real = self.computed = self.total = 0
         self.lr = 0.0
@@ -390,7 +392,7 @@ class _Window:
     def add(self, m: dict[str, Any], micro: list[dict[str, np.ndarray]], slots: int):
         """``slots``: token slots of the step's batch as the device got it (micro-batches padded
         to one length when accumulating)."""
-        for k in SUM_KEYS:
+        for k in self.objective.sum_keys:
             self.sums[k] += float(m[k])
         self.grad_norm += float(m["grad_norm"])
         self.lr = float(m["learning_rate"])
@@ -406,7 +408,7 @@ class _Window:
 
             totals = multihost_utils.process_allgather(np.array([self.real, self.computed, self.total], np.int64))
             self.real, self.computed, self.total = (int(v) for v in np.asarray(totals).reshape(-1, 3).sum(0))
-        out = {**finalize(self.sums), "grad_norm": self.grad_norm / max(self.steps, 1), "learning_rate": self.lr,
+        out = {**self.objective.finalize(self.sums), "grad_norm": self.grad_norm / max(self.steps, 1), "learning_rate": self.lr,
                "real_tokens": self.real, "tokens_per_second": self.real / seconds if seconds else 0.0,
                "padding_fraction": 1.0 - self.computed / self.total if self.total else 0.0,
                "computed_fraction": self.computed / self.real if self.real else 0.0}

@@ -1,8 +1,11 @@
 """The Grain input pipeline: shards to fixed-shape batches of pairs (``loader``), padded
-(``collate``), length-bucketed (``bucketing``) or packed without padding (``packing``)."""
+(``collate``), length-bucketed (``bucketing``) or packed without padding (``packing``); stepwise
+solutions for process reward models likewise (``steps``)."""
 
 from trainer.data.collate import Collate, bucket_length, fine_length
 from trainer.data.loader import PACKING, make_loader, resolve_packing
 from trainer.data.packing import PackCollate
+from trainer.data.steps import StepCollate, StepPackCollate
 
-__all__ = ["PACKING", "Collate", "PackCollate", "bucket_length", "fine_length", "make_loader", "resolve_packing"]
+__all__ = ["PACKING", "Collate", "PackCollate", "StepCollate", "StepPackCollate", "bucket_length", "fine_length",
+           "make_loader", "resolve_packing"]

@@ -9,7 +9,10 @@
 * ``pack``: each pair packed as one unit (prompt once, both replies) into ``rows`` long rows
   with no padding between pairs (``trainer.data.packing``).
 
-In every mode a micro-batch holds exactly ``batch_size`` pairs (fewer only at the end of a
+Stepwise solutions (process reward models, ``kind="process"``) are collated by
+``trainer.data.steps`` in the same modes: one solution a row, or packed.
+
+In every mode a micro-batch holds exactly ``batch_size`` pairs (solutions) (fewer only at the end of a
 finite pass, the rest weight 0) and the loader's state, checkpointed with the run, resumes on
 exactly the next batch. Records are decoded (and CRC-checked) in Grain's worker processes.
 """
@@ -21,10 +24,11 @@ from collections.abc import Sequence
 import grain
 
 from schemas.config import PACKING
-from schemas.record import PairRecord, decode
+from schemas.record import PairRecord, StepRecord, decode
 from trainer.data.bucketing import LengthBucketSampler
 from trainer.data.collate import Collate
 from trainer.data.packing import PackCollate
+from trainer.data.steps import StepCollate, StepPackCollate
 
 BUCKET_WINDOW = 32  # micro-batches whose pairs are sorted by length together in bucket mode
 # Record reads per process: Grain's default (16 threads, 500 records ahead) holds memory in 16
@@ -33,7 +37,7 @@ READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=128)
 
 
 class DecodePair(grain.transforms.Map):
-    def map(self, raw: bytes) -> PairRecord:
+    def map(self, raw: bytes) -> PairRecord | StepRecord:
         return decode(raw)
 
 
@@ -49,11 +53,13 @@ def resolve_packing(packing: str, backend: str) -> str:
     return "pack" if backend == "cpu" else "bucket"
 
 
-def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int):
+def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int, kind: str = "outcome"):
+    """The collation of a packing mode, for pairs (``kind`` outcome) or stepwise solutions (process)."""
+    padded, packed = (StepCollate, StepPackCollate) if kind == "process" else (Collate, PackCollate)
     if packing == "pack":
-        return PackCollate(batch_size, max_length, pad_id, rows)
+        return packed(batch_size, max_length, pad_id, rows)
     if packing in ("none", "bucket"):
-        return Collate(batch_size, max_length, pad_id, lengths="pow2" if packing == "none" else "fine")
+        return padded(batch_size, max_length, pad_id, lengths="pow2" if packing == "none" else "fine")
     raise ValueError(f"packing {packing!r}: use one of {PACKING}")
 
 
@@ -71,6 +77,7 @@ def make_loader(
     packing: str = "none",
     rows: int = 1,
     shard: tuple[int, int] | None = None,
+    kind: str = "outcome",
 ) -> grain.DataLoader:
     """A Grain DataLoader over the shards: seeded global shuffle, epochs, one shard of the data
     per JAX process, decoding in ``worker_count`` processes (0: in this process). ``rows``:
@@ -80,7 +87,7 @@ def make_loader(
 
         if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we do not run under absl.app
             flags.FLAGS.mark_as_parsed()
-    collate = collate_fn(packing, batch_size=batch_size, max_length=max_length, pad_id=pad_id, rows=rows)
+    collate = collate_fn(packing, batch_size=batch_size, max_length=max_length, pad_id=pad_id, rows=rows, kind=kind)
     source = grain.sources.ArrayRecordDataSource(list(shard_paths))
     if shard is not None:  # an explicit (index, count): what process ``index`` of ``count`` would read
         sharding = grain.sharding.ShardOptions(shard_index=shard[0], shard_count=shard[1], drop_remainder=True)

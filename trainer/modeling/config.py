@@ -48,8 +48,12 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # Mistral; Qwen2 when use_sliding_window
     pad_token_id: int | None = None
+    num_labels: int = 1  # outputs of the score head: 1, a reward; 2, a process model's (incorrect, correct) step
 
     def __post_init__(self) -> None:
+        if self.num_labels not in (1, 2):
+            raise ModelConfigError(f"num_labels {self.num_labels}: a reward model has 1 (a score) or 2 (a process "
+                                   "reward model's incorrect/correct step classes)")
         if self.model_type not in ARCHITECTURES:
             raise ModelConfigError(
                 f"model_type {self.model_type!r} is not supported; rmflow builds {sorted(ARCHITECTURES)}"
@@ -112,6 +116,7 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             sliding_window=_sliding_window(d),
             pad_token_id=d.get("pad_token_id"),
+            num_labels=_num_labels(d),
         )
 
     @classmethod
@@ -122,6 +127,14 @@ class ModelConfig:
                     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096)
         base.update(overrides)
         return cls(**base)
+
+
+def _num_labels(d: Mapping[str, Any]) -> int:
+    """The score head's outputs a checkpoint brings: a token classifier's (a process reward model)
+    count; 1 for anything else (a causal LM gets a fresh head of the size the run asks for)."""
+    if any(a.endswith("ForTokenClassification") for a in d.get("architectures") or []):
+        return int(d.get("num_labels") or len(d.get("id2label") or {0: 0, 1: 1}))
+    return 1
 
 
 def _sliding_window(d: Mapping[str, Any]) -> int | None:

@@ -2,11 +2,13 @@
 
 Our parameter paths mirror Hugging Face's names: ``model.layers.0.mlp.up_proj.kernel`` is
 ``model.layers.0.mlp.up_proj.weight`` transposed. A ``*ForCausalLM`` checkpoint gets a fresh,
-seeded ``score`` head; a ``*ForSequenceClassification`` one (num_labels 1) brings its own.
+seeded ``score`` head (``num_labels`` outputs); a ``*ForSequenceClassification`` one (num_labels 1)
+or a ``*ForTokenClassification`` one (num_labels 2, a process reward model) brings its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -82,21 +84,32 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
 
 
 def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False, seed: int = 0,
-                      attention: str = "auto") -> RewardModel:
-    """Build the reward model a checkpoint describes and load its weights."""
+                      attention: str = "auto", num_labels: int | None = None) -> RewardModel:
+    """Build the reward model a checkpoint describes and load its weights. ``num_labels``: the
+    head the caller needs (1: reward, 2: process model); None takes the checkpoint's."""
     folder = resolve(checkpoint)
     cfg, raw = read_config(folder)
     tensors = read_tensors(folder)
-    is_classifier = any(a.endswith("ForSequenceClassification") for a in raw.get("architectures") or [])
-    if is_classifier and raw.get("num_labels", len(raw.get("id2label") or {0: 0, 1: 1})) != 1:
+    architectures = raw.get("architectures") or []
+    is_classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures)
+    if any(a.endswith("ForSequenceClassification") for a in architectures) \
+            and raw.get("num_labels", len(raw.get("id2label") or {0: 0, 1: 1})) != 1:
         raise CheckpointError("a sequence-classification checkpoint must have num_labels=1 to be a reward model")
+    if is_classifier and num_labels is not None and cfg.num_labels != num_labels:
+        kind = {1: "an outcome reward model (one score)", 2: "a process reward model (2 step classes)"}
+        raise CheckpointError(f"{checkpoint} is {kind.get(cfg.num_labels, f'a {cfg.num_labels}-label classifier')}, "
+                              f"but this run trains {kind[num_labels]}: start from its base model instead")
+    if num_labels is not None:
+        cfg = dataclasses.replace(cfg, num_labels=num_labels)
     model = RewardModel(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention)
     state = nnx.state(model, nnx.Param)
     missing, bad_shape, used = [], [], set()
     for path, var in nnx.to_flat_state(state):
         name, transpose = hf_name(path)
-        if name == "score.weight" and not is_classifier:
-            continue  # fresh head, seeded
+        if name.startswith("score.") and not is_classifier:
+            if name == "score.bias":
+                var.value = jnp.zeros_like(var.value)
+            continue  # fresh head, seeded (bias 0)
         if name not in tensors:
             missing.append(name)
             continue

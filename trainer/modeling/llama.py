@@ -183,10 +183,13 @@ class DecoderModel(nnx.Module):
 
 
 class RewardModel(nnx.Module):
-    """Decoder + ``score`` head (one output, no bias): a reward per sequence.
+    """Decoder + ``score`` head: a reward per sequence, or for a process reward model
+    (``cfg.num_labels == 2``: Hugging Face's ``*ForTokenClassification`` head, with bias) the
+    two class logits (incorrect, correct) of each scored step.
 
-    ``reward_index`` holds the explicit index of each sequence's reward token, (B,) or (B, K)
-    for K sequences packed per row; rewards come back in float32 with the same shape.
+    ``reward_index`` holds the explicit index of each sequence's reward token (each step's end),
+    (B,) or (B, K) for K per row; scores come back in float32 with the same shape: the reward,
+    or for a process model the log-odds that the step is correct (logit 1 - logit 0).
     ``attention`` picks the implementation (``trainer.modeling.attention.ATTENTION``).
     """
 
@@ -195,8 +198,8 @@ class RewardModel(nnx.Module):
         self.config = cfg
         self.model = DecoderModel(cfg, dtype, remat, rngs=rngs, attention=attention)
         std = score_init_std if score_init_std is not None else 1.0 / math.sqrt(cfg.hidden_size + 1)
-        self.score = nnx.Linear(cfg.hidden_size, 1, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
-                                kernel_init=nnx.initializers.normal(std), rngs=rngs)
+        self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=cfg.num_labels > 1, dtype=dtype,
+                                param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
     def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
         """Final-norm hidden states at the reward tokens, (B, [K,] H)."""
@@ -206,6 +209,11 @@ class RewardModel(nnx.Module):
         g = self.model.norm(g)
         return g if reward_index.ndim == 2 else g[:, 0]
 
-    def __call__(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
+    def logits(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
+        """The score head's outputs at the reward tokens, (B, [K,] num_labels), float32."""
         g = self.hidden_at(input_ids, positions, segment_ids, reward_index, branch_ids)
-        return self.score(g)[..., 0].astype(jnp.float32)
+        return self.score(g).astype(jnp.float32)
+
+    def __call__(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
+        out = self.logits(input_ids, positions, segment_ids, reward_index, branch_ids)
+        return out[..., 0] if out.shape[-1] == 1 else out[..., 1] - out[..., 0]

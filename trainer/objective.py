@@ -1,0 +1,52 @@
+"""What a run trains, by the kind of its shards (the manifest's ``kind``): the one place that
+knows which batch keys, loss and metrics an outcome or a process reward model uses.
+
+* ``outcome``: preference pairs; Bradley-Terry with margin and reward centering
+  (``trainer.loss.pairwise_loss``); normalised by the number of pairs.
+* ``process``: stepwise solutions; cross-entropy over 2 classes at each labelled step's end
+  (``trainer.loss.step_loss``); normalised by the number of labelled steps, as TRL's PRMTrainer
+  averages over every labelled token of the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from trainer.loss import STEP_SUM_KEYS, SUM_KEYS, finalize, finalize_steps, pairwise_loss, step_loss
+
+ROW_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    kind: str
+    device_keys: tuple[str, ...]  # what the jitted step receives
+    slot_keys: tuple[str, ...]  # (R, S) keys whose S differs between micro-batches (padded to one S)
+    sum_keys: tuple[str, ...]
+    count_key: str  # the sum the gradient is divided by
+    num_labels: int
+    finalize: Callable[[dict[str, float]], dict[str, Any]]
+
+    def loss(self, model, mb: dict[str, Any], center_coef: float = 0.0):
+        """(summed objective to differentiate, metric sums) of one micro-batch."""
+        args = (mb["input_ids"], mb["positions"], mb["segment_ids"], mb["reward_index"], mb["branch_ids"])
+        if self.kind == "process":
+            _, sums = step_loss(model.logits(*args), mb["step_labels"], mb["step_weight"])
+            return sums["loss_sum"], sums
+        pairs = model(*args).reshape(-1, 2)
+        _, sums = pairwise_loss(pairs[:, 0], pairs[:, 1], mb["margin"], mb["weight"], center_coef)
+        return sums["bt_loss_sum"] + center_coef * sums["center_sum"], sums
+
+
+OUTCOME = Objective("outcome", (*ROW_KEYS, "reward_index", "margin", "weight"), (), SUM_KEYS, "pairs", 1, finalize)
+PROCESS = Objective("process", (*ROW_KEYS, "reward_index", "step_labels", "step_weight"),
+                    ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", 2, finalize_steps)
+OBJECTIVES = {o.kind: o for o in (OUTCOME, PROCESS)}
+
+
+def objective_for(kind: str) -> Objective:
+    if kind not in OBJECTIVES:
+        raise ValueError(f"no objective for shards of kind {kind!r}; known: {sorted(OBJECTIVES)}")
+    return OBJECTIVES[kind]
