@@ -434,3 +434,34 @@ def test_processbench_raw_file_eval(process_run, shared_data, tmp_path):
     assert m["incorrect_steps"] == m["with_error"]
     acc_err, acc_ok = m["accuracy_with_error"], m["accuracy_all_correct"]
     assert m["processbench_f1"] == pytest.approx(2 * acc_err * acc_ok / (acc_err + acc_ok) if acc_err + acc_ok else 0)
+
+
+def test_lora_process_model_exports_a_token_classification_adapter(synthetic_steps, tmp_path):
+    import peft
+    import torch
+    import transformers
+
+    from trainer.export import export
+    from trainer.train import load_trained_model
+
+    run_dir = tmp_path / "lora"
+    train(TrainConfig(data=str(synthetic_steps / "shards"), model="tiny", output=str(run_dir), batch_size=8,
+                      learning_rate=3e-3, max_steps=6, save_steps=6, logging_steps=6, seed=0,
+                      lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
+    model, _, _ = load_trained_model(str(run_dir))
+    _, records = _read_all(synthetic_steps / "shards")
+    r = records[0]
+    ids = jnp.asarray(r.input_ids[None])
+    ours = np.asarray(model.logits(ids, jnp.arange(ids.shape[1])[None], jnp.ones_like(ids),
+                                   jnp.asarray(r.step_ends[None])))[0]
+    merged = export(str(run_dir), str(tmp_path / "merged"))
+    hf = transformers.AutoModelForTokenClassification.from_pretrained(merged).eval()
+    folder = export(str(run_dir), str(tmp_path / "adapter"), adapter=True)
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["task_type"] == "TOKEN_CLS" and cfg["modules_to_save"] == ["score"]
+    base = transformers.AutoModelForTokenClassification.from_pretrained(cfg["base_model_name_or_path"])
+    peft_model = peft.PeftModel.from_pretrained(base, folder).eval()
+    tokens = torch.tensor(r.input_ids[None].astype(np.int64))
+    with torch.no_grad():
+        for m in (hf, peft_model):
+            np.testing.assert_allclose(m(tokens).logits[0].numpy()[r.step_ends], ours, atol=1e-4)
