@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--packing", default="pack", choices=("none", "bucket", "pack"))
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
+    ap.add_argument("--lora-base-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="LoRA: the frozen base weights' storage")
     ap.add_argument("--model", default="tiny", help="tiny, or a Hugging Face checkpoint folder (its own tokenizer "
                     "preprocesses the data)")
     args = ap.parse_args()
@@ -111,7 +113,8 @@ def main() -> None:
         cfg = TrainConfig(data=str(shards), model=args.model, output=str(pathlib.Path(tmp) / "run"),
                           max_steps=args.steps, batch_size=args.batch_size, learning_rate=3e-4,
                           warmup_steps=max(args.steps // 10, 1), logging_steps=1, seed=0, packing=args.packing,
-                          lora={"rank": args.lora, "alpha": 2 * args.lora} if args.lora else None)
+                          lora={"rank": args.lora, "alpha": 2 * args.lora, "base_dtype": args.lora_base_dtype}
+                          if args.lora else None)
         rss_before = current_rss_mib()
         sampler = RssSampler()
         start = time.perf_counter()
@@ -140,8 +143,11 @@ def main() -> None:
           + (f"; peak device memory {stats['peak_bytes_in_use'] / 2**20:,.0f} MiB" if "peak_bytes_in_use" in stats else ""))
     state_mib = sum(x.nbytes for x in jax.tree.leaves(result.state)) / 2**20
     trainable = sum(x.size for x in jax.tree.leaves(result.state.params))
-    print(f"trainable parameters                  {trainable:,} ({'LoRA rank ' + str(args.lora) if args.lora else 'full'})")
+    print(f"trainable parameters                  {trainable:,} ({f'LoRA rank {args.lora}, base {args.lora_base_dtype}' if args.lora else 'full'})")
     print(f"train state (params trained + AdamW)  {state_mib:,.1f} MiB")
+    if args.lora:
+        frozen_mib = sum(x.nbytes for x in jax.tree.leaves(result.trainer.frozen)) / 2**20
+        print(f"frozen base weights                   {frozen_mib:,.1f} MiB")
     print(f"host memory before training           {rss_before:,.0f} MiB (after preprocessing)")
     print(f"peak host memory while training       {rss_peak_train:,.0f} MiB (VmRSS sampled every 20 ms)")
     print(f"final eval accuracy                   {final['eval_accuracy']:.4f} on {final['eval_pairs']} pairs")

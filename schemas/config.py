@@ -158,7 +158,7 @@ def _check_int(value: Any, name: str, minimum: int) -> None:
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_KEYS = ("rank", "alpha", "dropout", "target_modules")
+LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "base_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +167,7 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = LORA_TARGETS
+    base_dtype: str = "float32"  # the frozen base weights' storage: float32 or bfloat16
 
     @property
     def scale(self) -> float:
@@ -190,10 +191,12 @@ class LoraConfig:
             raise ConfigError(f"lora rank {rank!r}: a positive integer")
         if not isinstance(alpha, (int, float)) or alpha <= 0:
             raise ConfigError(f"lora alpha {alpha!r}: a positive number")
-        if dropout:
-            raise ConfigError("lora dropout > 0 is not implemented: set it to 0 (PEFT's default for reward "
-                              "models is 0.05-0.1; rmflow regularises with weight_decay instead)")
-        return cls(rank, float(alpha), 0.0, targets)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"lora dropout {dropout!r}: a number in [0, 1)")
+        base_dtype = d.get("base_dtype", "float32")
+        if base_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"lora base_dtype {base_dtype!r}: float32 or bfloat16")
+        return cls(rank, float(alpha), float(dropout), targets, base_dtype)
 
 
 DTYPES = ("float32", "bfloat16")

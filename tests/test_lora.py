@@ -115,6 +115,77 @@ def test_lora_config_checks():
     assert cfg.lora_config.target_modules == lora.TARGETS and cfg.lora_config.scale == 4.0
     assert TrainConfig(data="d", model="tiny", output="o").with_overrides(["lora.rank=2"]).lora_config.rank == 2
     for bad, match in [({"rank": 0}, "rank"), ({"target_modules": ["lm_head"]}, "target_modules"),
-                       ({"dropout": 0.1}, "dropout > 0 is not implemented"), ({"ranks": 4}, "unknown keys")]:
+                       ({"dropout": 1.0}, "dropout"), ({"dropout": -0.1}, "dropout"),
+                       ({"base_dtype": "int8"}, "base_dtype"), ({"ranks": 4}, "unknown keys")]:
         with pytest.raises(ConfigError, match=match):
             TrainConfig(data="d", model="tiny", output="o", lora=bad)
+
+
+def test_adapter_dropout_is_unbiased_and_only_in_training():
+    import jax.numpy as jnp
+
+    from tests.test_step import CFG
+    from trainer.modeling.llama import RewardModel
+
+    model = RewardModel(CFG, rngs=nnx.Rngs(0))
+    lora.apply(model, lora.LoraConfig(rank=4, alpha=8, dropout=0.5, target_modules=("q_proj",)))
+    linear = model.model.layers[0].self_attn.q_proj
+    linear.lora_B = lora.LoRAParam(jax.random.normal(jax.random.key(1), linear.lora_B[...].shape))
+    x = jax.random.normal(jax.random.key(2), (4, CFG.hidden_size))
+    plain = lora.delta(linear, x)
+    draws = []
+    for i in range(400):
+        with lora.dropout_key(jax.random.key(i)):
+            draws.append(lora.delta(linear, x))
+    with lora.dropout_key(jax.random.key(0)):
+        again = lora.delta(linear, x)
+    np.testing.assert_array_equal(draws[0], again)  # a key gives one mask
+    assert not np.allclose(draws[0], draws[1])  # another key, another mask
+    assert not np.allclose(draws[0], plain)
+    mean = jnp.mean(jnp.stack(draws), axis=0)  # inverted dropout: unbiased
+    assert float(jnp.max(jnp.abs(mean - plain))) < 0.15 * float(jnp.max(jnp.abs(plain)))
+    np.testing.assert_array_equal(lora.delta(linear, x), plain)  # outside training: no dropout
+
+
+def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):  # noqa: F811
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from tests.test_export import rmflow_rewards
+    from trainer.export import export
+
+    spec = {"rank": 4, "alpha": 8, "dropout": 0.1, "base_dtype": "bfloat16", "target_modules": "all-linear"}
+    cfg = config(synthetic, tmp_path / "run", max_steps=8, save_steps=4, logging_steps=2, learning_rate=3e-3,
+                 lora=spec)
+    full = train(cfg)
+    model = base_model(cfg, full.trainer.model(full.state.params).config)
+    ad, head, base = split(model)
+    kernels = {k: v for k, v in base.items() if v.ndim >= 2}
+    assert kernels and all(v.dtype == jnp.bfloat16 for v in kernels.values())  # half the frozen bytes
+    assert all(v.dtype == np.float32 for v in (*ad.values(), *head.values()))
+    assert full.trainer.frozen and all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(full.trainer.frozen)
+                                       if x.ndim >= 2)
+    # Dropout draws from the run's seed and step: interrupted after step 4 and resumed, the run ends
+    # with the uninterrupted one's parameters.
+    half = config(synthetic, tmp_path / "resumed", max_steps=4, save_steps=4, logging_steps=2, learning_rate=3e-3,
+                  lora=spec)
+    train(half)
+    resumed = train(config(synthetic, tmp_path / "resumed", max_steps=8, save_steps=4, logging_steps=2,
+                           learning_rate=3e-3, lora=spec), resume=True)
+    for a, b in zip(jax.tree.leaves(full.state.params), jax.tree.leaves(resumed.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Dropout changed training: the same run without it ends elsewhere.
+    no_drop = train(config(synthetic, tmp_path / "nodrop", max_steps=8, save_steps=8, learning_rate=3e-3,
+                           lora={**spec, "dropout": 0.0}))
+    assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(full.state.params),
+                                                     jax.tree.leaves(no_drop.state.params)))
+    # The merged export holds the bfloat16-rounded base plus the adapters, in float32: transformers
+    # scores like rmflow.
+    out = export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    ids = [[2000 + i, 2100, GOOD, 2200 + i] for i in range(3)]
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor(ids)).logits[:, 0].numpy()
+    loaded, _, _ = load_trained_model(str(tmp_path / "run"))
+    np.testing.assert_allclose(rmflow_rewards(loaded, ids), expected, atol=1e-4, rtol=0)

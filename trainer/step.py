@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from trainer.modeling import lora
 from trainer.modeling.llama import RewardModel
 from trainer.objective import OUTCOME, ROW_KEYS, Objective
 
@@ -154,24 +155,29 @@ class Trainer:
     def rewards(self, params: Any, mb: dict[str, jax.Array], frozen: Any = None) -> tuple[jax.Array, jax.Array]:
         return pair_rewards(self.model(params, frozen), mb)
 
-    def _objective(self, params, mb, frozen):
-        return self.objective.loss(self.model(params, frozen), mb, self.center_coef)
+    def _objective(self, params, mb, frozen, key=None):
+        """``key``: LoRA adapter dropout's, in training (``lora.dropout_key``); None: no dropout."""
+        with lora.dropout_key(key):
+            return self.objective.loss(self.model(params, frozen), mb, self.center_coef)
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array], frozen: Any):
         grad_fn = jax.value_and_grad(self._objective, has_aux=True)
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # resumes draw alike
 
-        def micro(carry, mb):
+        def micro(carry, x):
             grads, sums = carry
-            (_, s), g = grad_fn(state.params, mb, frozen)
+            i, mb = x
+            (_, s), g = grad_fn(state.params, mb, frozen, jax.random.fold_in(step_key, i))
             return (jax.tree.map(jnp.add, grads, g), {k: sums[k] + s[k] for k in keys}), None
 
         keys = self.objective.sum_keys
-
-        if jax.tree.leaves(batch)[0].shape[0] == 1:  # one micro-batch: no accumulator buffers
-            (_, sums), grads = grad_fn(state.params, {k: v[0] for k, v in batch.items()}, frozen)
+        n_micro = jax.tree.leaves(batch)[0].shape[0]
+        if n_micro == 1:  # one micro-batch: no accumulator buffers
+            (_, sums), grads = grad_fn(state.params, {k: v[0] for k, v in batch.items()}, frozen,
+                                       jax.random.fold_in(step_key, 0))
         else:
             zeros = (jax.tree.map(jnp.zeros_like, state.params), {k: jnp.zeros((), jnp.float32) for k in keys})
-            (grads, sums), _ = jax.lax.scan(micro, zeros, batch)
+            (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.arange(n_micro), batch))
         factor, grad_norm = clip_scale(optax.global_norm(grads), sums[self.objective.count_key], self.max_grad_norm)
         grads = jax.tree.map(lambda g: g * factor, grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)

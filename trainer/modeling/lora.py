@@ -6,10 +6,17 @@ training starts from the base model exactly. The adapters (``LoRAParam``) and th
 the only trainable parameters (``trainable_filter``): the base weights get no gradient and no
 optimizer state. Target names are Hugging Face / PEFT's (``q_proj`` ... ``down_proj``), or
 ``all-linear``. ``merge`` folds the adapters into the kernels for a plain checkpoint.
+
+``dropout``: as PEFT's ``lora_dropout``, the adapter's input is dropped (``(drop(x) A) B``) while
+training only: the train step opens ``dropout_key(key)`` (a key from the run's seed and step, so
+a resumed run draws the same masks); outside it, as in eval and export, there is no dropout.
+``base_dtype: bfloat16`` keeps the frozen kernels and embeddings in bfloat16 (half their
+memory; they are upcast where used, and eval and export see the same rounded weights).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -19,8 +26,20 @@ from flax import nnx
 from schemas.config import LORA_TARGETS as TARGETS
 from schemas.config import LoraConfig
 
-__all__ = ["TARGETS", "LoRAParam", "LoraConfig", "adapters", "apply", "delta", "lora_linears", "merge",
-           "strip", "trainable_filter"]
+__all__ = ["TARGETS", "LoRAParam", "LoraConfig", "adapters", "apply", "delta", "dropout_key", "lora_linears",
+           "merge", "strip", "trainable_filter"]
+
+_DROPOUT_KEYS: list = []  # the key of the train step being traced (innermost last)
+
+
+@contextlib.contextmanager
+def dropout_key(key):
+    """Adapter dropout on, with ``key``, for the forward passes traced inside; ``None``: off."""
+    _DROPOUT_KEYS.append(key)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEYS.pop()
 
 
 class LoRAParam(nnx.Param):
@@ -45,8 +64,22 @@ def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
         linear.lora_A = LoRAParam(jax.random.uniform(sub, (n_in, cfg.rank), jnp.float32, -bound, bound))
         linear.lora_B = LoRAParam(jnp.zeros((cfg.rank, n_out), jnp.float32))
         linear.lora_scale = cfg.scale
+        linear.lora_dropout = cfg.dropout
+        linear.lora_index = n  # each adapter draws its own mask
         n += 1
+    if cfg.base_dtype == "bfloat16":
+        _frozen_to_bfloat16(model)
     return n
+
+
+def _frozen_to_bfloat16(model: nnx.Module) -> None:
+    """The frozen matrices (kernels, embeddings) in bfloat16; norms, adapters and the score head stay float32."""
+    for path, module in model.iter_modules():
+        if path and str(path[0]) == "score":
+            continue
+        for name, var in list(vars(module).items()):
+            if type(var) is nnx.Param and var[...].ndim >= 2:
+                setattr(module, name, nnx.Param(var[...].astype(jnp.bfloat16)))
 
 
 def delta(linear: nnx.Linear, x: jax.Array) -> jax.Array:
@@ -55,6 +88,11 @@ def delta(linear: nnx.Linear, x: jax.Array) -> jax.Array:
         return 0.0
     a = linear.lora_A.value.astype(x.dtype)
     b = linear.lora_B.value.astype(x.dtype)
+    rate = getattr(linear, "lora_dropout", 0.0)
+    key = _DROPOUT_KEYS[-1] if _DROPOUT_KEYS else None
+    if rate and key is not None:
+        keep = jax.random.bernoulli(jax.random.fold_in(key, linear.lora_index), 1.0 - rate, x.shape)
+        x = jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
     return ((x @ a) @ b) * jnp.asarray(linear.lora_scale, x.dtype)
 
 
@@ -70,9 +108,9 @@ def merge(model: nnx.Module) -> int:
     n = 0
     for _, linear in lora_linears(model, TARGETS):
         if hasattr(linear, "lora_A"):
-            w = linear.kernel.value + (linear.lora_A.value @ linear.lora_B.value) * linear.lora_scale
-            linear.kernel.value = w.astype(linear.kernel.value.dtype)
-            del linear.lora_A, linear.lora_B, linear.lora_scale
+            w = linear.kernel.value.astype(jnp.float32) + (linear.lora_A.value @ linear.lora_B.value) * linear.lora_scale
+            linear.kernel = nnx.Param(w)  # float32, whatever the frozen base was kept in
+            del linear.lora_A, linear.lora_B, linear.lora_scale, linear.lora_dropout, linear.lora_index
             n += 1
     return n
 
@@ -82,7 +120,7 @@ def strip(model: nnx.Module) -> int:
     n = 0
     for _, linear in lora_linears(model, TARGETS):
         if hasattr(linear, "lora_A"):
-            del linear.lora_A, linear.lora_B, linear.lora_scale
+            del linear.lora_A, linear.lora_B, linear.lora_scale, linear.lora_dropout, linear.lora_index
             n += 1
     return n
 
