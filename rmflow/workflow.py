@@ -231,10 +231,11 @@ def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
     with open(started, "w") as f:
         json.dump({"hash": hashes["train"]}, f)
     def on_log(r: dict[str, Any]) -> None:
+        acc = "step_accuracy" if "step_accuracy" in r else "accuracy"  # a process or an outcome model
         line = f"  step {r['step']}/{wf.train.max_steps or '?'}: loss {r.get('loss', float('nan')):.4f}, " \
-               f"accuracy {r.get('accuracy', float('nan')):.3f}, {r.get('tokens_per_second', 0):,.0f} tokens/s"
-        if "eval_accuracy" in r:
-            line += f", eval accuracy {r['eval_accuracy']:.3f}"
+               f"{acc.replace('_', ' ')} {r.get(acc, float('nan')):.3f}, {r.get('tokens_per_second', 0):,.0f} tokens/s"
+        if f"eval_{acc}" in r:
+            line += f", eval {acc.replace('_', ' ')} {r[f'eval_{acc}']:.3f}"
         log(line)
 
     if resume:
@@ -273,7 +274,11 @@ def _run_eval(wf: Workflow, hashes, log) -> dict[str, Any]:
     from rmflow.evaluation import run_eval
 
     m = run_eval(wf.train.output, [wf.preprocess.output], os.path.join(wf.output, "eval"), **wf.eval)
-    return {"accuracy": m["accuracy"], "pairs": m["pairs"], "report": os.path.join(wf.output, "eval", "report.md")}
+    report = os.path.join(wf.output, "eval", "report.md")
+    if m.get("kind") == "process":
+        return {"step_accuracy": m["step_accuracy"], "first_error_accuracy": m["first_error_accuracy"],
+                "solutions": m["solutions"], "report": report}
+    return {"accuracy": m["accuracy"], "pairs": m["pairs"], "report": report}
 
 
 def _run_export(wf: Workflow, hashes, log) -> dict[str, Any]:
