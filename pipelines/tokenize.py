@@ -264,7 +264,7 @@ class PairTokenizer:
                                      "of the conversation, so the steps cannot be located"))
                 continue
             cursor, ends = len(prompt), []
-            for i, step in enumerate(item.steps):
+            for step in item.steps:
                 at = text.find(step, cursor)
                 if at < 0:
                     break

@@ -374,7 +374,6 @@ def write_process_report(metrics: dict[str, Any], p_correct: Sequence[np.ndarray
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     p = np.concatenate([np.asarray(x) for x in p_correct])
     y = np.concatenate([np.asarray(x) for x in labels]).astype(bool)
