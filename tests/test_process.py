@@ -377,17 +377,20 @@ def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
     # Per-step scores: the API, the CLI's file scoring and the run directory agree (rmflow loads the
     # exported TokenClassification checkpoint too).
     rows = [json.loads(x) for x in (synthetic_steps / "train.jsonl").read_text().splitlines()[:20]]
-    api_scores = API.load(out).score_steps(rows, batch_size=4)
-    run_scores = API.load(str(run_dir)).score_steps(rows)
+    api = API.load(out)
+    api_scores = api.score_steps(rows, batch_size=4)
+    by_run = score_steps(ours, [StepRecord(*api.encode_steps(r), np.ones(len(r["completions"])), 0, "0" * 32)
+                                for r in rows[:4]])
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)
                                        + json.dumps({"prompt": "p", "completions": []}) + "\n")
     counts = score_file(out, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"))
     assert counts == {"scored": 20, "errors": 1}
     scored = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     right = 0
-    for row, a, b, s in zip(rows, api_scores, run_scores, scored):
-        assert len(a) == len(row["completions"]) and s["labels"] == row["labels"]
+    for a, b in zip(api_scores, by_run):  # the run directory's model (loaded above) scores alike
         np.testing.assert_allclose(a, b, atol=1e-5)
+    for row, a, s in zip(rows, api_scores, scored):
+        assert len(a) == len(row["completions"]) and s["labels"] == row["labels"]
         np.testing.assert_allclose(s["step_scores"], a, atol=1e-6)
         truth = row["labels"].index(False) if False in row["labels"] else -1
         right += s["first_error"] == truth
