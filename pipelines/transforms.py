@@ -275,50 +275,33 @@ class LengthPolicyFn(beam.DoFn):
 
     def process(self, tp):
         p = tp.pair
-        if isinstance(tp, TokenizedSteps):
-            yield from self._steps(tp)
-            return
         try:
-            chosen, rejected, prompt_len = apply_length_policy(
-                tp.chosen_ids, tp.rejected_ids, tp.prompt_len, tp.head_len, self.max_length, self.policy
-            )
-            record = PairRecord(
-                chosen_ids=chosen,
-                rejected_ids=rejected,
-                chosen_last=len(chosen) - 1,
-                rejected_last=len(rejected) - 1,
-                prompt_len=prompt_len,
-                pair_id=p.pair_id,
-                source=os.path.basename(p.source),
-                margin=p.margin,
-                subset=p.subset,
-            )
+            record = self._fit(tp)
             encoded = encode(record)  # here, so a record the codec refuses is dead-lettered, not fatal
         except Exception as e:  # noqa: BLE001 - contained to this record
             yield TaggedOutput(DEAD, dead_letter("length", p.source, p.line, p.raw, as_bad_record(e)))
             return
-        truncated = prompt_len != tp.prompt_len
+        truncated = record.prompt_len != tp.prompt_len
         if truncated:
             self.truncated.inc()
         yield record, encoded, p.line, truncated
 
-    def _steps(self, tp: TokenizedSteps):
+    def _fit(self, tp) -> PairRecord | StepRecord:
+        """The record that fits max_length under the policy (raises TooLong)."""
         p = tp.pair
-        try:
+        if isinstance(tp, TokenizedSteps):
             ids, ends, prompt_len = apply_length_policy_steps(
                 tp.input_ids, tp.step_ends, tp.prompt_len, tp.head_len, self.max_length, self.policy
             )
-            record = StepRecord(input_ids=ids, step_ends=ends, step_labels=[int(x) for x in p.labels],
-                                prompt_len=prompt_len, record_id=p.pair_id, source=os.path.basename(p.source),
-                                subset=p.subset)
-            encoded = encode(record)
-        except Exception as e:  # noqa: BLE001 - contained to this record
-            yield TaggedOutput(DEAD, dead_letter("length", p.source, p.line, p.raw, as_bad_record(e)))
-            return
-        truncated = prompt_len != tp.prompt_len
-        if truncated:
-            self.truncated.inc()
-        yield record, encoded, p.line, truncated
+            return StepRecord(input_ids=ids, step_ends=ends, step_labels=[int(x) for x in p.labels],
+                              prompt_len=prompt_len, record_id=p.pair_id, source=os.path.basename(p.source),
+                              subset=p.subset)
+        chosen, rejected, prompt_len = apply_length_policy(
+            tp.chosen_ids, tp.rejected_ids, tp.prompt_len, tp.head_len, self.max_length, self.policy
+        )
+        return PairRecord(chosen_ids=chosen, rejected_ids=rejected, chosen_last=len(chosen) - 1,
+                          rejected_last=len(rejected) - 1, prompt_len=prompt_len, pair_id=p.pair_id,
+                          source=os.path.basename(p.source), margin=p.margin, subset=p.subset)
 
 
 class ApplyLengthPolicy(beam.PTransform):

@@ -56,6 +56,17 @@ def conversation_messages(obj: Any) -> list[dict[str, str]]:
     return list(msgs)
 
 
+def _encode_each(items: Sequence[Any], encode, what: str) -> list:
+    """``encode`` of every item; a BadConversation names the item's index."""
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(encode(item))
+        except BadConversation as e:
+            raise BadConversation(f"{what} {i}: {e}") from e
+    return out
+
+
 class RewardModel:
     """A trained reward model with its tokenizer: ``load``, then ``score`` / ``score_pairs``."""
 
@@ -106,13 +117,7 @@ class RewardModel:
               normalized: bool = False) -> np.ndarray:
         """One reward per conversation, float32, in input order. ``normalized``: standardised by
         the mean and std that `rmflow eval --normalize` stored with the model."""
-        seqs = []
-        for i, conv in enumerate(conversations):
-            try:
-                seqs.append(self.encode(conv))
-            except BadConversation as e:
-                raise BadConversation(f"conversation {i}: {e}") from e
-        scores = self.score_ids(seqs, batch_size=batch_size)
+        scores = self.score_ids(_encode_each(conversations, self.encode, "conversation"), batch_size=batch_size)
         return self.normalize(scores) if normalized else scores
 
     def score_pairs(self, chosen: Sequence[Conversation], rejected: Sequence[Conversation], *,
@@ -165,13 +170,7 @@ class RewardModel:
     def score_steps(self, solutions: Sequence[dict[str, Any]], *, batch_size: int = 16) -> list[np.ndarray]:
         """For a process reward model: P(step is correct) for every step of every solution, one
         float32 array per solution, in input order."""
-        encoded = []
-        for i, sol in enumerate(solutions):
-            try:
-                encoded.append(self.encode_steps(sol))
-            except BadConversation as e:
-                raise BadConversation(f"solution {i}: {e}") from e
-        return self.score_step_ids(encoded, batch_size=batch_size)
+        return self.score_step_ids(_encode_each(solutions, self.encode_steps, "solution"), batch_size=batch_size)
 
     def normalize(self, scores: np.ndarray) -> np.ndarray:
         if not self.normalization or not self.normalization.get("std"):

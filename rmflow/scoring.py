@@ -19,10 +19,8 @@ import json
 import os
 from typing import Any
 
-import numpy as np
-
 from rmflow.api import BadConversation, RewardModel
-from trainer.evaluate import STEP_THRESHOLD
+from trainer.evaluate import STEP_THRESHOLD, first_error
 from trainer.train import TrainError
 
 STEP_FIELDS = ("step_scores", "first_error")  # what scoring a solution adds
@@ -73,7 +71,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, batch_size
     if process:
         for i, p in zip(where, rm.score_step_ids(seqs, batch_size=batch_size)):
             rows[i]["step_scores"] = [float(x) for x in p]
-            rows[i]["first_error"] = int(np.flatnonzero(p < STEP_THRESHOLD)[0]) if (p < STEP_THRESHOLD).any() else -1
+            rows[i]["first_error"] = first_error(p < STEP_THRESHOLD)
         _write(output_path, rows)
         return {"scored": len(seqs), "errors": len(rows) - len(seqs)}
     progress = progress_factory(len(seqs)) if progress_factory and seqs else None

@@ -93,12 +93,7 @@ class PairRecord:
 
     def __post_init__(self) -> None:
         for name in ("chosen_ids", "rejected_ids"):
-            arr = np.asarray(getattr(self, name))
-            if arr.ndim != 1:
-                raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-            if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
-                raise ValueError(f"{name} has token ids outside [0, 2**31)")
-            object.__setattr__(self, name, arr.astype(_TOKENS, copy=False))
+            object.__setattr__(self, name, _token_array(getattr(self, name), name))
         _check_bounds(
             len(self.chosen_ids), len(self.rejected_ids),
             self.chosen_last, self.rejected_last, self.prompt_len, ValueError,
@@ -124,10 +119,6 @@ class PairRecord:
     def record_id(self) -> str:
         return self.pair_id
 
-    @property
-    def n_tokens(self) -> int:
-        return len(self.chosen_ids) + len(self.rejected_ids)
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepRecord:
@@ -146,12 +137,7 @@ class StepRecord:
     subset: str | None = None
 
     def __post_init__(self) -> None:
-        ids = np.asarray(self.input_ids)
-        if ids.ndim != 1:
-            raise ValueError(f"input_ids must be 1-D, got shape {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-            raise ValueError("input_ids has token ids outside [0, 2**31)")
-        object.__setattr__(self, "input_ids", ids.astype(_TOKENS, copy=False))
+        object.__setattr__(self, "input_ids", _token_array(self.input_ids, "input_ids"))
         object.__setattr__(self, "step_ends", np.asarray(self.step_ends).astype(_TOKENS, copy=False))
         labels = np.asarray(self.step_labels)
         if labels.size and not np.isin(labels, (0, 1)).all():
@@ -175,14 +161,19 @@ class StepRecord:
     __hash__ = None
 
     @property
-    def n_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @property
     def first_error(self) -> int:
         """Index of the first incorrect step, -1 when every step is correct."""
         wrong = np.flatnonzero(self.step_labels == 0)
         return int(wrong[0]) if wrong.size else -1
+
+
+def _token_array(value, name: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{name} has token ids outside [0, 2**31)")
+    return arr.astype(_TOKENS, copy=False)
 
 
 def _check_steps(n: int, ends: np.ndarray, n_labels: int, prompt_len: int, exc) -> None:
@@ -303,18 +294,11 @@ def decode(buf: bytes) -> PairRecord | StepRecord:
     n = len(buf)
     if n < _HEADER.size + _CRC.size:
         raise RecordCorruptError(f"record is {n} bytes, shorter than the {_HEADER.size}-byte header")
-    (magic, version, flags, _, n_c, n_r, c_last, r_last, prompt_len, margin, pid,
+    (magic, _version, flags, _, n_c, n_r, c_last, r_last, prompt_len, margin, pid,
      src_len, sub_len) = _HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise RecordCorruptError(f"bad magic {magic!r}: not an rmflow pair record")
-    if version != RECORD_VERSION:
-        raise RecordCorruptError(
-            f"record version {version}, this rmflow reads version {RECORD_VERSION}: "
-            "re-run `rmflow preprocess` with this version"
-        )
-    (crc,) = _CRC.unpack_from(buf, n - _CRC.size)
-    if zlib.crc32(memoryview(buf)[: n - _CRC.size]) != crc:
-        raise RecordCorruptError("CRC mismatch: the record bytes are corrupted")
+    _verify(buf, _HEADER, "pair record")
     str_end = _HEADER.size + src_len + sub_len
     tok_start = str_end + (-str_end % 4)
     if tok_start + 4 * (n_c + n_r) + _CRC.size != n:

@@ -183,13 +183,7 @@ def write_report(metrics: dict[str, Any], rc: np.ndarray, rr: np.ndarray, output
 
 
 def report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[str, Any] | None = None) -> str:
-    config = config or {}
-    lines = ["# Reward model evaluation", ""]
-    if config.get("model_description"):
-        lines.append(f"Model: {config['model_description']}.  ")
-    if config.get("data"):
-        split = f", split {config['split']}" if config.get("split") and not m.get("input") else ""
-        lines.append(f"Data: {', '.join(map(str, config['data']))}{split}.  ")
+    lines = ["# Reward model evaluation", "", *_source_lines(m, config or {})]
     lo, hi = m["accuracy_ci95"]
     lines += [f"{m['pairs']:,} pairs.", "", "| figure | value |", "| --- | ---: |"]
     rows = [("accuracy (chosen scored strictly higher)", f"{m['accuracy']:.4f}"),
@@ -214,6 +208,17 @@ def report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[s
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _source_lines(m: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The report's "Model: ... Data: ..." lines."""
+    lines = []
+    if config.get("model_description"):
+        lines.append(f"Model: {config['model_description']}.  ")
+    if config.get("data"):
+        split = f", split {config['split']}" if config.get("split") and not m.get("input") else ""
+        lines.append(f"Data: {', '.join(map(str, config['data']))}{split}.  ")
+    return lines
 
 
 def rewardbench_v1_lines(rb: dict[str, Any]) -> list[str]:
@@ -395,13 +400,7 @@ def _fmt(x: float | None) -> str:
 
 
 def process_report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[str, Any] | None = None) -> str:
-    config = config or {}
-    lines = ["# Process reward model evaluation", ""]
-    if config.get("model_description"):
-        lines.append(f"Model: {config['model_description']}.  ")
-    if config.get("data"):
-        split = f", split {config['split']}" if config.get("split") and not m.get("input") else ""
-        lines.append(f"Data: {', '.join(map(str, config['data']))}{split}.  ")
+    lines = ["# Process reward model evaluation", "", *_source_lines(m, config or {})]
     lo, hi = m["step_accuracy_ci95"]
     lines += [f"{m['solutions']:,} solutions ({m['with_error']:,} with a wrong step), {m['steps']:,} labelled steps "
               f"({m['incorrect_steps']:,} incorrect). A step is predicted incorrect when P(correct) < "
