@@ -72,20 +72,23 @@ def main() -> None:
     h2d_s = timed(lambda: jax.device_put(stacked), a.repeat)
     batch = jax.device_put(stacked)
 
-    model = RewardModel(ModelConfig.tiny(vocab_size=49152), rngs=nnx.Rngs(0), attention=a.attention)
+    import json
+
+    vocab = json.loads((pathlib.Path(shards) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    model = RewardModel(ModelConfig.tiny(vocab_size=vocab), rngs=nnx.Rngs(0), attention=a.attention)
     trainer = Trainer(model, OptimConfig(learning_rate=1e-4, total_steps=1000))
     compiled = trainer._train_jit.lower(trainer.init_state, batch, trainer.frozen).compile()
     memory = compiled.memory_analysis()
     state = [trainer.init_state]
 
     def step():
-        state[0], m = compiled(state[0], batch)
+        state[0], m = compiled(state[0], batch, trainer.frozen)
         return m
 
     step_s = timed(step, a.repeat)
     params = state[0].params
     mb = {k: v[0] for k, v in batch.items()}
-    grad = jax.jit(jax.grad(lambda p: trainer._objective(p, mb)[0]))
+    grad = jax.jit(jax.grad(lambda p: trainer._objective(p, mb, trainer.frozen)[0]))
     model_s = timed(lambda: grad(params), a.repeat)
 
     cfg = model.config

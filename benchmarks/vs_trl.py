@@ -11,10 +11,21 @@ own (so peak memory is its own) and rmflow runs once per packing mode.
 Printed for each: real tokens/s (tokens of the chosen and rejected sequences, prompt counted
 in both, as TRL counts them; steady state: steps that compiled nothing, after the first
 `--skip` steps), compilations and their seconds, padding fraction of the computed batches,
-peak resident memory, wall time, the mean training loss over the last 10 steps, and
-accuracy on the same held-out pairs; then the ratios rmflow / TRL.
+peak resident memory, the mean training loss over the last 10 steps, and accuracy on the
+same held-out pairs; then the ratios rmflow / TRL. Besides the steady state, **end to end**: the
+wall time from launching the trainer's process to the end of its last training step, so
+Python's start-up, imports, data set-up, model loading and every compilation are included
+(the held-out evaluation is not: TRL's is this script's own loop). rmflow starts with an
+empty persistent compilation cache (a cold start, as a user's first run); ``--warm`` also
+times a second rmflow run that finds the first run's cache.
 
-    .venv/bin/python benchmarks/vs_trl.py [--steps 40] [--batch-size 8] [--max-length 512] [--repeat 1]
+``--vocab`` picks the tokenizers, each its own workload: ``smollm2`` (SmolLM2's 49,152
+tokens) and ``bpe8k`` (an 8,192-token byte-level BPE trained on the same HH-RLHF data,
+``benchmarks/vocab.py``): the vocabulary sets the embedding's and optimizer's share of a step.
+``--steps 0`` runs one full epoch of the train split.
+
+    .venv/bin/python benchmarks/vs_trl.py [--vocab smollm2,bpe8k] [--steps 40 | --steps 0] [--batch-size 8]
+        [--max-length 512] [--modes pack] [--warm] [--repeat 1]
 
 Needs the `bench` extra (`pip install -e '.[bench]'`: trl, torch CPU).
 """
@@ -32,12 +43,16 @@ import sys
 import tempfile
 import time
 
+START = time.time()  # this process's start, for a child's end-to-end time
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from vocab import tokenizer_folder  # noqa: E402
+
 DATA = REPO.parent / "shared" / "data"
-TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"
 MODES = ("none", "bucket", "pack")
 TINY = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096)
@@ -62,8 +77,8 @@ def rmflow_order(num_records: int, count: int) -> list[int]:
     return [sampler[i].record_key for i in range(count)]
 
 
-def prepare(work: pathlib.Path, max_length: int) -> dict:
-    """Shards (rmflow preprocess) and the initial model (transformers), made once."""
+def prepare(work: pathlib.Path, max_length: int, vocab: str) -> dict:
+    """Shards (rmflow preprocess) and the initial model (transformers), made once per vocabulary."""
     import torch
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
@@ -73,7 +88,8 @@ def prepare(work: pathlib.Path, max_length: int) -> dict:
     shards = work / "shards"
     preprocess(PreprocessConfig(inputs=(str(DATA / "hh_helpful_base_test_first2000.jsonl.gz"),
                                         str(DATA / "hh_helpful_rejection_sampled_test.jsonl.gz")),
-                                output=str(shards), tokenizer=str(TOKENIZER), max_length=max_length))
+                                output=str(shards), tokenizer=str(tokenizer_folder(vocab, work)),
+                                max_length=max_length))
     manifest = json.loads((shards / "manifest.json").read_text())
     tok = manifest["tokenizer"]
     torch.manual_seed(0)
@@ -83,7 +99,7 @@ def prepare(work: pathlib.Path, max_length: int) -> dict:
     model.save_pretrained(work / "model")
     for f in (shards / "tokenizer").iterdir():  # the model folder carries the shards' tokenizer
         (work / "model" / f.name).write_bytes(f.read_bytes())
-    return {"shards": str(shards), "model": str(work / "model")}
+    return {"shards": str(shards), "model": str(work / "model"), "train_pairs": manifest["splits"]["train"]["pairs"]}
 
 
 # --------------------------------------------------------------------------- children
@@ -140,7 +156,7 @@ def child_trl(args: dict) -> dict:
                             data_collator=Collator(pad_token_id=tokenizer.pad_token_id), callbacks=[Clock(), Losses()])
     start = time.perf_counter()
     trainer.train()
-    wall = time.perf_counter() - start
+    wall, ended = time.perf_counter() - start, time.time()
     model.eval()
     correct = 0
     evals = records(shards, "eval")
@@ -149,7 +165,7 @@ def child_trl(args: dict) -> dict:
             rc = model(input_ids=torch.tensor([r.chosen_ids.tolist()])).logits[0, 0]
             rr = model(input_ids=torch.tensor([r.rejected_ids.tolist()])).logits[0, 0]
             correct += bool(rc > rr)
-    return {"steps": steps[: args["steps"]], "compiles": [], "wall": wall, "losses": losses,
+    return {"steps": steps[: args["steps"]], "compiles": [], "wall": wall, "ended": ended, "losses": losses,
             "eval_accuracy": correct / len(evals), "eval_pairs": len(evals)}
 
 
@@ -157,14 +173,37 @@ def child_rmflow(args: dict) -> dict:
     import jax
 
     from schemas.config import TrainConfig
+    from trainer import train
     from trainer.train import run
 
-    compiles: list[tuple[float, float]] = []  # (when, seconds)
+    eval_seconds = [0.0]  # the held-out evaluation at the end: not part of the training time
+    evaluate = train.Run.evaluate
 
-    def on_event(event, duration, **kw):
+    def timed_evaluate(self, params):
+        t0 = time.perf_counter()
+        out = evaluate(self, params)
+        eval_seconds[0] += time.perf_counter() - t0
+        return out
+
+    train.Run.evaluate = timed_evaluate
+
+    compiles: list[tuple[float, float]] = []  # (when, seconds) of each executable compiled
+    reads: list[tuple[float, float]] = []  # (when, seconds) of each executable read from the persistent cache
+    hit = [False]
+
+    def on_hit(event, **kw):
+        if event == "/jax/compilation_cache/cache_hits":
+            hit[0] = True
+
+    def on_event(event, duration, **kw):  # JAX times a cache read as a backend compile too
         if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append((time.perf_counter(), duration))
+            if hit[0]:
+                reads.append((time.perf_counter(), duration))
+                hit[0] = False
+            else:
+                compiles.append((time.perf_counter(), duration))
 
+    jax.monitoring.register_event_listener(on_hit)
     jax.monitoring.register_event_duration_secs_listener(on_event)
     marks = [time.perf_counter()]
     history: list[dict] = []
@@ -176,19 +215,20 @@ def child_rmflow(args: dict) -> dict:
     cfg = TrainConfig(data=args["shards"], model=args["model"], output=args["work"] + f"/rm-{args['mode']}",
                       max_steps=args["steps"], batch_size=args["batch"], learning_rate=args["lr"],
                       warmup_steps=args["warmup"], lr_schedule="linear", max_grad_norm=1.0,
-                      center_rewards_coefficient=args["center"], logging_steps=1, seed=0, packing=args["mode"])
+                      center_rewards_coefficient=args["center"], logging_steps=1, seed=0, packing=args["mode"],
+                      report_to=(), compilation_cache=args["cache"])
     start = time.perf_counter()
     result = run(cfg, on_log=on_log)
-    wall = time.perf_counter() - start
+    wall, ended = time.perf_counter() - start - eval_seconds[0], time.time() - eval_seconds[0]
     steps = []
     for i, rec in enumerate(history):
         t0, t1 = marks[i], marks[i + 1]
-        n_compiles = sum(1 for when, _ in compiles if t0 <= when <= t1)
+        n_compiles = sum(1 for when, _ in compiles + reads if t0 <= when <= t1)  # steps that made executables
         seconds = t1 - t0  # wall time from one step's log to the next's, data loading included
         steps.append({"real": rec["real_tokens"], "padding": rec["padding_fraction"], "seconds": seconds, "compiles": n_compiles,
                       "computed_fraction": rec.get("computed_fraction", 1.0)})
     final = result.history[-1]
-    return {"steps": steps, "compiles": [d for _, d in compiles], "wall": wall,
+    return {"steps": steps, "compiles": [d for _, d in compiles], "reads": [d for _, d in reads], "wall": wall, "ended": ended,
             "losses": [h["loss"] for h in history], "eval_accuracy": final["eval_accuracy"],
             "eval_pairs": final["eval_pairs"]}
 
@@ -196,7 +236,7 @@ def child_rmflow(args: dict) -> dict:
 # --------------------------------------------------------------------------- parent
 
 
-def summarize(name: str, out: dict, skip: int) -> dict:
+def summarize(name: str, out: dict, skip: int, launched: float) -> dict:
     steps = out["steps"]
     steady = [s for i, s in enumerate(steps) if i >= skip and not s.get("compiles")]
     # The last step also evaluates (rmflow) or may hold end-of-training work: left out of the steady state.
@@ -208,29 +248,58 @@ def summarize(name: str, out: dict, skip: int) -> dict:
     else:
         padding = statistics.fmean(s["padding"] for s in steps)
     return {"name": name, "tokens_per_s": real / seconds if seconds else float("nan"), "steady_steps": len(steady),
-            "padding": padding, "peak_mib": out["peak_mib"], "wall": out["wall"], "compiles": len(out["compiles"]),
-            "compile_s": sum(out["compiles"]), "loss": statistics.fmean(out["losses"][-10:]),
-            "eval_accuracy": out["eval_accuracy"], "eval_pairs": out["eval_pairs"], "losses": out["losses"],
+            "padding": padding, "peak_mib": out["peak_mib"], "wall": out["wall"], "e2e": out["ended"] - launched,
+            "compiles": len(out["compiles"]), "compile_s": sum(out["compiles"]), "reads": len(out.get("reads", [])),
+            "loss": statistics.fmean(out["losses"][-10:]), "eval_accuracy": out["eval_accuracy"],
+            "eval_pairs": out["eval_pairs"], "losses": out["losses"], "steps_run": len(steps),
             "computed": statistics.fmean(s.get("computed_fraction", 1.0) for s in steps)}
 
 
-def launch(kind: str, args: dict) -> dict:
+def launch(kind: str, args: dict) -> tuple[dict, float]:
+    """Run one trainer in a process of its own; returns its output and the launch time."""
+    launched = time.time()
     proc = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(args)], capture_output=True,
                           text=True, env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
     if proc.returncode:
         raise SystemExit(f"{kind} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1]), launched
+
+
+def table(runs: dict[str, list[dict]], title: str) -> None:
+    print(f"\n{title}")
+    trl = runs["TRL RewardTrainer"]
+    ref = {k: statistics.median(r[k] for r in trl) for k in ("tokens_per_s", "peak_mib", "e2e")}
+    head = ("run", "end to end s", "spread", "vs TRL", "steady real tok/s", "spread", "vs TRL", "padding",
+            "computed/real", "peak MiB", "vs TRL", "compiles (s)", "from cache", "loss (last 10)", "eval acc")
+    print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+    for name, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("name", "losses")}
+        lo, hi = min(r["tokens_per_s"] for r in rs), max(r["tokens_per_s"] for r in rs)
+        elo, ehi = min(r["e2e"] for r in rs), max(r["e2e"] for r in rs)
+        print(f"| {name} | {med['e2e']:,.0f} | {elo:,.0f}..{ehi:,.0f} | {ref['e2e'] / med['e2e']:.2f}x "
+              f"| {med['tokens_per_s']:,.0f} | {lo:,.0f}..{hi:,.0f} | {med['tokens_per_s'] / ref['tokens_per_s']:.2f}x "
+              f"| {med['padding']:.3f} | {med['computed']:.2f} | {med['peak_mib']:,.0f} "
+              f"| {med['peak_mib'] / ref['peak_mib']:.2f}x | {med['compiles']:.0f} ({med['compile_s']:.1f}) "
+              f"| {med['reads']:.0f} | {med['loss']:.4f} | {med['eval_accuracy']:.3f} ({rs[0]['eval_pairs']}) |")
+    trl_losses = trl[0]["losses"]
+    for name, rs in runs.items():
+        if "packing=none" in name or "packing=pack" in name:  # the same batches as TRL, step for step
+            gap = max(abs(a - b) for a, b in zip(rs[0]["losses"], trl_losses))
+            print(f"{name}: largest per-step training-loss difference from TRL on the same batches: {gap:.2e}"
+                  f" (first steps: rmflow {[round(x, 5) for x in rs[0]['losses'][:4]]}, TRL {trl_losses[:4]})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--vocab", default="smollm2", help="tokenizers, comma-separated: smollm2, bpe8k")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps; 0 = one full epoch of the train split")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--center", type=float, default=0.01)
     ap.add_argument("--skip", type=int, default=3, help="first steps left out of the steady state")
     ap.add_argument("--modes", default=",".join(MODES), help="rmflow packing modes to run")
+    ap.add_argument("--warm", action="store_true", help="also rerun each rmflow mode on the cache its first run filled")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -244,36 +313,30 @@ def main() -> None:
 
     logging.getLogger("apache_beam").setLevel(logging.ERROR)
     modes = [m for m in a.modes.split(",") if m]
-    with tempfile.TemporaryDirectory() as tmp:
-        made = prepare(pathlib.Path(tmp), a.max_length)
-        base = {**made, "work": tmp, "steps": a.steps, "batch": a.batch_size, "lr": a.learning_rate,
-                "warmup": max(a.steps // 10, 1), "center": a.center, "max_length": a.max_length}
-        runs: dict[str, list[dict]] = {}
-        for rep in range(a.repeat):
-            for kind in ["trl", *modes]:
-                name = "TRL RewardTrainer" if kind == "trl" else f"rmflow packing={kind}"
-                out = launch("trl" if kind == "trl" else "rmflow", {**base, "mode": kind, "work": f"{tmp}/r{rep}"})
-                runs.setdefault(name, []).append(summarize(name, out, a.skip))
-                print(f"  repeat {rep + 1}: {name}: {runs[name][-1]['tokens_per_s']:,.0f} real tokens/s", flush=True)
-    print(f"\n{a.steps} steps of {a.batch_size} pairs, max_length {a.max_length}, tiny Llama (hidden 256, 4 layers), "
-          f"float32, CPU ({os.cpu_count()} cores); median of {a.repeat} run(s), spread = min..max")
-    ref = {k: statistics.median(r[k] for r in runs["TRL RewardTrainer"]) for k in ("tokens_per_s", "peak_mib")}
-    head = ("run", "real tok/s", "spread", "vs TRL", "padding", "computed/real", "peak MiB", "vs TRL", "compiles",
-            "compile s", "wall s", "loss (last 10)", "eval acc")
-    print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
-    for name, rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("name", "losses")}
-        lo, hi = min(r["tokens_per_s"] for r in rs), max(r["tokens_per_s"] for r in rs)
-        print(f"| {name} | {med['tokens_per_s']:,.0f} | {lo:,.0f}..{hi:,.0f} | {med['tokens_per_s'] / ref['tokens_per_s']:.2f}x "
-              f"| {med['padding']:.3f} | {med['computed']:.2f} | {med['peak_mib']:,.0f} "
-              f"| {med['peak_mib'] / ref['peak_mib']:.2f}x | {med['compiles']:.0f} | {med['compile_s']:.1f} "
-              f"| {med['wall']:.0f} | {med['loss']:.4f} | {med['eval_accuracy']:.3f} ({rs[0]['eval_pairs']}) |")
-    trl_losses = runs["TRL RewardTrainer"][0]["losses"]
-    for name, rs in runs.items():
-        if name.endswith(("none", "pack")):  # the same batches as TRL, step for step
-            gap = max(abs(a - b) for a, b in zip(rs[0]["losses"], trl_losses))
-            print(f"{name}: largest per-step training-loss difference from TRL on the same batches: {gap:.2e}"
-                  f" (first steps: rmflow {[round(x, 5) for x in rs[0]['losses'][:4]]}, TRL {trl_losses[:4]})")
+    for vocab in [v for v in a.vocab.split(",") if v]:
+        with tempfile.TemporaryDirectory() as tmp:
+            made = prepare(pathlib.Path(tmp), a.max_length, vocab)
+            steps = a.steps or -(-made["train_pairs"] // a.batch_size)  # 0: one epoch
+            base = {**made, "work": tmp, "steps": steps, "batch": a.batch_size, "lr": a.learning_rate,
+                    "warmup": max(steps // 10, 1), "center": a.center, "max_length": a.max_length}
+            runs: dict[str, list[dict]] = {}
+            for rep in range(a.repeat):
+                cache = f"{tmp}/jax-cache-{rep}"  # empty at each repeat's first rmflow run: a cold start
+                jobs = [("trl", "TRL RewardTrainer")] + [(m, f"rmflow packing={m}") for m in modes]
+                jobs += [(m, f"rmflow packing={m}, warm cache") for m in modes] if a.warm else []
+                for kind, name in jobs:
+                    args = {**base, "mode": kind, "work": f"{tmp}/r{rep}-{len(runs.get(name, []))}-{name[-4:]}",
+                            "cache": cache}
+                    out, launched = launch("trl" if kind == "trl" else "rmflow", args)
+                    runs.setdefault(name, []).append(summarize(name, out, a.skip, launched))
+                    r = runs[name][-1]
+                    print(f"  {vocab} repeat {rep + 1}: {name}: end to end {r['e2e']:,.0f} s, steady "
+                          f"{r['tokens_per_s']:,.0f} real tokens/s, {r['compiles']} compiles", flush=True)
+            vocab_size = json.loads((pathlib.Path(made["shards"]) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+            table(runs, f"{vocab} ({vocab_size:,} tokens): {steps} steps of {a.batch_size} pairs"
+                        f"{' (one epoch)' if not a.steps else ''}, max_length {a.max_length}, tiny Llama (hidden "
+                        f"256, 4 layers), float32, CPU ({os.cpu_count()} cores); median of {a.repeat} run(s), "
+                        "spread = min..max; end to end = process launch to the last training step")
 
 
 if __name__ == "__main__":

@@ -267,6 +267,9 @@ class TrainConfig(_Serializable):
     save_steps: int = _opt(0, "Save a checkpoint every this many steps; 0 = only at the end.")
     save_total_limit: int = _opt(2, "Checkpoints to keep (the newest).")
     loader_workers: int = _opt(0, "Grain worker processes decoding records; 0 = in the training process.")
+    compilation_cache: str = _opt("auto", "Persistent compilation cache, so a rerun or a resumed run compiles "
+                                          "nothing compiled before: auto (RMFLOW_COMPILATION_CACHE, else "
+                                          "JAX_COMPILATION_CACHE_DIR, else ~/.cache/rmflow/jax), off, or a folder.")
 
     def __post_init__(self) -> None:
         for name in ("data", "model", "output"):

@@ -1,10 +1,13 @@
 import os
 import pathlib
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Each test process compiles into a persistent cache of its own (never the user's ~/.cache).
+os.environ.setdefault("RMFLOW_COMPILATION_CACHE", tempfile.mkdtemp(prefix="rmflow-test-jax-cache-"))
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

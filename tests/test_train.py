@@ -177,3 +177,33 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-2000:]
     assert os.listdir(tmp_path)
+
+
+def test_a_second_run_compiles_nothing_the_first_compiled(synthetic, tmp_path):
+    """The persistent compilation cache: a rerun (as a resume or a new run of the same shapes
+    is) reads every executable, train and eval steps included, from the cache."""
+    events = {"executables": 0, "read": 0}  # JAX times a cache read as a backend compile too
+
+    def on_duration(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events["executables"] += 1
+
+    def on_event(event, **kw):
+        if event == "/jax/compilation_cache/cache_hits":
+            events["read"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        cache = tmp_path / "cache"
+        train(config(synthetic, tmp_path / "a", max_steps=6, logging_steps=3, compilation_cache=str(cache)))
+        assert events["executables"] > events["read"] and os.listdir(cache)
+        events.update(executables=0, read=0)
+        train(config(synthetic, tmp_path / "b", max_steps=6, logging_steps=3, compilation_cache=str(cache)))
+        assert events["read"] >= 2 and events["executables"] == events["read"], events  # none compiled
+        events.update(executables=0, read=0)
+        train(config(synthetic, tmp_path / "c", max_steps=6, logging_steps=3, compilation_cache="off"))
+        assert events["read"] == 0 and events["executables"] > 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.monitoring.unregister_event_listener(on_event)

@@ -32,6 +32,7 @@ from schemas.config import TrainConfig
 from schemas.errors import RmflowError, RmflowWarning
 from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
 from trainer import storage
+from trainer.compilation import use_compilation_cache
 from trainer.data import make_loader, resolve_packing
 from trainer.loggers import Reporters, check_available
 from trainer.memory import release_free_memory
@@ -182,6 +183,7 @@ def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardMod
 
     run_dir = storage.stage_run(run_dir)  # a remote run: a local copy
     run = read_run(run_dir)
+    use_compilation_cache("auto")  # scoring a run twice compiles its shapes once
     latest = existing_checkpoint(run_dir)
     if latest is None:
         raise TrainError(f"{run_dir} has no checkpoint yet: training stopped before its first save "
@@ -281,6 +283,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
 
     cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
     distributed.initialize(cfg.distributed, cfg.coordinator_address, cfg.num_processes)  # before any backend use
+    use_compilation_cache(cfg.compilation_cache)
     primary = distributed.is_primary()
     if storage.is_remote(cfg.output) and jax.process_count() > 1:
         raise TrainError(f"--output {cfg.output}: a multi-process run writes its checkpoints from every process, "
