@@ -120,27 +120,49 @@ def _unblocks(x):  # inverse of _blocks
     return jnp.moveaxis(x, 0, 1).reshape(b, nb * block, *x.shape[3:])
 
 
+def _heads_major(x, block):
+    """(B, T, K, G, D) -> (T // block, B, K, G * block, D): each block's rows per KV head, so every
+    block product is a plain batched matmul over (B, K) (no transpose inside the loops)."""
+    b, t, kh, g, d = x.shape
+    return x.reshape(b, t // block, block, kh, g, d).transpose(1, 0, 3, 4, 2, 5).reshape(t // block, b, kh,
+                                                                                        g * block, d)
+
+
+def _tokens_major(x, groups):
+    """Inverse of ``_heads_major``: (nb, B, K, G * block, D) -> (B, T, K * G, D)."""
+    nb, b, kh, rows, d = x.shape
+    block = rows // groups
+    return x.reshape(nb, b, kh, groups, block, d).transpose(1, 0, 4, 2, 3, 5).reshape(b, nb * block,
+                                                                                    kh * groups, d)
+
+
 class _Layout:
-    """Blocked views of one call's inputs; q is grouped (B, T, K, G, D) for GQA."""
+    """Blocked views of one call's inputs: q as (nb, B, K, G * Qb, D) for GQA (G query heads per
+    KV head), k and v as (nb, B, K, Kb, D)."""
 
     def __init__(self, q, k, v, seg, pos, br, block):
         b, t, n, d = q.shape
         kh = k.shape[2]
         self.groups, self.block, self.scale = n // kh, block, d**-0.5
-        self.q = _blocks(q.reshape(b, t, kh, n // kh, d), block)
-        self.k, self.v = _blocks(k, block), _blocks(v, block)
+        self.q = _heads_major(q.reshape(b, t, kh, n // kh, d), block)
+        self.k = _heads_major(k[:, :, :, None], block)
+        self.v = _heads_major(v[:, :, :, None], block)
         idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg.shape)
         self.meta = tuple(_blocks(a, block) for a in (seg, pos, br, idx))
         self.first = _first_key_block(seg, block)
 
     def scores(self, i, j, qi, window):
         """Scaled float32 scores of query block i against key block j, (B, K, G, Qb, Kb), and the mask."""
-        kj = self.k[j]
-        s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * self.scale
+        s = jnp.einsum("bkrd,bksd->bkrs", qi, self.k[j], preferred_element_type=jnp.float32) * self.scale
+        b, kh, _, kb = s.shape
+        s = s.reshape(b, kh, self.groups, self.block, kb)
         mi = [m[i] for m in self.meta]
         mj = [m[j] for m in self.meta]
         ok = allowed(*mi, *mj, window)[:, None, None]
         return jnp.where(ok, s, _NEG), ok
+
+    def rows(self, x):  # (B, K, G, Qb, ...) -> (B, K, G * Qb, ...)
+        return x.reshape(x.shape[0], x.shape[1], self.groups * self.block, *x.shape[4:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -154,9 +176,10 @@ def _flash_fwd(q, k, v, seg, pos, br, window, block):
 
     def query_block(i):
         qi = lay.q[i]
-        b, qb, kh, g, d = qi.shape
+        b, kh, _, d = qi.shape
+        g, qb = lay.groups, lay.block
         init = (jnp.full((b, kh, g, qb), _NEG, jnp.float32), jnp.zeros((b, kh, g, qb), jnp.float32),
-                jnp.zeros((b, kh, g, qb, d), jnp.float32))
+                jnp.zeros((b, kh, g * qb, d), jnp.float32))
 
         def step(j, carry):
             m, denom, acc = carry
@@ -164,18 +187,18 @@ def _flash_fwd(q, k, v, seg, pos, br, window, block):
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
             corr = jnp.exp(m - m_new)
-            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(lay.v.dtype), lay.v[j], preferred_element_type=jnp.float32)
-            return m_new, corr * denom + p.sum(-1), corr[..., None] * acc + pv
+            pv = jnp.einsum("bkrs,bksd->bkrd", lay.rows(p).astype(lay.v.dtype), lay.v[j],
+                            preferred_element_type=jnp.float32)
+            return m_new, corr * denom + p.sum(-1), lay.rows(corr)[..., None] * acc + pv
 
         m, denom, acc = jax.lax.fori_loop(lay.first[i], i + 1, step, init)
-        seen = denom > 0
-        out = acc / jnp.where(seen, denom, 1.0)[..., None]
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
-        return jnp.einsum("bkgqd->bqkgd", out), lse
+        seen = lay.rows(denom > 0)
+        out = acc / jnp.where(seen, lay.rows(denom), 1.0)[..., None]
+        lse = jnp.where(seen, lay.rows(m) + jnp.log(jnp.where(seen, lay.rows(denom), 1.0)), 0.0)
+        return out, lse
 
-    out, lse = jax.lax.map(query_block, jnp.arange(nb))  # (nb, B, Qb, K, G, D), (nb, B, K, G, Qb)
-    b, t, n, d = q.shape
-    out = _unblocks(out).reshape(b, t, n, d).astype(q.dtype)
+    out, lse = jax.lax.map(query_block, jnp.arange(nb))  # (nb, B, K, G * Qb, D), (nb, B, K, G * Qb)
+    out = _tokens_major(out, lay.groups).astype(q.dtype)
     return out, (q, k, v, seg, pos, br, out, lse)
 
 
@@ -184,25 +207,25 @@ def _flash_bwd(window, block, res, dout):
     lay = _Layout(q, k, v, seg, pos, br, block)
     b, t, n, d = q.shape
     kh = k.shape[2]
-    do = _blocks(dout.reshape(b, t, kh, n // kh, d).astype(jnp.float32), block)
+    do = _heads_major(dout.reshape(b, t, kh, n // kh, d).astype(jnp.float32), block)  # (nb, B, K, G * Qb, D)
     delta = (dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # (B, T, N)
-    delta = _blocks(delta.reshape(b, t, kh, n // kh), block)  # (nb, B, Qb, K, G)
+    delta = _heads_major(delta.reshape(b, t, kh, n // kh, 1), block)[..., 0]  # (nb, B, K, G * Qb)
 
     def query_block(carry, i):
         dk, dv = carry
         qi, doi = lay.q[i], do[i]
-        lse_i = lse[i][..., None]
-        delta_i = jnp.einsum("bqkg->bkgq", delta[i])[..., None]
+        lse_i = lse[i].reshape(b, kh, lay.groups, lay.block)[..., None]
+        delta_i = delta[i][..., None]
 
         def step(j, inner):
             dq_i, dk, dv = inner
             s, ok = lay.scores(i, j, qi, window)
-            p = jnp.where(ok, jnp.exp(s - lse_i), 0.0)  # (B, K, G, Qb, Kb)
-            dv_j = jnp.einsum("bkgqs,bqkgd->bskd", p, doi)
-            dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, lay.v[j], preferred_element_type=jnp.float32)
+            p = lay.rows(jnp.where(ok, jnp.exp(s - lse_i), 0.0))  # (B, K, G * Qb, Kb)
+            dv_j = jnp.einsum("bkrs,bkrd->bksd", p, doi)
+            dp = jnp.einsum("bkrd,bksd->bkrs", doi, lay.v[j], preferred_element_type=jnp.float32)
             ds = p * (dp - delta_i) * lay.scale
-            dq_i = dq_i + jnp.einsum("bkgqs,bskd->bqkgd", ds, lay.k[j], preferred_element_type=jnp.float32)
-            dk_j = jnp.einsum("bkgqs,bqkgd->bskd", ds, qi, preferred_element_type=jnp.float32)
+            dq_i = dq_i + jnp.einsum("bkrs,bksd->bkrd", ds, lay.k[j], preferred_element_type=jnp.float32)
+            dk_j = jnp.einsum("bkrs,bkrd->bksd", ds, qi, preferred_element_type=jnp.float32)
             return dq_i, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
 
         dq_i = jnp.zeros(qi.shape, jnp.float32)
@@ -211,8 +234,8 @@ def _flash_bwd(window, block, res, dout):
 
     zeros = jnp.zeros(lay.k.shape, jnp.float32)
     (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(lay.q.shape[0]))
-    dq = _unblocks(dq).reshape(b, t, n, d).astype(q.dtype)
-    return dq, _unblocks(dk).astype(k.dtype), _unblocks(dv).astype(v.dtype), None, None, None
+    dq = _tokens_major(dq, lay.groups).astype(q.dtype)
+    return dq, _tokens_major(dk, 1).astype(k.dtype), _tokens_major(dv, 1).astype(v.dtype), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
