@@ -155,6 +155,13 @@ def test_packed_batch_equals_padded_batch(arch, tmp_path):
             np.testing.assert_allclose(rr_b, rr_a, atol=1e-5, rtol=0)
             for a, b in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
                 np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+            # The rewards run the last layer at the reward tokens only: the same hidden states as
+            # the whole last layer read at those tokens.
+            args = [jnp.asarray(packed[k]) for k in ("input_ids", "positions", "segment_ids")]
+            index, branches = jnp.asarray(packed["reward_index"]), jnp.asarray(packed["branch_ids"])
+            full = jnp.take_along_axis(model.model(*args, branches), index[..., None], axis=1)
+            np.testing.assert_allclose(np.asarray(model.model.hidden_at(*args, index, branches)), np.asarray(full),
+                                       atol=1e-5, rtol=0)
 
 
 def test_clip_scale_equals_optax_clipping():

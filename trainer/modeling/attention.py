@@ -82,6 +82,24 @@ def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: st
     raise ValueError(f"attention implementation {implementation!r}: use one of {ATTENTION[1:]}")
 
 
+def attention_at(q, k, v, query_index, segment_ids, positions, branch_ids, *, window: int | None = None
+                 ) -> jax.Array:
+    """Queries at a few tokens of each row only, against every key: q (B, S, N, D) for the tokens
+    ``query_index`` (B, S), k/v (B, T, K, D) -> (B, S, N, D), by the same rules as ``attention``.
+    Dense over the keys: S is small (the reward tokens), so the scores are (B, N, S, T)."""
+    b, s, n, d = q.shape
+    t, kh = k.shape[1], k.shape[2]
+    at = lambda a: jnp.take_along_axis(a, query_index, axis=1)  # noqa: E731
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    ok = allowed(at(segment_ids), at(positions), at(branch_ids), query_index, segment_ids, positions, branch_ids,
+                 idx, window)[:, None, None]  # (B, 1, 1, S, T)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q.reshape(b, s, kh, n // kh, d), k,
+                        preferred_element_type=jnp.float32) * d**-0.5
+    p = jax.nn.softmax(jnp.where(ok, scores, _NEG), axis=-1)
+    out = jnp.einsum("bkgst,btkd->bskgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, s, n, d).astype(q.dtype)
+
+
 # --------------------------------------------------------------------------- blockwise
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.modeling import lora
-from trainer.modeling.attention import attention, dense_mask, resolve_attention
+from trainer.modeling.attention import attention, attention_at, dense_mask, resolve_attention
 from trainer.modeling.config import ModelConfig
 
 INIT_STD = 0.02  # Hugging Face's initializer_range default
@@ -121,6 +121,21 @@ class Attention(nnx.Module):
                         window=ctx.window, mask=ctx.mask)
         return _proj(self.o_proj, out.reshape(b, t, self.n_heads * self.head_dim))
 
+    def at(self, x, index, cos, sin, ctx: AttentionContext):
+        """The outputs at the tokens ``index`` (B, S) only: keys and values from every token,
+        queries from those tokens (``attention_at``), (B, S, H)."""
+        b, t, _ = x.shape
+        s = index.shape[1]
+        take = lambda a: jnp.take_along_axis(a, index[..., None], axis=1)  # noqa: E731
+        q = _proj(self.q_proj, take(x)).reshape(b, s, self.n_heads, self.head_dim)
+        k = _proj(self.k_proj, x).reshape(b, t, self.n_kv, self.head_dim)
+        v = _proj(self.v_proj, x).reshape(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, take(cos), take(sin)), apply_rope(k, cos, sin)
+        out = attention_at(q, k, v, index, ctx.segment_ids, ctx.positions, ctx.branch_ids, window=ctx.window)
+        return _proj(self.o_proj, out.reshape(b, s, self.n_heads * self.head_dim))
+
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
@@ -144,9 +159,21 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def at(self, x, index, cos, sin, ctx):
+        """The layer's outputs at the tokens ``index`` (B, S) only, (B, S, H): equal to
+        ``self(x, ...)`` taken at ``index``, without the MLP, queries and output projection of the
+        other tokens."""
+        x_at = jnp.take_along_axis(x, index[..., None], axis=1)
+        x_at = x_at + self.self_attn.at(self.input_layernorm(x), index, cos, sin, ctx)
+        return x_at + self.mlp(self.post_attention_layernorm(x_at))
+
 
 def _layer_forward(layer: DecoderLayer, x, cos, sin, ctx):
     return layer(x, cos, sin, ctx)
+
+
+def _layer_at(layer: DecoderLayer, x, index, cos, sin, ctx):
+    return layer.at(x, index, cos, sin, ctx)
 
 
 class DecoderModel(nnx.Module):
@@ -161,25 +188,41 @@ class DecoderModel(nnx.Module):
         self.sliding_window, self.dtype = cfg.sliding_window, dtype
         self.attention = resolve_attention(attention, dtype)
         self._forward = nnx.remat(_layer_forward) if remat else _layer_forward
+        self._forward_at = nnx.remat(_layer_at) if remat else _layer_at
 
     def __call__(self, input_ids, positions, segment_ids, branch_ids=None):
         """Hidden states before the final norm, (B, T, H)."""
         return self.hidden_states(input_ids, positions, segment_ids, branch_ids)[-1]
 
-    def hidden_states(self, input_ids, positions, segment_ids, branch_ids=None) -> list[jax.Array]:
-        """The embeddings and each layer's output (for per-layer parity checks)."""
+    def _inputs(self, input_ids, positions, segment_ids, branch_ids, full_layers: int):
+        """Embeddings, RoPE tables and the attention context (with the dense mask, built once,
+        when ``full_layers`` layers run over every token with a mask-taking implementation)."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq.value, self.dtype)
         if branch_ids is None:
             branch_ids = jnp.zeros_like(segment_ids)
         ctx = AttentionContext(segment_ids, positions, branch_ids, self.attention, self.sliding_window)
-        if self.attention != "blockwise":  # built once for all layers
+        if self.attention != "blockwise" and full_layers:
             ctx = dataclasses.replace(ctx, mask=dense_mask(segment_ids, positions, branch_ids, self.sliding_window))
+        return x, cos, sin, ctx
+
+    def hidden_states(self, input_ids, positions, segment_ids, branch_ids=None) -> list[jax.Array]:
+        """The embeddings and each layer's output (for per-layer parity checks)."""
+        x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers))
         out = [x]
         for layer in self.layers:
             x = self._forward(layer, x, cos, sin, ctx)
             out.append(x)
         return out
+
+    def hidden_at(self, input_ids, positions, segment_ids, index, branch_ids=None) -> jax.Array:
+        """Hidden states before the final norm at the tokens ``index`` (B, S), (B, S, H). Every
+        layer but the last runs over all tokens; the last one only at ``index`` (its outputs
+        elsewhere feed nothing), which gives the same values for a fraction of its work."""
+        x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers) - 1)
+        for layer in self.layers[:-1]:
+            x = self._forward(layer, x, cos, sin, ctx)
+        return self._forward_at(self.layers[-1], x, index, cos, sin, ctx)
 
 
 class RewardModel(nnx.Module):
@@ -203,10 +246,8 @@ class RewardModel(nnx.Module):
 
     def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
         """Final-norm hidden states at the reward tokens, (B, [K,] H)."""
-        h = self.model(input_ids, positions, segment_ids, branch_ids)
         idx = reward_index if reward_index.ndim == 2 else reward_index[:, None]
-        g = jnp.take_along_axis(h, idx[..., None], axis=1)  # (B, K, H)
-        g = self.model.norm(g)
+        g = self.model.norm(self.model.hidden_at(input_ids, positions, segment_ids, idx, branch_ids))  # (B, K, H)
         return g if reward_index.ndim == 2 else g[:, 0]
 
     def logits(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
