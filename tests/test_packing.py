@@ -322,3 +322,26 @@ def test_xla_flags_respect_the_user():
     assert configure_xla(env) == []  # never twice, never over the user's own setting
     untouched = {"XLA_FLAGS": "--x", "RMFLOW_XLA_DEFAULTS": "1"}
     assert configure_xla(untouched) == [] and untouched["XLA_FLAGS"] == "--x"
+
+
+def test_reading_ahead_keeps_the_order_and_the_checkpoint_state(shards):
+    from trainer.data.lookahead import Lookahead
+
+    def loader():
+        return iter(make_loader(shards, batch_size=4, max_length=64, seed=2, num_epochs=1, shard_by_process=False,
+                                packing="pack"))
+
+    plain, ahead = loader(), Lookahead(loader(), depth=3)
+    for _ in range(4):
+        assert len(ahead.ahead()) == 3
+        a, b = next(plain), next(ahead)
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+        assert ahead.get_state() == plain.get_state()  # as if nothing had been read ahead
+    state = ahead.get_state()
+    rest = [b["input_ids"] for b in plain]
+    resumed = Lookahead(loader(), depth=3)
+    resumed.set_state(state)
+    again = [b["input_ids"] for b in resumed]
+    assert len(again) == len(rest) > 0
+    for a, b in zip(rest, again):
+        np.testing.assert_array_equal(a, b)

@@ -75,3 +75,43 @@ def test_warmup_then_decay_to_end(schedule):
     assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5)
     assert float(s(10)) == pytest.approx(1.0) and float(s(110)) == pytest.approx(0.1, abs=1e-6)
     assert float(s(60)) == pytest.approx(0.55, abs=1e-6)  # halfway: both schedules give the midpoint
+
+
+def test_a_shape_compiled_ahead_is_compiled_off_the_training_thread_and_trains_alike():
+    import threading
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from trainer.parallel import BATCH_AXES, make_mesh
+
+    mesh = make_mesh((-1, 1, 1))
+    place = lambda host: {k: jax.device_put(v, NamedSharding(mesh, P(None, BATCH_AXES)))  # noqa: E731
+                          for k, v in host.items()}
+    hosts = [stack_micro_batches([Collate(4, 64)(records(4, seed))]) for seed in (0, 1)]
+    assert hosts[0]["input_ids"].shape == hosts[1]["input_ids"].shape  # one shape, two batches
+    threads = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            threads.append(threading.current_thread().name)
+
+    ahead = trainer()
+    state = ahead.use_mesh(mesh)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        assert ahead.compile_ahead(hosts[0]) and not ahead.compile_ahead(hosts[1])  # once per shape
+        main = threading.current_thread().name
+        for host in hosts:
+            state, m = ahead.train_step(state, place(host))
+        assert threads and main not in threads, threads  # compiled in the background only
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+        ahead.stop_compiling()
+    plain = trainer()
+    reference = plain.use_mesh(mesh)
+    for host in hosts:  # compiled on demand
+        reference, m_ref = plain.train_step(reference, place(host))
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(reference.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(m["loss_sum"]) == float(m_ref["loss_sum"])

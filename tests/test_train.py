@@ -207,3 +207,22 @@ def test_a_second_run_compiles_nothing_the_first_compiled(synthetic, tmp_path):
     finally:
         jax.monitoring.unregister_event_duration_listener(on_duration)
         jax.monitoring.unregister_event_listener(on_event)
+
+
+def test_compiling_ahead_trains_and_resumes_exactly_as_without(synthetic, tmp_path):
+    """compile_ahead reads batches ahead (trainer.data.lookahead): the same batches, the same
+    parameters, and a resume from a middle checkpoint continues on exactly the next batch."""
+    from trainer.train import compile_ahead_steps
+
+    assert compile_ahead_steps(-1, "cpu", 1) == 0 and compile_ahead_steps(-1, "gpu", 1) == 8
+    assert compile_ahead_steps(3, "cpu", 1) == 3 and compile_ahead_steps(3, "gpu", 2) == 0
+    plain = train(config(synthetic, tmp_path / "plain", max_steps=8, logging_steps=2, compile_ahead=0))
+    ahead = train(config(synthetic, tmp_path / "ahead", max_steps=8, logging_steps=2, save_steps=4,
+                         compile_ahead=3))
+    shutil.rmtree(tmp_path / "ahead" / "checkpoints" / "8")  # as if stopped after step 4's save
+    resumed = train(config(synthetic, tmp_path / "ahead", max_steps=8, logging_steps=2, save_steps=4,
+                           compile_ahead=3), resume=True)
+    for result in (ahead, resumed):
+        assert timing_free(result.history) == timing_free(plain.history)
+        for a, b in zip(jax.tree.leaves(result.state.params), jax.tree.leaves(plain.state.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

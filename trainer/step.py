@@ -8,7 +8,9 @@ update of one k-times-larger batch. What is trained comes from ``trainer.objecti
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 from typing import Any
 
 import jax
@@ -128,6 +130,14 @@ class Trainer:
         )
         self._train_jit = jax.jit(self._train_step, donate_argnums=0)
         self._eval_jit = jax.jit(self._eval_step)
+        # Compiled train steps by batch shapes, made on demand or ahead of time (``compile_ahead``),
+        # once the mesh is known (``use_mesh``). Tracing is serialised: LoRA's dropout key is a
+        # module-level context.
+        self._abstract_state = self._batch_sharding = None
+        self._executables: dict[tuple, Any] = {}
+        self._pending: dict[tuple, concurrent.futures.Future] = {}
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
+        self._trace_lock = threading.Lock()
 
     def use_mesh(self, mesh) -> TrainState:
         """Shard the state over ``mesh`` by the parameter-name rules (``trainer.parallel``) and
@@ -135,16 +145,57 @@ class Trainer:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from trainer.parallel import shardings
+        from trainer.parallel import BATCH_AXES, shardings
 
         self.state_shardings = shardings(self.init_state, mesh)
         self.frozen = jax.device_put(self.frozen, shardings(self.frozen, mesh))
         self._train_jit = jax.jit(self._train_step, donate_argnums=0,
                                   out_shardings=(self.state_shardings, NamedSharding(mesh, P())))
+        self._abstract_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                            self.init_state, self.state_shardings)
+        self._batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))  # as the loop places batches
+        self._executables.clear()
         return jax.device_put(self.init_state, self.state_shardings)
 
     def train_step(self, state: TrainState, batch: dict[str, jax.Array]):
-        return self._train_jit(state, batch, self.frozen)
+        if self._abstract_state is None:  # no mesh given: jit as usual
+            return self._train_jit(state, batch, self.frozen)
+        key = _shapes(batch)
+        step = self._executables.get(key)
+        if step is None:
+            pending = self._pending.pop(key, None)
+            step = pending.result() if pending is not None else self._compile(
+                {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()})
+            self._executables[key] = step
+        return step(state, batch, self.frozen)
+
+    def compile_ahead(self, host_batch: dict[str, np.ndarray]) -> bool:
+        """Start compiling the train step for a coming batch's shapes (host arrays as
+        ``stack_micro_batches`` makes them) in a background thread, so that the batch finds it
+        ready; True when a compilation started. Once per shape; needs ``use_mesh`` first."""
+        if self._abstract_state is None:
+            return False
+        key = _shapes(host_batch)
+        if key in self._executables or key in self._pending:
+            return False
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rmflow-compile")
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_sharding)
+                    for k, v in host_batch.items()}
+        self._pending[key] = self._compiler.submit(self._compile, abstract)
+        return True
+
+    def stop_compiling(self) -> None:
+        """Drop compilations not started; wait for the one running (it cannot be interrupted)."""
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=True, cancel_futures=True)
+            self._compiler = None
+        self._pending.clear()
+
+    def _compile(self, abstract_batch: dict[str, jax.ShapeDtypeStruct]):
+        with self._trace_lock:
+            lowered = self._train_jit.lower(self._abstract_state, abstract_batch, self.frozen)
+        return lowered.compile()
 
     def eval_step(self, params: Any, mb: dict[str, jax.Array]):
         return self._eval_jit(params, mb, self.frozen)
@@ -187,6 +238,10 @@ class Trainer:
 
     def _eval_step(self, params: Any, mb: dict[str, jax.Array], frozen: Any):
         return self.objective.loss(self.model(params, frozen), mb, self.center_coef)[1]
+
+
+def _shapes(batch: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()))
 
 
 def widen(batch: dict[str, np.ndarray], length: int, slots: int | None = None,

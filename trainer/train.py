@@ -34,6 +34,7 @@ from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestEr
 from trainer import storage
 from trainer.compilation import use_compilation_cache
 from trainer.data import make_loader, resolve_packing
+from trainer.data.lookahead import Lookahead
 from trainer.loggers import Reporters, check_available
 from trainer.memory import release_free_memory
 from trainer.modeling import lora
@@ -261,6 +262,13 @@ class Run:
         sharding = NamedSharding(self.mesh, P(None, BATCH_AXES))
         return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}
 
+    def compile_ahead(self, coming: list[dict[str, np.ndarray]], steps_left: int) -> None:
+        """Start compiling the train steps of the coming micro-batches (grouped ``grad_accum`` to a
+        step, at most ``steps_left`` steps) whose shapes are new."""
+        accum = self.cfg.grad_accum
+        for i in range(0, min(len(coming) // accum, steps_left) * accum, accum):
+            self.trainer.compile_ahead(stack_micro_batches(coming[i : i + accum], self.objective))
+
     def evaluate(self, params) -> dict[str, Any]:
         if not self.eval_paths:
             return {}
@@ -308,6 +316,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     state = r.trainer.use_mesh(r.mesh)  # parameters and optimizer state sharded by the name rules
     treedef = jax.tree.structure(state)
     iterator = iter(r.loader(r.train_paths, train=True))
+    ahead = compile_ahead_steps(cfg.compile_ahead, jax.default_backend(), jax.process_count())
+    if ahead:
+        iterator = Lookahead(iterator, ahead * cfg.grad_accum)
     manager = checkpoint_manager(run_dir, keep=cfg.save_total_limit)
     history = []
     metrics_path = os.path.join(run_dir, METRICS_FILE)
@@ -332,6 +343,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     try:
         while step < r.total_steps:
             micro = [next(iterator) for _ in range(cfg.grad_accum)]
+            if ahead:
+                r.compile_ahead(iterator.ahead(), r.total_steps - step - 1)
             batch = r.to_device(micro)
             compiles = batch["input_ids"].shape not in shapes
             if compiles:  # the compiler needs a few hundred MiB: start it from a trimmed heap
@@ -371,12 +384,26 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
                         writer.flush()
                     storage.mirror(run_dir, cfg.output)
     finally:
+        r.trainer.stop_compiling()
         manager.wait_until_finished()
         if writer is not None:
             writer.close()
     if primary and storage.is_remote(cfg.output):  # the closed event files, the last metrics
         storage.mirror(run_dir, cfg.output)
     return TrainResult(state, r.trainer, history, r.total_steps)
+
+
+COMPILE_AHEAD_ON_ACCELERATORS = 8
+
+
+def compile_ahead_steps(setting: int, backend: str, processes: int) -> int:
+    """Steps to read ahead for background compilation: ``compile_ahead`` resolved (-1: on GPU and
+    TPU only); none with several processes, which agree on each step's shape as it comes."""
+    if processes > 1:
+        return 0
+    if setting < 0:
+        return COMPILE_AHEAD_ON_ACCELERATORS if backend in ("gpu", "tpu", "cuda", "rocm") else 0
+    return setting
 
 
 class _Window:
