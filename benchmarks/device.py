@@ -1,8 +1,8 @@
 """Attention parity and training throughput on an accelerator (written for one NVIDIA GPU).
 
-1. Parity on the device: the blockwise (flash, pure JAX) attention and cuDNN's fused attention
-   against the dense reference, on packed rows with shared prompts (float32 for blockwise,
-   bfloat16 for cuDNN, which supports only 16-bit types).
+1. Parity on the device: the blockwise (flash, pure JAX) attention, cuDNN's fused attention and
+   the Pallas kernels (Triton) against the dense reference, on packed rows with shared prompts
+   (float32 for blockwise, bfloat16 for cuDNN, which supports only 16-bit types, both for Pallas).
 2. Throughput in bfloat16 for two real configurations with random weights (speed does not
    depend on the values): SmolLM2-135M (Llama, 30 layers, hidden 576) and Qwen2.5-0.5B (24
    layers, hidden 896, vocabulary 151,936), on real HH-RLHF pairs preprocessed at max_length
@@ -12,6 +12,7 @@
    GPU's dense bfloat16 peak (--peak-tflops, 989 for an H100 SXM).
 
     python benchmarks/device.py --shards SHARDS [--batch-size 32] [--steps 10] [--peak-tflops 989]
+        [--modes pack,bucket] [--packed-attention blockwise,pallas] [--blocks 64,128]
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def check_parity() -> None:
     kv = [rng.normal(size=(b, t, k, d)).astype(np.float32) for _ in range(2)]
     real = seg[:, :, None, None] > 0
     for impl, dtype, window in (("blockwise", jnp.float32, None), ("blockwise", jnp.float32, 300),
-                                ("cudnn", jnp.bfloat16, None)):
+                                ("cudnn", jnp.bfloat16, None), ("pallas", jnp.float32, None),
+                                ("pallas", jnp.float32, 300), ("pallas", jnp.bfloat16, None)):
         args = [jnp.asarray(x, dtype) for x in (q, *kv)]
 
         def loss(q, k, v, impl=impl, window=window):
@@ -103,14 +105,16 @@ def attended_pairs(batch) -> int:
     return total
 
 
-def throughput(name: str, records, packing: str, batch_size: int, steps: int, peak: float, block: int) -> None:
+def throughput(name: str, records, packing: str, batch_size: int, steps: int, peak: float, block: int,
+               packed_attention: str = "blockwise") -> None:
     cfg = ModelConfig(**CONFIGS[name])
-    impl = "blockwise" if packing == "pack" or jax.default_backend() != "gpu" else "cudnn"
+    impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
     model = RewardModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl)
-    if impl == "blockwise" and block:
+    if impl in ("blockwise", "pallas") and block:
         import trainer.modeling.attention as A
+        import trainer.modeling.pallas_attention as PA
 
-        A.BLOCK = block
+        A.BLOCK = PA.BLOCK = block
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     body = params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     trainer = Trainer(model, OptimConfig(learning_rate=1e-5, total_steps=1000))
@@ -141,7 +145,7 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
     slots = sum(b["input_ids"].size for b in batches)
     pairs = sum(attended_pairs(b) for b in batches)
     flops = 6 * body * computed + 12 * cfg.num_hidden_layers * pairs * cfg.num_attention_heads * cfg.head_dim
-    print(f"| {name} | {packing} | {impl}{f' (block {block})' if impl == 'blockwise' else ''} | {batch_size} "
+    print(f"| {name} | {packing} | {impl}{f' (block {block})' if impl in ('blockwise', 'pallas') else ''} | {batch_size} "
           f"| {real / seconds:,.0f} | {1 - computed / slots:.3f} | {flops / seconds / 1e12:,.1f} "
           f"| {flops / seconds / 1e12 / peak:.1%} | {len(shapes)} in {compile_s:.0f} s |", flush=True)
 
@@ -154,7 +158,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--models", default=",".join(CONFIGS))
     ap.add_argument("--modes", default="pack,none")
-    ap.add_argument("--blocks", default="512")
+    ap.add_argument("--blocks", default="512", help="attention block sizes to try for packed rows")
+    ap.add_argument("--packed-attention", default="blockwise,pallas", help="implementations for packed rows")
     ap.add_argument("--skip-parity", action="store_true")
     a = ap.parse_args()
     print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}")
@@ -165,8 +170,9 @@ def main() -> None:
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for name in a.models.split(","):
         for packing in a.modes.split(","):
-            for block in ([int(x) for x in a.blocks.split(",")] if packing == "pack" else [0]):
-                throughput(name, records, packing, a.batch_size, a.steps, a.peak_tflops, block)
+            for impl in (a.packed_attention.split(",") if packing == "pack" else ["auto"]):
+                for block in ([int(x) for x in a.blocks.split(",")] if packing == "pack" else [0]):
+                    throughput(name, records, packing, a.batch_size, a.steps, a.peak_tflops, block, impl)
 
 
 if __name__ == "__main__":

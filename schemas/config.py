@@ -202,7 +202,7 @@ class LoraConfig:
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
 PACKING = ("auto", "none", "bucket", "pack")
-ATTENTION = ("auto", "xla", "blockwise", "cudnn")
+ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas")
 DISTRIBUTED = ("auto", "on", "off")
 REPORT_TO = ("tensorboard", "wandb")
 
@@ -240,8 +240,10 @@ class TrainConfig(_Serializable):
                                 "to a power of two), or auto: pack on CPU, bucket on GPU and TPU (where the fused "
                                 "attention kernels need one sequence a row).")
     attention: str = _opt("auto", "Attention implementation: auto (blockwise on CPU and TPU, cudnn on GPU in "
-                                  "bfloat16), xla (dense reference), blockwise (memory-efficient, pure JAX) or "
-                                  "cudnn (fused flash attention, NVIDIA GPUs, bfloat16).")
+                                  "bfloat16), xla (dense reference), blockwise (memory-efficient, pure JAX), "
+                                  "cudnn (fused flash attention, NVIDIA GPUs, bfloat16) or pallas (fused kernels "
+                                  "for packed rows, Triton on NVIDIA GPUs; CPU runs it in interpret mode, for "
+                                  "tests only).")
     mesh_data: int = _opt(-1, "Device mesh, data axis: devices that split the batch and hold whole replicas "
                               "of the parameters; -1 = the devices left by the other two axes.")
     mesh_fsdp: int = _opt(1, "Device mesh, fsdp axis: devices that split the batch and shard the parameters and "

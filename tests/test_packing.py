@@ -25,6 +25,7 @@ from trainer.data.packing import assign_rows, pack_unit
 from trainer.loss import pairwise_loss
 from trainer.modeling.attention import attention
 from trainer.modeling.convert import load_reward_model
+from trainer.modeling.llama import RewardModel
 from trainer.step import DEVICE_KEYS, clip_scale, pair_rewards
 
 VOCAB = 97
@@ -53,6 +54,41 @@ def test_blockwise_attention_equals_reference(window, t, block):
     np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
     for a, r in zip(g, g_ref):  # gradients reach ~30 here: float32 rounding needs the relative term
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,t", [(None, 100), (17, 150)])
+def test_pallas_attention_equals_reference_in_interpret_mode(window, t):
+    """The Pallas kernels (forward, dq, dk/dv) run here in interpret mode: the same kernel code
+    the GPU compiles through Triton, executed with JAX operations."""
+    rng = np.random.default_rng(t)
+    b, n, k, d = 2, 4, 2, 16
+    seg, pos, br = packed_layout(rng, b, t)
+    q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32)
+    kv = [jnp.asarray(rng.normal(size=(b, t, k, d)), jnp.float32) for _ in range(2)]
+    weights = jnp.asarray(rng.normal(size=(d,)), jnp.float32)
+
+    def run(impl, block):
+        def f(q, k, v):
+            o = attention(q, k, v, seg, pos, br, implementation=impl, window=window, block=block)
+            o = jnp.where(seg[:, :, None, None] > 0, o, 0.0)  # padding queries are never read
+            return (o * weights).sum(), o
+        (_, o), g = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, *kv)
+        return o, g
+
+    with jax.default_matmul_precision("highest"):
+        (o_ref, g_ref), (o, g) = run("xla", None), run("pallas", 32)  # several blocks, a partial last one
+    np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
+    for a, r in zip(g, g_ref):
+        np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
+
+
+def test_segment_bounds_and_the_blocks_the_kernels_visit():
+    from trainer.modeling.pallas_attention import segment_bounds
+
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 0, 3, 3, 0, 0]])
+    first, last = segment_bounds(seg)
+    assert first.tolist() == [[0, 0, 0, 3, 3, 5, 6, 6, 8, 9]]
+    assert last.tolist() == [[2, 2, 2, 4, 4, 5, 7, 7, 8, 9]]
 
 
 def rec(i, prompt, n_c, n_r, margin=None, rng=None):
@@ -345,3 +381,15 @@ def test_reading_ahead_keeps_the_order_and_the_checkpoint_state(shards):
     assert len(again) == len(rest) > 0
     for a, b in zip(rest, again):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_model_with_pallas_attention_scores_packed_rows_as_the_reference():
+    from tests.test_step import CFG, records
+
+    batch = {k: jnp.asarray(v) for k, v in PackCollate(4, 64)(records(4)).items() if k in DEVICE_KEYS}
+    rewards = []
+    for impl in ("xla", "pallas"):
+        model = RewardModel(CFG, rngs=nnx.Rngs(0), attention=impl)
+        with jax.default_matmul_precision("highest"):
+            rewards.append(np.asarray(jnp.stack(pair_rewards(model, batch))))
+    np.testing.assert_allclose(rewards[1], rewards[0], atol=1e-5, rtol=0)

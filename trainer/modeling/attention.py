@@ -18,6 +18,9 @@ Implementations (``ATTENTION``):
   loop bounds), keeps a running softmax, and the backward pass recomputes scores block by
   block from the saved log-sum-exp. Memory is O(T) besides one block of scores, and the work
   is proportional to the tokens each query may see, not to T squared. The default on CPU.
+* ``pallas``: fused flash attention as Pallas kernels (``trainer.modeling.pallas_attention``):
+  Triton on NVIDIA GPUs, forward and backward, the mask computed per block from the ids, the
+  blocks it empties skipped; on CPU it runs in Pallas's interpret mode (for tests only).
 * ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention(implementation=
   "cudnn")``) with the mask, on NVIDIA GPUs in bfloat16/float16. The default on GPU when the
   compute dtype allows it.
@@ -50,10 +53,16 @@ def resolve_attention(name: str, dtype, backend: str | None = None) -> str:
     return "blockwise"
 
 
+def takes_dense_mask(implementation: str) -> bool:
+    """Whether an implementation takes the dense (B, 1, T, T) mask (built once for all layers)."""
+    return implementation in ("xla", "cudnn")
+
+
 def allowed(seg_q, pos_q, br_q, idx_q, seg_k, pos_k, br_k, idx_k, window: int | None) -> jax.Array:
-    """(B, Tq, Tk) boolean: may each query attend to each key (rules in the module doc)."""
-    q = lambda a: a[:, :, None]  # noqa: E731
-    k = lambda a: a[:, None, :]  # noqa: E731
+    """(..., Tq, Tk) boolean: may each query attend to each key (rules in the module doc). The
+    query arrays are (..., Tq), the key arrays (..., Tk): rows (B, T) or one block's (T,)."""
+    q = lambda a: a[..., :, None]  # noqa: E731
+    k = lambda a: a[..., None, :]  # noqa: E731
     ok = (q(seg_q) == k(seg_k)) & (q(pos_q) >= k(pos_k)) & (q(idx_q) >= k(idx_k))
     ok &= (k(br_k) == 0) | (k(br_k) == q(br_q))
     if window is not None:
@@ -73,6 +82,12 @@ def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: st
     scale = q.shape[-1] ** -0.5
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids, positions, branch_ids, window=window, block=block or BLOCK)
+    if implementation == "pallas":
+        from trainer.modeling.pallas_attention import BLOCK as PALLAS_BLOCK
+        from trainer.modeling.pallas_attention import pallas_attention
+
+        return pallas_attention(q, k, v, segment_ids, positions, branch_ids, window=window,
+                                block=block or PALLAS_BLOCK)
     if mask is None:
         mask = dense_mask(segment_ids, positions, branch_ids, window)
     if implementation == "cudnn":

@@ -19,7 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.modeling import lora
-from trainer.modeling.attention import attention, attention_at, dense_mask, resolve_attention
+from trainer.modeling.attention import (
+    attention,
+    attention_at,
+    dense_mask,
+    resolve_attention,
+    takes_dense_mask,
+)
 from trainer.modeling.config import ModelConfig
 
 INIT_STD = 0.02  # Hugging Face's initializer_range default
@@ -202,7 +208,7 @@ class DecoderModel(nnx.Module):
         if branch_ids is None:
             branch_ids = jnp.zeros_like(segment_ids)
         ctx = AttentionContext(segment_ids, positions, branch_ids, self.attention, self.sliding_window)
-        if self.attention != "blockwise" and full_layers:
+        if takes_dense_mask(self.attention) and full_layers:
             ctx = dataclasses.replace(ctx, mask=dense_mask(segment_ids, positions, branch_ids, self.sliding_window))
         return x, cos, sin, ctx
 
