@@ -43,7 +43,7 @@ bench: $(VENV)/.installed-test
 
 bench-trl: $(VENV)/.installed-test
 	$(BIN)/pip install --quiet -e '.[bench]'
-	$(BIN)/python benchmarks/vs_trl.py --repeat 3
+	$(BIN)/python benchmarks/vs_trl.py --vocab smollm2,bpe8k --steps 40 --modes pack --warm --repeat 3
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache
