@@ -1,13 +1,14 @@
 import os
 import pathlib
-import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# Each test process compiles into a persistent cache of its own (never the user's ~/.cache).
-os.environ.setdefault("RMFLOW_COMPILATION_CACHE", tempfile.mkdtemp(prefix="rmflow-test-jax-cache-"))
+# No persistent compilation cache for the suite (never the user's ~/.cache; the tests compile
+# thousands of small executables, each of which the cache would write to disk); the tests of the
+# cache name a folder of their own.
+os.environ.setdefault("RMFLOW_COMPILATION_CACHE", "off")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
