@@ -31,35 +31,7 @@ from trainer.step import DEVICE_KEYS, clip_scale, pair_rewards
 VOCAB = 97
 
 
-@pytest.mark.parametrize("window", [None, 17])
-@pytest.mark.parametrize("t,block", [(300, 64), (256, 128), (40, 128)])
-def test_blockwise_attention_equals_reference(window, t, block):
-    rng = np.random.default_rng(t)
-    b, n, k, d = 2, 4, 2, 16
-    seg, pos, br = packed_layout(rng, b, t)
-    q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32)
-    kv = [jnp.asarray(rng.normal(size=(b, t, k, d)), jnp.float32) for _ in range(2)]
-    weights = jnp.asarray(rng.normal(size=(d,)), jnp.float32)
-
-    def run(impl):
-        def f(q, k, v):
-            o = attention(q, k, v, seg, pos, br, implementation=impl, window=window, block=block)
-            o = jnp.where(seg[:, :, None, None] > 0, o, 0.0)  # padding queries are never read
-            return (o * weights).sum(), o
-        (_, o), g = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, *kv)
-        return o, g
-
-    with jax.default_matmul_precision("highest"):  # float32 products on every backend (GPUs default to TF32)
-        (o_ref, g_ref), (o, g) = run("xla"), run("blockwise")
-    np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
-    for a, r in zip(g, g_ref):  # gradients reach ~30 here: float32 rounding needs the relative term
-        np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("window,t", [(None, 100), (17, 150)])
-def test_pallas_attention_equals_reference_in_interpret_mode(window, t):
-    """The Pallas kernels (forward, dq, dk/dv) run here in interpret mode: the same kernel code
-    the GPU compiles through Triton, executed with JAX operations."""
+def assert_attention_equals_reference(impl, window, t, block):
     rng = np.random.default_rng(t)
     b, n, k, d = 2, 4, 2, 16
     seg, pos, br = packed_layout(rng, b, t)
@@ -75,11 +47,24 @@ def test_pallas_attention_equals_reference_in_interpret_mode(window, t):
         (_, o), g = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, *kv)
         return o, g
 
-    with jax.default_matmul_precision("highest"):
-        (o_ref, g_ref), (o, g) = run("xla", None), run("pallas", 32)  # several blocks, a partial last one
+    with jax.default_matmul_precision("highest"):  # float32 products on every backend (GPUs default to TF32)
+        (o_ref, g_ref), (o, g) = run("xla", None), run(impl, block)
     np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
-    for a, r in zip(g, g_ref):
+    for a, r in zip(g, g_ref):  # gradients reach ~30 here: float32 rounding needs the relative term
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 17])
+@pytest.mark.parametrize("t,block", [(300, 64), (256, 128), (40, 128)])
+def test_blockwise_attention_equals_reference(window, t, block):
+    assert_attention_equals_reference("blockwise", window, t, block)
+
+
+@pytest.mark.parametrize("window,t", [(None, 100), (17, 150)])
+def test_pallas_attention_equals_reference_in_interpret_mode(window, t):
+    """The Pallas kernels (forward, dq, dk/dv) run here in interpret mode: the same kernel code
+    the GPU compiles through Triton, executed with JAX operations."""
+    assert_attention_equals_reference("pallas", window, t, 32)  # several blocks, a partial last one
 
 
 def test_segment_bounds_and_the_blocks_the_kernels_visit():
