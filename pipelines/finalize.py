@@ -41,7 +41,13 @@ PERCENTILES = (50, 90, 95, 99)
 
 
 class PreprocessError(RmflowError, RuntimeError):
-    """The job cannot start or did not produce a usable output; the message says why."""
+    """The job cannot start or did not produce a usable output; the message says why. ``reason``
+    is the message without where to look; ``errors_file`` the records set aside, when there are."""
+
+    def __init__(self, message: str, *, reason: str | None = None, errors_file: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+        self.errors_file = errors_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +94,8 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
         stats = summarize(summary, fin.cfg, time.time() - fin.started)
         check_quality(stats, fin.cfg, staging)
     except PreprocessError as e:
-        failure = {"error": str(e), "counts": stats["counts"] if stats else None}
+        failure = {"error": str(e), "reason": e.reason, "errors_file": e.errors_file,
+                   "counts": stats["counts"] if stats else None}
         rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps(failure).encode())
         raise
     manifest = Manifest(
@@ -204,16 +211,18 @@ def length_stats(hist: collections.Counter, max_length: int) -> dict[str, Any]:
 def check_quality(stats: dict[str, Any], cfg: PreprocessConfig, staging: str) -> None:
     counts = stats["counts"]
     read, errors = counts["records_read"], counts["errors"]
+    errors_file = f"{staging}/{ERRORS_FILE}"
     if read == 0:
-        raise PreprocessError(f"the inputs hold no records; staging left at {staging}")
+        raise PreprocessError(f"the inputs hold no records; staging left at {staging}",
+                              reason="the inputs hold no records")
     if errors / read > cfg.max_bad_fraction:
         top = sorted((d for d in stats["dead_letters"] if d["category"] == "error"),
                      key=lambda d: -d["count"])[:5]
         reasons = ", ".join(f"{d['code']} x{d['count']}" for d in top)
-        raise PreprocessError(
-            f"{errors} of {read} records ({errors / read:.1%}) are bad, more than --max-bad-fraction "
-            f"{cfg.max_bad_fraction:.1%} (top reasons: {reasons}). Nothing was published; every bad "
-            f"record and its reason is in {staging}/{ERRORS_FILE}"
-        )
+        reason = (f"{errors} of {read} records ({errors / read:.1%}) are bad, more than --max-bad-fraction "
+                  f"{cfg.max_bad_fraction:.1%} (top reasons: {reasons})")
+        raise PreprocessError(f"{reason}. Nothing was published; every bad record and its reason is in {errors_file}",
+                              reason=reason, errors_file=errors_file)
     if counts["pairs_written"] == 0:
-        raise PreprocessError(f"no pair survived preprocessing; see {staging}/{ERRORS_FILE}")
+        raise PreprocessError(f"no pair survived preprocessing; see {errors_file}",
+                              reason="no pair survived preprocessing", errors_file=errors_file)

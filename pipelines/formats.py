@@ -121,32 +121,59 @@ def parse_json_object(raw: str) -> dict[str, Any]:
 
 
 
-def detect_format(record: Mapping[str, Any]) -> str:
-    """The layout of one record, from its keys. Raises BadRecord when none fits."""
+def _looks_like_transcript(value: Any) -> bool:
+    """A string holding a Human/Assistant conversation (HH-RLHF), not one reply."""
+    return isinstance(value, str) and bool(_HH_TURN.search(value)) and "Assistant:" in value
+
+
+# Each layout's signature: a record fits a layout when its predicate holds. Detection takes the one
+# layout that fits, and refuses a record that fits none or several (never a silent guess).
+_SIGNATURES: dict[str, Callable[[Mapping[str, Any], set[str]], bool]] = {
+    "stepwise": lambda r, k: {"completions", "labels"} <= k,
+    "processbench": lambda r, k: {"problem", "steps", "label"} <= k,
+    "tokenized": lambda r, k: {"chosen_ids", "rejected_ids"} <= k or {"input_ids_chosen", "input_ids_rejected"} <= k,
+    "ultrafeedback": lambda r, k: {"chosen", "rejected", "score_chosen", "score_rejected"} <= k,
+    "conversational": lambda r, k: {"prompt", "chosen", "rejected"} <= k and isinstance(r["prompt"], (list, tuple))
+    and not {"score_chosen", "score_rejected"} <= k,
+    "text": lambda r, k: {"prompt", "chosen", "rejected"} <= k and isinstance(r["prompt"], str)
+    and not {"score_chosen", "score_rejected"} <= k,
+    "axolotl": lambda r, k: {"input", "chosen", "rejected"} <= k,
+    "implicit": lambda r, k: {"chosen", "rejected"} <= k and not {"prompt", "input"} & k
+    and isinstance(r["chosen"], (list, tuple)) and not {"score_chosen", "score_rejected"} <= k,
+    "hh-rlhf": lambda r, k: {"chosen", "rejected"} <= k and not {"input"} & k and _looks_like_transcript(r["chosen"]),
+}
+assert set(_SIGNATURES) == set(FORMATS)
+
+
+def candidate_formats(record: Mapping[str, Any]) -> list[str]:
+    """Every layout whose signature the record fits, in FORMATS order."""
     keys = set(record)
-    if {"completions", "labels"} <= keys:
-        return "stepwise"
-    if {"problem", "steps", "label"} <= keys:
-        return "processbench"
-    if {"chosen_ids", "rejected_ids"} <= keys or {"input_ids_chosen", "input_ids_rejected"} <= keys:
-        return "tokenized"
-    if not {"chosen", "rejected"} <= keys:
+    return [fmt for fmt in FORMATS if _SIGNATURES[fmt](record, keys)]
+
+
+def detect_format(record: Mapping[str, Any]) -> str:
+    """The layout of one record, from its keys and value types. Raises BadRecord when none fits
+    (``unknown_layout``) or when more than one does (``ambiguous_layout``: pass --format)."""
+    found = candidate_formats(record)
+    if len(found) == 1:
+        return found[0]
+    keys = sorted(record)
+    if found:
+        hint = ""
+        if "hh-rlhf" in found and "text" in found:
+            hint = ("; 'chosen' holds a whole Human/Assistant transcript beside a 'prompt' string: --format hh-rlhf "
+                    "reads the transcripts (the prompt column is then ignored), --format text takes each "
+                    "transcript as one reply")
+        raise BadRecord(
+            "ambiguous_layout",
+            f"keys {keys} fit several layouts ({', '.join(found)}); name one with --format{hint}",
+        )
+    if not ({"chosen", "rejected"} <= set(keys)):
         raise BadRecord(
             "unknown_layout",
-            f"no known layout has keys {sorted(keys)}: every layout needs 'chosen' and "
+            f"no known layout has keys {keys}: every layout needs 'chosen' and "
             "'rejected' (or 'chosen_ids' and 'rejected_ids'; stepwise data: 'prompt', 'completions', 'labels')",
         )
-    if {"score_chosen", "score_rejected"} <= keys:
-        return "ultrafeedback"
-    if "prompt" in keys:
-        prompt = record["prompt"]
-        return "conversational" if isinstance(prompt, (list, tuple)) else "text"
-    if "input" in keys:
-        return "axolotl"
-    if isinstance(record["chosen"], (list, tuple)):
-        return "implicit"
-    if isinstance(record["chosen"], str) and _HH_TURN.search(record["chosen"]):
-        return "hh-rlhf"
     raise BadRecord(
         "unknown_layout",
         "'chosen' and 'rejected' without 'prompt' must be message lists (implicit prompt) "

@@ -215,7 +215,8 @@ def job_failure(staging: str, cause: Any) -> PreprocessError:
     """The reason the job failed: the finalisation's own (``_FAILED.json``) when a check refused
     the output, else the runner's error."""
     try:
-        return PreprocessError(json.loads(rio.read_bytes(f"{staging}/{FAILED_FILE}"))["error"])
+        failure = json.loads(rio.read_bytes(f"{staging}/{FAILED_FILE}"))
+        return PreprocessError(failure["error"], reason=failure.get("reason"), errors_file=failure.get("errors_file"))
     except Exception:  # noqa: BLE001 - no failure record: the job itself broke
         return PreprocessError(f"the Beam job failed ({cause}); nothing was published; staging left at {staging}")
 

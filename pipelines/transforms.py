@@ -69,7 +69,8 @@ def _split_outputs(pcoll_tuple) -> dict[str, beam.PCollection]:
 
 class ReadRecordsFn(beam.DoFn):
     """One input file to (source, line, format, raw JSON text); the format is detected per file
-    from its first record that fits a layout, unless forced."""
+    from its first record that fits a layout, unless forced. A file whose first JSON object fits
+    several layouts is not guessed at: each of its records is set aside as ``ambiguous_layout``."""
 
     def __init__(self, fmt: str):
         self.fmt = fmt
@@ -77,6 +78,7 @@ class ReadRecordsFn(beam.DoFn):
 
     def process(self, path: str):
         fmt = None if self.fmt == "auto" else self.fmt
+        ambiguous: BadRecord | None = None
         n = 0
         last_line = 0
         try:
@@ -86,11 +88,17 @@ class ReadRecordsFn(beam.DoFn):
                 if problem:
                     yield TaggedOutput(DEAD, dead_letter("read", path, line, raw, BadRecord("bad_encoding", problem)))
                     continue
+                if ambiguous is not None:  # the file's layout is undecidable: none of it is guessed
+                    yield TaggedOutput(DEAD, dead_letter("read", path, line, raw, ambiguous))
+                    continue
                 if fmt is None:  # parse here only until the file's layout is known
                     try:
                         fmt = detect_format(parse_json_object(raw))
                     except Exception as e:  # noqa: BLE001 - contained to this record
-                        yield TaggedOutput(DEAD, dead_letter("read", path, line, raw, as_bad_record(e)))
+                        err = as_bad_record(e)
+                        if err.code == "ambiguous_layout":
+                            ambiguous = BadRecord(err.code, f"the file's layout is ambiguous: {err.message}")
+                        yield TaggedOutput(DEAD, dead_letter("read", path, line, raw, ambiguous or err))
                         continue
                 yield path, line, fmt, raw
         except Exception as e:  # noqa: BLE001 - a truncated gzip, an unreadable Parquet file ...

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from schemas.config import ConfigError, PreprocessConfig, TrainConfig, help_for
+from schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig, help_for
 from schemas.errors import RmflowError, RmflowWarning
 
 app = typer.Typer(
@@ -70,6 +70,20 @@ def _h(name: str) -> str:
     return help_for(PreprocessConfig, name)
 
 
+def _option(cls: type, name: str, *flags: str):
+    """The typer option of a config field: its default and help come from the field."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return typer.Option(field.default, *flags, help=field.metadata["help"])
+
+
+def _P(name: str, *flags: str):
+    return _option(PreprocessConfig, name, *flags)
+
+
+def _E(name: str, *flags: str):
+    return _option(EvalConfig, name, *flags)
+
+
 @app.callback()
 def main() -> None:
     """rmflow: reward models from human preference pairs."""
@@ -85,21 +99,21 @@ def preprocess(
     input: list[str] = typer.Option(..., "--input", "-i", help=_h("inputs")),
     tokenizer: str = typer.Option(..., help=_h("tokenizer")),
     output: str = typer.Option(..., "--output", "-o", help=_h("output")),
-    max_length: int = typer.Option(1024, help=_h("max_length")),
-    format: str = typer.Option("auto", "--format", help=_h("format")),
-    chat_template: str | None = typer.Option(None, help=_h("chat_template")),
-    length_policy: str = typer.Option("drop", help=_h("length_policy")),
-    eval_fraction: float = typer.Option(0.05, help=_h("eval_fraction")),
-    split_seed: int = typer.Option(0, help=_h("split_seed")),
-    dedup: bool = typer.Option(False, "--dedup/--no-dedup", help=_h("dedup")),
-    margin_from_scores: bool = typer.Option(False, help=_h("margin_from_scores")),
-    max_bad_fraction: float = typer.Option(0.05, help=_h("max_bad_fraction")),
-    num_shards: int = typer.Option(0, help=_h("num_shards")),
-    num_workers: int = typer.Option(1, help=_h("num_workers")),
-    runner: str = typer.Option("DirectRunner", help=_h("runner")),
-    batch_size: int = typer.Option(128, help=_h("batch_size")),
-    step_separator: str = typer.Option("\n", help=_h("step_separator")),
-    overwrite: bool = typer.Option(False, "--overwrite", help=_h("overwrite")),
+    max_length: int = _P("max_length"),
+    format: str = _P("format", "--format"),
+    chat_template: str | None = _P("chat_template"),
+    length_policy: str = _P("length_policy"),
+    eval_fraction: float = _P("eval_fraction"),
+    split_seed: int = _P("split_seed"),
+    dedup: bool = _P("dedup", "--dedup/--no-dedup"),
+    margin_from_scores: bool = _P("margin_from_scores", "--margin-from-scores/--no-margin-from-scores"),
+    max_bad_fraction: float = _P("max_bad_fraction"),
+    num_shards: int = _P("num_shards"),
+    num_workers: int = _P("num_workers"),
+    runner: str = _P("runner"),
+    batch_size: int = _P("batch_size"),
+    step_separator: str = _P("step_separator"),
+    overwrite: bool = _P("overwrite", "--overwrite"),
     detach: bool = typer.Option(False, "--detach", help="Submit the job and return (remote runners): the job "
                                 "finalises itself and writes COMPLETED when the output is complete."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Beam's log."),
@@ -247,24 +261,23 @@ def run_workflow(
 
 @command(name="eval")
 def eval_(
-    model: str = typer.Option(..., help="A run directory from `rmflow train` or an exported checkpoint folder."),
-    data: list[str] = typer.Option(..., help="A shard directory, or raw preference files in any layout "
-                                   "`rmflow preprocess` reads (preprocessed in-process); for a process reward "
-                                   "model, stepwise data (TRL's stepwise layout, ProcessBench)."),
-    output: str = typer.Option(..., "--output", "-o", help="Folder for eval.json, report.md and the plots."),
-    split: str = typer.Option("eval", help="Shard split to evaluate: eval, train or all (raw files: all)."),
-    batch_size: int = typer.Option(16, help="Pairs per forward pass."),
-    normalize: bool = typer.Option(False, "--normalize", help="Store the mean and std of the rewards on this "
-                                   "data with the model (reward_normalization.json), to standardise scores."),
-    mode: str = typer.Option("pairs", help="pairs; rewardbench-v1 (subset accuracies, section scores weighted "
-                             "as RewardBench does); rewardbench-v2 (best-of-4, 1/k credit for ties). "
-                             "Raw inputs are never truncated."),
+    model: str = typer.Option(..., help=help_for(EvalConfig, "model")),
+    data: list[str] = typer.Option(..., help=help_for(EvalConfig, "data")),
+    output: str = typer.Option(..., "--output", "-o", help=help_for(EvalConfig, "output")),
+    split: str = _E("split"),
+    step: int | None = _E("step"),
+    batch_size: int = _E("batch_size"),
+    normalize: bool = _E("normalize", "--normalize"),
+    mode: str = _E("mode"),
+    format: str = _E("format", "--format"),
+    margin_from_scores: bool = _E("margin_from_scores", "--margin-from-scores/--no-margin-from-scores"),
 ) -> None:
     """Evaluate a reward model: accuracy, loss, margins, calibration, length bias, per-subset accuracy; a process
     reward model: step accuracy, precision/recall/F1 of incorrect steps, first-error accuracy, ProcessBench F1."""
     from rmflow.evaluation import run_eval
 
-    m = run_eval(model, list(data), output, split=split, batch_size=batch_size, normalize=normalize, mode=mode)
+    m = run_eval(model, list(data), output, split=split, step=step, batch_size=batch_size, normalize=normalize,
+                 mode=mode, format=format, margin_from_scores=margin_from_scores)
     if m.get("kind") == "process":
         print_process_eval(m, output)
         return

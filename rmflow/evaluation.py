@@ -7,6 +7,7 @@ never by a second implementation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -18,8 +19,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from schemas.config import PreprocessConfig
+from schemas.config import EvalConfig, PreprocessConfig
 from schemas.manifest import ERRORS_FILE, MANIFEST_FILE
+from schemas.outputs import output_lock, staged_output
 from schemas.record import StepRecord, decode
 from trainer import storage
 from trainer.evaluate import (
@@ -35,7 +37,7 @@ from trainer.export import EXPORT_INFO
 from trainer.modeling.convert import load_reward_model
 from trainer.rewardbench import best_of_n_credit, v1_scores, v2_scores
 from trainer.rundir import is_run_dir, tokenizer_fingerprint
-from trainer.train import TrainError, check_tokenizer, check_vocabulary, load_trained_model, read_manifest
+from trainer.train import TrainError, check_model_fits, check_tokenizer, load_trained_model, read_manifest
 
 NORMALIZATION_FILE = "reward_normalization.json"
 INPUT_ERRORS = "input_errors.jsonl"
@@ -56,18 +58,20 @@ class LoadedModel:
         return "process" if self.model.config.num_labels == 2 else "outcome"
 
 
-def load_model(path: str) -> LoadedModel:
-    """A run directory (its newest checkpoint) or an exported checkpoint folder, local or remote
-    (copied down first)."""
+def load_model(path: str, step: int | None = None) -> LoadedModel:
+    """A run directory (its newest checkpoint, or ``step``) or an exported checkpoint folder, local
+    or remote (copied down first)."""
     path = storage.stage_run(path)
     if is_run_dir(path):
-        model, run, step = load_trained_model(path)
+        model, run, step = load_trained_model(path, step)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
                            run.manifest.config.get("step_separator", "\n"))
     if not os.path.isdir(path):
         raise TrainError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an exported "
                          "checkpoint folder")
+    if step is not None:
+        raise TrainError(f"{path} is an exported checkpoint (one set of weights): --step applies to run directories")
     model = load_reward_model(path)
     with open(os.path.join(path, "config.json")) as f:
         pad = json.load(f).get("pad_token_id") or 0
@@ -90,10 +94,12 @@ def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
 
 
 def load_records(data: list[str], split: str, model, tokenizer: str | None, model_path: str, workdir: str,
-                 output: str, step_separator: str = "\n"):
+                 output: str, step_separator: str = "\n", raw_options: dict[str, Any] | None = None,
+                 final_output: str | None = None):
     """(records, summary of the raw-input preprocessing or None). Shards are checked against the
     model's tokenizer and vocabulary; raw inputs are preprocessed with the model's tokenizer, and
-    what that set aside is copied to ``output``/input_errors.jsonl (also when nothing was usable)."""
+    what that set aside is copied to ``output``/input_errors.jsonl; when nothing was usable, beside
+    ``final_output`` (the folder ``output`` is staged for), which keeps its earlier eval."""
     input_summary = None
     if len(data) == 1 and storage.is_remote(data[0]) and storage.has_manifest(data[0]):
         data = [storage.stage_shards(data[0])]
@@ -101,7 +107,7 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
         folder = data[0]
         manifest = read_manifest(folder)
         check_tokenizer(manifest, tokenizer, f"the model {model_path}")
-        check_vocabulary(manifest, model.config)
+        check_model_fits(manifest, model.config)
     else:
         from pipelines.preprocess import PreprocessError
         from pipelines.preprocess import run as preprocess
@@ -112,12 +118,12 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
             result = preprocess(PreprocessConfig(inputs=tuple(data), output=folder, tokenizer=tokenizer,
                                                  max_length=model.config.max_position_embeddings,
                                                  eval_fraction=0.0, max_bad_fraction=1.0,
-                                                 step_separator=step_separator))
+                                                 step_separator=step_separator, **(raw_options or {})))
         except PreprocessError as e:  # e.g. no usable pair: keep the reasons where the user can read them
-            kept = _keep_input_errors(glob.glob(os.path.join(workdir, "shards.tmp-*", ERRORS_FILE)), output)
-            raise TrainError(f"{e}".split("; staging left at")[0]
-                             + (f"; every record set aside and its reason: {kept}" if kept else "")) from e
-        _keep_input_errors([os.path.join(folder, ERRORS_FILE)], output)
+            found = [e.errors_file] if e.errors_file else glob.glob(os.path.join(workdir, "shards.tmp-*", ERRORS_FILE))
+            kept = _keep_input_errors(found, failed_errors_path(final_output or output))
+            raise TrainError(e.reason + (f"; every record set aside and its reason: {kept}" if kept else "")) from e
+        _keep_input_errors([os.path.join(folder, ERRORS_FILE)], os.path.join(output, INPUT_ERRORS))
         input_summary = {"counts": result.stats["counts"], "not_scored": result.stats["dead_letters"]}
         split = "train"  # everything lands there when eval_fraction is 0
         manifest = read_manifest(folder)
@@ -131,18 +137,20 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
     return records, input_summary
 
 
-def _keep_input_errors(found: list[str], output: str) -> str | None:
-    """Copy the errors file of an in-process preprocessing to ``output``/input_errors.jsonl."""
+def _keep_input_errors(found: list[str], dest: str) -> str | None:
+    """Copy the errors file of an in-process preprocessing to ``dest``."""
     found = [f for f in found if os.path.exists(f)]
     if not found:
         return None
-    os.makedirs(output, exist_ok=True)
-    dest = os.path.join(output, INPUT_ERRORS)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
     shutil.copy(found[0], dest)
     return dest
 
 
-MODES = ("pairs", "rewardbench-v1", "rewardbench-v2")
+def failed_errors_path(output: str) -> str:
+    """Where a raw-file eval that found nothing usable keeps the reasons: beside the output folder,
+    which keeps the earlier eval it holds (an eval folder is replaced only by a finished eval)."""
+    return os.path.abspath(output.rstrip("/")) + "." + INPUT_ERRORS
 
 
 def check_eval_output(output: str) -> None:
@@ -150,21 +158,31 @@ def check_eval_output(output: str) -> None:
         raise TrainError(f"--output {output} is a file; give a folder for eval.json, report.md and the plots")
 
 
-def run_eval(model_path: str, data: list[str], output: str, *, split: str = "eval", batch_size: int = 16,
-             normalize: bool = False, mode: str = "pairs") -> dict[str, Any]:
-    if mode not in MODES:
-        raise TrainError(f"mode {mode!r}: use one of {MODES}")
-    if mode == "rewardbench-v2":
-        return run_rewardbench_v2(model_path, data, output, batch_size=batch_size)
+def run_eval(model_path: str, data: list[str], output: str, **options: Any) -> dict[str, Any]:
+    """Evaluate ``model_path`` on ``data``; ``options`` are EvalConfig's (split, step, mode, ...). The
+    output folder is locked while the eval runs, written in a staging folder and swapped in whole."""
+    cfg = EvalConfig(model=model_path, data=tuple(data), output=output, **options)
     check_eval_output(output)
+    with output_lock(output, "rmflow eval"):
+        with contextlib.suppress(FileNotFoundError):  # a failed earlier eval's reasons: this eval's replace them
+            os.remove(failed_errors_path(output))
+        with staged_output(output) as staging:
+            return _run_eval(cfg, staging)
+
+
+def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
+    model_path, data, split, batch_size, normalize, mode = (cfg.model, list(cfg.data), cfg.split, cfg.batch_size,
+                                                            cfg.normalize, cfg.mode)
+    if mode == "rewardbench-v2":
+        return run_rewardbench_v2(cfg, staging)
     if normalize and storage.is_remote(model_path):
         raise TrainError("--normalize stores reward_normalization.json in the model folder: give a local copy "
                          f"of {model_path}")
-    loaded = load_model(model_path)
+    loaded = load_model(model_path, cfg.step)
     model = loaded.model
     with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:
-        records, input_summary = load_records(data, split, model, loaded.tokenizer_dir, model_path, workdir, output,
-                                              loaded.step_separator)
+        records, input_summary = load_records(data, split, model, loaded.tokenizer_dir, model_path, workdir, staging,
+                                              loaded.step_separator, cfg.raw_input_options(), cfg.output)
     stepwise = isinstance(records[0], StepRecord)
     if stepwise != (loaded.kind == "process"):
         raise TrainError(
@@ -176,7 +194,7 @@ def run_eval(model_path: str, data: list[str], output: str, *, split: str = "eva
         if mode != "pairs" or normalize:
             raise TrainError(f"--mode {mode}{' and --normalize' if normalize else ''} apply to outcome reward "
                              "models; a process reward model is evaluated per step and per solution")
-        return _eval_process(loaded, model_path, records, input_summary, data, output, split, batch_size)
+        return _eval_process(loaded, model_path, records, input_summary, data, staging, split, batch_size)
     if mode == "rewardbench-v1":
         unlabeled = sum(r.subset is None for r in records)
         if unlabeled:
@@ -197,9 +215,8 @@ def run_eval(model_path: str, data: list[str], output: str, *, split: str = "eva
         metrics["input"] = input_summary
     if mode == "rewardbench-v1":
         metrics["rewardbench_v1"] = v1_scores(metrics["subsets"])
-    config = {"model": model_path, "model_description": loaded.description, "data": list(data), "split": split,
-              "batch_size": batch_size, "normalize": normalize, "mode": mode}
-    write_report(metrics, rc, rr, output, config)
+    config = {**cfg.to_dict(), "model_description": loaded.description}
+    write_report(metrics, rc, rr, staging, config)
     if normalize:  # stored with the model, so scores can be standardised at inference
         both = np.concatenate([rc, rr])
         with open(os.path.join(model_path, NORMALIZATION_FILE), "w") as f:
@@ -225,14 +242,14 @@ def _eval_process(loaded: LoadedModel, model_path: str, records, input_summary, 
     return metrics
 
 
-def run_rewardbench_v2(model_path: str, data: list[str], output: str, *, batch_size: int = 16) -> dict[str, Any]:
+def run_rewardbench_v2(cfg: EvalConfig, output: str) -> dict[str, Any]:
     """RewardBench 2 layout: prompt, chosen (list), rejected (list), subset. Best-of-n with tie credit."""
     from transformers import AutoTokenizer
 
     from pipelines.io import expand_inputs, iter_records
 
-    check_eval_output(output)
-    loaded = load_model(model_path)
+    model_path, data, batch_size = cfg.model, list(cfg.data), cfg.batch_size
+    loaded = load_model(model_path, cfg.step)
     model, pad_id = loaded.model, loaded.pad_id
     tok = AutoTokenizer.from_pretrained(require_tokenizer(model_path, loaded.tokenizer_dir, "rewardbench-v2"))
     seqs, examples = [], []
@@ -259,8 +276,7 @@ def run_rewardbench_v2(model_path: str, data: list[str], output: str, *, batch_s
                "rewardbench_v2": v2_scores(credits, [sub for _, _, sub in examples])}
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, "eval.json"), "w") as f:
-        json.dump({"metrics": metrics, "config": {"model": model_path, "model_description": loaded.description,
-                                                  "data": list(data), "mode": "rewardbench-v2"}},
+        json.dump({"metrics": metrics, "config": {**cfg.to_dict(), "model_description": loaded.description}},
                   f, indent=2, sort_keys=True)
     with open(os.path.join(output, "report.md"), "w") as f:
         f.write(rewardbench_v2_markdown(metrics, loaded.description, data))

@@ -31,11 +31,13 @@ import os
 import shutil
 from typing import Any
 
-from schemas.config import ConfigError, PreprocessConfig, TrainConfig
+from schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
 
 STAGES = ("preprocess", "train", "eval", "export")
 KNOWN_KEYS = {"output", *STAGES}
-EVAL_KEYS = {"split", "batch_size", "normalize"}
+# The workflow's eval takes every EvalConfig key but where its model and output go (the workflow's run
+# and eval folders); data defaults to the workflow's shards.
+EVAL_KEYS = {f.name for f in dataclasses.fields(EvalConfig)} - {"model", "output"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +76,13 @@ class Workflow:
         ev = dict(d.get("eval") or {})
         if set(ev) - EVAL_KEYS:
             raise ConfigError(f"unknown eval keys {sorted(set(ev) - EVAL_KEYS)}; known: {sorted(EVAL_KEYS)}")
-        return cls(out, pre, train, ev, bool(d.get("export", False)))
+        if ev.get("data"):
+            ev["data"] = [_path(p, base_dir) for p in ([ev["data"]] if isinstance(ev["data"], str) else ev["data"])]
+        EvalConfig(model=train.output, output=os.path.join(out, "eval"), **ev)  # validates every key
+        export = d.get("export", False)
+        if not isinstance(export, bool):
+            raise ConfigError(f"workflow 'export' {export!r}: must be true or false (unquoted)")
+        return cls(out, pre, train, ev, export)
 
     @classmethod
     def load(cls, path: str) -> Workflow:
@@ -254,7 +262,7 @@ def _set_aside(wf: Workflow, old_hash: str, log) -> None:
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             old = json.load(f)
-        new = dataclasses.asdict(wf.train)
+        new = json.loads(wf.train.to_json())  # as stored: tuples are lists there, not changes
         changes = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k]]
     except (OSError, ValueError):
         pass
@@ -273,7 +281,9 @@ def _set_aside(wf: Workflow, old_hash: str, log) -> None:
 def _run_eval(wf: Workflow, hashes, log) -> dict[str, Any]:
     from rmflow.evaluation import run_eval
 
-    m = run_eval(wf.train.output, [wf.preprocess.output], os.path.join(wf.output, "eval"), **wf.eval)
+    options = dict(wf.eval)
+    data = options.pop("data", None) or [wf.preprocess.output]
+    m = run_eval(wf.train.output, list(data), os.path.join(wf.output, "eval"), **options)
     report = os.path.join(wf.output, "eval", "report.md")
     if m.get("kind") == "process":
         return {"step_accuracy": m["step_accuracy"], "first_error_accuracy": m["first_error_accuracy"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -49,6 +50,9 @@ def absolute_if_local(path: str | None) -> str | None:
     return absolute(path) if path and "://" not in path and os.path.exists(path) else path
 
 
+_TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
+
+
 class ConfigError(RmflowError, ValueError):
     """A configuration value is invalid; the message says which and how to fix it."""
 
@@ -61,6 +65,34 @@ class _Serializable:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def _check_types(self) -> None:
+        """Each field holds a value of its declared type (a YAML ``"no"`` where a bool belongs, a
+        quoted number, a bool where a number belongs are refused); floats are finite; a whole
+        float where an int belongs (``1e3`` from YAML) is taken as that int."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = str(f.type)
+            if value is None and "None" in kind:
+                continue
+            if kind.startswith("int"):
+                if isinstance(value, float) and value.is_integer():
+                    object.__setattr__(self, f.name, int(value))
+                    continue
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif kind.startswith("float"):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                if ok:
+                    object.__setattr__(self, f.name, float(value))
+            elif kind.startswith("bool"):
+                ok = isinstance(value, bool)
+            elif kind.startswith("str"):
+                ok = isinstance(value, str)
+            else:
+                continue
+            if not ok:
+                raise ConfigError(f"{f.name} {value!r}: must be {_TYPE_WORDS.get(kind.split(' ')[0], kind)}"
+                                  + (" (unquoted true or false)" if kind.startswith("bool") else ""))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
@@ -112,6 +144,7 @@ class PreprocessConfig(_Serializable):
             object.__setattr__(self, "inputs", (self.inputs,))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "beam_args", tuple(self.beam_args))
+        self._check_types()
         if not self.inputs or not all(isinstance(p, str) and p for p in self.inputs):
             raise ConfigError("inputs: give at least one input file, glob or directory (--input)")
         if not self.output:
@@ -279,6 +312,7 @@ class TrainConfig(_Serializable):
                                           "JAX_COMPILATION_CACHE_DIR, else ~/.cache/rmflow/jax), off, or a folder.")
 
     def __post_init__(self) -> None:
+        self._check_types()
         for name in ("data", "model", "output"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: required (--{name})")
@@ -317,6 +351,17 @@ class TrainConfig(_Serializable):
         for name in ("weight_decay", "max_grad_norm", "center_rewards_coefficient"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+        for name in ("adam_b1", "adam_b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} {getattr(self, name)}: must be in [0, 1) (AdamW's decay rate of a moment)")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"adam_eps {self.adam_eps}: must be > 0")
+        if self.learning_rate > 1.0 or self.learning_rate_end > self.learning_rate:
+            raise ConfigError(f"learning_rate {self.learning_rate}, learning_rate_end {self.learning_rate_end}: the "
+                              "peak must be in (0, 1] and the end at most the peak")
+        if self.max_steps and self.warmup_steps >= self.max_steps:
+            raise ConfigError(f"warmup_steps {self.warmup_steps} >= max_steps {self.max_steps}: the learning rate "
+                              "would never reach its peak; use fewer warmup steps")
 
     @property
     def lora_config(self) -> LoraConfig | None:
@@ -370,3 +415,52 @@ def _parse(text: str, type_name: str, key: str) -> Any:
     except ValueError as e:
         raise ConfigError(f"--set {key}={text}: not a valid {type_name}") from e
     return text
+
+
+EVAL_MODES = ("pairs", "rewardbench-v1", "rewardbench-v2")
+EVAL_SPLITS = ("eval", "train", "all")
+# PreprocessConfig fields that `rmflow eval` takes for raw files (the tokenizer, max_length and
+# step separator come from the model): their defaults and help are PreprocessConfig's.
+RAW_INPUT_OPTIONS = ("format", "margin_from_scores")
+_PRE = {f.name: f for f in dataclasses.fields(PreprocessConfig)}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(_Serializable):
+    """Everything that determines an `rmflow eval` (the CLI options and the workflow's eval keys)."""
+
+    model: str = _opt("", "A run directory from `rmflow train` or an exported checkpoint folder (local or gs://).")
+    data: tuple[str, ...] = _opt((), "A shard directory, or raw files in any layout `rmflow preprocess` reads "
+                                     "(preprocessed in-process with the model's tokenizer); for a process reward "
+                                     "model, stepwise data. In a workflow: default, the workflow's shards.")
+    output: str = _opt("", "Folder for eval.json, report.md and the plots (replaced as a whole).")
+    split: str = _opt("eval", "Shard split to evaluate: eval, train or all (raw files: all).")
+    step: int | None = _opt(None, "Checkpoint step of a run directory to evaluate; default: the newest.")
+    batch_size: int = _opt(16, "Pairs per forward pass.")
+    normalize: bool = _opt(False, "Store the mean and std of the rewards on this data with the model "
+                                  "(reward_normalization.json), to standardise scores.")
+    mode: str = _opt("pairs", "pairs; rewardbench-v1 (subset accuracies, section scores weighted as RewardBench "
+                              "does); rewardbench-v2 (best-of-4, 1/k credit for ties). Raw inputs are never "
+                              "truncated.")
+    format: str = _opt(_PRE["format"].default, "Raw files: " + _PRE["format"].metadata["help"])
+    margin_from_scores: bool = _opt(_PRE["margin_from_scores"].default,
+                                    "Raw files: " + _PRE["margin_from_scores"].metadata["help"])
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, str):
+            object.__setattr__(self, "data", (self.data,))
+        object.__setattr__(self, "data", tuple(self.data))
+        self._check_types()
+        if self.split not in EVAL_SPLITS:
+            raise ConfigError(f"split {self.split!r}: use one of {', '.join(EVAL_SPLITS)}")
+        if self.mode not in EVAL_MODES:
+            raise ConfigError(f"mode {self.mode!r}: use one of {', '.join(EVAL_MODES)}")
+        _check_int(self.batch_size, "batch_size", 1)
+        if self.step is not None:
+            _check_int(self.step, "step", 0)
+        if self.format != "auto" and self.format not in FORMATS:
+            raise ConfigError(f"format {self.format!r}: use 'auto' or one of {', '.join(FORMATS)}")
+
+    def raw_input_options(self) -> dict[str, Any]:
+        """The preprocessing options for raw files, as PreprocessConfig keywords."""
+        return {name: getattr(self, name) for name in RAW_INPUT_OPTIONS}

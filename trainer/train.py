@@ -88,13 +88,14 @@ def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
     with LoRA adapters added when the config asks."""
     vocab = manifest.tokenizer.vocab_size
     labels = objective_for(manifest.kind).num_labels
-    if cfg.model != "tiny":
+    tiny = ModelConfig.tiny(vocab_size=vocab, num_labels=labels) if cfg.model == "tiny" else None
+    if tiny is None:
         folder = resolve(cfg.model)
-        read_config(folder)  # an unsupported or incomplete config.json fails first
+        model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
         check_tokenizer(manifest, folder, "the model")
-    model = base_model(cfg, ModelConfig.tiny(vocab_size=vocab, num_labels=labels) if cfg.model == "tiny" else None,
-                       num_labels=labels)
-    check_vocabulary(manifest, model.config)
+        check_model_fits(manifest, model_config)  # before any weight is read
+    model = base_model(cfg, tiny, num_labels=labels)
+    check_model_fits(manifest, model.config)
     return model
 
 
@@ -128,10 +129,17 @@ def check_tokenizer(manifest: Manifest, folder: str | None, what: str) -> None:
         raise TrainError(f"{e}. Preprocess with {what}'s tokenizer (--tokenizer {folder}).") from e
 
 
-def check_vocabulary(manifest: Manifest, model_config: ModelConfig) -> None:
+def check_model_fits(manifest: Manifest, model_config: ModelConfig) -> None:
+    """The shards' token ids and sequence lengths are within what the model has embeddings for:
+    an id past the vocabulary or a position past max_position_embeddings would be computed on
+    (rotary positions extrapolate) without a word, giving numbers the model was never made for."""
     if model_config.vocab_size < manifest.tokenizer.vocab_size:
         raise TrainError(f"the shards' tokenizer has {manifest.tokenizer.vocab_size} tokens, the model's embedding "
                          f"only {model_config.vocab_size}: they do not belong together")
+    if manifest.max_length > model_config.max_position_embeddings:
+        raise TrainError(f"the shards allow sequences of {manifest.max_length:,} tokens, past the model's "
+                         f"{model_config.max_position_embeddings:,} positions (max_position_embeddings): "
+                         f"preprocess again with --max-length {model_config.max_position_embeddings} or less")
 
 
 def shard_paths(data: str, manifest: Manifest, split: str) -> list[str]:
@@ -239,6 +247,9 @@ class Run:
         self.local_batch = cfg.batch_size // procs  # pairs this process reads per micro-batch
         self.packing = resolve_packing(cfg.packing, jax.default_backend())
         self.total_steps = plan_steps(cfg, self.manifest.splits["train"].pairs)
+        if cfg.warmup_steps >= self.total_steps:
+            raise TrainError(f"warmup_steps {cfg.warmup_steps} >= the run's {self.total_steps} steps: the learning "
+                             "rate would never reach its peak; use fewer warmup steps")
         model = build_model(cfg, self.manifest)
         self.pad_id = self.manifest.tokenizer.pad_token_id or 0
         self.trainer = make_trainer(cfg, model, self.total_steps, self.objective)

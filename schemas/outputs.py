@@ -1,0 +1,168 @@
+"""Output folders every command writes: one writer at a time, and written whole or not at all.
+
+``output_lock(output, command)`` holds an exclusive lock on a local output folder for as long as a
+command writes it: a second process that names the same folder is refused in one line naming the
+holder (host, process id, command, start time). The lock is ``flock`` on a file beside the folder
+(``.<name>.rmflow-lock``), so the kernel releases it when its process dies, however it dies; the
+next command then takes it over and says so. Remote outputs (gs://) have no such lock: object
+stores offer none, and the README says so.
+
+``staged_output(output)`` gives a staging folder beside ``output`` and swaps it in when the block
+ends without an error: an earlier output there is replaced whole (no stale file survives), and an
+interrupted write leaves the earlier one intact. Staging folders left by a writer that died are
+removed by the next holder of the lock (which proves that writer is gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+
+from schemas.errors import RmflowError, RmflowWarning
+
+LOCK_SUFFIX = ".rmflow-lock"
+STAGING_SUFFIX = ".tmp-"
+
+_held: dict[str, int] = {}  # lock file -> nesting depth, for this process (a workflow holds, its stages re-enter)
+_held_guard = threading.Lock()
+
+
+class OutputBusy(RmflowError):
+    """Another live process is writing this output folder."""
+
+
+def lock_path(output: str) -> str:
+    output = os.path.abspath(output.rstrip("/"))
+    return os.path.join(os.path.dirname(output), "." + os.path.basename(output) + LOCK_SUFFIX)
+
+
+def _describe(holder: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    return (f"`{holder.get('command', '?')}` (process {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+            f"started {started})")
+
+
+def _read_holder(fd: int) -> dict | None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    data = os.read(fd, 65536)
+    try:
+        holder = json.loads(data) if data.strip() else None
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+@contextlib.contextmanager
+def output_lock(output: str, command: str) -> Iterator[None]:
+    """Hold the exclusive lock of a local output folder (re-entrant within one process)."""
+    if "://" in output:
+        yield
+        return
+    path = lock_path(output)
+    with _held_guard:
+        if path in _held:
+            _held[path] += 1
+            nested = True
+        else:
+            nested = False
+    if nested:
+        try:
+            yield
+        finally:
+            with _held_guard:
+                _held[path] -= 1
+        return
+    fd = _acquire(path, output, command)
+    with _held_guard:
+        _held[path] = 1
+    try:
+        yield
+    finally:
+        with _held_guard:
+            del _held[path]
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)  # releases the flock
+
+
+def _acquire(path: str, output: str, command: str) -> int:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            who = _describe(holder) if holder else "another process"
+            raise OutputBusy(f"{output} is being written by {who}: wait for it to end, or choose another output "
+                             "folder") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # not a file its last holder unlinked while we were opening it
+            break
+        os.close(fd)
+    previous = _read_holder(fd)
+    if previous:
+        warnings.warn(f"{output}: took over the lock of {_describe(previous)}, which ended without releasing it "
+                      "(killed?); what it left half-written is discarded or resumed as each command does",
+                      RmflowWarning, stacklevel=4)
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, json.dumps({"command": command, "pid": os.getpid(), "host": socket.gethostname(),
+                             "started": time.time()}).encode())
+    return fd
+
+
+def is_locked_by_me(output: str) -> bool:
+    with _held_guard:
+        return lock_path(output) in _held
+
+
+def stale_staging(output: str) -> list[str]:
+    """Staging folders of ``output`` (call while holding its lock: then no live writer owns them)."""
+    out = os.path.abspath(output.rstrip("/"))
+    return sorted(p for p in glob.glob(glob.escape(out) + STAGING_SUFFIX + "*") if os.path.isdir(p))
+
+
+@contextlib.contextmanager
+def staged_output(output: str) -> Iterator[str]:
+    """A fresh staging folder beside ``output`` (mode as the umask says), swapped in on success."""
+    output = os.path.abspath(output.rstrip("/"))
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise OSError(f"{output} is a file; give a folder")
+    if is_locked_by_me(output):
+        for old in stale_staging(output):
+            shutil.rmtree(old, ignore_errors=True)
+    staging = f"{output}{STAGING_SUFFIX}{uuid.uuid4().hex[:12]}"
+    os.makedirs(staging)  # created per the umask (tempfile.mkdtemp would make it 0700)
+    try:
+        yield staging
+        swap_in(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def swap_in(staging: str, output: str) -> None:
+    """Replace ``output`` with ``staging``: one rename when there is none; else two, then the old
+    one is removed (a reader sees the old folder or the new one, never a mix)."""
+    if not os.path.exists(output):
+        os.rename(staging, output)
+        return
+    old = staging + ".old"
+    os.rename(output, old)
+    os.rename(staging, output)
+    shutil.rmtree(old, ignore_errors=True)
