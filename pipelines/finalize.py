@@ -63,6 +63,7 @@ class Finalization:
     tokenizer: TokenizerInfo
     tokenizer_files: dict[str, bytes]
     started: float  # epoch seconds, when the job was planned
+    skipped: tuple[tuple[str, str], ...] = ()  # (path, why): files the inputs' folders hold that are not inputs
 
 
 def gather(items: list) -> dict[str, Any]:
@@ -92,6 +93,7 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
     stats = None
     try:
         stats = summarize(summary, fin.cfg, time.time() - fin.started)
+        stats["skipped_inputs"] = [{"path": path, "why": why} for path, why in fin.skipped]
         check_quality(stats, fin.cfg, staging)
     except PreprocessError as e:
         failure = {"error": str(e), "reason": e.reason, "errors_file": e.errors_file,
@@ -160,6 +162,8 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
         "duplicates": by_category["duplicate"],
         "errors": by_category["error"],
         "prompt_truncated": sum(s.get("truncated", 0) for s in summary["shards"]),  # written, prompt cut
+        # written, with special-token text in a message (kept as text, never as control tokens)
+        "special_token_text": sum(s.get("special_text", 0) for s in summary["shards"]),
     }
     accounted = sum(counts[k] for k in ("pairs_written", "dropped_too_long", "ties", "duplicates", "errors"))
     if accounted != read:

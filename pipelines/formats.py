@@ -17,7 +17,7 @@ from typing import Any
 
 from schemas.config import FORMATS, STEP_FORMATS
 
-Message = tuple[str, str]  # (role, content)
+Message = tuple[str, ...]  # (role, content), or (role, content, tool calls as canonical JSON)
 ROLES = ("system", "user", "assistant", "tool")
 MAX_SUBSET_CHARS = 1000  # a label, not text (the record codec holds at most 64 KiB)
 
@@ -228,6 +228,14 @@ def _messages(value: Any, name: str) -> tuple[Message, ...]:
         role = m.get("role")
         if role not in ROLES:
             raise BadRecord("bad_role", f"{name}[{i}] has role {role!r}; expected one of {ROLES}")
+        calls = m.get("tool_calls")
+        if calls:  # an assistant's tool calls are part of what it said: kept, rendered by the template
+            if role != "assistant" or not isinstance(calls, (list, tuple)):
+                raise BadRecord("bad_message", f"{name}[{i}]: 'tool_calls' is a list, on assistant messages")
+            content = m.get("content") or ""
+            out.append((role, _text(content, f"{name}[{i}]"),
+                        json.dumps(list(calls), ensure_ascii=False, sort_keys=True, separators=(",", ":"))))
+            continue
         if "content" not in m or m["content"] is None:
             raise BadRecord("bad_message", f"{name}[{i}] has no 'content'")
         out.append((role, _text(m["content"], f"{name}[{i}]")))
@@ -246,7 +254,7 @@ def _check_reply(msgs: tuple[Message, ...], name: str) -> tuple[Message, ...]:
         raise BadRecord("empty_reply", f"'{name}' has no messages")
     if msgs[0][0] != "assistant":
         raise BadRecord("bad_role", f"'{name}' must start with an assistant message, got {msgs[0][0]!r}")
-    if not msgs[-1][1].strip():
+    if not msgs[-1][1].strip() and len(msgs[-1]) < 3:
         raise BadRecord("empty_reply", f"'{name}' ends with an empty reply")
     return msgs
 

@@ -8,6 +8,7 @@ publication of a finished output directory.
 from __future__ import annotations
 
 import contextlib
+import decimal
 import gzip
 import io
 import json
@@ -21,11 +22,14 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
 from schemas.errors import RmflowError
+from schemas.outputs import output_kind
 
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
-JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz")
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
+GZIP_SUFFIXES = (".gz", ".gzip")
+PARQUET_MAGIC = b"PAR1"
 _COPY_CHUNK = 8 << 20
 
 
@@ -34,36 +38,93 @@ class InputError(RmflowError, ValueError):
 
 
 def is_supported(path: str) -> bool:
-    return path.lower().endswith(JSON_SUFFIXES + PARQUET_SUFFIXES)
+    """A data file by its name: a JSON or Parquet suffix, or one of them gzipped under any ending."""
+    lower = path.lower()
+    for gz in GZIP_SUFFIXES:
+        if lower.endswith(gz):
+            lower = lower[: -len(gz)]
+            return lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES) or "." not in os.path.basename(lower)
+    return lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES)
 
 
-def expand_inputs(patterns: tuple[str, ...]) -> list[tuple[str, int]]:
+def expand_inputs(patterns: tuple[str, ...], skipped: list[tuple[str, str]] | None = None) -> list[tuple[str, int]]:
     """Each pattern (file, glob or directory) to the sorted (path, size) of its data files."""
-    return [(path, size) for path, size, _ in list_inputs(patterns)]
+    return [(path, size) for path, size, _ in list_inputs(patterns, skipped)]
 
 
-def list_inputs(patterns: tuple[str, ...]) -> list[tuple[str, int, float]]:
+def list_inputs(patterns: tuple[str, ...], skipped: list[tuple[str, str]] | None = None
+                ) -> list[tuple[str, int, float]]:
     """The sorted (path, size, modification time) of the data files the patterns name: one
-    listing per pattern, local or remote (metadata only)."""
+    listing per pattern, local or remote (metadata only). A file named on its own is read
+    whatever its name (its content decides: gzip and Parquet by their magic bytes); a glob or
+    a folder yields the files with a data suffix, except what lies under a hidden file or folder
+    (``.ipynb_checkpoints``, ``.git``) or inside an earlier rmflow output (shards, a run, an eval):
+    those are appended to ``skipped`` as (path, why)."""
     found: dict[str, tuple[int, float]] = {}
     for pattern in patterns:
         stripped = pattern.rstrip("/")
-        is_dir = not any(c in pattern for c in "*?[") and not is_supported(stripped) and (
-            os.path.isdir(stripped) or "://" in stripped
-        )
+        has_glob = any(c in pattern for c in "*?[")
+        is_dir = not has_glob and (os.path.isdir(stripped) or ("://" in stripped and not is_supported(stripped)))
         query = stripped + "/**" if is_dir else pattern
         try:
             metas = FileSystems.match([query])[0].metadata_list
         except Exception as e:  # noqa: BLE001 - Beam raises BeamIOError and friends
             raise InputError(f"cannot list input {pattern!r}: {e}") from e
-        files = {m.path: (m.size_in_bytes, m.last_updated_in_seconds) for m in metas if is_supported(m.path)}
+        if not has_glob and not is_dir:  # one file, named: read it whatever it is called
+            files = {m.path: (m.size_in_bytes, m.last_updated_in_seconds) for m in metas}
+        else:
+            root = stripped if is_dir else _glob_root(pattern)
+            files = {}
+            excluded = _excluded(root, [m.path for m in metas])
+            for m in metas:
+                why = excluded.get(m.path)
+                if why:
+                    if skipped is not None and is_supported(m.path):
+                        skipped.append((m.path, why))
+                elif is_supported(m.path):
+                    files[m.path] = (m.size_in_bytes, m.last_updated_in_seconds)
         if not files:
             raise InputError(
                 f"input {pattern!r} matches no data files (supported: "
-                f"{', '.join(JSON_SUFFIXES + PARQUET_SUFFIXES)})"
+                f"{', '.join(JSON_SUFFIXES + PARQUET_SUFFIXES)}, gzipped or not"
+                + ("; hidden files and earlier rmflow outputs are skipped" if skipped else "") + ")"
             )
         found.update(files)
     return sorted((path, size, mtime) for path, (size, mtime) in found.items())
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder a glob starts from: its path up to the first component with a wildcard."""
+    parts = pattern.split("/")
+    for i, part in enumerate(parts):
+        if any(c in part for c in "*?["):
+            return "/".join(parts[:i])
+    return os.path.dirname(pattern)
+
+
+def _excluded(root: str, paths: list[str]) -> dict[str, str]:
+    """path -> why it is not an input: below ``root``, a hidden component, or a folder that is an
+    rmflow output (recognised by the files the listing shows in it)."""
+    root = root.rstrip("/")
+    names_in: dict[str, set[str]] = {}
+    for path in paths:
+        folder, _, name = path.rpartition("/")
+        names_in.setdefault(folder, set()).add(name)
+    kinds = {folder: kind for folder, names in names_in.items() if (kind := output_kind(names))}
+    out = {}
+    for path in paths:
+        rel = path[len(root) + 1:] if root and path.startswith(root + "/") else os.path.basename(path)
+        parts = rel.split("/")
+        if any(p.startswith(".") for p in parts):
+            out[path] = "hidden"
+            continue
+        folder = path.rpartition("/")[0]
+        while len(folder) >= len(root) and folder:
+            if folder in kinds:
+                out[path] = f"inside an rmflow {kinds[folder]} ({folder})"
+                break
+            folder = folder.rpartition("/")[0]
+    return out
 
 
 def iter_records(path: str) -> Iterator[tuple[int, str, str | None]]:
@@ -73,9 +134,8 @@ def iter_records(path: str) -> Iterator[tuple[int, str, str | None]]:
     ``[`` is read as one JSON array. Parquet: each row, rendered as JSON. A line that is
     not valid UTF-8 comes back with the undecodable bytes replaced and a problem message.
     """
-    if path.lower().endswith(PARQUET_SUFFIXES):
-        for row, text in _iter_parquet(path):
-            yield row, text, None
+    if _is_parquet(path):
+        yield from _iter_parquet(path)
         return
     with _open_text_source(path) as f:
         line = f.readline()
@@ -125,11 +185,19 @@ def _iter_json_array(data: bytes) -> Iterator[tuple[int, str, str | None]]:
         yield i, json.dumps(item, ensure_ascii=False), None
 
 
+def _is_parquet(path: str) -> bool:
+    """Parquet by its magic bytes (``PAR1`` at the start), whatever the file is called."""
+    if path.lower().endswith(PARQUET_SUFFIXES):
+        return True
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        return f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC
+
+
 def _is_jsonl(path: str) -> bool:
     return ".jsonl" in path.lower() or ".ndjson" in path.lower()
 
 
-def _iter_parquet(path: str) -> Iterator[tuple[int, str]]:
+def _iter_parquet(path: str) -> Iterator[tuple[int, str, str | None]]:
     import pyarrow.parquet as pq
 
     with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
@@ -138,15 +206,32 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, str]]:
         for batch in pf.iter_batches(batch_size=4096):
             for rec in batch.to_pylist():
                 row += 1
-                yield row, json.dumps(rec, ensure_ascii=False, default=_json_default)
+                try:
+                    yield row, json.dumps(rec, ensure_ascii=False, default=_json_default), None
+                except UnicodeDecodeError as e:  # a binary column that is not text: refused, never replaced
+                    shown = json.dumps(rec, ensure_ascii=False, default=_json_shown)
+                    yield row, shown, f"a binary column holds bytes that are not valid UTF-8: {e.reason} at byte {e.start}"
 
 
 def _json_default(obj: Any) -> Any:
+    """Parquet values JSON has no type for: arrays as lists, decimals as numbers, binary as UTF-8
+    text (strictly: bytes that are not text raise), dates and times as ISO 8601 text."""
     if hasattr(obj, "tolist"):
         return obj.tolist()
+    if isinstance(obj, decimal.Decimal):
+        return float(obj)
     if isinstance(obj, (bytes, bytearray)):
-        return obj.decode("utf-8", errors="replace")
+        return bytes(obj).decode("utf-8")
+    if hasattr(obj, "isoformat"):
+        return obj.isoformat()
     return str(obj)
+
+
+def _json_shown(obj: Any) -> Any:
+    """As _json_default, but bytes that are not text are shown escaped (for the errors file only)."""
+    if isinstance(obj, (bytes, bytearray)):
+        return bytes(obj).decode("utf-8", errors="backslashreplace")
+    return _json_default(obj)
 
 
 def write_bytes(path: str, data: bytes) -> None:

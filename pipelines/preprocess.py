@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -53,6 +54,7 @@ from schemas.manifest import (
     STATS_FILE,
     Manifest,
 )
+from schemas.outputs import output_lock
 
 BYTES_PER_SHARD = 256 << 20  # raw input bytes per train shard when --num-shards is 0 (auto)
 
@@ -70,6 +72,7 @@ class Plan:
     assets: TokenizerAssets
     shard_counts: dict[str, int]
     staging: str
+    skipped: tuple[tuple[str, str], ...] = ()  # (path, why) of files in the input folders that are not inputs
 
 
 def plan_shards(cfg: PreprocessConfig, input_bytes: int) -> dict[str, int]:
@@ -89,13 +92,14 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
     if rio.exists(out) and not _is_shard_folder(out):  # --overwrite deletes it: only ever our own output
         raise PreprocessError(f"--overwrite would delete {out}, which is not an rmflow shard folder (no "
                               f"{MANIFEST_FILE}, {COMPLETED_FILE} or {SUMMARY_FILE}): choose another --output")
+    skipped: list[tuple[str, str]] = []
     try:
-        files = rio.expand_inputs(cfg.inputs)
+        files = rio.expand_inputs(cfg.inputs, skipped)
     except rio.InputError as e:
         raise PreprocessError(str(e)) from e
     assets = load_tokenizer_assets(cfg.tokenizer, cfg.chat_template)
     report_leftovers(out)
-    return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), new_staging(out))
+    return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), new_staging(out), tuple(skipped))
 
 
 def _is_shard_folder(path: str) -> bool:
@@ -181,7 +185,7 @@ def finalization(cfg: PreprocessConfig, plan: Plan, started: float | None = None
     return Finalization(cfg=cfg, staging=plan.staging, output=cfg.output.rstrip("/"), files=tuple(plan.files),
                         splits=tuple(plan.shard_counts), tokenizer=tokenizer_info(plan.assets, tok),
                         tokenizer_files=plan.assets.files_as_used(),
-                        started=time.time() if started is None else started)
+                        started=time.time() if started is None else started, skipped=plan.skipped)
 
 
 def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None, *, wait: bool = True) -> PreprocessResult | None:
@@ -192,6 +196,12 @@ def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None, *, wait: b
     started = time.time()
     cfg = cfg.with_absolute_paths()  # the config written with the shards names the same files from anywhere
     p = pipeline if pipeline is not None else make_pipeline(cfg)  # validates the runner options first
+    # A local output is locked while the launcher waits for the job (a detached or remote job: not).
+    with output_lock(cfg.output, "rmflow preprocess") if wait else contextlib.nullcontext():
+        return _run(cfg, p, started, wait)
+
+
+def _run(cfg: PreprocessConfig, p, started: float, wait: bool) -> PreprocessResult | None:
     plan = make_plan(cfg)
     core = shared_pair_tokenizer(plan.assets, cfg.step_separator)  # kept referenced: in-process workers reuse it
     fin = finalization(cfg, plan, started, core.tok)

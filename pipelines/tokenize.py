@@ -144,6 +144,7 @@ class TokenizedPair:
     rejected_ids: np.ndarray
     prompt_len: int
     head_len: int  # template tokens truncate-prompt must keep at the start
+    special_text: bool = False  # its messages hold special-token text, tokenized as text
 
     @property
     def n_tokens(self) -> int:
@@ -157,6 +158,7 @@ class TokenizedSteps:
     step_ends: np.ndarray  # the token scoring each step
     prompt_len: int
     head_len: int
+    special_text: bool = False  # its messages hold special-token text, tokenized as text
 
     @property
     def n_tokens(self) -> int:
@@ -196,6 +198,8 @@ class PairTokenizer:
         self._head_cache: dict[tuple[Message, ...], int] = {}
         self._template: Any = None
         self._variables: dict[str, Any] = {}
+        self._special: Any = None  # the special tokens' strings, as one pattern (False: none)
+        self._plain: Any = None  # a copy of the backend that encodes special-token strings as text
 
     def _render_many(self, conversations: list[tuple[Message, ...]], generation_prompt: bool) -> list[str]:
         """Render with the compiled template, as apply_chat_template does (same sandboxed
@@ -206,11 +210,19 @@ class PairTokenizer:
             self._template = _compile_jinja_template(self.tok.get_chat_template())
             self._variables = dict(self.tok.special_tokens_map, tools=None, documents=None)
         render = self._template.render
+        if any(len(m) > 2 for conv in conversations for m in conv) and not self.renders_tool_calls:
+            raise BadRecord("tool_calls_unsupported", "a message has tool_calls and the chat template does not "
+                            "render them (it never reads 'tool_calls'): they would be dropped; use a template "
+                            "that renders tool calls (--chat-template)")
         return [
-            render(messages=[{"role": r, "content": c} for r, c in conv],
-                   add_generation_prompt=generation_prompt, **self._variables)
+            render(messages=[_message_dict(m) for m in conv], add_generation_prompt=generation_prompt,
+                   **self._variables)
             for conv in conversations
         ]
+
+    @property
+    def renders_tool_calls(self) -> bool:
+        return "tool_calls" in (self.tok.get_chat_template() or "")
 
     def _encode(self, texts: list[str]):
         return self.backend.encode_batch(texts, add_special_tokens=False)
@@ -288,6 +300,8 @@ class PairTokenizer:
     def _template_error(self, pair: CanonicalPair | CanonicalSteps) -> BadRecord:
         try:
             self._render_batch([pair])
+        except BadRecord as e:
+            return e
         except Exception as e:  # jinja2 errors, a template's raise_exception(...)
             return BadRecord("template_error", f"chat template failed: {type(e).__name__}: {e}")
         return BadRecord("template_error", "chat template failed in a batch but not alone")
@@ -309,8 +323,73 @@ class PairTokenizer:
                     p.prompt_len or 0, 0,
                 ))
                 continue
-            out.append(self._tokenized(r, *(next(encodings) for _ in r.texts)))
+            encs = [next(encodings) for _ in r.texts]
+            if self._has_special_text(p):  # rare: re-encode with the messages' special-token text as text
+                try:
+                    encs = [self._encode_as_text(text, msgs) for text, msgs in zip(r.texts, _conversations(r))]
+                except BadRecord as e:
+                    out.append(e)
+                    continue
+                done = self._tokenized(r, *encs)
+                out.append(done if isinstance(done, BadRecord) else dataclasses.replace(done, special_text=True))
+                continue
+            out.append(self._tokenized(r, *encs))
         return out
+
+    def _special_pattern(self):
+        if self._special is None:
+            import re
+
+            special = sorted({t.content for t in self.tok.added_tokens_decoder.values() if t.special}
+                             | set(self.tok.all_special_tokens), key=len, reverse=True)
+            self._special = re.compile("|".join(re.escape(t) for t in special if t)) if special else False
+        return self._special
+
+    def _has_special_text(self, item: CanonicalPair | CanonicalSteps) -> bool:
+        pattern = self._special_pattern()
+        if not pattern:
+            return False
+        texts = [c for m in item.prompt for c in m[1:2]]
+        if isinstance(item, CanonicalSteps):
+            texts += list(item.steps)
+        else:
+            texts += [m[1] for m in item.chosen + item.rejected]
+        return any(pattern.search(t) for t in texts)
+
+    def _encode_as_text(self, text: str, contents: list[str]) -> _Encoding:
+        """Encode a rendered conversation whose message texts hold special-token strings: those
+        strings are encoded as the plain text they are (never as the control tokens the template
+        places); everything else as usual. Raises BadRecord when the template changed a message
+        so that its text cannot be found in the rendering."""
+        pattern = self._special_pattern()
+        if self._plain is None:
+            from tokenizers import Tokenizer
+
+            self._plain = Tokenizer.from_str(self.backend.to_str())
+            self._plain.encode_special_tokens = True
+            self._plain.no_truncation()
+            self._plain.no_padding()
+        spans, cursor = [], 0
+        for content in contents:
+            if not pattern.search(content):
+                continue
+            at = text.find(content, cursor)
+            if at < 0:
+                raise BadRecord("special_token_text", "a message holds special-token text and the chat template "
+                                "changes that message, so its text cannot be kept apart from the template's tokens")
+            spans += [(at + m.start(), at + m.end()) for m in pattern.finditer(content)]
+            cursor = at + len(content)
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        start = 0
+        for a, b in spans + [(len(text), len(text))]:
+            for lo, hi, backend in ((start, a, self.backend), (a, b, self._plain)):
+                if hi > lo:
+                    enc = backend.encode(text[lo:hi], add_special_tokens=False)
+                    ids += enc.ids
+                    offsets += [(lo + x, lo + y) for x, y in enc.offsets]
+            start = b
+        return _Encoding(ids, offsets)
 
     def _tokenize_one(self, r: Rendered | RenderedSteps) -> TokenizedPair | TokenizedSteps | BadRecord:
         if r.pair.is_tokenized:
@@ -357,6 +436,36 @@ class PairTokenizer:
         rendered = self.render(pairs)
         done = iter(self.tokenize([r for r in rendered if not isinstance(r, BadRecord)]))
         return [r if isinstance(r, BadRecord) else next(done) for r in rendered]
+
+
+def _message_dict(m: Message) -> dict[str, Any]:
+    d = {"role": m[0], "content": m[1]}
+    if len(m) > 2:
+        d["tool_calls"] = json.loads(m[2])
+    return d
+
+
+def _conversations(r: Rendered | RenderedSteps) -> list[list[str]]:
+    """The message texts (in order) of each text ``r.texts`` holds."""
+    p = r.pair
+    prompt = [m[1] for m in p.prompt]
+    if isinstance(r, RenderedSteps):
+        return [prompt + list(p.steps)]
+    return [prompt + [m[1] for m in p.chosen], prompt + [m[1] for m in p.rejected]]
+
+
+class _Encoding:
+    """What the tokenizers library's Encoding offers that this module reads, for a sequence
+    encoded in pieces."""
+
+    def __init__(self, ids: list[int], offsets: list[tuple[int, int]]):
+        self.ids, self.offsets = ids, offsets
+
+    def char_to_token(self, char: int) -> int | None:
+        for i, (a, b) in enumerate(self.offsets):
+            if a <= char < b:
+                return i
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -292,7 +292,7 @@ class LengthPolicyFn(beam.DoFn):
         truncated = record.prompt_len != tp.prompt_len
         if truncated:
             self.truncated.inc()
-        yield record, encoded, p.line, truncated
+        yield record, encoded, p.line, truncated, tp.special_text
 
     def _fit(self, tp) -> PairRecord | StepRecord:
         """The record that fits max_length under the policy (raises TooLong)."""
@@ -336,11 +336,11 @@ def record_lengths(rec: PairRecord | StepRecord) -> dict[str, int]:
 
 
 def _to_shard_entry(item, eval_fraction: float, seed: int, shard_counts: dict[str, int]):
-    rec, encoded, line, truncated = item
+    rec, encoded, line, truncated, special_text = item
     split = assign_split(rec.record_id, eval_fraction, seed)
     key = (split, assign_shard(rec.record_id, shard_counts[split]))
     kind = "process" if isinstance(rec, StepRecord) else "outcome"
-    return key, ((rec.record_id, rec.source, line), encoded, record_lengths(rec), truncated, kind)
+    return key, ((rec.record_id, rec.source, line), encoded, record_lengths(rec), truncated, kind, special_text)
 
 
 class SplitTrainEval(beam.PTransform):
@@ -368,10 +368,11 @@ class WriteShardFn(beam.DoFn):
         write_array_record_shard(f"{self.folder}/{name}", [e[1] for e in entries])
         self.written.inc(len(entries))
         hist: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        for _, _, lengths, _, _ in entries:
+        for _, _, lengths, _, _, _ in entries:
             for field, n in lengths.items():
                 hist[field][n] += 1
         yield {"split": split, "file": name, "pairs": len(entries), "truncated": sum(e[3] for e in entries),
+               "special_text": sum(e[5] for e in entries),
                "lengths": {k: dict(v) for k, v in hist.items()},
                "kinds": dict(collections.Counter(e[4] for e in entries))}
 

@@ -160,6 +160,8 @@ def print_summary(stats: dict, output: str) -> None:
     truncated = c.get("prompt_truncated", 0)
     if truncated:
         table.add_row("written with a truncated prompt", f"{truncated:,}")
+    if c.get("special_token_text", 0):
+        table.add_row("written with special-token text in a message (kept as text)", f"{c['special_token_text']:,}")
     console.print(table)
     reasons = stats["dead_letters"]
     if reasons:
@@ -169,6 +171,12 @@ def print_summary(stats: dict, output: str) -> None:
         for d in sorted(reasons, key=lambda d: -d["count"]):
             t.add_row(d["category"], d["code"], f"{d['count']:,}")
         console.print(t)
+    skipped = stats.get("skipped_inputs") or []
+    if skipped:
+        hidden = sum(s["why"] == "hidden" for s in skipped)
+        console.print(f"skipped {len(skipped):,} files in the input folders that are not inputs: {hidden:,} hidden "
+                      f"(under a name starting with '.'), {len(skipped) - hidden:,} inside earlier rmflow outputs "
+                      "(listed in stats.json, skipped_inputs)")
     lengths = stats["lengths"].get("train", {})
     if lengths:
         t = Table(title="train token lengths")

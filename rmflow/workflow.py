@@ -32,6 +32,7 @@ import shutil
 from typing import Any
 
 from schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
+from schemas.outputs import output_lock
 
 STAGES = ("preprocess", "train", "eval", "export")
 KNOWN_KEYS = {"output", *STAGES}
@@ -131,7 +132,13 @@ def _finish(wf: Workflow, stage: str, h: str, info: dict[str, Any]) -> None:
 
 
 def run(wf: Workflow, log=print) -> dict[str, str]:
-    """Run the stages that are not already done; returns each stage's status (ran, skipped, off)."""
+    """Run the stages that are not already done; returns each stage's status (ran, skipped, off). The
+    workflow's folder is locked while it runs: a second `rmflow run` of it is refused."""
+    with output_lock(wf.output, "rmflow run"):
+        return _run(wf, log)
+
+
+def _run(wf: Workflow, log) -> dict[str, str]:
     os.makedirs(wf.output, exist_ok=True)
     status: dict[str, str] = {}
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
@@ -215,6 +222,9 @@ def summary_lines(stats: dict[str, Any], max_length: int) -> list[str]:
     read = max(c["records_read"], 1)
     lines = [f"{c['records_read']:,} records read, {c['pairs_written']:,} pairs written "
              f"({c['pairs_written_train']:,} train / {c['pairs_written_eval']:,} eval)"]
+    if stats.get("skipped_inputs"):
+        lines.append(f"skipped {len(stats['skipped_inputs']):,} files in the input folders: hidden, or inside "
+                     "earlier rmflow outputs (stats.json, skipped_inputs)")
     for key, what in (("dropped_too_long", f"longer than max_length {max_length}"), ("ties", "ties"),
                       ("duplicates", "duplicates"), ("errors", "errors")):
         if c[key]:

@@ -166,3 +166,23 @@ def swap_in(staging: str, output: str) -> None:
     os.rename(output, old)
     os.rename(staging, output)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# What each rmflow output folder holds, by which it is recognised (all of a set must be present),
+# so that an input folder holding an earlier output is never read back as data.
+OUTPUT_SIGNATURES: dict[str, tuple[frozenset[str], ...]] = {
+    "shard folder": (frozenset({"manifest.json", "stats.json"}), frozenset({"_summary.json"})),
+    "run directory": (frozenset({"model_config.json", "config.json"}),),
+    "eval folder": (frozenset({"eval.json", "report.md"}),),
+    "export": (frozenset({"rmflow_export.json"}),),
+    "staging folder": (frozenset({"_owner.json"}),),
+    "workflow folder": (frozenset({"preprocess.done.json"}), frozenset({"train.started.json"})),
+}
+
+
+def output_kind(names: set[str] | frozenset[str]) -> str | None:
+    """The kind of rmflow output a folder holding files ``names`` is, or None."""
+    for kind, signatures in OUTPUT_SIGNATURES.items():
+        if any(sig <= names for sig in signatures):
+            return kind
+    return None

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import warnings
 
 import numpy as np
 from flax import nnx
 
 from schemas.errors import RmflowError, RmflowWarning
+from schemas.outputs import output_lock, staged_output
 from trainer import storage
 from trainer.modeling import lora
 from trainer.modeling.config import ModelConfig
@@ -63,9 +63,18 @@ def state_dict(model: RewardModel) -> dict[str, np.ndarray]:
     return out
 
 
-def save_safetensors(tensors: dict[str, np.ndarray], folder: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def _save_file(tensors: dict[str, np.ndarray], path: str) -> None:
+    """safetensors' save_file, its I/O failures (a full disk ...) raised as the OSError they are."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:
+        raise OSError(None, f"cannot write the weights: {e}", path) from e
+
+
+def save_safetensors(tensors: dict[str, np.ndarray], folder: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):
@@ -76,12 +85,12 @@ def save_safetensors(tensors: dict[str, np.ndarray], folder: str, max_shard_byte
         shards[-1][name] = tensors[name]
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        _save_file(shards[0], os.path.join(folder, "model.safetensors"))
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        _save_file(shard, os.path.join(folder, name))
         weight_map.update(dict.fromkeys(shard, name))
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
@@ -114,6 +123,11 @@ def export(run_dir: str, output: str, *, step: int | None = None, max_shard_byte
     adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, the score head as a
     module to save) that ``peft.PeftModel.from_pretrained`` loads onto the base model."""
     output = os.path.abspath(output)
+    with output_lock(output, "rmflow export"):
+        return _export(run_dir, output, step, max_shard_bytes, adapter)
+
+
+def _export(run_dir: str, output: str, step: int | None, max_shard_bytes: int, adapter: bool) -> str:
     check_destination(output)
     model, run, step = load_trained_model(run_dir, step)
     if adapter and run.config.lora_config is None:
@@ -126,10 +140,7 @@ def export(run_dir: str, output: str, *, step: int | None = None, max_shard_byte
         warnings.warn(f"{run_dir} has no tokenizer files; the export will have none: copy the tokenizer the "
                       "shards were made with into it", RmflowWarning, stacklevel=2)
     pad = run.manifest.tokenizer.pad_token_id
-    parent = os.path.dirname(output)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=os.path.basename(output) + ".tmp-", dir=parent)
-    try:
+    with staged_output(output) as staging:  # swapped in whole; an interrupted export leaves the old one
         if adapter:
             base_path = os.path.abspath(resolve(run.config.model)) if run.config.model != "tiny" else None
             if base_path is None:  # the tiny preset's random base exists nowhere else: ship it, in base/
@@ -149,10 +160,6 @@ def export(run_dir: str, output: str, *, step: int | None = None, max_shard_byte
                        "data": run.config.data, "tokenizer_sha256": run.manifest.tokenizer.sha256,
                        "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.kind,
                        "step_separator": run.manifest.config.get("step_separator", "\n")}, f, indent=2)
-        _swap_in(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return output
 
 
@@ -187,13 +194,3 @@ def write_adapter(model: RewardModel, folder: str, cfg, base_path: str) -> None:
               "init_lora_weights": True, "base_model_name_or_path": base_path}
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-
-
-def _swap_in(staging: str, output: str) -> None:
-    if not os.path.exists(output):
-        os.rename(staging, output)
-        return
-    old = staging + ".old"
-    os.rename(output, old)
-    os.rename(staging, output)
-    shutil.rmtree(old)

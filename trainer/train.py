@@ -12,6 +12,7 @@ of a run never interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -31,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from schemas.config import TrainConfig
 from schemas.errors import RmflowError, RmflowWarning
 from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
+from schemas.outputs import output_lock
 from trainer import storage
 from trainer.compilation import use_compilation_cache
 from trainer.data import make_loader, resolve_packing
@@ -296,12 +298,19 @@ class Run:
 def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None] | None = None,
         on_start: Callable[[int], None] | None = None) -> TrainResult:
     """Train; ``on_start(step)`` is called once every check has passed, before the first step
-    (``step`` > 0 when resuming), ``on_log(record)`` with each metrics record."""
+    (``step`` > 0 when resuming), ``on_log(record)`` with each metrics record. The run directory is
+    locked for the whole run (by process 0 of a multi-process run): a second run into it is refused."""
+    cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
+    distributed.initialize(cfg.distributed, cfg.coordinator_address, cfg.num_processes)  # before any backend use
+    lock = output_lock(cfg.output, "rmflow train") if distributed.is_primary() else contextlib.nullcontext()
+    with lock:
+        return _run(cfg, resume, on_log, on_start)
+
+
+def _run(cfg: TrainConfig, resume: bool, on_log, on_start) -> TrainResult:
     import grain
     import orbax.checkpoint as ocp
 
-    cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
-    distributed.initialize(cfg.distributed, cfg.coordinator_address, cfg.num_processes)  # before any backend use
     use_compilation_cache(cfg.compilation_cache)
     primary = distributed.is_primary()
     if storage.is_remote(cfg.output) and jax.process_count() > 1:
