@@ -216,6 +216,11 @@ def _text(value: Any, name: str) -> str:
     raise BadRecord("bad_type", f"{name} content must be a string, got {type(value).__name__}")
 
 
+def read_messages(value: Any, name: str) -> tuple[Message, ...]:
+    """A message list read as every layout reads one (roles, text parts, tool calls); raises BadRecord."""
+    return _messages(value, name)
+
+
 def _messages(value: Any, name: str) -> tuple[Message, ...]:
     if isinstance(value, Mapping):  # a single message where a list was expected
         value = [value]

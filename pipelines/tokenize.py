@@ -346,15 +346,24 @@ class PairTokenizer:
         return self._special
 
     def _has_special_text(self, item: CanonicalPair | CanonicalSteps) -> bool:
-        pattern = self._special_pattern()
-        if not pattern:
-            return False
-        texts = [c for m in item.prompt for c in m[1:2]]
+        texts = [m[1] for m in item.prompt]
         if isinstance(item, CanonicalSteps):
             texts += list(item.steps)
         else:
             texts += [m[1] for m in item.chosen + item.rejected]
-        return any(pattern.search(t) for t in texts)
+        return self._any_special(texts)
+
+    def _any_special(self, texts: Sequence[str]) -> bool:
+        pattern = self._special_pattern()
+        return bool(pattern) and any(pattern.search(t) for t in texts)
+
+    def encode_conversation(self, conversation: tuple[Message, ...]) -> np.ndarray:
+        """Token ids of one whole conversation (a reply to score), rendered and tokenized exactly as
+        preprocessing renders a pair's side: message text is text. Raises BadRecord."""
+        [text] = self._render_many([conversation], False)
+        contents = [m[1] for m in conversation]
+        enc = self._encode_as_text(text, contents) if self._any_special(contents) else self._encode([text])[0]
+        return np.asarray(enc.ids, np.int32)
 
     def _encode_as_text(self, text: str, contents: list[str]) -> _Encoding:
         """Encode a rendered conversation whose message texts hold special-token strings: those

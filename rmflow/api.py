@@ -41,19 +41,27 @@ class BadConversation(ValueError):
     """A conversation that cannot be scored; the message says why."""
 
 
-def conversation_messages(obj: Any) -> list[dict[str, str]]:
-    """The message list of a conversation (a list of ``{role, content}``, or an object with
-    ``messages``), checked: strings only, ending with an assistant message."""
+class WrongModelKind(TypeError):
+    """A method for outcome reward models called on a process reward model, or the reverse."""
+
+
+def conversation_messages(obj: Any) -> tuple[tuple[str, ...], ...]:
+    """The messages of a conversation (a list of ``{role, content}``, or an object with ``messages``),
+    read by the preprocessing code itself (roles, text parts, tool calls), ending with an assistant
+    message."""
+    from pipelines.formats import BadRecord, read_messages
+
     msgs = obj.get("messages") if isinstance(obj, dict) else obj
     if not isinstance(msgs, (list, tuple)) or not msgs:
         raise BadConversation("expected a non-empty list of messages, or an object with 'messages'")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadConversation(f"message {i} must be an object with string 'role' and 'content'")
-    if msgs[-1]["role"] != "assistant":  # a reward model scores a reply, not a question
-        raise BadConversation(f"the last message is the {msgs[-1]['role']}'s; a reward model scores an assistant "
+    try:
+        messages = read_messages(msgs, "message")
+    except BadRecord as e:
+        raise BadConversation(e.message) from e
+    if messages[-1][0] != "assistant":  # a reward model scores a reply, not a question
+        raise BadConversation(f"the last message is the {messages[-1][0]}'s; a reward model scores an assistant "
                               "reply: end the conversation with the assistant message to score")
-    return list(msgs)
+    return messages
 
 
 def _encode_each(items: Sequence[Any], encode, what: str) -> list:
@@ -96,10 +104,23 @@ class RewardModel:
                 norm = json.load(f)
         return cls(loaded, tok, norm)
 
+    def _pair_tokenizer(self):
+        from pipelines.tokenize import PairTokenizer
+
+        if self._steps_tokenizer is None:
+            self._steps_tokenizer = PairTokenizer(self.tokenizer, self.step_separator)
+        return self._steps_tokenizer
+
     def encode(self, conversation: Conversation) -> np.ndarray:
-        """Token ids of one conversation, chat template applied; raises BadConversation."""
-        ids = self.tokenizer.apply_chat_template(conversation_messages(conversation), tokenize=True,
-                                                 return_dict=False)
+        """Token ids of one conversation, rendered and tokenized as preprocessing does (the chat
+        template applied; message text, special-token strings included, as text); raises
+        BadConversation."""
+        from pipelines.formats import BadRecord
+
+        try:
+            ids = self._pair_tokenizer().encode_conversation(conversation_messages(conversation))
+        except BadRecord as e:
+            raise BadConversation(e.message) from e
         if len(ids) > self.max_length:
             raise BadConversation(f"{len(ids)} tokens, more than the model's {self.max_length} positions")
         return np.asarray(ids, np.int32)
@@ -108,6 +129,7 @@ class RewardModel:
         """Rewards of token sequences (each scored at its last token), in input order."""
         from trainer.evaluate import score_sequences
 
+        self._require("outcome", "score_ids")
         if not len(sequences):
             return np.zeros(0, np.float32)
         return score_sequences(self._loaded.model, list(sequences), batch_size=batch_size,
@@ -117,12 +139,14 @@ class RewardModel:
               normalized: bool = False) -> np.ndarray:
         """One reward per conversation, float32, in input order. ``normalized``: standardised by
         the mean and std that `rmflow eval --normalize` stored with the model."""
+        self._require("outcome", "score")
         scores = self.score_ids(_encode_each(conversations, self.encode, "conversation"), batch_size=batch_size)
         return self.normalize(scores) if normalized else scores
 
     def score_pairs(self, chosen: Sequence[Conversation], rejected: Sequence[Conversation], *,
                     batch_size: int = 16) -> tuple[np.ndarray, np.ndarray]:
         """Rewards of chosen and rejected conversations, pair by pair (equal lengths)."""
+        self._require("outcome", "score_pairs")
         if len(chosen) != len(rejected):
             raise ValueError(f"{len(chosen)} chosen but {len(rejected)} rejected conversations")
         scores = self.score([*chosen, *rejected], batch_size=batch_size)
@@ -134,14 +158,10 @@ class RewardModel:
         """(token ids, index of each step's scoring token) of one solution, ``{"prompt": ...,
         "completions": [step, ...]}``, rendered by the preprocessing code itself; raises BadConversation."""
         from pipelines.formats import BadRecord, solution_to_score
-        from pipelines.tokenize import PairTokenizer
 
-        if self.kind != "process":
-            raise BadConversation("this is an outcome reward model: it scores whole replies (score), not steps")
-        if self._steps_tokenizer is None:
-            self._steps_tokenizer = PairTokenizer(self.tokenizer, self.step_separator)
+        self._require("process", "encode_steps")
         try:
-            [out] = self._steps_tokenizer([solution_to_score(solution)])
+            [out] = self._pair_tokenizer()([solution_to_score(solution)])
         except BadRecord as e:
             raise BadConversation(e.message) from e
         if isinstance(out, BadRecord):
@@ -170,7 +190,17 @@ class RewardModel:
     def score_steps(self, solutions: Sequence[dict[str, Any]], *, batch_size: int = 16) -> list[np.ndarray]:
         """For a process reward model: P(step is correct) for every step of every solution, one
         float32 array per solution, in input order."""
+        self._require("process", "score_steps")
         return self.score_step_ids(_encode_each(solutions, self.encode_steps, "solution"), batch_size=batch_size)
+
+    def _require(self, kind: str, method: str) -> None:
+        if self.kind == kind:
+            return
+        if self.kind == "process":
+            raise WrongModelKind(f"{method}: this is a process reward model, which scores each step of a solution: "
+                                 "use score_steps([{'prompt': ..., 'completions': [step, ...]}])")
+        raise WrongModelKind(f"{method}: this is an outcome reward model, which scores whole replies: use score "
+                             "or score_pairs")
 
     def normalize(self, scores: np.ndarray) -> np.ndarray:
         if not self.normalization or not self.normalization.get("std"):

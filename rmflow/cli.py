@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
+import signal
+import threading
 import warnings
 
 import typer
@@ -49,13 +52,18 @@ def command(name: str | None = None, **kwargs):
                 warnings.simplefilter("always", RmflowWarning)
                 warnings.showwarning = _show_warning
                 try:
-                    return fn(*args, **kw)
+                    with _interruptible():
+                        return fn(*args, **kw)
+                except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (below), outside a training loop
+                    console.print(f"[red]{verb} interrupted[/red]: nothing it was writing was published")
+                    raise typer.Exit(130) from e
                 except ConfigError as e:
                     console.print(f"[red]error:[/red] {_escape(str(e))}")
                     raise typer.Exit(2) from e
                 except RmflowError as e:
-                    console.print(f"[red]{verb} failed:[/red] {_escape(str(e))}")
-                    raise typer.Exit(1) from e
+                    stopped = getattr(e, "exit_code", None)  # a run a signal stopped at a step boundary
+                    console.print(f"[red]{verb} {'stopped' if stopped else 'failed'}:[/red] {_escape(str(e))}")
+                    raise typer.Exit(stopped or 1) from e
                 except OSError as e:  # a path the user gave: missing, a folder, not writable ...
                     where = f": {e.filename}" if e.filename else ""
                     console.print(f"[red]{verb} failed:[/red] {_escape((e.strerror or str(e)) + where)}")
@@ -64,6 +72,25 @@ def command(name: str | None = None, **kwargs):
         return app.command(name=name, **kwargs)(wrapper)
 
     return register
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: staging folders and locks are cleaned
+    up by the code being left, rather than the process vanishing mid-write. The training loop installs
+    its own handlers, which stop at a step boundary."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _h(name: str) -> str:
@@ -211,6 +238,10 @@ def train(
     set_: list[str] = typer.Option([], "--set", help="Override one option: key=value (repeatable); "
                                    "keys: " + ", ".join(f.name for f in dataclasses.fields(TrainConfig))),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output."),
+    allow_config_change: bool = typer.Option(False, "--allow-config-change", help="With --resume: continue even "
+                                             "though the config changes the run's trajectory (learning rate, "
+                                             "batch size, steps, data ...); the change is kept in "
+                                             "config_history.jsonl."),
 ) -> None:
     """Train a reward model on preprocessed shards (JAX / Flax / Optax, fed by Grain)."""
     from rmflow.workflow import read_yaml_mapping
@@ -243,7 +274,7 @@ def train(
         progress.update(task, completed=rec["step"], info=info)
 
     try:
-        result = run(cfg, resume=resume, on_log=on_log, on_start=on_start)
+        result = run(cfg, resume=resume, on_log=on_log, on_start=on_start, allow_config_change=allow_config_change)
     finally:
         progress.stop()
     last = result.history[-1] if result.history else {}

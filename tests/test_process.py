@@ -399,7 +399,7 @@ def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
 
 def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_path):
     from rmflow import RewardModel as API
-    from rmflow.api import BadConversation
+    from rmflow.api import BadConversation, WrongModelKind
     from rmflow.evaluation import run_eval
     from trainer.train import TrainError
 
@@ -422,7 +422,9 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     rm = API.load(str(run_dir))
     assert rm.kind == "process"
-    assert rm.score([conv]).shape == (1,)  # a whole reply: the log-odds that its last step is correct
+    for method, args in (("score", ([conv],)), ("score_pairs", ([conv], [conv])), ("score_ids", ([[1, 2]],))):
+        with pytest.raises(WrongModelKind, match=f"{method}: this is a process reward model.*score_steps"):
+            getattr(rm, method)(*args)
     with pytest.raises(BadConversation, match="solution 0: 'prompt' is empty"):
         rm.score_steps([{"prompt": " ", "completions": ["a"]}])
 

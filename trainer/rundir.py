@@ -37,6 +37,17 @@ from trainer.modeling.config import ModelConfig, ModelConfigError
 CONFIG = "config.json"
 MODEL_CONFIG = "model_config.json"
 DATA_MANIFEST = "data_manifest.json"
+CONFIG_HISTORY = "config_history.jsonl"  # every config the run has trained under, from which step
+
+# TrainConfig keys a resumed run may change without changing what it computes (where it logs and
+# saves, how it runs on the hardware); any other change alters the run's trajectory.
+RESUME_FREE_KEYS = frozenset({
+    "output", "data", "logging_steps", "eval_steps", "save_steps", "save_total_limit", "loader_workers",
+    "compile_ahead", "compilation_cache", "report_to", "wandb_project", "distributed", "coordinator_address",
+    "num_processes", "mesh_data", "mesh_fsdp", "mesh_tensor", "attention", "gradient_checkpointing",
+})
+# Keys whose change gives the parameters other shapes: a checkpoint cannot continue under them.
+RESUME_SHAPE_KEYS = frozenset({"model", "lora"})
 BASE_CONFIG = "base_config.json"
 CHECKPOINTS = "checkpoints"
 
@@ -76,6 +87,35 @@ def write_run_files(run_dir: str, cfg: TrainConfig, model_config: ModelConfig, b
         shutil.copyfile(os.path.join(base_folder, "config.json"), os.path.join(run_dir, BASE_CONFIG))
     with open(os.path.join(run_dir, CONFIG), "w") as f:  # last: its presence means the rest is there
         f.write(cfg.to_json())
+
+
+def resume_changes(run_dir: str, cfg: TrainConfig, data_dir: str) -> dict[str, tuple[Any, Any]]:
+    """What a resumed run would change: {key: (stored, new)} for every config key that alters the
+    run's trajectory, and ``data`` when the shards' manifest differs from the one the run began
+    with (another path to identical shards is no change)."""
+    try:
+        stored = _read_json(run_dir, CONFIG)
+    except RunDirError:
+        return {}
+    new = json.loads(cfg.to_json())
+    changes = {k: (stored.get(k), new[k]) for k in sorted(new)
+               if k not in RESUME_FREE_KEYS and stored.get(k) != new[k]}
+    old_manifest = os.path.join(run_dir, DATA_MANIFEST)
+    if os.path.exists(old_manifest):
+        with open(old_manifest, "rb") as a, open(os.path.join(data_dir, MANIFEST_FILE), "rb") as b:
+            if a.read() != b.read():
+                changes["data"] = (stored.get("data"), new["data"] + " (other shards)")
+    return changes
+
+
+def record_config(run_dir: str, cfg: TrainConfig, from_step: int, changed: dict[str, tuple[Any, Any]] | None = None
+                  ) -> None:
+    """Append the config a run trains under from ``from_step`` to its history (never rewritten)."""
+    entry = {"from_step": from_step, "config": json.loads(cfg.to_json())}
+    if changed:
+        entry["changed"] = {k: {"before": a, "after": b} for k, (a, b) in changed.items()}
+    with open(os.path.join(run_dir, CONFIG_HISTORY), "a") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,9 +17,11 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -45,7 +47,18 @@ from trainer.modeling.convert import load_reward_model, read_config, resolve
 from trainer.modeling.llama import RewardModel
 from trainer.objective import Objective, objective_for
 from trainer.parallel import BATCH_AXES, batch_shards, distributed, make_mesh
-from trainer.rundir import CHECKPOINTS, RunFiles, is_run_dir, read_run, tokenizer_fingerprint, write_run_files
+from trainer.rundir import (
+    CHECKPOINTS,
+    CONFIG_HISTORY,
+    RESUME_SHAPE_KEYS,
+    RunFiles,
+    is_run_dir,
+    read_run,
+    record_config,
+    resume_changes,
+    tokenizer_fingerprint,
+    write_run_files,
+)
 from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches, widen
 
 METRICS_FILE = "metrics.jsonl"
@@ -53,6 +66,38 @@ METRICS_FILE = "metrics.jsonl"
 
 class TrainError(RmflowError, RuntimeError):
     """The run cannot start or had to stop; the message says why and what to do."""
+
+
+class Interrupted(TrainError):
+    """SIGINT or SIGTERM stopped the run at a step boundary, after a checkpoint of that step."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum  # as a shell reports a process a signal ended
+
+
+@contextlib.contextmanager
+def stop_requests() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM, while training, only record that a stop was asked for; the loop reads
+    the list at each step boundary. (Python's default raises KeyboardInterrupt wherever the main
+    thread happens to be: inside a JAX callback it can be swallowed, mid-write it leaves a half
+    checkpoint.) A second SIGINT stops at once. Installed from the main thread only."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum, frame):
+        if received and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        received.append(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 @dataclasses.dataclass
@@ -176,7 +221,9 @@ def checkpoint_manager(run_dir: str, keep: int = 1):
 
     return ocp.CheckpointManager(
         os.path.abspath(os.path.join(run_dir, CHECKPOINTS)),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False),
+        # cleanup_tmp_directories: a checkpoint a killed process left half-written is removed, never read
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
+                                             cleanup_tmp_directories=True),
         item_names=("state", "data"),
     )
 
@@ -296,18 +343,20 @@ class Run:
 
 
 def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None] | None = None,
-        on_start: Callable[[int], None] | None = None) -> TrainResult:
+        on_start: Callable[[int], None] | None = None, allow_config_change: bool = False) -> TrainResult:
     """Train; ``on_start(step)`` is called once every check has passed, before the first step
     (``step`` > 0 when resuming), ``on_log(record)`` with each metrics record. The run directory is
-    locked for the whole run (by process 0 of a multi-process run): a second run into it is refused."""
+    locked for the whole run (by process 0 of a multi-process run): a second run into it is refused.
+    A resume whose config would change the run's trajectory is refused unless ``allow_config_change``;
+    every config a run trains under is kept in config_history.jsonl."""
     cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
     distributed.initialize(cfg.distributed, cfg.coordinator_address, cfg.num_processes)  # before any backend use
     lock = output_lock(cfg.output, "rmflow train") if distributed.is_primary() else contextlib.nullcontext()
     with lock:
-        return _run(cfg, resume, on_log, on_start)
+        return _run(cfg, resume, on_log, on_start, allow_config_change)
 
 
-def _run(cfg: TrainConfig, resume: bool, on_log, on_start) -> TrainResult:
+def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: bool = False) -> TrainResult:
     import grain
     import orbax.checkpoint as ocp
 
@@ -319,12 +368,23 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start) -> TrainResult:
     data_dir = storage.stage_shards(cfg.data)  # remote shards: a local copy (disk checked first)
     run_dir = storage.local_run_dir(cfg.output, resume)  # remote run: written locally, mirrored after saves
     check_output(run_dir, resume)
-    r = Run(dataclasses.replace(cfg, data=data_dir, output=run_dir))
     # Every check before anything is written: a refused run leaves the existing one intact.
     latest = existing_checkpoint(run_dir)
     if latest is not None and not resume:
         raise TrainError(f"{cfg.output} already has checkpoints (step {latest}): pass --resume to continue "
                          "or choose another --output")
+    changed = resume_changes(run_dir, cfg, data_dir) if latest is not None else {}
+    shapes = sorted(set(changed) & RESUME_SHAPE_KEYS)
+    if shapes:
+        raise TrainError(f"--resume with another {' and '.join(shapes)} than the run's checkpoints have "
+                         f"({'; '.join(f'{k}: {changed[k][0]!r} -> {changed[k][1]!r}' for k in shapes)}): its "
+                         "parameters have other shapes; start a new run (another --output)")
+    if changed and not allow_config_change:
+        raise TrainError(f"--resume with a changed configuration would change the run's trajectory from step "
+                         f"{latest}: {'; '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}. Resume "
+                         "with the run's own values, or pass --allow-config-change (recorded in "
+                         f"{CONFIG_HISTORY})")
+    r = Run(dataclasses.replace(cfg, data=data_dir, output=run_dir))
     check_available(cfg)
     if resume and latest is None:
         warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
@@ -332,6 +392,8 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start) -> TrainResult:
     if primary:  # one writer for the run's own files; every process takes part in checkpoints
         write_run_files(run_dir, cfg, r.trainer.model(r.trainer.init_state.params).config,
                         None if cfg.model == "tiny" else resolve(cfg.model), data_dir=data_dir)
+        if latest is None or changed:
+            record_config(run_dir, cfg, latest or 0, changed)
 
     state = r.trainer.use_mesh(r.mesh)  # parameters and optimizer state sharded by the name rules
     treedef = jax.tree.structure(state)
@@ -360,57 +422,82 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start) -> TrainResult:
     if on_start:
         on_start(step)
     shapes = set()  # batch shapes compiled so far
-    try:
-        while step < r.total_steps:
-            micro = [next(iterator) for _ in range(cfg.grad_accum)]
-            if ahead:
-                r.compile_ahead(iterator.ahead(), r.total_steps - step - 1)
-            batch = r.to_device(micro)
-            compiles = batch["input_ids"].shape not in shapes
-            if compiles:  # the compiler needs a few hundred MiB: start it from a trimmed heap
-                shapes.add(batch["input_ids"].shape)
-                release_free_memory()
-            state, m = r.trainer.train_step(state, batch)
-            step += 1
-            m = jax.device_get(m)
-            if compiles:  # and give back what it freed
-                release_free_memory()
-            loss = float(m["loss_sum"]) / max(float(m[r.objective.count_key]), 1.0)
-            if not math.isfinite(loss):
-                raise TrainError(
-                    f"loss is {loss} at step {step}: training diverged. Nothing from this step was saved; the "
-                    f"newest checkpoint is step {manager.latest_step()}. Lower learning_rate or max_grad_norm.")
-            window.add(m, micro, slots=batch["input_ids"].size)
-            record = None
-            saving = (cfg.save_steps and step % cfg.save_steps == 0) or step == r.total_steps
-            if step % cfg.logging_steps == 0 or saving:  # windows end at saves: resumed runs log alike
-                record = {"step": step, **window.finish()}
-            if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == r.total_steps:
-                record = {**(record or {"step": step}), **r.evaluate(state.params)}
-            if record:
-                history.append(record)
-                if primary:
-                    _append_history(metrics_path, record)
-                    writer.log(record, step)
-                if on_log:
-                    on_log(record)
-            if saving:
-                manager.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(jax.tree.leaves(state)),
-                    data=grain.checkpoint.CheckpointSave(iterator)))
-                if primary and storage.is_remote(cfg.output):
-                    manager.wait_until_finished()
-                    if writer is not None:
-                        writer.flush()
-                    storage.mirror(run_dir, cfg.output)
-    finally:
-        r.trainer.stop_compiling()
-        manager.wait_until_finished()
+    with stop_requests() as stop, contextlib.ExitStack() as cleanup:
+        cleanup.callback(manager.wait_until_finished)
+        cleanup.callback(r.trainer.stop_compiling)
         if writer is not None:
-            writer.close()
+            cleanup.callback(writer.close)
+        state, history = _loop(cfg, r, state, step, iterator, ahead, manager, writer, window, history, metrics_path,
+                               primary, on_log, shapes, stop, run_dir)
     if primary and storage.is_remote(cfg.output):  # the closed event files, the last metrics
         storage.mirror(run_dir, cfg.output)
     return TrainResult(state, r.trainer, history, r.total_steps)
+
+
+def _loop(cfg, r, state, step, iterator, ahead, manager, writer, window, history, metrics_path, primary, on_log,
+          shapes, stop, run_dir):
+    import grain
+    import orbax.checkpoint as ocp
+
+    def save(step: int) -> None:
+        manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(jax.tree.leaves(state)),
+            data=grain.checkpoint.CheckpointSave(iterator)))
+        if primary and storage.is_remote(cfg.output):
+            manager.wait_until_finished()
+            if writer is not None:
+                writer.flush()
+            storage.mirror(run_dir, cfg.output)
+
+    while step < r.total_steps:
+        if stop:
+            _stop(stop[0], step, manager, save, cfg)
+        micro = [next(iterator) for _ in range(cfg.grad_accum)]
+        if ahead:
+            r.compile_ahead(iterator.ahead(), r.total_steps - step - 1)
+        batch = r.to_device(micro)
+        compiles = batch["input_ids"].shape not in shapes
+        if compiles:  # the compiler needs a few hundred MiB: start it from a trimmed heap
+            shapes.add(batch["input_ids"].shape)
+            release_free_memory()
+        state, m = r.trainer.train_step(state, batch)
+        step += 1
+        m = jax.device_get(m)
+        if compiles:  # and give back what it freed
+            release_free_memory()
+        loss = float(m["loss_sum"]) / max(float(m[r.objective.count_key]), 1.0)
+        if not math.isfinite(loss):
+            raise TrainError(
+                f"loss is {loss} at step {step}: training diverged. Nothing from this step was saved; the "
+                f"newest checkpoint is step {manager.latest_step()}. Lower learning_rate or max_grad_norm.")
+        window.add(m, micro, slots=batch["input_ids"].size)
+        record = None
+        saving = (cfg.save_steps and step % cfg.save_steps == 0) or step == r.total_steps
+        if step % cfg.logging_steps == 0 or saving:  # windows end at saves: resumed runs log alike
+            record = {"step": step, **window.finish()}
+        if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == r.total_steps:
+            record = {**(record or {"step": step}), **r.evaluate(state.params)}
+        if record:
+            history.append(record)
+            if primary:
+                _append_history(metrics_path, record)
+                writer.log(record, step)
+            if on_log:
+                on_log(record)
+        if saving:
+            save(step)
+    return state, history  # a stop asked for during the last step: the run is complete, saved
+
+
+def _stop(signum: int, step: int, manager, save, cfg: TrainConfig) -> None:
+    """Stop at this step boundary: save its checkpoint (unless saved), then raise Interrupted."""
+    if step and manager.latest_step() != step:
+        save(step)
+    manager.wait_until_finished()
+    name = signal.Signals(signum).name
+    where = f"checkpoint step {step} is saved" if step else "no step was trained, so nothing was saved"
+    raise Interrupted(f"stopped by {name} at step {step}: {where}; continue with `rmflow train --output "
+                      f"{cfg.output} ... --resume`", signum)
 
 
 COMPILE_AHEAD_ON_ACCELERATORS = 8
