@@ -20,6 +20,7 @@ from schemas.config import FORMATS, STEP_FORMATS
 Message = tuple[str, ...]  # (role, content), or (role, content, tool calls as canonical JSON)
 ROLES = ("system", "user", "assistant", "tool")
 MAX_SUBSET_CHARS = 1000  # a label, not text (the record codec holds at most 64 KiB)
+MAX_MARGIN = 1000.0  # a margin is in reward (logit) units; past this it only saturates the loss
 
 
 class BadRecord(Exception):
@@ -491,6 +492,10 @@ def normalize(
     if subset is not None and len(subset) > MAX_SUBSET_CHARS:
         raise BadRecord("bad_value", f"field 'subset' has {len(subset):,} characters; a subset name has at most "
                         f"{MAX_SUBSET_CHARS:,}")
+    if margin is not None and abs(margin) > MAX_MARGIN:
+        raise BadRecord("bad_value", f"margin {margin:g} is beyond +-{MAX_MARGIN:g}: a margin is in reward units, "
+                        "subtracted from the reward difference inside a log-sigmoid, where anything near this "
+                        "size only saturates the loss (rescale the column)")
     if fmt in STEP_FORMATS:
         return (_stepwise if fmt == "stepwise" else _processbench)(record, source, line, subset)
     if fmt == "tokenized":

@@ -254,14 +254,13 @@ def train(
 
     from trainer.train import planned_steps, run
 
-    total = planned_steps(cfg)
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[info]}")]
     progress = Progress(*columns, console=console)
-    task = progress.add_task("train", total=total, info="", start=False)
+    task = progress.add_task("train", total=None, info="", start=False)
 
-    def on_start(step: int) -> None:  # every check passed: show the bar from here
-        progress.update(task, completed=step)
+    def on_start(step: int) -> None:  # every check passed (the run holds its folder): show the bar from here
+        progress.update(task, completed=step, total=planned_steps(cfg))
         progress.start_task(task)
         progress.start()
 

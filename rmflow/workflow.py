@@ -262,20 +262,24 @@ def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
     return {"steps": result.total_steps, "final": result.history[-1] if result.history else {}}
 
 
+def changed_keys(run_dir: str, cfg: TrainConfig) -> list[str]:
+    """``key: old -> new`` for each train option that differs from the run's stored config.json."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return []
+    new = json.loads(cfg.to_json())  # as stored: tuples are lists there, not changes
+    return [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k]]
+
+
 def _set_aside(wf: Workflow, old_hash: str, log) -> None:
     """Move the run a changed config replaces to previous/run-<hash> (the last one is kept) and say
     what changed."""
     from trainer.train import existing_checkpoint
 
     run_dir = wf.train.output
-    changes = []
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            old = json.load(f)
-        new = json.loads(wf.train.to_json())  # as stored: tuples are lists there, not changes
-        changes = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k]]
-    except (OSError, ValueError):
-        pass
+    changes = changed_keys(run_dir, wf.train)
     reason = "; ".join(changes) if changes else "the shards or the model checkpoint changed"
     step = existing_checkpoint(run_dir)
     dest = os.path.join(wf.output, "previous", f"run-{old_hash}")
