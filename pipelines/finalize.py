@@ -228,5 +228,7 @@ def check_quality(stats: dict[str, Any], cfg: PreprocessConfig, staging: str) ->
         raise PreprocessError(f"{reason}. Nothing was published; every bad record and its reason is in {errors_file}",
                               reason=reason, errors_file=errors_file)
     if counts["pairs_written"] == 0:
-        raise PreprocessError(f"no pair survived preprocessing; see {errors_file}",
-                              reason="no pair survived preprocessing", errors_file=errors_file)
+        top = sorted(stats["dead_letters"], key=lambda d: -d["count"])[:5]
+        reason = f"no pair survived preprocessing (of {read} records: " + \
+            ", ".join(f"{d['code']} x{d['count']}" for d in top) + ")"
+        raise PreprocessError(f"{reason}; see {errors_file}", reason=reason, errors_file=errors_file)

@@ -48,6 +48,9 @@ def command(name: str | None = None, **kwargs):
 
         @functools.wraps(fn)
         def wrapper(*args, **kw):
+            # Beam logs a failing step's traceback at ERROR before raising; the error reaches the
+            # user as one line below (preprocess --verbose shows Beam's log).
+            logging.getLogger("apache_beam").setLevel(logging.CRITICAL)
             with warnings.catch_warnings():
                 warnings.simplefilter("always", RmflowWarning)
                 warnings.showwarning = _show_warning
@@ -55,8 +58,10 @@ def command(name: str | None = None, **kwargs):
                     with _interruptible():
                         return fn(*args, **kw)
                 except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (below), outside a training loop
-                    console.print(f"[red]{verb} interrupted[/red]: nothing it was writing was published")
-                    raise typer.Exit(130) from e
+                    signum = _signals_received[-1] if _signals_received else signal.SIGINT
+                    console.print(f"[red]{verb} interrupted[/red] by {signal.Signals(signum).name}: nothing it "
+                                  "was writing was published")
+                    raise typer.Exit(128 + signum) from e
                 except ConfigError as e:
                     console.print(f"[red]error:[/red] {_escape(str(e))}")
                     raise typer.Exit(2) from e
@@ -74,6 +79,9 @@ def command(name: str | None = None, **kwargs):
     return register
 
 
+_signals_received: list[int] = []
+
+
 @contextlib.contextmanager
 def _interruptible():
     """SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: staging folders and locks are cleaned
@@ -84,8 +92,10 @@ def _interruptible():
         return
 
     def handler(signum, frame):
+        _signals_received.append(signum)
         raise KeyboardInterrupt
 
+    _signals_received.clear()
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
@@ -147,8 +157,8 @@ def preprocess(
 ) -> None:
     """Tokenize raw preference pairs into ArrayRecord shards plus a manifest (Apache Beam)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    if not verbose:  # local worker processes log harmless warnings at every start
-        logging.getLogger("apache_beam").setLevel(logging.ERROR)
+    if verbose:
+        logging.getLogger("apache_beam").setLevel(logging.INFO)
     cfg = PreprocessConfig(
         inputs=tuple(input), output=output, tokenizer=tokenizer, chat_template=chat_template,
         format=format, max_length=max_length, length_policy=length_policy,
@@ -290,7 +300,6 @@ def run_workflow(
     from rmflow.workflow import Workflow
     from rmflow.workflow import run as run_stages
 
-    logging.getLogger("apache_beam").setLevel(logging.ERROR)
     wf = Workflow.load(workflow)
     status = run_stages(wf, log=lambda msg: console.print(f"[bold]rmflow[/bold] {_escape(msg)}"))
     console.print(", ".join(f"{k}: {v}" for k, v in status.items()))

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -253,9 +254,107 @@ def test_every_command_fails_in_one_line(base, tmp_path):
     assert "no-such-tokenizer does not exist" in " ".join(r.output.split())
 
 
-def test_eval_on_raw_files_that_are_all_broken_keeps_the_errors(base, tmp_path):
+def test_eval_output_is_replaced_whole_and_a_failed_eval_keeps_the_earlier_one(base, tmp_path):
+    out = tmp_path / "e"
+    out.mkdir()
+    (out / "input_errors.jsonl").write_text("stale, from an earlier eval\n")
+    assert cli("eval", "--model", base / "run", "--data", base / "shards", "-o", out, "--step", 2).exit_code == 0
+    assert "input_errors.jsonl" not in os.listdir(out)  # the folder is this eval's alone
+    written = json.loads((out / "eval.json").read_text())["config"]
+    assert written["step"] == 2 and "checkpoint step 2" in written["model_description"]
+    before = sorted(os.listdir(out)), (out / "eval.json").read_text()
     (tmp_path / "raw.jsonl").write_text('{"prompt": "p"}\n{"broken\n')
     msg = " ".join(one_line_error(cli("eval", "--model", base / "run", "--data", tmp_path / "raw.jsonl",
-                                      "-o", tmp_path / "e")).split())
-    kept = tmp_path / "e" / "input_errors.jsonl"
-    assert str(kept) in msg and len(kept.read_text().splitlines()) == 2
+                                      "-o", out)).split())
+    kept = tmp_path / "e.input_errors.jsonl"  # beside the folder, which keeps the earlier eval
+    assert str(kept) in msg and len(kept.read_text().splitlines()) == 2 and kept.exists()
+    assert (sorted(os.listdir(out)), (out / "eval.json").read_text()) == before
+    assert "has no checkpoint of step 7" in one_line_error(
+        cli("eval", "--model", base / "run", "--data", base / "shards", "-o", out, "--step", 7))
+
+
+def test_eval_on_raw_files_takes_the_preprocess_options(base, tmp_path):
+    rows = [{"prompt": f"ignored {i}", "chosen": f"\n\nHuman: Hi {i}\n\nAssistant: Hello, friend.",
+             "rejected": f"\n\nHuman: Hi {i}\n\nAssistant: Go away."} for i in range(4)]
+    (tmp_path / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "ambiguous_layout" in one_line_error(cli("eval", "--model", base / "run", "--data",
+                                                    tmp_path / "raw.jsonl", "-o", tmp_path / "e1"))
+    r = cli("eval", "--model", base / "run", "--data", tmp_path / "raw.jsonl", "-o", tmp_path / "e2",
+            "--format", "hh-rlhf")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "e2" / "eval.json").read_text())["metrics"]["pairs"] == 4
+
+
+def test_resume_refuses_a_changed_trajectory_unless_allowed_and_keeps_the_history(base, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    args = ["train", "--data", base / "shards", "--model", "tiny", "-o", run, "--resume",
+            "--set", "batch_size=4", "--set", "logging_steps=1"]
+    msg = one_line_error(cli(*args, "--set", "max_steps=3", "--set", "learning_rate=2e-5"))
+    assert "learning_rate: 1e-05 -> 2e-05" in msg and "max_steps: 2 -> 3" in msg and "--allow-config-change" in msg
+    msg = one_line_error(cli(*args, "--set", "max_steps=2", "--set", "lora.rank=4"))
+    assert "another lora" in msg and "start a new run" in msg
+    config = (run / "config.json").read_text()
+    r = cli(*args, "--set", "max_steps=2", "--set", "logging_steps=2")  # where it logs: no change to refuse
+    assert r.exit_code == 0, r.output
+    assert (run / "config.json").read_text() != config
+    r = cli(*args, "--set", "max_steps=3", "--allow-config-change")
+    assert r.exit_code == 0, r.output
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert [h["from_step"] for h in history] == [0, 2]
+    assert history[1]["changed"] == {"max_steps": {"before": 2, "after": 3}}
+
+
+def test_shards_longer_than_the_models_positions_are_refused(base, tmp_path):
+    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(tmp_path / "long"),
+                                tokenizer=str(DEMO / "tokenizer"), max_length=8192, max_bad_fraction=1.0))
+    msg = one_line_error(cli("train", "--data", tmp_path / "long", "--model", "tiny", "-o", tmp_path / "r"))
+    assert "8,192 tokens, past the model's 4,096 positions" in msg and "--max-length 4096" in msg
+    assert not (tmp_path / "r").exists()
+    msg = one_line_error(cli("eval", "--model", base / "run", "--data", tmp_path / "long", "-o", tmp_path / "e"))
+    assert "past the model's 4,096 positions" in msg
+
+
+def _train_process(base, out, *extra):
+    args = [sys.executable, "-m", "rmflow.cli", "train", "--data", str(base / "shards"), "--model", "tiny",
+            "-o", str(out), "--set", "batch_size=4", "--set", "logging_steps=1", *extra]
+    return subprocess.Popen(args, cwd=pathlib.Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path: pathlib.Path, lines: int, proc, timeout: float = 240) -> None:
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never had {lines} lines; the process said: {proc.communicate()[0]}")
+
+
+@pytest.mark.parametrize("signum, moment", [(signal.SIGINT, "mid-training"), (signal.SIGTERM, "while compiling")])
+def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(base, tmp_path, signum, moment):
+    out = tmp_path / "run"
+    proc = _train_process(base, out, "--set", "max_steps=500")
+    if moment == "mid-training":
+        _wait_for(out / "metrics.jsonl", 2, proc)
+    else:  # written just before the first step, whose compilation follows
+        _wait_for(out / "config.json", 1, proc)
+    proc.send_signal(signum)
+    output = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 128 + signum, output
+    assert "Traceback" not in output
+    said = " ".join(output.split())
+    name = signal.Signals(signum).name
+    assert f"train stopped: stopped by {name} at step" in said and "--resume" in said
+    step = int(said.split(f"stopped by {name} at step ")[1].split(":")[0])
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir()) if step else []
+    assert checkpoints == ([str(step)] if step else []), checkpoints  # the step it stopped at, nothing half-written
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (records[-1]["step"] if records else 0) == step
+    if step:  # and it resumes from there
+        r = cli("train", "--data", base / "shards", "--model", "tiny", "-o", out, "--resume", "--set", "batch_size=4",
+                "--set", "logging_steps=1", "--set", f"max_steps={step + 1}", "--allow-config-change")
+        assert r.exit_code == 0, r.output
+        assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()][-2:] == [step, step + 1]

@@ -352,11 +352,12 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
     distributed.initialize(cfg.distributed, cfg.coordinator_address, cfg.num_processes)  # before any backend use
     lock = output_lock(cfg.output, "rmflow train") if distributed.is_primary() else contextlib.nullcontext()
-    with lock:
-        return _run(cfg, resume, on_log, on_start, allow_config_change)
+    with lock, stop_requests() as stop:  # from here a signal stops the run at its next step boundary
+        return _run(cfg, resume, on_log, on_start, allow_config_change, stop)
 
 
-def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: bool = False) -> TrainResult:
+def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: bool, stop: list[int]
+         ) -> TrainResult:
     import grain
     import orbax.checkpoint as ocp
 
@@ -422,7 +423,7 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     if on_start:
         on_start(step)
     shapes = set()  # batch shapes compiled so far
-    with stop_requests() as stop, contextlib.ExitStack() as cleanup:
+    with contextlib.ExitStack() as cleanup:
         cleanup.callback(manager.wait_until_finished)
         cleanup.callback(r.trainer.stop_compiling)
         if writer is not None:
