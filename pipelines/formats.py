@@ -209,12 +209,14 @@ def _text(value: Any, name: str) -> str:
     if isinstance(value, str):
         return _valid_text(value, name)
     # Multimodal-style content: [{"type": "text", "text": "..."}]
-    if isinstance(value, (list, tuple)) and all(
-        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in value
-    ):
+    if isinstance(value, (list, tuple)):
+        for i, p in enumerate(value):
+            if not (isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                kind = p.get("type") if isinstance(p, Mapping) else type(p).__name__
+                raise BadRecord("bad_type", f"{name} content part {i} is {kind!r}: content is a string or a list of "
+                                "text parts ({'type': 'text', 'text': ...}); a reward model here reads text only")
         return _valid_text("".join(p["text"] for p in value), name)
-    raise BadRecord("bad_type", f"{name} content must be a string, got {type(value).__name__}")
+    raise BadRecord("bad_type", f"{name} content must be a string or a list of text parts, got {type(value).__name__}")
 
 
 def read_messages(value: Any, name: str) -> tuple[Message, ...]:
@@ -412,8 +414,10 @@ def solution_to_score(record: Any) -> CanonicalSteps:
     """A solution to score with a process reward model: ``prompt`` (a string or messages) and its
     steps (``completions`` as in the stepwise layout, or ``steps``); labels, if any, are ignored.
     Raises BadRecord."""
-    if not isinstance(record, Mapping):
-        raise BadRecord("not_an_object", "a solution is an object with 'prompt' and 'completions' (the steps)")
+    if not isinstance(record, Mapping) or "messages" in record and "prompt" not in record:
+        raise BadRecord("not_a_solution", "a process reward model scores the steps of a solution, an object with "
+                        "'prompt' and 'completions' (the steps); this is a conversation, which an outcome reward "
+                        "model scores")
     prompt = _step_prompt(_field(record, "prompt", str, list, tuple), "prompt")
     name = "completions" if "completions" in record or "steps" not in record else "steps"
     return CanonicalSteps("", 0, prompt, _steps_list(_field(record, name, list, tuple), name), ())

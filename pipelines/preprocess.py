@@ -98,6 +98,10 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
     except rio.InputError as e:
         raise PreprocessError(str(e)) from e
     assets = load_tokenizer_assets(cfg.tokenizer, cfg.chat_template)
+    if not assets.has_chat_template and cfg.format != "tokenized":  # now, not after every record failed
+        raise PreprocessError(f"tokenizer {cfg.tokenizer} has no chat template, which renders conversations into "
+                              "text: pass one with --chat-template FILE (a Jinja template; pre-tokenized data "
+                              "needs none: --format tokenized)")
     report_leftovers(out)
     return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), new_staging(out), tuple(skipped))
 

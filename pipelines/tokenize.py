@@ -59,6 +59,17 @@ class TokenizerAssets:
         return files
 
     @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer as used carries a chat template (its own, or the override)."""
+        if self.chat_template_override is not None or "chat_template.jinja" in self.files \
+                or "chat_template.json" in self.files:
+            return True
+        try:
+            return bool(json.loads(self.files.get("tokenizer_config.json", b"{}")).get("chat_template"))
+        except ValueError:
+            return False
+
+    @property
     def key(self) -> str:
         """Identity of the tokenizer as used: its files and any chat template override."""
         return f"{self.sha256}:{sha256_text(self.chat_template_override)}"

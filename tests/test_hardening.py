@@ -358,3 +358,12 @@ def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(base, tmp_
                 "--set", "logging_steps=1", "--set", f"max_steps={step + 1}", "--allow-config-change")
         assert r.exit_code == 0, r.output
         assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()][-2:] == [step, step + 1]
+
+
+def test_a_tiny_eval_split_is_said_to_say_little(tmp_path):
+    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(tmp_path / "s"),
+                                tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0,
+                                eval_fraction=0.005))
+    with pytest.warns(RmflowWarning, match=r"the eval split holds \d pairs: its accuracy moves in steps of"):
+        train(TrainConfig(data=str(tmp_path / "s"), model="tiny", output=str(tmp_path / "r"), max_steps=1,
+                          batch_size=2))

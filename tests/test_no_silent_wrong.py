@@ -303,3 +303,45 @@ def test_a_full_disk_during_export_is_an_oserror(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left on device") as e:
         save_safetensors({"w": np.zeros(4, np.float32)}, str(tmp_path))
     assert e.value.filename == str(tmp_path / "model.safetensors")
+
+
+# --------------------------------------------------------------------------- 12, 13. messages
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_before_any_record(tmp_path):
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(DEMO / "tokenizer", tok)
+    (tok / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "a.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"}) + "\n")
+    with pytest.raises(PreprocessError, match="has no chat template.*--chat-template FILE"):
+        preprocess(PreprocessConfig(inputs=(str(tmp_path / "a.jsonl"),), output=str(tmp_path / "o"),
+                                    tokenizer=str(tok)))
+    assert not list(tmp_path.glob("o*"))  # refused before a staging folder was made
+
+
+def test_messages_say_what_is_wrong():
+    from pipelines.formats import solution_to_score
+
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    for given in (conv, {"messages": conv}):
+        with pytest.raises(BadRecord, match="scores the steps of a solution.*this is a conversation"):
+            solution_to_score(given)
+    image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    with pytest.raises(BadRecord, match="content part 1 is 'image_url'"):
+        normalize({"prompt": [{"role": "user", "content": image}], "chosen": "a", "rejected": "b"},
+                  "conversational", source="s", line=1)
+
+
+def test_a_failed_preprocess_job_prints_one_line_without_beams_log(tmp_path):
+    (tmp_path / "bad.jsonl").write_text("".join('{"nothing": %d}\n' % i for i in range(5)))
+    r = subprocess.run([sys.executable, "-m", "rmflow.cli", "preprocess", "-i", str(tmp_path / "bad.jsonl"),
+                        "--tokenizer", str(DEMO / "tokenizer"), "-o", str(tmp_path / "o")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    said = (r.stdout + r.stderr).strip()
+    assert r.returncode == 1 and "Traceback" not in said and "ERROR" not in said, said
+    assert len(said.splitlines()) == 1 and "unknown_layout x5" in said, said

@@ -64,6 +64,9 @@ from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches, 
 METRICS_FILE = "metrics.jsonl"
 
 
+SMALL_EVAL = 20  # an eval split below this many pairs gets a warning: its accuracy says little
+
+
 class TrainError(RmflowError, RuntimeError):
     """The run cannot start or had to stop; the message says why and what to do."""
 
@@ -279,6 +282,12 @@ class Run:
             raise TrainError(str(e)) from e
         self.train_paths = shard_paths(cfg.data, self.manifest, "train")
         self.eval_paths = shard_paths(cfg.data, self.manifest, "eval")
+        n_eval = self.manifest.splits["eval"].pairs if "eval" in self.manifest.splits else 0
+        if 0 < n_eval < SMALL_EVAL:
+            warnings.warn(f"the eval split holds {n_eval} {'solutions' if self.manifest.kind == 'process' else 'pairs'}"
+                          f": its accuracy moves in steps of {1 / n_eval:.2g} and says little (a 95% interval "
+                          f"spans about +-{min(1.0, 0.98 / n_eval ** 0.5):.2f}); preprocess with a larger "
+                          "--eval-fraction for a figure to rely on", RmflowWarning, stacklevel=2)
         if not self.train_paths:
             raise TrainError(f"{cfg.data} has no train pairs")
         self.objective = objective_for(self.manifest.kind)
