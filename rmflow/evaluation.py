@@ -251,19 +251,32 @@ def run_rewardbench_v2(cfg: EvalConfig, output: str) -> dict[str, Any]:
     model_path, data, batch_size = cfg.model, list(cfg.data), cfg.batch_size
     loaded = load_model(model_path, cfg.step)
     model, pad_id = loaded.model, loaded.pad_id
+    from pipelines.formats import BadRecord
+    from pipelines.tokenize import PairTokenizer
+
     tok = AutoTokenizer.from_pretrained(require_tokenizer(model_path, loaded.tokenizer_dir, "rewardbench-v2"))
+    renderer = PairTokenizer(tok, loaded.step_separator)  # as preprocessing renders: message text is text
+    positions = model.config.max_position_embeddings
     seqs, examples = [], []
     for path, _ in expand_inputs(tuple(data)):
         for line, raw, problem in iter_records(path):
             rec = json.loads(raw) if not problem else None
             if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) \
-                    or not rec.get("chosen") or not rec.get("rejected"):
-                raise TrainError(f"{path}:{line}: not a RewardBench 2 record (prompt, chosen list, rejected list)")
+                    or not _text_list(rec.get("chosen")) or not _text_list(rec.get("rejected")):
+                raise TrainError(f"{path}:{line}: not a RewardBench 2 record (prompt, chosen list, rejected list, "
+                                 "of strings)" + (f": {problem}" if problem else ""))
             completions = list(rec["chosen"])[:1] + list(rec["rejected"])
             start = len(seqs)
             for text in completions:
-                conv = [{"role": "user", "content": rec["prompt"]}, {"role": "assistant", "content": text}]
-                seqs.append(np.asarray(tok.apply_chat_template(conv, tokenize=True, return_dict=False), np.int32))
+                try:
+                    ids = renderer.encode_conversation((("user", rec["prompt"]), ("assistant", text)))
+                except BadRecord as e:
+                    raise TrainError(f"{path}:{line}: {e.message}") from e
+                if len(ids) > positions:
+                    raise TrainError(f"{path}:{line}: a completion of {len(ids):,} tokens, past the model's "
+                                     f"{positions:,} positions: scoring it would give a number the model was "
+                                     "never made for; drop the example or use a model with more positions")
+                seqs.append(ids)
             examples.append((start, len(completions), str(rec.get("subset", "all"))))
     scores = score_sequences(model, seqs, batch_size=batch_size, pad_id=pad_id)
     k = max(n for _, n, _ in examples)
@@ -281,6 +294,10 @@ def run_rewardbench_v2(cfg: EvalConfig, output: str) -> dict[str, Any]:
     with open(os.path.join(output, "report.md"), "w") as f:
         f.write(rewardbench_v2_markdown(metrics, loaded.description, data))
     return metrics
+
+
+def _text_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
 
 
 def rewardbench_v2_markdown(m: dict[str, Any], model: str = "", data: list[str] = ()) -> str:

@@ -367,3 +367,14 @@ def test_a_tiny_eval_split_is_said_to_say_little(tmp_path):
     with pytest.warns(RmflowWarning, match=r"the eval split holds \d pairs: its accuracy moves in steps of"):
         train(TrainConfig(data=str(tmp_path / "s"), model="tiny", output=str(tmp_path / "r"), max_steps=1,
                           batch_size=2))
+
+
+def test_a_damaged_checkpoint_is_one_line(base, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    files = [p for p in (run / "checkpoints" / "2" / "state").rglob("*") if p.is_file()]
+    for p in files:  # every data file of the parameters cut short, as a full disk or a lost copy leaves them
+        if p.stat().st_size > 1000:
+            p.write_bytes(p.read_bytes()[:100])
+    msg = one_line_error(cli("eval", "--model", run, "--data", base / "shards", "-o", tmp_path / "e"))
+    assert "checkpoint step 2 of" in msg and "cannot be read" in msg

@@ -156,8 +156,8 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
     from trainer.export import export
 
     spec = {"rank": 4, "alpha": 8, "dropout": 0.1, "base_dtype": "bfloat16", "target_modules": "all-linear"}
-    cfg = config(synthetic, tmp_path / "run", max_steps=8, save_steps=4, logging_steps=2, learning_rate=3e-3,
-                 lora=spec)
+    flat = dict(warmup_steps=2, learning_rate=3e-3, learning_rate_end=3e-3)  # the same rate whatever max_steps
+    cfg = config(synthetic, tmp_path / "run", max_steps=8, save_steps=4, logging_steps=2, lora=spec, **flat)
     full = train(cfg)
     model = base_model(cfg, full.trainer.model(full.state.params).config)
     ad, head, base = split(model)
@@ -166,13 +166,12 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
     assert all(v.dtype == np.float32 for v in (*ad.values(), *head.values()))
     assert full.trainer.frozen and all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(full.trainer.frozen)
                                        if x.ndim >= 2)
-    # Dropout draws from the run's seed and step: interrupted after step 4 and resumed, the run ends
-    # with the uninterrupted one's parameters.
-    half = config(synthetic, tmp_path / "resumed", max_steps=4, save_steps=4, logging_steps=2, learning_rate=3e-3,
-                  lora=spec)
+    # Dropout draws from the run's seed and step: stopped after step 4 and resumed (max_steps 4 -> 8, a
+    # change the resume is told to allow), the run ends with the uninterrupted one's parameters.
+    half = config(synthetic, tmp_path / "resumed", max_steps=4, save_steps=4, logging_steps=2, lora=spec, **flat)
     train(half)
-    resumed = train(config(synthetic, tmp_path / "resumed", max_steps=8, save_steps=4, logging_steps=2,
-                           learning_rate=3e-3, lora=spec), resume=True)
+    resumed = train(config(synthetic, tmp_path / "resumed", max_steps=8, save_steps=4, logging_steps=2, lora=spec,
+                           **flat), resume=True, allow_config_change=True)
     for a, b in zip(jax.tree.leaves(full.state.params), jax.tree.leaves(resumed.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The merged export holds the bfloat16-rounded base plus the adapters, in float32: transformers

@@ -46,8 +46,10 @@ def synthetic(tmp_path_factory, tokenizer_dir):
 
 def config(data, out, **kw):
     base = dict(data=str(data), model="tiny", output=str(out), batch_size=16, learning_rate=1e-3,
-                warmup_steps=10, logging_steps=10, seed=0)
+                logging_steps=10, seed=0)
     base.update(kw)
+    steps = base.get("max_steps", 0)
+    base.setdefault("warmup_steps", 10 if not steps or steps > 20 else steps // 2)  # a warmup shorter than the run
     return TrainConfig(**base)
 
 

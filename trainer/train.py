@@ -238,6 +238,18 @@ def existing_checkpoint(run_dir: str) -> int | None:
     return checkpoint_manager(run_dir).latest_step()
 
 
+@contextlib.contextmanager
+def _reading_checkpoint(run_dir: str, step: int):
+    """Orbax's failures to read a checkpoint (a damaged file, another layout) as one line."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - Orbax, TensorStore and friends raise many kinds
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise TrainError(f"checkpoint step {step} of {run_dir} cannot be read ({type(e).__name__}: {first}): it is "
+                         "damaged or was written by another rmflow; resume from another checkpoint (remove this "
+                         "step's folder) or start a new run") from e
+
+
 def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardModel, RunFiles, int]:
     """The reward model of a run directory, with the parameters of its newest (or given) checkpoint."""
     import orbax.checkpoint as ocp
@@ -262,7 +274,8 @@ def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardMod
     leaves = jax.tree.leaves(trainer.init_state)
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # whatever mesh trained it
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) for x in leaves]
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    with _reading_checkpoint(run_dir, step):
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
     state = jax.tree.unflatten(jax.tree.structure(trainer.init_state), list(restored["state"]))
     nnx.update(model, state.params)
     return model, run, step
@@ -282,12 +295,6 @@ class Run:
             raise TrainError(str(e)) from e
         self.train_paths = shard_paths(cfg.data, self.manifest, "train")
         self.eval_paths = shard_paths(cfg.data, self.manifest, "eval")
-        n_eval = self.manifest.splits["eval"].pairs if "eval" in self.manifest.splits else 0
-        if 0 < n_eval < SMALL_EVAL:
-            warnings.warn(f"the eval split holds {n_eval} {'solutions' if self.manifest.kind == 'process' else 'pairs'}"
-                          f": its accuracy moves in steps of {1 / n_eval:.2g} and says little (a 95% interval "
-                          f"spans about +-{min(1.0, 0.98 / n_eval ** 0.5):.2f}); preprocess with a larger "
-                          "--eval-fraction for a figure to rely on", RmflowWarning, stacklevel=2)
         if not self.train_paths:
             raise TrainError(f"{cfg.data} has no train pairs")
         self.objective = objective_for(self.manifest.kind)
@@ -312,6 +319,12 @@ class Run:
         self.pad_id = self.manifest.tokenizer.pad_token_id or 0
         self.trainer = make_trainer(cfg, model, self.total_steps, self.objective)
         release_free_memory()  # initialisation temporaries
+        n_eval = self.manifest.splits["eval"].pairs if "eval" in self.manifest.splits else 0
+        if 0 < n_eval < SMALL_EVAL:  # after every check: a refused run prints its one line alone
+            warnings.warn(f"the eval split holds {n_eval} {'solutions' if self.manifest.kind == 'process' else 'pairs'}"
+                          f": its accuracy moves in steps of {1 / n_eval:.2g} and says little (a 95% interval "
+                          f"spans about +-{min(1.0, 0.98 / n_eval ** 0.5):.2f}); preprocess with a larger "
+                          "--eval-fraction for a figure to rely on", RmflowWarning, stacklevel=2)
 
     def loader(self, paths, *, train: bool):
         return make_loader(paths, batch_size=self.local_batch, max_length=self.max_length, seed=self.cfg.seed,
@@ -417,8 +430,9 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     if resume and latest is not None:
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # onto this run's mesh, whatever saved it
                     for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(r.trainer.state_shardings))]
-        restored = manager.restore(latest, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
+        with _reading_checkpoint(run_dir, latest):
+            restored = manager.restore(latest, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
         state = jax.tree.unflatten(treedef, list(restored["state"]))
         history = [h for h in _read_history(metrics_path) if h["step"] <= latest]
     if primary:
