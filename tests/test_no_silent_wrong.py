@@ -338,7 +338,7 @@ def test_messages_say_what_is_wrong():
 
 
 def test_a_failed_preprocess_job_prints_one_line_without_beams_log(tmp_path):
-    (tmp_path / "bad.jsonl").write_text("".join('{"nothing": %d}\n' % i for i in range(5)))
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps({"nothing": i}) + "\n" for i in range(5)))
     r = subprocess.run([sys.executable, "-m", "rmflow.cli", "preprocess", "-i", str(tmp_path / "bad.jsonl"),
                         "--tokenizer", str(DEMO / "tokenizer"), "-o", str(tmp_path / "o")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
