@@ -15,6 +15,7 @@ and the output adds ``step_scores`` (P(step is correct), one per step) and ``fir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -86,5 +87,13 @@ def score_file(model_path: str, input_path: str, output_path: str, *, batch_size
 
 
 def _write(path: str, rows: list[dict[str, Any]]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    """Written beside, then renamed over ``path``: an interrupted write leaves the earlier file whole."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

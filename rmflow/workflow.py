@@ -143,7 +143,7 @@ def _run(wf: Workflow, log) -> dict[str, str]:
     status: dict[str, str] = {}
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
     h_train = _hash({**dataclasses.asdict(wf.train), "model_identity": model_identity(wf.train.model)}, h_pre)
-    h_eval = _hash(wf.eval, h_train)
+    h_eval = _hash({**wf.eval, "data_identity": eval_identity(wf.eval.get("data") or [])}, h_train)
     h_export = _hash("export", h_train)
     hashes = {"preprocess": h_pre, "train": h_train, "eval": h_eval, "export": h_export}
     for stage in STAGES:
@@ -188,6 +188,24 @@ def preprocess_identity(cfg: PreprocessConfig) -> dict[str, Any]:
         path = getattr(cfg, key)
         if path and os.path.exists(path):
             ident[key] = _content_hash(path)
+    return ident
+
+
+def eval_identity(data: list[str]) -> list[Any]:
+    """What a held-out eval's result depends on besides its options: each shard folder's manifest,
+    or the raw files' metadata (as for preprocess inputs)."""
+    from pipelines.io import InputError, list_inputs
+
+    ident: list[Any] = []
+    for path in data:
+        manifest = os.path.join(path, "manifest.json")
+        if os.path.isfile(manifest):
+            ident.append(_content_hash(manifest))
+            continue
+        try:
+            ident.append(list_inputs((path,)))
+        except InputError:
+            ident.append(path)  # the stage reports the problem when it runs
     return ident
 
 

@@ -71,6 +71,17 @@ def test_an_input_changed_in_place_reruns_preprocess(tmp_path):
     assert run(wf, log=lambda m: None) == {"preprocess": "ran", "train": "ran", "eval": "ran", "export": "off"}
     manifest = json.loads((tmp_path / "out" / "shards" / "manifest.json").read_text())
     assert sum(s["pairs"] for s in manifest["splits"].values()) <= 60
+    # A held-out raw file as the eval's data: evaluated there, and rerun when that file changes.
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(pairs.read_text().splitlines(keepends=True)[:10]))
+    spec["eval"] = {"data": "heldout.jsonl", "format": "hh-rlhf"}
+    wf = Workflow.from_dict(spec, base_dir=str(tmp_path))
+    assert run(wf, log=lambda m: None)["eval"] == "ran"
+    written = json.loads((tmp_path / "out" / "eval" / "eval.json").read_text())
+    assert written["config"]["data"] == [str(heldout)] and written["metrics"]["input"]["counts"]["records_read"] == 10
+    assert run(wf, log=lambda m: None)["eval"] == "skipped"
+    heldout.write_text("".join(pairs.read_text().splitlines(keepends=True)[:12]))
+    assert run(wf, log=lambda m: None) == {"preprocess": "skipped", "train": "skipped", "eval": "ran", "export": "off"}
 
 
 # Make torch unfindable, as if not installed (transformers imports it whenever it can).
