@@ -19,7 +19,7 @@ import numpy as np
 
 from pipelines.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
 from schemas.errors import RmflowError
-from schemas.manifest import TOKENIZER_FILES, TokenizerInfo, sha256_files, sha256_text
+from schemas.manifest import TOKENIZER_FILES, TokenizerInfo, sha256_text, tokenizer_sha256, vocabulary_sha256
 
 # transformers announces at import that PyTorch is absent: irrelevant here (tokenizers only).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -43,7 +43,8 @@ class TokenizerAssets:
 
     @property
     def sha256(self) -> str:
-        return sha256_files(self.files)
+        """The tokenizer's identity as used (the chat template override applied)."""
+        return tokenizer_sha256(self.files_as_used())
 
     def files_as_used(self) -> dict[str, bytes]:
         """The tokenizer's files with the chat template override (if any) applied."""
@@ -72,7 +73,7 @@ class TokenizerAssets:
     @property
     def key(self) -> str:
         """Identity of the tokenizer as used: its files and any chat template override."""
-        return f"{self.sha256}:{sha256_text(self.chat_template_override)}"
+        return self.sha256
 
 
 def load_tokenizer_assets(name_or_path: str, chat_template_file: str | None = None) -> TokenizerAssets:
@@ -141,6 +142,7 @@ def tokenizer_info(assets: TokenizerAssets, tok: Any) -> TokenizerInfo:
     return TokenizerInfo(
         name=assets.name,
         sha256=assets.sha256,
+        vocabulary_sha256=vocabulary_sha256(assets.files),
         vocab_size=len(tok),
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,

@@ -50,6 +50,31 @@ def sha256_files(files: Mapping[str, bytes]) -> str:
     return h.hexdigest()
 
 
+def tokenizer_sha256(files: Mapping[str, bytes]) -> str:
+    """The identity of a tokenizer as it is used: its files (TOKENIZER_FILES, a chat template
+    override already applied), hashed alike wherever they are read (the assets preprocessing
+    loads, the shards' and a run's ``tokenizer/`` copies, an export)."""
+    return sha256_files({name: data for name, data in files.items() if name in TOKENIZER_FILES})
+
+
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def vocabulary_sha256(files: Mapping[str, bytes]) -> str:
+    """The identity of a tokenizer without its chat template: what maps text to ids. A base model
+    is checked against shards with it (the template is part of how the data was rendered, and
+    `--chat-template` may replace it); a trained run or an export, with ``tokenizer_sha256``."""
+    kept = {name: data for name, data in files.items() if name in TOKENIZER_FILES and name not in CHAT_TEMPLATE_FILES}
+    if "tokenizer_config.json" in kept:
+        try:
+            config = json.loads(kept["tokenizer_config.json"])
+            config.pop("chat_template", None)
+            kept["tokenizer_config.json"] = json.dumps(config, sort_keys=True).encode()
+        except ValueError:
+            pass
+    return sha256_files(kept)
+
+
 def sha256_text(text: str | None) -> str | None:
     return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -66,6 +91,7 @@ class TokenizerInfo:
     pad_token_id: int | None
     eos_token_id: int | None
     chat_template_sha256: str | None
+    vocabulary_sha256: str | None = None  # without the chat template (None: a manifest from before it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +165,16 @@ class Manifest:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from e
 
     def check_compatible(
-        self, *, tokenizer_sha256: str | None = None, max_length: int | None = None
+        self, *, tokenizer_sha256: str | None = None, max_length: int | None = None,
+        vocabulary_sha256: str | None = None,
     ) -> None:
         """Raise ManifestError listing every way these shards differ from what a run expects."""
         problems = []
         if self.record_version != RECORD_VERSION:
             problems.append(f"record version {self.record_version} != {RECORD_VERSION} (this rmflow)")
+        if vocabulary_sha256 is not None and vocabulary_sha256 != self.tokenizer.vocabulary_sha256:
+            problems.append(f"tokenizer (vocabulary) hash {str(self.tokenizer.vocabulary_sha256)[:12]}… (shards, "
+                            f"{self.tokenizer.name}) != {vocabulary_sha256[:12]}… (this run)")
         if tokenizer_sha256 is not None and tokenizer_sha256 != self.tokenizer.sha256:
             problems.append(
                 f"tokenizer hash {self.tokenizer.sha256[:12]}… (shards, {self.tokenizer.name}) "

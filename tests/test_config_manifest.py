@@ -69,3 +69,16 @@ def test_manifest_round_trip_and_checks():
 def test_tokenizer_hash_is_order_free_and_content_sensitive():
     assert sha256_files({"a": b"1", "b": b"2"}) == sha256_files({"b": b"2", "a": b"1"})
     assert sha256_files({"a": b"1"}) != sha256_files({"a": b"2"}) != sha256_files({"b": b"1"})
+
+
+def test_tokenizer_identity_covers_the_template_and_the_vocabulary_identity_does_not():
+    from schemas.manifest import tokenizer_sha256, vocabulary_sha256
+
+    files = {"tokenizer.json": b'{"model": 1}', "tokenizer_config.json": b'{"chat_template": "A", "x": 1}'}
+    other_template = {**files, "tokenizer_config.json": b'{"x": 1, "chat_template": "B"}'}
+    own_file = {**files, "chat_template.jinja": b"C"}
+    other_vocab = {**files, "tokenizer.json": b'{"model": 2}'}
+    assert len({tokenizer_sha256(f) for f in (files, other_template, own_file, other_vocab)}) == 4
+    assert vocabulary_sha256(files) == vocabulary_sha256(other_template) == vocabulary_sha256(own_file)
+    assert vocabulary_sha256(other_vocab) != vocabulary_sha256(files)
+    assert tokenizer_sha256({**files, "README.md": b"x"}) == tokenizer_sha256(files)  # tokenizer files only

@@ -378,3 +378,20 @@ def test_a_damaged_checkpoint_is_one_line(base, tmp_path):
             p.write_bytes(p.read_bytes()[:100])
     msg = one_line_error(cli("eval", "--model", run, "--data", base / "shards", "-o", tmp_path / "e"))
     assert "checkpoint step 2 of" in msg and "cannot be read" in msg
+
+
+def test_a_chat_template_override_trains_and_evaluates_on_its_own_shards(tmp_path):
+    """The shards' tokenizer identity is the tokenizer as used (the override applied), as the run
+    stores it: eval of the run on its own shards is not refused."""
+    template = tmp_path / "mine.jinja"
+    template.write_text((DEMO / "tokenizer" / "chat_template.jinja").read_text() + "{# mine #}")
+    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(tmp_path / "s"),
+                                tokenizer=str(DEMO / "tokenizer"), chat_template=str(template), max_length=128,
+                                max_bad_fraction=1.0))
+    train(TrainConfig(data=str(tmp_path / "s"), model="tiny", output=str(tmp_path / "r"), max_steps=2, batch_size=4))
+    assert (tmp_path / "r" / "tokenizer" / "chat_template.jinja").read_text().endswith("{# mine #}")
+    r = cli("eval", "--model", tmp_path / "r", "--data", tmp_path / "s", "-o", tmp_path / "e")
+    assert r.exit_code == 0, r.output
+    assert cli("export", tmp_path / "r", "-o", tmp_path / "x").exit_code == 0
+    r = cli("eval", "--model", tmp_path / "x", "--data", tmp_path / "s", "-o", tmp_path / "e2")
+    assert r.exit_code == 0, r.output

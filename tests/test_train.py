@@ -144,12 +144,12 @@ def test_shards_must_match_the_run(synthetic, tmp_path, tokenizer_dir):
         transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
         for name in os.listdir(tokenizer_dir):
             shutil.copy(os.path.join(tokenizer_dir, name), folder / name)
-        if tokenizer_patch:
-            with open(folder / "tokenizer_config.json", "a") as f:
+        if tokenizer_patch:  # another tokenizer (its template alone would not count: see test_config_manifest)
+            with open(folder / "tokenizer.json", "a") as f:
                 f.write("\n")
 
     checkpoint(tmp_path / "other-tok", 49152, tokenizer_patch=True)
-    with pytest.raises(TrainError, match="tokenizer hash.*Preprocess with the model's tokenizer"):
+    with pytest.raises(TrainError, match="tokenizer .vocabulary. hash.*Preprocess with the model's tokenizer"):
         train(config(synthetic, tmp_path / "c", model=str(tmp_path / "other-tok"), max_steps=1))
     checkpoint(tmp_path / "small-vocab", 1000, tokenizer_patch=False)
     with pytest.raises(TrainError, match="49152 tokens, the model's embedding only 1000"):

@@ -30,7 +30,8 @@ from schemas.manifest import (
     TOKENIZER_FILES,
     Manifest,
     ManifestError,
-    sha256_files,
+    tokenizer_sha256,
+    vocabulary_sha256,
 )
 from trainer.modeling.config import ModelConfig, ModelConfigError
 
@@ -61,15 +62,23 @@ def is_run_dir(path: str) -> bool:
     return os.path.exists(os.path.join(path, MODEL_CONFIG)) or os.path.isdir(os.path.join(path, CHECKPOINTS))
 
 
-def tokenizer_fingerprint(folder: str) -> str | None:
-    """The hash the manifest records for a tokenizer folder, or None when it has no tokenizer.json."""
+def tokenizer_files(folder: str) -> dict[str, bytes]:
     files = {}
     for name in TOKENIZER_FILES:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, "rb") as f:
                 files[name] = f.read()
-    return sha256_files(files) if "tokenizer.json" in files else None
+    return files
+
+
+def tokenizer_fingerprint(folder: str, *, with_template: bool = True) -> str | None:
+    """The hash the manifest records for a tokenizer folder (``with_template=False``: its
+    vocabulary hash), or None when it has no tokenizer.json."""
+    files = tokenizer_files(folder)
+    if "tokenizer.json" not in files:
+        return None
+    return tokenizer_sha256(files) if with_template else vocabulary_sha256(files)
 
 
 def write_run_files(run_dir: str, cfg: TrainConfig, model_config: ModelConfig, base_folder: str | None,

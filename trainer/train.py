@@ -142,7 +142,7 @@ def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
     if tiny is None:
         folder = resolve(cfg.model)
         model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
-        check_tokenizer(manifest, folder, "the model")
+        check_tokenizer(manifest, folder, "the model", with_template=False)
         check_model_fits(manifest, model_config)  # before any weight is read
     model = base_model(cfg, tiny, num_labels=labels)
     check_model_fits(manifest, model.config)
@@ -164,17 +164,21 @@ def base_model(cfg: TrainConfig, tiny_config: ModelConfig | None = None, num_lab
     return model
 
 
-def check_tokenizer(manifest: Manifest, folder: str | None, what: str) -> None:
-    """The shards must come from the tokenizer in ``folder``; a folder without one gets a warning
-    (the check cannot run), never silence."""
-    sha = tokenizer_fingerprint(folder) if folder else None
+def check_tokenizer(manifest: Manifest, folder: str | None, what: str, *, with_template: bool = True) -> None:
+    """The shards must come from the tokenizer in ``folder``: as used, chat template included (a
+    trained run, an export), or ``with_template=False`` its vocabulary only (a base model, whose
+    template the shards may have replaced with --chat-template). A folder without tokenizer files
+    gets a warning (the check cannot run), never silence."""
+    if not with_template and manifest.tokenizer.vocabulary_sha256 is None:
+        with_template = True  # shards made before the vocabulary hash: the whole tokenizer, as then
+    sha = tokenizer_fingerprint(folder, with_template=with_template) if folder else None
     if sha is None:
         warnings.warn(f"{what} ({folder}) has no tokenizer files, so rmflow cannot check that the shards "
                       f"({manifest.tokenizer.name}) were made with its tokenizer; make sure they were",
                       RmflowWarning, stacklevel=2)
         return
     try:
-        manifest.check_compatible(tokenizer_sha256=sha)
+        manifest.check_compatible(**{"tokenizer_sha256" if with_template else "vocabulary_sha256": sha})
     except ManifestError as e:
         raise TrainError(f"{e}. Preprocess with {what}'s tokenizer (--tokenizer {folder}).") from e
 
