@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
+from schemas.config import STEP_SEPARATOR
 from schemas.errors import RmflowError
 from schemas.manifest import TOKENIZER_FILES, TokenizerInfo, sha256_text, tokenizer_sha256, vocabulary_sha256
 
@@ -202,7 +203,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class PairTokenizer:
     """Renders pairs with the chat template and tokenizes both sides, a batch at a time."""
 
-    def __init__(self, tokenizer: Any, step_separator: str = "\n"):
+    def __init__(self, tokenizer: Any, step_separator: str = STEP_SEPARATOR):
         self.tok = tokenizer
         self.step_separator = step_separator
         self.backend = tokenizer.backend_tokenizer

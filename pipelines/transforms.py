@@ -24,6 +24,7 @@ from pipelines.formats import BadRecord, CanonicalPair, Duplicate, detect_format
 from pipelines.io import iter_records, write_array_record_shard
 from pipelines.length import apply_length_policy, apply_length_policy_steps, assign_shard, assign_split
 from pipelines.tokenize import PairTokenizer, Rendered, TokenizedSteps, TokenizerAssets, build_tokenizer
+from schemas.config import STEP_SEPARATOR
 from schemas.manifest import shard_name
 from schemas.record import PairRecord, StepRecord, encode
 
@@ -185,7 +186,7 @@ class DropDuplicates(beam.PTransform):
 _TOKENIZERS = shared.Shared()  # one tokenizer per worker process, shared by every DoFn
 
 
-def shared_pair_tokenizer(assets: TokenizerAssets, step_separator: str = "\n") -> PairTokenizer:
+def shared_pair_tokenizer(assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR) -> PairTokenizer:
     """The process-wide PairTokenizer for these assets (loaded once per worker process).
 
     The caller must keep the returned object referenced: the cache holds it weakly.
@@ -195,7 +196,7 @@ def shared_pair_tokenizer(assets: TokenizerAssets, step_separator: str = "\n") -
 
 
 class _TokenizerDoFn(beam.DoFn):
-    def __init__(self, assets: TokenizerAssets, step_separator: str = "\n"):
+    def __init__(self, assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR):
         self.assets, self.step_separator = assets, step_separator
         self.core: PairTokenizer | None = None
 
@@ -233,7 +234,7 @@ class RenderFn(_TokenizerDoFn):
 
 
 class TokenizeFn(_TokenizerDoFn):
-    def __init__(self, assets: TokenizerAssets, step_separator: str = "\n"):
+    def __init__(self, assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR):
         super().__init__(assets, step_separator)
         self.tokens = counter("tokens")
 
@@ -249,7 +250,7 @@ class TokenizeFn(_TokenizerDoFn):
 class ApplyChatTemplate(beam.PTransform):
     """Batches pairs (the renderer and the tokenizer both work a batch per call) and renders them."""
 
-    def __init__(self, assets: TokenizerAssets, batch_size: int, step_separator: str = "\n"):
+    def __init__(self, assets: TokenizerAssets, batch_size: int, step_separator: str = STEP_SEPARATOR):
         super().__init__()
         self.assets, self.batch_size, self.step_separator = assets, batch_size, step_separator
 
@@ -262,7 +263,7 @@ class ApplyChatTemplate(beam.PTransform):
 
 
 class Tokenize(beam.PTransform):
-    def __init__(self, assets: TokenizerAssets, step_separator: str = "\n"):
+    def __init__(self, assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR):
         super().__init__()
         self.assets, self.step_separator = assets, step_separator
 

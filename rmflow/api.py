@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from schemas.config import SCORING_BATCH_SIZE
+
 Conversation = Sequence[dict[str, str]] | dict[str, Any]
 
 
@@ -125,7 +127,8 @@ class RewardModel:
             raise BadConversation(f"{len(ids)} tokens, more than the model's {self.max_length} positions")
         return np.asarray(ids, np.int32)
 
-    def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = 16, progress=None) -> np.ndarray:
+    def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
+                  progress=None) -> np.ndarray:
         """Rewards of token sequences (each scored at its last token), in input order."""
         from trainer.evaluate import score_sequences
 
@@ -135,7 +138,7 @@ class RewardModel:
         return score_sequences(self._loaded.model, list(sequences), batch_size=batch_size,
                                pad_id=self._loaded.pad_id, progress=progress)
 
-    def score(self, conversations: Sequence[Conversation], *, batch_size: int = 16,
+    def score(self, conversations: Sequence[Conversation], *, batch_size: int = SCORING_BATCH_SIZE,
               normalized: bool = False) -> np.ndarray:
         """One reward per conversation, float32, in input order. ``normalized``: standardised by
         the mean and std that `rmflow eval --normalize` stored with the model."""
@@ -144,7 +147,7 @@ class RewardModel:
         return self.normalize(scores) if normalized else scores
 
     def score_pairs(self, chosen: Sequence[Conversation], rejected: Sequence[Conversation], *,
-                    batch_size: int = 16) -> tuple[np.ndarray, np.ndarray]:
+                    batch_size: int = SCORING_BATCH_SIZE) -> tuple[np.ndarray, np.ndarray]:
         """Rewards of chosen and rejected conversations, pair by pair (equal lengths)."""
         self._require("outcome", "score_pairs")
         if len(chosen) != len(rejected):
@@ -170,7 +173,7 @@ class RewardModel:
             raise BadConversation(f"{len(out.input_ids)} tokens, more than the model's {self.max_length} positions")
         return out.input_ids, out.step_ends
 
-    def score_step_ids(self, encoded: Sequence[tuple[np.ndarray, np.ndarray]], *, batch_size: int = 16
+    def score_step_ids(self, encoded: Sequence[tuple[np.ndarray, np.ndarray]], *, batch_size: int = SCORING_BATCH_SIZE
                        ) -> list[np.ndarray]:
         """P(correct) of each step of each encoded solution, float32, in input order."""
         from schemas.record import StepRecord
@@ -187,7 +190,7 @@ class RewardModel:
             out[i] = p.astype(np.float32)
         return out
 
-    def score_steps(self, solutions: Sequence[dict[str, Any]], *, batch_size: int = 16) -> list[np.ndarray]:
+    def score_steps(self, solutions: Sequence[dict[str, Any]], *, batch_size: int = SCORING_BATCH_SIZE) -> list[np.ndarray]:
         """For a process reward model: P(step is correct) for every step of every solution, one
         float32 array per solution, in input order."""
         self._require("process", "score_steps")

@@ -16,7 +16,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig, help_for
+from schemas.config import (
+    SCORING_BATCH_SIZE,
+    ConfigError,
+    EvalConfig,
+    PreprocessConfig,
+    TrainConfig,
+    help_for,
+)
 from schemas.errors import RmflowError, RmflowWarning
 
 app = typer.Typer(
@@ -383,7 +390,7 @@ def score(
                               "'completions' (the steps)."),
     output: str = typer.Option(..., "--output", "-o", help="JSONL of the input lines with their 'score' (a process "
                                "model: 'step_scores', P(step is correct), and 'first_error')."),
-    batch_size: int = typer.Option(16, help="Conversations per forward pass (sorted by length)."),
+    batch_size: int = typer.Option(SCORING_BATCH_SIZE, help="Conversations per forward pass (sorted by length)."),
 ) -> None:
     """Score conversations with a reward model (or each step of solutions with a process reward model), in
     batches sorted by length."""

@@ -19,7 +19,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from schemas.config import EvalConfig, PreprocessConfig
+from schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
 from schemas.manifest import ERRORS_FILE, MANIFEST_FILE
 from schemas.outputs import output_lock, staged_output
 from schemas.record import StepRecord, decode
@@ -50,7 +50,7 @@ class LoadedModel:
     pad_id: int
     description: str  # which weights: the run and step, or the checkpoint folder
     folder: str = ""  # the local folder it was read from (a copy, for a remote one)
-    step_separator: str = "\n"  # a process model's: the text after every step, as in its training data
+    step_separator: str = STEP_SEPARATOR  # a process model's: the text after every step, as in its training data
 
     @property
     def kind(self) -> str:
@@ -66,7 +66,7 @@ def load_model(path: str, step: int | None = None) -> LoadedModel:
         model, run, step = load_trained_model(path, step)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
-                           run.manifest.config.get("step_separator", "\n"))
+                           run.manifest.config.get("step_separator", STEP_SEPARATOR))
     if not os.path.isdir(path):
         raise TrainError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an exported "
                          "checkpoint folder")
@@ -77,7 +77,7 @@ def load_model(path: str, step: int | None = None) -> LoadedModel:
         pad = json.load(f).get("pad_token_id") or 0
     description = f"checkpoint {os.path.abspath(path)}"
     info = os.path.join(path, EXPORT_INFO)
-    separator = "\n"
+    separator = STEP_SEPARATOR
     if os.path.exists(info):
         with open(info) as f:
             exported = json.load(f)
@@ -94,7 +94,7 @@ def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
 
 
 def load_records(data: list[str], split: str, model, tokenizer: str | None, model_path: str, workdir: str,
-                 output: str, step_separator: str = "\n", raw_options: dict[str, Any] | None = None,
+                 output: str, step_separator: str = STEP_SEPARATOR, raw_options: dict[str, Any] | None = None,
                  final_output: str | None = None):
     """(records, summary of the raw-input preprocessing or None). Shards are checked against the
     model's tokenizer and vocabulary; raw inputs are preprocessed with the model's tokenizer, and

@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from rmflow.api import BadConversation, RewardModel
+from schemas.config import SCORING_BATCH_SIZE
 from trainer.evaluate import STEP_THRESHOLD, first_error
 from trainer.train import TrainError
 
@@ -39,7 +40,7 @@ def _lines(path: str):
                 yield line_no, None, f"line is not valid UTF-8 ({e}); save the file as UTF-8"
 
 
-def score_file(model_path: str, input_path: str, output_path: str, *, batch_size: int = 16,
+def score_file(model_path: str, input_path: str, output_path: str, *, batch_size: int = SCORING_BATCH_SIZE,
                progress_factory=None) -> dict[str, int]:
     """Score a JSONL file through the Python API (``rmflow.RewardModel``), one result line per
     input line; a line that cannot be scored keeps its fields and gets ``line`` and ``error``."""

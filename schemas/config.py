@@ -29,6 +29,8 @@ FORMATS = (
 )
 STEP_FORMATS = ("stepwise", "processbench")
 LENGTH_POLICIES = ("drop", "truncate-prompt")
+STEP_SEPARATOR = "\n"  # the default text after every step of a stepwise solution (process reward models)
+SCORING_BATCH_SIZE = 16  # the default sequences per forward pass when scoring (eval, score, the API)
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -135,7 +137,7 @@ class PreprocessConfig(_Serializable):
     beam_args: tuple[str, ...] = _opt((), "Extra Beam pipeline options, passed through unchanged.")
     batch_size: int = _opt(128, "Pairs per tokenizer batch call.")
     step_separator: str = _opt(
-        "\n", "Stepwise layouts (process reward models): text after every step; each step is scored at the "
+        STEP_SEPARATOR, "Stepwise layouts (process reward models): text after every step; each step is scored at the "
         "last token of the step and its separator."
     )
 
@@ -436,7 +438,7 @@ class EvalConfig(_Serializable):
     output: str = _opt("", "Folder for eval.json, report.md and the plots (replaced as a whole).")
     split: str = _opt("eval", "Shard split to evaluate: eval, train or all (raw files: all).")
     step: int | None = _opt(None, "Checkpoint step of a run directory to evaluate; default: the newest.")
-    batch_size: int = _opt(16, "Pairs per forward pass.")
+    batch_size: int = _opt(SCORING_BATCH_SIZE, "Pairs per forward pass.")
     normalize: bool = _opt(False, "Store the mean and std of the rewards on this data with the model "
                                   "(reward_normalization.json), to standardise scores.")
     mode: str = _opt("pairs", "pairs; rewardbench-v1 (subset accuracies, section scores weighted as RewardBench "

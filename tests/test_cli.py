@@ -47,3 +47,30 @@ def test_help_text_comes_from_the_config(tmp_path):
     text = flat(result.output)
     for field in ("max_length", "length_policy", "dedup", "max_bad_fraction", "eval_fraction"):
         assert flat(help_for(PreprocessConfig, field)) in text, field
+
+
+def test_cli_options_are_their_config_fields():
+    """Every option of preprocess and eval that names a config field has that field's default and
+    help: a default or a text copied into the CLI could drift; these cannot."""
+    import dataclasses
+
+    import typer.main
+
+    from rmflow.cli import app
+    from schemas.config import EvalConfig, PreprocessConfig
+
+    commands = {c.name or c.callback.__name__: c for c in app.registered_commands}
+    for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig)):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        params = typer.main.get_command(app).commands[name].params
+        checked = 0
+        for p in params:
+            field = fields.get(p.name) or fields.get({"input": "inputs"}.get(p.name, ""))
+            if field is None:
+                continue
+            checked += 1
+            assert p.help == field.metadata["help"], (name, p.name)
+            if not p.required:
+                assert p.default == field.default, (name, p.name, p.default, field.default)
+        assert checked == len(fields) - (1 if cls is PreprocessConfig else 0), (name, checked)  # beam_args: the rest
+    assert commands  # the app has its commands registered

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from schemas.config import SCORING_BATCH_SIZE
 from schemas.record import PairRecord, StepRecord
 from trainer.data import PackCollate, StepPackCollate
 from trainer.data.steps import record_step_values
@@ -124,7 +125,7 @@ def pair_metrics(
     return out
 
 
-def score_pairs(model: RewardModel, records: Sequence[PairRecord], *, batch_size: int = 16,
+def score_pairs(model: RewardModel, records: Sequence[PairRecord], *, batch_size: int = SCORING_BATCH_SIZE,
                 max_length: int | None = None, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Rewards of chosen and rejected for each record, in order: the records packed as in
     training (``PackCollate``, one row) and scored by the same ``pair_rewards``."""
@@ -141,7 +142,7 @@ def score_pairs(model: RewardModel, records: Sequence[PairRecord], *, batch_size
     return np.concatenate(rc), np.concatenate(rr)
 
 
-def score_sequences(model: RewardModel, sequences: Sequence[np.ndarray], *, batch_size: int = 16,
+def score_sequences(model: RewardModel, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
                     pad_id: int = 0, progress=None) -> np.ndarray:
     """The reward of each token sequence (at its last token), batched in length order to waste
     little padding; returned in the input order."""
@@ -292,7 +293,7 @@ def _save(fig, output: str, name: str) -> str:
 STEP_THRESHOLD = 0.5  # a step is predicted incorrect when P(correct) is below this
 
 
-def score_steps(model: RewardModel, records: Sequence[StepRecord], *, batch_size: int = 16,
+def score_steps(model: RewardModel, records: Sequence[StepRecord], *, batch_size: int = SCORING_BATCH_SIZE,
                 max_length: int | None = None, pad_id: int = 0) -> list[np.ndarray]:
     """P(correct) of each step of each record, in order: the records packed as in training
     (``StepPackCollate``, one row) and scored by the model's step logits."""

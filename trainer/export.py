@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 from flax import nnx
 
+from schemas.config import STEP_SEPARATOR
 from schemas.errors import RmflowError, RmflowWarning
 from schemas.outputs import output_lock, staged_output
 from trainer import storage
@@ -159,7 +160,7 @@ def _export(run_dir: str, output: str, step: int | None, max_shard_bytes: int, a
             json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
                        "data": run.config.data, "tokenizer_sha256": run.manifest.tokenizer.sha256,
                        "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.kind,
-                       "step_separator": run.manifest.config.get("step_separator", "\n")}, f, indent=2)
+                       "step_separator": run.manifest.config.get("step_separator", STEP_SEPARATOR)}, f, indent=2)
     return output
 
 
