@@ -33,7 +33,8 @@ test: $(VENV)/.installed-test
 test-airflow:
 	$(PYTHON) -m venv .venv-airflow
 	.venv-airflow/bin/pip install --quiet -e '.[airflow]' pytest
-	AIRFLOW_HOME=$(CURDIR)/.venv-airflow/home .venv-airflow/bin/python -m pytest -q -p no:cacheprovider tests/test_deploy.py
+	RMFLOW_REQUIRE_AIRFLOW=1 AIRFLOW_HOME=$(CURDIR)/.venv-airflow/home .venv-airflow/bin/python -m pytest -q \
+		-p no:cacheprovider tests/test_deploy.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from schemas.config import TrainConfig
+from trainer.errors import TrainError
 from trainer.tensorboard import summary_writer
 
 WANDB_ID_FILE = "wandb_id"
@@ -25,7 +26,6 @@ def check_available(cfg: TrainConfig) -> None:
         try:
             import wandb  # noqa: F401
         except ImportError as e:
-            from trainer.train import TrainError
 
             raise TrainError("report_to includes wandb, which is not installed: pip install 'rmflow[wandb]'") from e
 

@@ -32,13 +32,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from schemas.config import TrainConfig
-from schemas.errors import RmflowError, RmflowWarning
+from schemas.errors import RmflowWarning
 from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
 from schemas.outputs import output_lock
 from trainer import storage
 from trainer.compilation import use_compilation_cache
 from trainer.data import make_loader, resolve_packing
 from trainer.data.lookahead import Lookahead
+from trainer.errors import Interrupted, TrainError  # noqa: F401 - TrainError is imported from here too
 from trainer.loggers import Reporters, check_available
 from trainer.memory import release_free_memory
 from trainer.modeling import lora
@@ -67,16 +68,6 @@ METRICS_FILE = "metrics.jsonl"
 SMALL_EVAL = 20  # an eval split below this many pairs gets a warning: its accuracy says little
 
 
-class TrainError(RmflowError, RuntimeError):
-    """The run cannot start or had to stop; the message says why and what to do."""
-
-
-class Interrupted(TrainError):
-    """SIGINT or SIGTERM stopped the run at a step boundary, after a checkpoint of that step."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.exit_code = 128 + signum  # as a shell reports a process a signal ended
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Attention over packed rows: who may attend to whom, and three ways to compute it.
+"""Attention over packed rows: who may attend to whom (the rules: ``trainer.modeling.masking``),
+and the ways to compute it.
 
 Each token carries a segment id (0 = padding), a position and a branch id. A query attends
 to a key when both are in the same segment, the key comes no later (by index and by
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from schemas.config import ATTENTION  # one list: the config validates against it
+from trainer.modeling.masking import allowed, dense_mask  # noqa: F401 - the rules, imported from here too
 
 BLOCK = 128
 _NEG = -1e30
@@ -56,24 +58,6 @@ def resolve_attention(name: str, dtype, backend: str | None = None) -> str:
 def takes_dense_mask(implementation: str) -> bool:
     """Whether an implementation takes the dense (B, 1, T, T) mask (built once for all layers)."""
     return implementation in ("xla", "cudnn")
-
-
-def allowed(seg_q, pos_q, br_q, idx_q, seg_k, pos_k, br_k, idx_k, window: int | None) -> jax.Array:
-    """(..., Tq, Tk) boolean: may each query attend to each key (rules in the module doc). The
-    query arrays are (..., Tq), the key arrays (..., Tk): rows (B, T) or one block's (T,)."""
-    q = lambda a: a[..., :, None]  # noqa: E731
-    k = lambda a: a[..., None, :]  # noqa: E731
-    ok = (q(seg_q) == k(seg_k)) & (q(pos_q) >= k(pos_k)) & (q(idx_q) >= k(idx_k))
-    ok &= (k(br_k) == 0) | (k(br_k) == q(br_q))
-    if window is not None:
-        ok &= (q(pos_q) - k(pos_k)) < window
-    return ok
-
-
-def dense_mask(segment_ids, positions, branch_ids, window: int | None) -> jax.Array:
-    """(B, 1, T, T) mask for the reference implementation."""
-    idx = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
-    return allowed(segment_ids, positions, branch_ids, idx, segment_ids, positions, branch_ids, idx, window)[:, None]
 
 
 def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: str, window: int | None = None,

@@ -1,6 +1,6 @@
 """Fused attention for packed rows, as Pallas kernels: forward and backward, one program per
 (row, query head, block), with the mask computed per block from the segment ids, positions and
-branch ids (``attention.allowed``, the rules every implementation shares).
+branch ids (``masking.allowed``, the rules every implementation shares).
 
 On NVIDIA GPUs Pallas lowers the kernels through Triton; elsewhere (CPU) they run in Pallas's
 interpret mode, which executes the same kernel code with plain JAX operations: slow, for
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from trainer.modeling.attention import allowed
+from trainer.modeling.masking import allowed
 
 BLOCK = 64
 _NEG = -1e30
