@@ -3,8 +3,8 @@ generates, the image's Beam version satisfies rmflow's, the entry point file cal
 entry point, and the Airflow DAG (where Airflow is installed: the `airflow` extra) has the
 documented task graph."""
 
-import pathlib
 import os
+import pathlib
 import re
 import tomllib
 
