@@ -20,6 +20,7 @@ import grain
 import numpy as np
 
 from schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
+from schemas.errors import RmflowError
 from schemas.manifest import ERRORS_FILE, MANIFEST_FILE
 from schemas.outputs import output_lock, staged_output
 from schemas.record import StepRecord, decode
@@ -37,9 +38,15 @@ from trainer.export import EXPORT_INFO
 from trainer.modeling.convert import load_reward_model
 from trainer.rewardbench import best_of_n_credit, v1_scores, v2_scores
 from trainer.rundir import is_run_dir, tokenizer_fingerprint
-from trainer.train import TrainError, check_model_fits, check_tokenizer, load_trained_model, read_manifest
+from trainer.train import check_model_fits, check_tokenizer, load_trained_model, read_manifest
 
 NORMALIZATION_FILE = "reward_normalization.json"
+
+
+class EvalError(RmflowError):
+    """An evaluation cannot run or found nothing to evaluate; the message says why and what to do.
+    (Errors about the model or the shards themselves come from the trainer as TrainError.)"""
+
 INPUT_ERRORS = "input_errors.jsonl"
 
 
@@ -68,10 +75,10 @@ def load_model(path: str, step: int | None = None) -> LoadedModel:
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
                            run.manifest.config.get("step_separator", STEP_SEPARATOR))
     if not os.path.isdir(path):
-        raise TrainError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an exported "
+        raise EvalError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an exported "
                          "checkpoint folder")
     if step is not None:
-        raise TrainError(f"{path} is an exported checkpoint (one set of weights): --step applies to run directories")
+        raise EvalError(f"{path} is an exported checkpoint (one set of weights): --step applies to run directories")
     model = load_reward_model(path)
     with open(os.path.join(path, "config.json")) as f:
         pad = json.load(f).get("pad_token_id") or 0
@@ -88,7 +95,7 @@ def load_model(path: str, step: int | None = None) -> LoadedModel:
 
 def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
     if tokenizer is None:
-        raise TrainError(f"{model_path} has no tokenizer files (tokenizer.json ...), which {why} needs: copy the "
+        raise EvalError(f"{model_path} has no tokenizer files (tokenizer.json ...), which {why} needs: copy the "
                          "tokenizer the model was trained with into it")
     return tokenizer
 
@@ -122,7 +129,7 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
         except PreprocessError as e:  # e.g. no usable pair: keep the reasons where the user can read them
             found = [e.errors_file] if e.errors_file else glob.glob(os.path.join(workdir, "shards.tmp-*", ERRORS_FILE))
             kept = _keep_input_errors(found, failed_errors_path(final_output or output))
-            raise TrainError(e.reason + (f"; every record set aside and its reason: {kept}" if kept else "")) from e
+            raise EvalError(e.reason + (f"; every record set aside and its reason: {kept}" if kept else "")) from e
         _keep_input_errors([os.path.join(folder, ERRORS_FILE)], os.path.join(output, INPUT_ERRORS))
         input_summary = {"counts": result.stats["counts"], "not_scored": result.stats["dead_letters"]}
         split = "train"  # everything lands there when eval_fraction is 0
@@ -133,7 +140,7 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
     source = grain.sources.ArrayRecordDataSource(paths) if paths else []
     records = [decode(source[i]) for i in range(len(source))]
     if not records:
-        raise TrainError(f"no pairs in split {split!r} of {folder}")
+        raise EvalError(f"no pairs in split {split!r} of {folder}")
     return records, input_summary
 
 
@@ -155,7 +162,7 @@ def failed_errors_path(output: str) -> str:
 
 def check_eval_output(output: str) -> None:
     if os.path.exists(output) and not os.path.isdir(output):
-        raise TrainError(f"--output {output} is a file; give a folder for eval.json, report.md and the plots")
+        raise EvalError(f"--output {output} is a file; give a folder for eval.json, report.md and the plots")
 
 
 def run_eval(model_path: str, data: list[str], output: str, **options: Any) -> dict[str, Any]:
@@ -176,7 +183,7 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
     if mode == "rewardbench-v2":
         return run_rewardbench_v2(cfg, staging)
     if normalize and storage.is_remote(model_path):
-        raise TrainError("--normalize stores reward_normalization.json in the model folder: give a local copy "
+        raise EvalError("--normalize stores reward_normalization.json in the model folder: give a local copy "
                          f"of {model_path}")
     loaded = load_model(model_path, cfg.step)
     model = loaded.model
@@ -185,20 +192,20 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
                                               loaded.step_separator, cfg.raw_input_options(), cfg.output)
     stepwise = isinstance(records[0], StepRecord)
     if stepwise != (loaded.kind == "process"):
-        raise TrainError(
+        raise EvalError(
             f"{model_path} is a process reward model (it scores steps): evaluate it on stepwise data"
             if loaded.kind == "process" else
             f"{data[0]} holds stepwise solutions, which a process reward model scores; {model_path} is an outcome "
             "reward model: evaluate it on preference pairs")
     if stepwise:
         if mode != "pairs" or normalize:
-            raise TrainError(f"--mode {mode}{' and --normalize' if normalize else ''} apply to outcome reward "
+            raise EvalError(f"--mode {mode}{' and --normalize' if normalize else ''} apply to outcome reward "
                              "models; a process reward model is evaluated per step and per solution")
         return _eval_process(loaded, model_path, records, input_summary, data, staging, split, batch_size)
     if mode == "rewardbench-v1":
         unlabeled = sum(r.subset is None for r in records)
         if unlabeled:
-            raise TrainError(f"rewardbench-v1 needs a 'subset' on every pair; {unlabeled:,} of {len(records):,} pairs "
+            raise EvalError(f"rewardbench-v1 needs a 'subset' on every pair; {unlabeled:,} of {len(records):,} pairs "
                              "have none (RewardBench rows carry it: keep the column when converting)")
     rc, rr = score_pairs(model, records, batch_size=batch_size, pad_id=loaded.pad_id)
     subsets = [r.subset for r in records]
@@ -263,7 +270,7 @@ def run_rewardbench_v2(cfg: EvalConfig, output: str) -> dict[str, Any]:
             rec = json.loads(raw) if not problem else None
             if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) \
                     or not _text_list(rec.get("chosen")) or not _text_list(rec.get("rejected")):
-                raise TrainError(f"{path}:{line}: not a RewardBench 2 record (prompt, chosen list, rejected list, "
+                raise EvalError(f"{path}:{line}: not a RewardBench 2 record (prompt, chosen list, rejected list, "
                                  "of strings)" + (f": {problem}" if problem else ""))
             completions = list(rec["chosen"])[:1] + list(rec["rejected"])
             start = len(seqs)
@@ -271,9 +278,9 @@ def run_rewardbench_v2(cfg: EvalConfig, output: str) -> dict[str, Any]:
                 try:
                     ids = renderer.encode_conversation((("user", rec["prompt"]), ("assistant", text)))
                 except BadRecord as e:
-                    raise TrainError(f"{path}:{line}: {e.message}") from e
+                    raise EvalError(f"{path}:{line}: {e.message}") from e
                 if len(ids) > positions:
-                    raise TrainError(f"{path}:{line}: a completion of {len(ids):,} tokens, past the model's "
+                    raise EvalError(f"{path}:{line}: a completion of {len(ids):,} tokens, past the model's "
                                      f"{positions:,} positions: scoring it would give a number the model was "
                                      "never made for; drop the example or use a model with more positions")
                 seqs.append(ids)
@@ -281,7 +288,7 @@ def run_rewardbench_v2(cfg: EvalConfig, output: str) -> dict[str, Any]:
     scores = score_sequences(model, seqs, batch_size=batch_size, pad_id=pad_id)
     k = max(n for _, n, _ in examples)
     if any(n != k for _, n, _ in examples):
-        raise TrainError("rewardbench-v2: every example needs the same number of completions")
+        raise EvalError("rewardbench-v2: every example needs the same number of completions")
     chosen = np.array([scores[s] for s, _, _ in examples])
     rejected = np.array([scores[s + 1 : s + n] for s, n, _ in examples])
     credits = best_of_n_credit(chosen, rejected)

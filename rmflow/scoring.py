@@ -22,8 +22,8 @@ from typing import Any
 
 from rmflow.api import BadConversation, RewardModel
 from schemas.config import SCORING_BATCH_SIZE
+from schemas.errors import RmflowError
 from trainer.evaluate import STEP_THRESHOLD, first_error
-from trainer.train import TrainError
 
 STEP_FIELDS = ("step_scores", "first_error")  # what scoring a solution adds
 
@@ -40,14 +40,18 @@ def _lines(path: str):
                 yield line_no, None, f"line is not valid UTF-8 ({e}); save the file as UTF-8"
 
 
+class ScoreError(RmflowError):
+    """A scoring job cannot run; the message says why and what to do."""
+
+
 def score_file(model_path: str, input_path: str, output_path: str, *, batch_size: int = SCORING_BATCH_SIZE,
                progress_factory=None) -> dict[str, int]:
     """Score a JSONL file through the Python API (``rmflow.RewardModel``), one result line per
     input line; a line that cannot be scored keeps its fields and gets ``line`` and ``error``."""
     if os.path.isdir(output_path):
-        raise TrainError(f"--output {output_path} is a folder; give the JSONL file to write")
+        raise ScoreError(f"--output {output_path} is a folder; give the JSONL file to write")
     if not os.path.isfile(input_path):
-        raise TrainError(f"--input {input_path} is not a file; give a JSONL file of conversations")
+        raise ScoreError(f"--input {input_path} is not a file; give a JSONL file of conversations")
     rm = RewardModel.load(model_path)
     process = rm.kind == "process"
     rows: list[dict[str, Any]] = []

@@ -400,13 +400,13 @@ def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
 def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_path):
     from rmflow import RewardModel as API
     from rmflow.api import BadConversation, WrongModelKind
-    from rmflow.evaluation import run_eval
+    from rmflow.evaluation import EvalError, run_eval
     from trainer.train import TrainError
 
     _, run_dir = process_run
-    with pytest.raises(TrainError, match="is a process reward model .it scores steps."):
+    with pytest.raises(EvalError, match="is a process reward model .it scores steps."):
         run_eval(str(run_dir), [str(demo_shards)], str(tmp_path / "e1"))
-    with pytest.raises(TrainError, match="apply to outcome reward models"):
+    with pytest.raises(EvalError, match="apply to outcome reward models"):
         run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "e2"), mode="rewardbench-v1")
     with pytest.raises(TrainError, match="center_rewards_coefficient applies to outcome"):
         train(TrainConfig(data=str(synthetic_steps / "shards"), model="tiny", output=str(tmp_path / "r"),
