@@ -241,8 +241,11 @@ def _messages(value: Any, name: str) -> tuple[Message, ...]:
             if role != "assistant" or not isinstance(calls, (list, tuple)):
                 raise BadRecord("bad_message", f"{name}[{i}]: 'tool_calls' is a list, on assistant messages")
             content = m.get("content") or ""
-            out.append((role, _text(content, f"{name}[{i}]"),
-                        json.dumps(list(calls), ensure_ascii=False, sort_keys=True, separators=(",", ":"))))
+            try:
+                dumped = json.dumps(list(calls), ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+            except (TypeError, ValueError, RecursionError) as e:
+                raise BadRecord("bad_message", f"{name}[{i}]: 'tool_calls' is not JSON: {e}") from e
+            out.append((role, _text(content, f"{name}[{i}]"), _valid_text(dumped, f"{name}[{i}].tool_calls")))
             continue
         if "content" not in m or m["content"] is None:
             raise BadRecord("bad_message", f"{name}[{i}] has no 'content'")
