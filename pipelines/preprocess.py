@@ -207,15 +207,21 @@ def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None, *, wait: b
 
 def _run(cfg: PreprocessConfig, p, started: float, wait: bool) -> PreprocessResult | None:
     plan = make_plan(cfg)
-    core = shared_pair_tokenizer(plan.assets, cfg.step_separator)  # kept referenced: in-process workers reuse it
-    fin = finalization(cfg, plan, started, core.tok)
-    build(p, cfg, plan, fin)
     try:
+        core = shared_pair_tokenizer(plan.assets, cfg.step_separator)  # kept referenced: workers reuse it
+        fin = finalization(cfg, plan, started, core.tok)
+        build(p, cfg, plan, fin)
         result = p.run()
         if not wait:
             return None
         state = result.wait_until_finish()
-    except Exception as e:  # noqa: BLE001 - the pipeline's own exception, wrapped by the runner
+    except BaseException as e:  # noqa: BLE001 - the pipeline's own exception, wrapped by the runner
+        if _interrupted(e):  # Ctrl-C or SIGTERM reached a worker thread: an interruption, not a failure
+            if wait and "://" not in plan.staging:  # ours alone: the output's lock is held
+                rio.delete_tree(plan.staging)
+            raise KeyboardInterrupt from e
+        if not isinstance(e, Exception):
+            raise
         raise job_failure(plan.staging, e) from e
     if state is not None and str(state).upper().split(".")[-1] not in ("DONE", "UNKNOWN"):
         raise job_failure(plan.staging, f"the Beam job ended in state {state}")
@@ -223,6 +229,17 @@ def _run(cfg: PreprocessConfig, p, started: float, wait: bool) -> PreprocessResu
     stats = json.loads(rio.read_bytes(f"{out}/{STATS_FILE}"))
     stats["counters"] = beam_counters(result)  # monitoring only; the exact counts are in stats
     return PreprocessResult(out, Manifest.from_json(rio.read_bytes(f"{out}/{MANIFEST_FILE}").decode()), stats)
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether a KeyboardInterrupt caused ``e`` (the runner re-raises a worker's as its own error)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt) or "KeyboardInterrupt" in str(e)[:2000]:
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def job_failure(staging: str, cause: Any) -> PreprocessError:

@@ -345,3 +345,22 @@ def test_a_failed_preprocess_job_prints_one_line_without_beams_log(tmp_path):
     said = (r.stdout + r.stderr).strip()
     assert r.returncode == 1 and "Traceback" not in said and "ERROR" not in said, said
     assert len(said.splitlines()) == 1 and "unknown_layout x5" in said, said
+
+
+def test_sigterm_stops_a_preprocess_job_and_removes_its_staging(tmp_path):
+    rows = gzip.decompress((DEMO / "hh_rlhf_helpful_sample.jsonl.gz").read_bytes())
+    (tmp_path / "big.jsonl").write_bytes(rows * 40)  # 20,000 records: the job is still running when signalled
+    proc = subprocess.Popen([sys.executable, "-m", "rmflow.cli", "preprocess", "-i", str(tmp_path / "big.jsonl"),
+                             "--tokenizer", str(DEMO / "tokenizer"), "-o", str(tmp_path / "out")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    import time
+
+    end = time.time() + 120
+    while not list(tmp_path.glob("out.tmp-*")) and time.time() < end and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(3)  # the job is under way
+    proc.send_signal(signal.SIGTERM)
+    said = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, said
+    assert "preprocess interrupted by SIGTERM" in said and "Traceback" not in said
+    assert not list(tmp_path.glob("out*")) and not list(tmp_path.glob(".out*"))  # no staging, no lock file
