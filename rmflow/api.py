@@ -88,7 +88,7 @@ class RewardModel:
         self.description = loaded.description
         self.kind = loaded.kind  # "outcome" (a score per conversation) or "process" (a score per step)
         self.step_separator = loaded.step_separator
-        self._steps_tokenizer = None
+        self._renderer = None
 
     @classmethod
     def load(cls, path: str) -> RewardModel:
@@ -109,9 +109,9 @@ class RewardModel:
     def _pair_tokenizer(self):
         from pipelines.tokenize import PairTokenizer
 
-        if self._steps_tokenizer is None:
-            self._steps_tokenizer = PairTokenizer(self.tokenizer, self.step_separator)
-        return self._steps_tokenizer
+        if self._renderer is None:
+            self._renderer = PairTokenizer(self.tokenizer, self.step_separator)
+        return self._renderer
 
     def encode(self, conversation: Conversation) -> np.ndarray:
         """Token ids of one conversation, rendered and tokenized as preprocessing does (the chat

@@ -107,20 +107,26 @@ LINES = st.lists(st.one_of(RECORD.map(_line), JSON.map(_line), st.binary(min_siz
 @given(lines=LINES)
 def test_pipeline_contains_every_record(tmp_path_factory, lines):
     """Good records first (so the file's layout is text), then fuzz; nothing escapes, all counted."""
-    tmp = tmp_path_factory.mktemp("fuzz")
     body = [_line(g) for g in GOOD] + lines
     body = [b for b in body if b.strip()]  # blank lines are not records
+    result = _preprocess_contains_every_line(tmp_path_factory.mktemp("fuzz"), body, len(GOOD), max_length=64)
+    assert result.stats["kind"] == "outcome"
+
+
+def _preprocess_contains_every_line(tmp, body: list[bytes], good: int, **options):
+    """Preprocess ``body`` as one file: every line is read, the good ones are written, and every
+    other one is in the errors file with a code and a reason."""
     (tmp / "in.jsonl").write_bytes(b"\n".join(body) + b"\n")
     result = run(PreprocessConfig(inputs=(str(tmp / "in.jsonl"),), output=str(tmp / "out"), tokenizer=DEMO_TOKENIZER,
-                                  max_length=64, eval_fraction=0.0, max_bad_fraction=1.0))
+                                  eval_fraction=0.0, max_bad_fraction=1.0, **options))
     c = result.stats["counts"]
     assert c["records_read"] == len(body)
-    assert c["pairs_written"] >= len(GOOD)
-    not_written = c["records_read"] - c["pairs_written"]
+    assert c["pairs_written"] >= good
     errors = (tmp / "out" / ERRORS_FILE).read_text().splitlines()
-    assert len(errors) == not_written
+    assert len(errors) == c["records_read"] - c["pairs_written"]
     for e in map(json.loads, errors):
         assert e["code"] and e["reason"]
+    return result
 
 
 GOOD_STEPS = [{"prompt": f"What is {i} + {i}?", "completions": [f"{i} + {i} = {2 * i}.", "So the answer is it."],
@@ -134,15 +140,7 @@ STEP_LINES = st.lists(st.one_of(STEPWISE.map(_line), PROCESSBENCH.map(_line), RE
 @given(lines=STEP_LINES)
 def test_pipeline_contains_every_stepwise_record(tmp_path_factory, lines):
     """The same for stepwise data (a process reward model's): nothing escapes, all counted."""
-    tmp = tmp_path_factory.mktemp("fuzz-steps")
     body = [_line(g) for g in GOOD_STEPS] + lines
-    (tmp / "in.jsonl").write_bytes(b"\n".join(body) + b"\n")
-    result = run(PreprocessConfig(inputs=(str(tmp / "in.jsonl"),), output=str(tmp / "out"), tokenizer=DEMO_TOKENIZER,
-                                  max_length=128, eval_fraction=0.0, max_bad_fraction=1.0, format="stepwise"))
-    c = result.stats["counts"]
-    assert result.stats["kind"] == "process" and c["records_read"] == len(body)
-    assert c["pairs_written"] >= len(GOOD_STEPS)
-    errors = (tmp / "out" / ERRORS_FILE).read_text().splitlines()
-    assert len(errors) == c["records_read"] - c["pairs_written"]
-    for e in map(json.loads, errors):
-        assert e["code"] and e["reason"]
+    result = _preprocess_contains_every_line(tmp_path_factory.mktemp("fuzz-steps"), body, len(GOOD_STEPS),
+                                             max_length=128, format="stepwise")
+    assert result.stats["kind"] == "process"
