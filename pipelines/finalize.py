@@ -21,6 +21,7 @@ from pipelines import io as rio
 from pipelines.staging import OWNER_FILE
 from schemas.config import PreprocessConfig
 from schemas.errors import RmflowError
+from schemas.kinds import OUTCOME, kind_named
 from schemas.manifest import (
     COMPLETED_FILE,
     CONFIG_FILE,
@@ -147,11 +148,12 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
     for s in summary["shards"]:
         kinds.update(s.get("kinds", {}))
     if len(kinds) > 1:
+        mixed = [kind_named(k) for k in sorted(kinds)]
         raise PreprocessError(
-            f"the inputs mix preference pairs ({kinds['outcome']:,} written) and stepwise solutions "
-            f"({kinds['process']:,}): an outcome and a process reward model train on different data; "
-            "preprocess them into separate outputs")
-    kind = next(iter(kinds), "outcome")
+            "the inputs mix " + " and ".join(f"{k.data} ({kinds[k.name]:,} written)" for k in mixed)
+            + ": " + " and ".join(k.description for k in mixed)
+            + " train on different data; preprocess them into separate outputs")
+    kind = kind_named(next(iter(kinds), OUTCOME.name))
     counts = {
         "records_read": read,
         "pairs_written": sum(written.values()),
@@ -168,7 +170,7 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
     accounted = sum(counts[k] for k in ("pairs_written", "dropped_too_long", "ties", "duplicates", "errors"))
     if accounted != read:
         raise PreprocessError(f"internal error: {read} records read but {accounted} accounted for ({counts})")
-    if kind == "process":  # every written solution's steps, and how many of them are labelled incorrect
+    if kind.counts_steps:  # every written solution's steps, and how many of them are labelled incorrect
         for name, field in (("steps_written", "steps"), ("incorrect_steps", "incorrect")):
             counts[name] = sum(k * n for split in lengths.values() for k, n in split.get(field, {}).items())
         for split in lengths.values():
@@ -176,7 +178,7 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
     tokens = sum(n * length for split in lengths.values() for f in ("chosen", "rejected", "sequence")
                  for length, n in split.get(f, {}).items())
     return {
-        "kind": kind,
+        "kind": kind.name,
         "counts": counts,
         "reconciles": True,
         "dead_letters": summary["dead"],

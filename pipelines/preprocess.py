@@ -43,7 +43,7 @@ from pipelines.transforms import (
     Tokenize,
     WriteErrors,
     WriteShards,
-    shared_pair_tokenizer,
+    shared_record_tokenizer,
 )
 from schemas.config import PreprocessConfig
 from schemas.errors import RmflowWarning
@@ -208,7 +208,7 @@ def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None, *, wait: b
 def _run(cfg: PreprocessConfig, p, started: float, wait: bool) -> PreprocessResult | None:
     plan = make_plan(cfg)
     try:
-        core = shared_pair_tokenizer(plan.assets, cfg.step_separator)  # kept referenced: workers reuse it
+        core = shared_record_tokenizer(plan.assets, cfg.step_separator)  # kept referenced: workers reuse it
         fin = finalization(cfg, plan, started, core.tok)
         build(p, cfg, plan, fin)
         result = p.run()

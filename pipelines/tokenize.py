@@ -3,7 +3,7 @@
 ``TokenizerAssets`` holds the tokenizer's files as bytes. It is read once where the job
 is launched (from a local folder, any Beam filesystem path such as gs://, or the Hugging
 Face Hub) and travels inside the pipeline, so Dataflow workers need no access to where
-the tokenizer came from. ``PairTokenizer`` is the pure core the Beam step wraps.
+the tokenizer came from. ``RecordTokenizer`` is the pure core the Beam step wraps.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 
 from pipelines.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
+from pipelines.length import apply_length_policy, apply_length_policy_steps
 from schemas.config import STEP_SEPARATOR
 from schemas.errors import RmflowError
 from schemas.manifest import TOKENIZER_FILES, TokenizerInfo, sha256_text, tokenizer_sha256, vocabulary_sha256
+from schemas.record import PairRecord, StepRecord
 
 # transformers announces at import that PyTorch is absent: irrelevant here (tokenizers only).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -153,7 +155,7 @@ def tokenizer_info(assets: TokenizerAssets, tok: Any) -> TokenizerInfo:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenizedPair:
-    pair: CanonicalPair
+    canonical: CanonicalPair  # the record it was tokenized from
     chosen_ids: np.ndarray
     rejected_ids: np.ndarray
     prompt_len: int
@@ -164,10 +166,19 @@ class TokenizedPair:
     def n_tokens(self) -> int:
         return len(self.chosen_ids) + len(self.rejected_ids)
 
+    def fit(self, max_length: int, policy: str) -> PairRecord:
+        """The shard record that fits ``max_length`` under the length policy (raises TooLong)."""
+        p = self.canonical
+        chosen, rejected, prompt_len = apply_length_policy(
+            self.chosen_ids, self.rejected_ids, self.prompt_len, self.head_len, max_length, policy)
+        return PairRecord(chosen_ids=chosen, rejected_ids=rejected, chosen_last=len(chosen) - 1,
+                          rejected_last=len(rejected) - 1, prompt_len=prompt_len, pair_id=p.pair_id,
+                          source=os.path.basename(p.source), margin=p.margin, subset=p.subset)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenizedSteps:
-    pair: CanonicalSteps  # the canonical record (named as for pairs: the Beam steps read .pair)
+    canonical: CanonicalSteps  # the record it was tokenized from
     input_ids: np.ndarray
     step_ends: np.ndarray  # the token scoring each step
     prompt_len: int
@@ -177,6 +188,15 @@ class TokenizedSteps:
     @property
     def n_tokens(self) -> int:
         return len(self.input_ids)
+
+    def fit(self, max_length: int, policy: str) -> StepRecord:
+        """The shard record that fits ``max_length`` under the length policy (raises TooLong)."""
+        p = self.canonical
+        ids, ends, prompt_len = apply_length_policy_steps(
+            self.input_ids, self.step_ends, self.prompt_len, self.head_len, max_length, policy)
+        return StepRecord(input_ids=ids, step_ends=ends, step_labels=[int(x) for x in p.labels],
+                          prompt_len=prompt_len, record_id=p.pair_id, source=os.path.basename(p.source),
+                          subset=p.subset)
 
 
 def step_token_ends(char_ends: Sequence[int], offsets: Sequence[tuple[int, int]], prompt_len: int) -> np.ndarray:
@@ -200,8 +220,9 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-class PairTokenizer:
-    """Renders pairs with the chat template and tokenizes both sides, a batch at a time."""
+class RecordTokenizer:
+    """Renders canonical records (pairs, stepwise solutions) with the chat template and tokenizes
+    every sequence they hold, a batch at a time."""
 
     def __init__(self, tokenizer: Any, step_separator: str = STEP_SEPARATOR):
         self.tok = tokenizer
@@ -323,14 +344,14 @@ class PairTokenizer:
     def tokenize(self, items: Sequence[Rendered | RenderedSteps]) -> list[TokenizedPair | TokenizedSteps | BadRecord]:
         """Tokenize rendered pairs (and solutions) in one batch call; locate the prompt boundary
         (and the step ends) in tokens."""
-        texts = [t for r in items if not r.pair.is_tokenized for t in r.texts]
+        texts = [t for r in items if not r.canonical.is_tokenized for t in r.texts]
         try:
             encodings = iter(self._encode(texts) if texts else [])
         except Exception:  # noqa: BLE001 - isolate the text the tokenizer refuses
             return [self._tokenize_one(r) for r in items]
         out: list[TokenizedPair | BadRecord] = []
         for r in items:
-            p = r.pair
+            p = r.canonical
             if p.is_tokenized:
                 out.append(TokenizedPair(
                     p, np.asarray(p.chosen_ids, np.int32), np.asarray(p.rejected_ids, np.int32),
@@ -415,7 +436,7 @@ class PairTokenizer:
         return _Encoding(ids, offsets)
 
     def _tokenize_one(self, r: Rendered | RenderedSteps) -> TokenizedPair | TokenizedSteps | BadRecord:
-        if r.pair.is_tokenized:
+        if r.canonical.is_tokenized:
             return self.tokenize([r])[0]
         try:
             encodings = self._encode(list(r.texts))
@@ -432,7 +453,7 @@ class PairTokenizer:
             ends = step_token_ends(r.step_char_ends, enc.offsets, prompt_len)
         except BadRecord as e:
             return e
-        return TokenizedSteps(r.pair, ids, ends, prompt_len, self.head_len(r.pair.prompt))
+        return TokenizedSteps(r.canonical, ids, ends, prompt_len, self.head_len(r.canonical.prompt))
 
     def _tokenized(self, r: Rendered | RenderedSteps, enc_c: Any, enc_r: Any = None
                    ) -> TokenizedPair | TokenizedSteps | BadRecord:
@@ -452,7 +473,7 @@ class PairTokenizer:
         if prompt_len is None:  # the template does not render the prompt as a prefix
             prompt_len = common
         prompt_len = min(prompt_len, len(chosen) - 1, len(rejected) - 1)
-        return TokenizedPair(r.pair, chosen, rejected, prompt_len, self.head_len(r.pair.prompt))
+        return TokenizedPair(r.canonical, chosen, rejected, prompt_len, self.head_len(r.canonical.prompt))
 
     def __call__(self, pairs: Sequence[CanonicalPair]) -> list[TokenizedPair | BadRecord]:
         """Render and tokenize; a pair that fails comes back as its BadRecord."""
@@ -470,7 +491,7 @@ def _message_dict(m: Message) -> dict[str, Any]:
 
 def _conversations(r: Rendered | RenderedSteps) -> list[list[str]]:
     """The message texts (in order) of each text ``r.texts`` holds."""
-    p = r.pair
+    p = r.canonical
     prompt = [m[1] for m in p.prompt]
     if isinstance(r, RenderedSteps):
         return [prompt + list(p.steps)]
@@ -493,7 +514,7 @@ class _Encoding:
 
 @dataclasses.dataclass(frozen=True)
 class Rendered:
-    pair: CanonicalPair
+    canonical: CanonicalPair
     prompt_text: str = ""
     chosen_text: str = ""
     rejected_text: str = ""
@@ -505,7 +526,7 @@ class Rendered:
 
 @dataclasses.dataclass(frozen=True)
 class RenderedSteps:
-    pair: CanonicalSteps
+    canonical: CanonicalSteps
     prompt_text: str
     text: str
     step_char_ends: tuple[int, ...]  # in ``text``: after each step and its separator

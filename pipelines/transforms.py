@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,11 +21,12 @@ from apache_beam.utils import shared
 from pipelines.finalize import finalize
 from pipelines.formats import BadRecord, CanonicalPair, Duplicate, detect_format, normalize, parse_json_object
 from pipelines.io import iter_records, write_array_record_shard
-from pipelines.length import apply_length_policy, apply_length_policy_steps, assign_shard, assign_split
-from pipelines.tokenize import PairTokenizer, Rendered, TokenizedSteps, TokenizerAssets, build_tokenizer
+from pipelines.length import assign_shard, assign_split
+from pipelines.tokenize import RecordTokenizer, Rendered, TokenizerAssets, build_tokenizer
 from schemas.config import STEP_SEPARATOR
+from schemas.kinds import kind_of_record
 from schemas.manifest import shard_name
-from schemas.record import PairRecord, StepRecord, encode
+from schemas.record import encode
 
 NAMESPACE = "rmflow"
 DEAD = "dead"
@@ -186,22 +186,22 @@ class DropDuplicates(beam.PTransform):
 _TOKENIZERS = shared.Shared()  # one tokenizer per worker process, shared by every DoFn
 
 
-def shared_pair_tokenizer(assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR) -> PairTokenizer:
-    """The process-wide PairTokenizer for these assets (loaded once per worker process).
+def shared_record_tokenizer(assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR) -> RecordTokenizer:
+    """The process-wide RecordTokenizer for these assets (loaded once per worker process).
 
     The caller must keep the returned object referenced: the cache holds it weakly.
     """
-    return _TOKENIZERS.acquire(lambda: PairTokenizer(build_tokenizer(assets), step_separator),
+    return _TOKENIZERS.acquire(lambda: RecordTokenizer(build_tokenizer(assets), step_separator),
                                tag=f"{assets.key}:{step_separator!r}")
 
 
 class _TokenizerDoFn(beam.DoFn):
     def __init__(self, assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR):
         self.assets, self.step_separator = assets, step_separator
-        self.core: PairTokenizer | None = None
+        self.core: RecordTokenizer | None = None
 
     def setup(self):
-        self.core = shared_pair_tokenizer(self.assets, self.step_separator)
+        self.core = shared_record_tokenizer(self.assets, self.step_separator)
 
 
 def _per_record(fn, batch: list) -> list:
@@ -241,7 +241,7 @@ class TokenizeFn(_TokenizerDoFn):
     def process(self, batch: list[Rendered]):
         for r, result in zip(batch, _per_record(self.core.tokenize, batch)):
             if isinstance(result, BadRecord):
-                yield TaggedOutput(DEAD, dead_letter("tokenize", r.pair.source, r.pair.line, r.pair.raw, result))
+                yield TaggedOutput(DEAD, dead_letter("tokenize", r.canonical.source, r.canonical.line, r.canonical.raw, result))
             else:
                 self.tokens.inc(result.n_tokens)
                 yield result
@@ -283,9 +283,9 @@ class LengthPolicyFn(beam.DoFn):
         self.truncated = counter("prompt_truncated")
 
     def process(self, tp):
-        p = tp.pair
+        p = tp.canonical
         try:
-            record = self._fit(tp)
+            record = tp.fit(self.max_length, self.policy)
             encoded = encode(record)  # here, so a record the codec refuses is dead-lettered, not fatal
         except Exception as e:  # noqa: BLE001 - contained to this record
             yield TaggedOutput(DEAD, dead_letter("length", p.source, p.line, p.raw, as_bad_record(e)))
@@ -294,23 +294,6 @@ class LengthPolicyFn(beam.DoFn):
         if truncated:
             self.truncated.inc()
         yield record, encoded, p.line, truncated, tp.special_text
-
-    def _fit(self, tp) -> PairRecord | StepRecord:
-        """The record that fits max_length under the policy (raises TooLong)."""
-        p = tp.pair
-        if isinstance(tp, TokenizedSteps):
-            ids, ends, prompt_len = apply_length_policy_steps(
-                tp.input_ids, tp.step_ends, tp.prompt_len, tp.head_len, self.max_length, self.policy
-            )
-            return StepRecord(input_ids=ids, step_ends=ends, step_labels=[int(x) for x in p.labels],
-                              prompt_len=prompt_len, record_id=p.pair_id, source=os.path.basename(p.source),
-                              subset=p.subset)
-        chosen, rejected, prompt_len = apply_length_policy(
-            tp.chosen_ids, tp.rejected_ids, tp.prompt_len, tp.head_len, self.max_length, self.policy
-        )
-        return PairRecord(chosen_ids=chosen, rejected_ids=rejected, chosen_last=len(chosen) - 1,
-                          rejected_last=len(rejected) - 1, prompt_len=prompt_len, pair_id=p.pair_id,
-                          source=os.path.basename(p.source), margin=p.margin, subset=p.subset)
 
 
 class ApplyLengthPolicy(beam.PTransform):
@@ -327,21 +310,12 @@ class ApplyLengthPolicy(beam.PTransform):
 # --------------------------------------------------------------------------- split + write
 
 
-def record_lengths(rec: PairRecord | StepRecord) -> dict[str, int]:
-    """The lengths the statistics report: prompt, chosen and rejected tokens of a pair; prompt,
-    sequence tokens and steps of a stepwise solution (and how many of its steps are incorrect)."""
-    if isinstance(rec, StepRecord):
-        return {"prompt": rec.prompt_len, "sequence": len(rec.input_ids), "steps": len(rec.step_ends),
-                "incorrect": int((rec.step_labels == 0).sum())}
-    return {"prompt": rec.prompt_len, "chosen": len(rec.chosen_ids), "rejected": len(rec.rejected_ids)}
-
-
 def _to_shard_entry(item, eval_fraction: float, seed: int, shard_counts: dict[str, int]):
     rec, encoded, line, truncated, special_text = item
     split = assign_split(rec.record_id, eval_fraction, seed)
     key = (split, assign_shard(rec.record_id, shard_counts[split]))
-    kind = "process" if isinstance(rec, StepRecord) else "outcome"
-    return key, ((rec.record_id, rec.source, line), encoded, record_lengths(rec), truncated, kind, special_text)
+    return key, ((rec.record_id, rec.source, line), encoded, rec.stat_lengths(), truncated,
+                 kind_of_record(rec).name, special_text)
 
 
 class SplitTrainEval(beam.PTransform):

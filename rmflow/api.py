@@ -27,14 +27,13 @@ each step followed by the step separator), and ``score_steps`` returns P(step is
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from schemas.config import SCORING_BATCH_SIZE
+from schemas.kinds import OUTCOME, PROCESS, ModelKind, kind_named
 
 Conversation = Sequence[dict[str, str]] | dict[str, Any]
 
@@ -86,7 +85,7 @@ class RewardModel:
         self.normalization = normalization
         self.max_length = loaded.model.config.max_position_embeddings
         self.description = loaded.description
-        self.kind = loaded.kind  # "outcome" (a score per conversation) or "process" (a score per step)
+        self.kind = loaded.kind.name  # schemas.kinds: "outcome" (a score per conversation), "process" (per step)
         self.step_separator = loaded.step_separator
         self._renderer = None
 
@@ -96,21 +95,17 @@ class RewardModel:
         or remote (gs://, copied down once)."""
         from transformers import AutoTokenizer
 
-        from rmflow.evaluation import NORMALIZATION_FILE, load_model, require_tokenizer
+        from trainer.inference import load_model, require_tokenizer
 
         loaded = load_model(path)
         tok = AutoTokenizer.from_pretrained(require_tokenizer(path, loaded.tokenizer_dir, "scoring"))
-        norm = None
-        if os.path.exists(os.path.join(loaded.folder, NORMALIZATION_FILE)):
-            with open(os.path.join(loaded.folder, NORMALIZATION_FILE)) as f:
-                norm = json.load(f)
-        return cls(loaded, tok, norm)
+        return cls(loaded, tok, loaded.normalization)
 
-    def _pair_tokenizer(self):
-        from pipelines.tokenize import PairTokenizer
+    def _record_tokenizer(self):
+        from pipelines.tokenize import RecordTokenizer
 
         if self._renderer is None:
-            self._renderer = PairTokenizer(self.tokenizer, self.step_separator)
+            self._renderer = RecordTokenizer(self.tokenizer, self.step_separator)
         return self._renderer
 
     def encode(self, conversation: Conversation) -> np.ndarray:
@@ -120,7 +115,7 @@ class RewardModel:
         from pipelines.formats import BadRecord
 
         try:
-            ids = self._pair_tokenizer().encode_conversation(conversation_messages(conversation))
+            ids = self._record_tokenizer().encode_conversation(conversation_messages(conversation))
         except BadRecord as e:
             raise BadConversation(e.message) from e
         if len(ids) > self.max_length:
@@ -130,9 +125,9 @@ class RewardModel:
     def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
                   progress=None) -> np.ndarray:
         """Rewards of token sequences (each scored at its last token), in input order."""
-        from trainer.evaluate import score_sequences
+        from trainer.inference import score_sequences
 
-        self._require("outcome", "score_ids")
+        self._require(OUTCOME, "score_ids")
         if not len(sequences):
             return np.zeros(0, np.float32)
         return score_sequences(self._loaded.model, list(sequences), batch_size=batch_size,
@@ -142,14 +137,14 @@ class RewardModel:
               normalized: bool = False) -> np.ndarray:
         """One reward per conversation, float32, in input order. ``normalized``: standardised by
         the mean and std that `rmflow eval --normalize` stored with the model."""
-        self._require("outcome", "score")
+        self._require(OUTCOME, "score")
         scores = self.score_ids(_encode_each(conversations, self.encode, "conversation"), batch_size=batch_size)
         return self.normalize(scores) if normalized else scores
 
     def score_pairs(self, chosen: Sequence[Conversation], rejected: Sequence[Conversation], *,
                     batch_size: int = SCORING_BATCH_SIZE) -> tuple[np.ndarray, np.ndarray]:
         """Rewards of chosen and rejected conversations, pair by pair (equal lengths)."""
-        self._require("outcome", "score_pairs")
+        self._require(OUTCOME, "score_pairs")
         if len(chosen) != len(rejected):
             raise ValueError(f"{len(chosen)} chosen but {len(rejected)} rejected conversations")
         scores = self.score([*chosen, *rejected], batch_size=batch_size)
@@ -162,9 +157,9 @@ class RewardModel:
         "completions": [step, ...]}``, rendered by the preprocessing code itself; raises BadConversation."""
         from pipelines.formats import BadRecord, solution_to_score
 
-        self._require("process", "encode_steps")
+        self._require(PROCESS, "encode_steps")
         try:
-            [out] = self._pair_tokenizer()([solution_to_score(solution)])
+            [out] = self._record_tokenizer()([solution_to_score(solution)])
         except BadRecord as e:
             raise BadConversation(e.message) from e
         if isinstance(out, BadRecord):
@@ -177,7 +172,7 @@ class RewardModel:
                        ) -> list[np.ndarray]:
         """P(correct) of each step of each encoded solution, float32, in input order."""
         from schemas.record import StepRecord
-        from trainer.evaluate import score_steps
+        from trainer.inference import score_steps
 
         if not len(encoded):
             return []
@@ -193,17 +188,14 @@ class RewardModel:
     def score_steps(self, solutions: Sequence[dict[str, Any]], *, batch_size: int = SCORING_BATCH_SIZE) -> list[np.ndarray]:
         """For a process reward model: P(step is correct) for every step of every solution, one
         float32 array per solution, in input order."""
-        self._require("process", "score_steps")
+        self._require(PROCESS, "score_steps")
         return self.score_step_ids(_encode_each(solutions, self.encode_steps, "solution"), batch_size=batch_size)
 
-    def _require(self, kind: str, method: str) -> None:
-        if self.kind == kind:
+    def _require(self, kind: ModelKind, method: str) -> None:
+        if self.kind == kind.name:
             return
-        if self.kind == "process":
-            raise WrongModelKind(f"{method}: this is a process reward model, which scores each step of a solution: "
-                                 "use score_steps([{'prompt': ..., 'completions': [step, ...]}])")
-        raise WrongModelKind(f"{method}: this is an outcome reward model, which scores whole replies: use score "
-                             "or score_pairs")
+        mine = kind_named(self.kind)
+        raise WrongModelKind(f"{method}: this is {mine.description}, not {kind.description}: use {mine.api}")
 
     def normalize(self, scores: np.ndarray) -> np.ndarray:
         if not self.normalization or not self.normalization.get("std"):

@@ -25,6 +25,8 @@ from schemas.config import (
     help_for,
 )
 from schemas.errors import RmflowError, RmflowWarning
+from schemas.kinds import OUTCOME, kind_named
+from schemas.outputs import REPORT_FILE
 
 app = typer.Typer(
     name="rmflow",
@@ -187,11 +189,10 @@ def preprocess(
 
 def print_summary(stats: dict, output: str) -> None:
     c = stats["counts"]
-    process = stats.get("kind") == "process"
-    table = Table(title="rmflow preprocess" + (" (stepwise: process reward model)" if process else ""),
-                  show_header=True)
+    kind = kind_named(stats.get("kind", OUTCOME.name))
+    table = Table(title=f"rmflow preprocess: {kind.data}, for {kind.description}", show_header=True)
     table.add_column("")
-    table.add_column("solutions" if process else "pairs", justify="right")
+    table.add_column(kind.units, justify="right")
     table.add_row("records read", f"{c['records_read']:,}")
     table.add_row("written (train / eval)",
                   f"{c['pairs_written']:,} ({c['pairs_written_train']:,} / {c['pairs_written_eval']:,})")
@@ -199,7 +200,7 @@ def print_summary(stats: dict, output: str) -> None:
     table.add_row("dropped: ties (chosen == rejected)", f"{c['ties']:,}")
     table.add_row("dropped: duplicates", f"{c['duplicates']:,}")
     table.add_row("errors", f"{c['errors']:,}")
-    if process:
+    if kind.counts_steps:
         table.add_row("steps written (incorrect)", f"{c.get('steps_written', 0):,} ({c.get('incorrect_steps', 0):,})")
     truncated = c.get("prompt_truncated", 0)
     if truncated:
@@ -227,7 +228,7 @@ def print_summary(stats: dict, output: str) -> None:
         t.add_column("")
         for col in ("p50", "p90", "p95", "p99", "max"):
             t.add_column(col, justify="right")
-        for field in ("prompt", "sequence", "steps") if process else ("prompt", "chosen", "rejected"):
+        for field in kind.lengths:
             s = lengths.get(field, {})
             t.add_row(field, *(str(s.get(k, "-")) for k in ("p50", "p90", "p95", "p99", "max")))
         console.print(t)
@@ -269,7 +270,8 @@ def train(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from trainer.train import planned_steps, run
+    from trainer.setup import planned_steps
+    from trainer.train import run
 
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[info]}")]
@@ -329,57 +331,18 @@ def eval_(
     """Evaluate a reward model: accuracy, loss, margins, calibration, length bias, per-subset accuracy; a process
     reward model: step accuracy, precision/recall/F1 of incorrect steps, first-error accuracy, ProcessBench F1."""
     from rmflow.evaluation import run_eval
+    from rmflow.reports import eval_summary
 
     m = run_eval(model, list(data), output, split=split, step=step, batch_size=batch_size, normalize=normalize,
                  mode=mode, format=format, margin_from_scores=margin_from_scores)
-    if m.get("kind") == "process":
-        print_process_eval(m, output)
-        return
-    if mode == "rewardbench-v2":
-        console.print(f"RewardBench 2 score {m['rewardbench_v2']['score']:.2f} on {m['examples']:,} examples; "
-                      f"report: [bold]{os.path.join(output, 'report.md')}[/bold]")
-        return
-    table = Table(title=f"rmflow eval: {m['pairs']:,} pairs")
+    title, rows = eval_summary(m)
+    table = Table(title=title)
     table.add_column("")
     table.add_column("value", justify="right")
-    lo, hi = m["accuracy_ci95"]
-    rows = [("accuracy", f"{m['accuracy']:.4f}"), ("  95% interval", f"{lo:.4f} – {hi:.4f}"),
-            ("ties", f"{m['ties']:,}"), ("loss", f"{m['loss']:.4f}"),
-            ("mean margin", f"{m['margin_mean']:.4f}"), ("ECE", f"{m['calibration']['ece']:.4f}"),
-            ("Brier", f"{m['calibration']['brier']:.4f}")]
-    if "length_bias" in m:
-        rows.append(("longer-reply baseline", f"{m['length_bias']['longer_wins_accuracy']:.4f}"))
-    if "rewardbench_v1" in m:
-        rb = m["rewardbench_v1"]
-        if rb["complete"]:
-            rows.append(("RewardBench v1 score", f"{rb['score']:.2f}"))
-        else:
-            rows.append(("RewardBench v1 score", f"incomplete: {rb['subsets_covered']} of {rb['subsets_total']} subsets"))
-            for section, value in rb["sections"].items():
-                rows.append((f"  {section} (subsets present only)", f"{value:.2f}"))
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    console.print(f"report: [bold]{os.path.join(output, 'report.md')}[/bold]")
-
-
-def print_process_eval(m: dict, output: str) -> None:
-    def fmt(x):
-        return "n/a" if x is None else f"{x:.4f}"
-
-    table = Table(title=f"rmflow eval (process reward model): {m['solutions']:,} solutions, {m['steps']:,} steps")
-    table.add_column("")
-    table.add_column("value", justify="right")
-    for row in (("step accuracy", fmt(m["step_accuracy"])), ("step cross-entropy", fmt(m["loss"])),
-                ("incorrect steps: precision", fmt(m["incorrect_precision"])),
-                ("incorrect steps: recall", fmt(m["incorrect_recall"])), ("incorrect steps: F1", fmt(m["incorrect_f1"])),
-                ("first wrong step found", fmt(m["first_error_accuracy"])),
-                ("  solutions with an error", fmt(m["accuracy_with_error"])),
-                ("  solutions without", fmt(m["accuracy_all_correct"])),
-                ("ProcessBench F1", fmt(m["processbench_f1"]))):
-        table.add_row(*row)
-    console.print(table)
-    console.print(f"report: [bold]{os.path.join(output, 'report.md')}[/bold]")
+    console.print(f"report: [bold]{os.path.join(output, REPORT_FILE)}[/bold]")
 
 
 @command()

@@ -8,39 +8,37 @@ never by a second implementation.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import glob
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import grain
 import numpy as np
 
+from rmflow.metrics import pair_metrics, process_metrics
+from rmflow.reports import rewardbench_v2_markdown, write_eval, write_process_report, write_report
+from rmflow.rewardbench import best_of_n_credit, v1_scores, v2_scores
 from schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
 from schemas.errors import RmflowError
+from schemas.kinds import OUTCOME, PROCESS, kind_of_record
 from schemas.manifest import ERRORS_FILE, MANIFEST_FILE
 from schemas.outputs import output_lock, staged_output
-from schemas.record import StepRecord, decode
+from schemas.record import decode
 from trainer import storage
-from trainer.evaluate import (
-    pair_metrics,
-    process_metrics,
+from trainer.inference import (
+    NORMALIZATION_FILE,
+    LoadedModel,
+    load_model,
+    require_tokenizer,
     score_pairs,
     score_sequences,
     score_steps,
-    write_process_report,
-    write_report,
 )
-from trainer.export import EXPORT_INFO
-from trainer.modeling.convert import load_reward_model
-from trainer.rewardbench import best_of_n_credit, v1_scores, v2_scores
-from trainer.rundir import is_run_dir, tokenizer_fingerprint
-from trainer.train import check_model_fits, check_tokenizer, load_trained_model, read_manifest
-
-NORMALIZATION_FILE = "reward_normalization.json"
+from trainer.setup import check_model_fits, check_tokenizer, read_manifest
 
 
 class EvalError(RmflowError):
@@ -48,56 +46,7 @@ class EvalError(RmflowError):
     (Errors about the model or the shards themselves come from the trainer as TrainError.)"""
 
 INPUT_ERRORS = "input_errors.jsonl"
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedModel:
-    model: Any
-    tokenizer_dir: str | None  # None: no tokenizer files (callers that need one say so)
-    pad_id: int
-    description: str  # which weights: the run and step, or the checkpoint folder
-    folder: str = ""  # the local folder it was read from (a copy, for a remote one)
-    step_separator: str = STEP_SEPARATOR  # a process model's: the text after every step, as in its training data
-
-    @property
-    def kind(self) -> str:
-        """``process`` for a process reward model (a 2-class step head), else ``outcome``."""
-        return "process" if self.model.config.num_labels == 2 else "outcome"
-
-
-def load_model(path: str, step: int | None = None) -> LoadedModel:
-    """A run directory (its newest checkpoint, or ``step``) or an exported checkpoint folder, local
-    or remote (copied down first)."""
-    path = storage.stage_run(path)
-    if is_run_dir(path):
-        model, run, step = load_trained_model(path, step)
-        return LoadedModel(model, run.tokenizer_dir, run.pad_id,
-                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
-                           run.manifest.config.get("step_separator", STEP_SEPARATOR))
-    if not os.path.isdir(path):
-        raise EvalError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an exported "
-                         "checkpoint folder")
-    if step is not None:
-        raise EvalError(f"{path} is an exported checkpoint (one set of weights): --step applies to run directories")
-    model = load_reward_model(path)
-    with open(os.path.join(path, "config.json")) as f:
-        pad = json.load(f).get("pad_token_id") or 0
-    description = f"checkpoint {os.path.abspath(path)}"
-    info = os.path.join(path, EXPORT_INFO)
-    separator = STEP_SEPARATOR
-    if os.path.exists(info):
-        with open(info) as f:
-            exported = json.load(f)
-        description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
-        separator = exported.get("step_separator", separator)
-    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator)
-
-
-def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
-    if tokenizer is None:
-        raise EvalError(f"{model_path} has no tokenizer files (tokenizer.json ...), which {why} needs: copy the "
-                         "tokenizer the model was trained with into it")
-    return tokenizer
+Writer = Callable[[dict[str, Any], str], Any]  # (metrics, eval folder): writes eval.json, report.md, plots
 
 
 def load_records(data: list[str], split: str, model, tokenizer: str | None, model_path: str, workdir: str,
@@ -140,7 +89,7 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
     source = grain.sources.ArrayRecordDataSource(paths) if paths else []
     records = [decode(source[i]) for i in range(len(source))]
     if not records:
-        raise EvalError(f"no pairs in split {split!r} of {folder}")
+        raise EvalError(f"nothing to evaluate in split {split!r} of {folder}: it holds no records")
     return records, input_summary
 
 
@@ -178,91 +127,98 @@ def run_eval(model_path: str, data: list[str], output: str, **options: Any) -> d
 
 
 def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
-    model_path, data, split, batch_size, normalize, mode = (cfg.model, list(cfg.data), cfg.split, cfg.batch_size,
-                                                            cfg.normalize, cfg.mode)
-    if mode == "rewardbench-v2":
-        return run_rewardbench_v2(cfg, staging)
-    if normalize and storage.is_remote(model_path):
+    if cfg.normalize and storage.is_remote(cfg.model):
         raise EvalError("--normalize stores reward_normalization.json in the model folder: give a local copy "
-                         f"of {model_path}")
-    loaded = load_model(model_path, cfg.step)
-    model = loaded.model
-    with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:
-        records, input_summary = load_records(data, split, model, loaded.tokenizer_dir, model_path, workdir, staging,
-                                              loaded.step_separator, cfg.raw_input_options(), cfg.output)
-    stepwise = isinstance(records[0], StepRecord)
-    if stepwise != (loaded.kind == "process"):
-        raise EvalError(
-            f"{model_path} is a process reward model (it scores steps): evaluate it on stepwise data"
-            if loaded.kind == "process" else
-            f"{data[0]} holds stepwise solutions, which a process reward model scores; {model_path} is an outcome "
-            "reward model: evaluate it on preference pairs")
-    if stepwise:
-        if mode != "pairs" or normalize:
-            raise EvalError(f"--mode {mode}{' and --normalize' if normalize else ''} apply to outcome reward "
-                             "models; a process reward model is evaluated per step and per solution")
-        return _eval_process(loaded, model_path, records, input_summary, data, staging, split, batch_size)
-    if mode == "rewardbench-v1":
+                         f"of {cfg.model}")
+    loaded = load_model(cfg.model, cfg.step)
+    kind = loaded.kind
+    if cfg.mode not in kind.eval_modes or (cfg.normalize and not kind.normalizable):
+        asked = f"--mode {cfg.mode}" + (" and --normalize" if cfg.normalize and not kind.normalizable else "")
+        raise EvalError(f"{asked} do not apply to {cfg.model}, {kind.description}: its modes are "
+                        f"{', '.join(kind.eval_modes)}" + ("" if kind.normalizable else ", without --normalize"))
+    input_summary = None
+    if cfg.mode == "rewardbench-v2":
+        metrics, write = run_rewardbench_v2(cfg, loaded)
+    else:
+        with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:
+            records, input_summary = load_records(list(cfg.data), cfg.split, loaded.model, loaded.tokenizer_dir,
+                                                  cfg.model, workdir, staging, loaded.step_separator,
+                                                  cfg.raw_input_options(), cfg.output)
+        found = kind_of_record(records[0])
+        if found is not kind:
+            raise EvalError(f"{cfg.data[0]} holds {found.data}, which {found.description} scores; {cfg.model} is "
+                            f"{kind.description}: evaluate it on {kind.data}")
+        metrics, write = EVALUATORS[kind.name](cfg, loaded, records)
+    metrics = {"kind": kind.name, **metrics}
+    if input_summary is not None:
+        metrics["input"] = input_summary
+    write(metrics, staging)
+    return metrics
+
+
+def _subsets(records) -> list[str] | None:
+    """Each record's subset; failing that its source file, when the records come from several."""
+    subsets = [r.subset for r in records]
+    if any(s is None for s in subsets):
+        sources = [r.source for r in records]
+        subsets = sources if len(set(sources)) > 1 else None
+    return subsets
+
+
+def _eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Writer]:
+    if cfg.mode == "rewardbench-v1":
         unlabeled = sum(r.subset is None for r in records)
         if unlabeled:
             raise EvalError(f"rewardbench-v1 needs a 'subset' on every pair; {unlabeled:,} of {len(records):,} pairs "
                              "have none (RewardBench rows carry it: keep the column when converting)")
-    rc, rr = score_pairs(model, records, batch_size=batch_size, pad_id=loaded.pad_id)
-    subsets = [r.subset for r in records]
-    if any(s is None for s in subsets):
-        sources = [r.source for r in records]
-        subsets = sources if len(set(sources)) > 1 else None
+    rc, rr = score_pairs(loaded.model, records, batch_size=cfg.batch_size, pad_id=loaded.pad_id)
     metrics = pair_metrics(
         rc, rr, margin=np.array([r.margin or 0.0 for r in records]),
         len_chosen=np.array([len(r.chosen_ids) - r.prompt_len for r in records]),
         len_rejected=np.array([len(r.rejected_ids) - r.prompt_len for r in records]),
-        subsets=subsets,
+        subsets=_subsets(records),
     )
-    if input_summary is not None:
-        metrics["input"] = input_summary
-    if mode == "rewardbench-v1":
+    if cfg.mode == "rewardbench-v1":
         metrics["rewardbench_v1"] = v1_scores(metrics["subsets"])
     config = {**cfg.to_dict(), "model_description": loaded.description}
-    write_report(metrics, rc, rr, staging, config)
-    if normalize:  # stored with the model, so scores can be standardised at inference
-        both = np.concatenate([rc, rr])
-        with open(os.path.join(model_path, NORMALIZATION_FILE), "w") as f:
-            json.dump({"mean": float(both.mean()), "std": float(both.std()), "pairs": len(records),
-                       "data": list(data), "split": split}, f, indent=2)
-    return metrics
+
+    def write(m: dict[str, Any], output: str) -> None:
+        write_report(m, rc, rr, output, config)
+        if cfg.normalize:  # stored with the model, so scores can be standardised at inference
+            both = np.concatenate([rc, rr])
+            with open(os.path.join(cfg.model, NORMALIZATION_FILE), "w") as f:
+                json.dump({"mean": float(both.mean()), "std": float(both.std()), "pairs": len(records),
+                           "data": list(cfg.data), "split": cfg.split}, f, indent=2)
+    return metrics, write
 
 
-def _eval_process(loaded: LoadedModel, model_path: str, records, input_summary, data: list[str], output: str,
-                  split: str, batch_size: int) -> dict[str, Any]:
-    p_correct = score_steps(loaded.model, records, batch_size=batch_size, pad_id=loaded.pad_id)
+def _eval_process(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Writer]:
+    p_correct = score_steps(loaded.model, records, batch_size=cfg.batch_size, pad_id=loaded.pad_id)
     labels = [r.step_labels for r in records]
-    subsets = [r.subset for r in records]
-    if any(s is None for s in subsets):
-        sources = [r.source for r in records]
-        subsets = sources if len(set(sources)) > 1 else None
-    metrics = process_metrics(p_correct, labels, subsets=subsets)
-    if input_summary is not None:
-        metrics["input"] = input_summary
-    config = {"model": model_path, "model_description": loaded.description, "data": list(data), "split": split,
-              "batch_size": batch_size, "mode": "process"}
-    write_process_report(metrics, p_correct, labels, output, config)
-    return metrics
+    metrics = process_metrics(p_correct, labels, subsets=_subsets(records))
+    config = {"model": cfg.model, "model_description": loaded.description, "data": list(cfg.data),
+              "split": cfg.split, "batch_size": cfg.batch_size, "mode": "process"}
+    return metrics, lambda m, output: write_process_report(m, p_correct, labels, output, config)
 
 
-def run_rewardbench_v2(cfg: EvalConfig, output: str) -> dict[str, Any]:
+# Each reward model kind's (schemas.kinds) evaluation: (config, model, records) -> (metrics, the
+# writer of its eval folder, called with the final metrics).
+EVALUATORS = {OUTCOME.name: _eval_pairs, PROCESS.name: _eval_process}
+
+
+def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any], Writer]:
     """RewardBench 2 layout: prompt, chosen (list), rejected (list), subset. Best-of-n with tie credit."""
     from transformers import AutoTokenizer
 
     from pipelines.io import expand_inputs, iter_records
 
     model_path, data, batch_size = cfg.model, list(cfg.data), cfg.batch_size
-    loaded = load_model(model_path, cfg.step)
     model, pad_id = loaded.model, loaded.pad_id
     from pipelines.formats import BadRecord
-    from pipelines.tokenize import PairTokenizer
+    from pipelines.tokenize import RecordTokenizer
 
     tok = AutoTokenizer.from_pretrained(require_tokenizer(model_path, loaded.tokenizer_dir, "rewardbench-v2"))
-    renderer = PairTokenizer(tok, loaded.step_separator)  # as preprocessing renders: message text is text
+    renderer = RecordTokenizer(tok, loaded.step_separator)  # as preprocessing renders: message text is text
     positions = model.config.max_position_embeddings
     seqs, examples = [], []
     for path, _ in expand_inputs(tuple(data)):
@@ -294,27 +250,11 @@ def run_rewardbench_v2(cfg: EvalConfig, output: str) -> dict[str, Any]:
     credits = best_of_n_credit(chosen, rejected)
     metrics = {"examples": len(examples), "completions_per_example": k,
                "rewardbench_v2": v2_scores(credits, [sub for _, _, sub in examples])}
-    os.makedirs(output, exist_ok=True)
-    with open(os.path.join(output, "eval.json"), "w") as f:
-        json.dump({"metrics": metrics, "config": {**cfg.to_dict(), "model_description": loaded.description}},
-                  f, indent=2, sort_keys=True)
-    with open(os.path.join(output, "report.md"), "w") as f:
-        f.write(rewardbench_v2_markdown(metrics, loaded.description, data))
-    return metrics
+    return metrics, lambda m, out: write_eval(out, m, {**cfg.to_dict(), "model_description": loaded.description},
+                                              rewardbench_v2_markdown(m, loaded.description, data))
 
 
 def _text_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
 
 
-def rewardbench_v2_markdown(m: dict[str, Any], model: str = "", data: list[str] = ()) -> str:
-    rb = m["rewardbench_v2"]
-    lines = ["# RewardBench 2 (best-of-n, 1/k credit for ties)", ""]
-    if model:
-        lines.append(f"Model: {model}.  ")
-    if data:
-        lines.append(f"Data: {', '.join(data)}.  ")
-    lines += [f"{m['examples']:,} examples of {m['completions_per_example']} completions. Score: {rb['score']:.2f}",
-              "", "| subset | examples | accuracy |", "| --- | ---: | ---: |"]
-    lines += [f"| {k} | {v['examples']:,} | {v['accuracy']:.4f} |" for k, v in rb["subsets"].items()]
-    return "\n".join(lines) + "\n"

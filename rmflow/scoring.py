@@ -16,16 +16,17 @@ and the output adds ``step_scores`` (P(step is correct), one per step) and ``fir
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from rmflow.api import BadConversation, RewardModel
+from rmflow.metrics import STEP_THRESHOLD, first_error
 from schemas.config import SCORING_BATCH_SIZE
 from schemas.errors import RmflowError
-from trainer.evaluate import STEP_THRESHOLD, first_error
-
-STEP_FIELDS = ("step_scores", "first_error")  # what scoring a solution adds
+from schemas.kinds import OUTCOME, PROCESS
 
 
 def _lines(path: str):
@@ -53,7 +54,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, batch_size
     if not os.path.isfile(input_path):
         raise ScoreError(f"--input {input_path} is not a file; give a JSONL file of conversations")
     rm = RewardModel.load(model_path)
-    process = rm.kind == "process"
+    scorer = SCORERS[rm.kind]
     rows: list[dict[str, Any]] = []
     seqs, where = [], []
     for line_no, text, problem in _lines(input_path):
@@ -65,30 +66,50 @@ def score_file(model_path: str, input_path: str, output_path: str, *, batch_size
                 obj = json.loads(text)
             except (ValueError, RecursionError) as e:
                 raise BadConversation(f"not valid JSON: {e}") from e
-            ids = rm.encode_steps(obj) if process else rm.encode(obj)
+            ids = scorer.encode(rm, obj)
             rows.append({**(obj if isinstance(obj, dict) else {"messages": obj})})
             seqs.append(ids)
             where.append(len(rows) - 1)
         except Exception as e:  # noqa: BLE001 - every bad line is reported, none is lost
             reason = str(e) if isinstance(e, BadConversation) else f"{type(e).__name__}: {e}"
-            kept = {k: v for k, v in obj.items() if k not in ("score", "score_normalized", *STEP_FIELDS)} \
+            kept = {k: v for k, v in obj.items() if k not in OUTPUT_FIELDS} \
                 if isinstance(obj, dict) else {}  # the user's own fields (an id ...), to join results back
             rows.append({**kept, "line": line_no, "error": reason})
-    if process:
-        for i, p in zip(where, rm.score_step_ids(seqs, batch_size=batch_size)):
-            rows[i]["step_scores"] = [float(x) for x in p]
-            rows[i]["first_error"] = first_error(p < STEP_THRESHOLD)
-        _write(output_path, rows)
-        return {"scored": len(seqs), "errors": len(rows) - len(seqs)}
     progress = progress_factory(len(seqs)) if progress_factory and seqs else None
-    scores = rm.score_ids(seqs, batch_size=batch_size, progress=progress)
-    normalized = rm.normalize(scores) if rm.normalization and rm.normalization.get("std") else None
-    for k, (i, s) in enumerate(zip(where, scores)):
-        rows[i]["score"] = float(s)
-        if normalized is not None:
-            rows[i]["score_normalized"] = float(normalized[k])
+    for i, fields in zip(where, scorer.score(rm, seqs, batch_size, progress)):
+        rows[i].update(fields)
     _write(output_path, rows)
     return {"scored": len(seqs), "errors": len(rows) - len(seqs)}
+
+
+def _score_outcome(rm: RewardModel, seqs: list, batch_size: int, progress) -> list[dict[str, Any]]:
+    scores = rm.score_ids(seqs, batch_size=batch_size, progress=progress)
+    normalized = rm.normalize(scores) if rm.normalization and rm.normalization.get("std") else None
+    return [{"score": float(s), **({"score_normalized": float(normalized[k])} if normalized is not None else {})}
+            for k, s in enumerate(scores)]
+
+
+def _score_process(rm: RewardModel, seqs: list, batch_size: int, progress) -> list[dict[str, Any]]:
+    out = [{"step_scores": [float(x) for x in p], "first_error": first_error(p < STEP_THRESHOLD)}
+           for p in rm.score_step_ids(seqs, batch_size=batch_size)]
+    if progress:
+        progress(len(seqs))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Scorer:
+    encode: Callable[[RewardModel, Any], Any]  # one input line's object -> what ``score`` takes; BadConversation
+    score: Callable[[RewardModel, list, int, Any], list[dict[str, Any]]]  # -> the fields each scored line gets
+    fields: tuple[str, ...]
+
+
+# Each reward model kind's (schemas.kinds) scoring of a JSONL line.
+SCORERS = {
+    OUTCOME.name: Scorer(RewardModel.encode, _score_outcome, ("score", "score_normalized")),
+    PROCESS.name: Scorer(RewardModel.encode_steps, _score_process, ("step_scores", "first_error")),
+}
+OUTPUT_FIELDS = frozenset(f for s in SCORERS.values() for f in s.fields)  # a failed line drops these
 
 
 def _write(path: str, rows: list[dict[str, Any]]) -> None:

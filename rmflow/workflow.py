@@ -32,7 +32,8 @@ import shutil
 from typing import Any
 
 from schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
-from schemas.outputs import output_lock
+from schemas.kinds import kind_named
+from schemas.outputs import REPORT_FILE, output_lock
 
 STAGES = ("preprocess", "train", "eval", "export")
 KNOWN_KEYS = {"output", *STAGES}
@@ -294,7 +295,7 @@ def changed_keys(run_dir: str, cfg: TrainConfig) -> list[str]:
 def _set_aside(wf: Workflow, old_hash: str, log) -> None:
     """Move the run a changed config replaces to previous/run-<hash> (the last one is kept) and say
     what changed."""
-    from trainer.train import existing_checkpoint
+    from trainer.checkpoints import existing_checkpoint
 
     run_dir = wf.train.output
     changes = changed_keys(run_dir, wf.train)
@@ -316,11 +317,12 @@ def _run_eval(wf: Workflow, hashes, log) -> dict[str, Any]:
     options = dict(wf.eval)
     data = options.pop("data", None) or [wf.preprocess.output]
     m = run_eval(wf.train.output, list(data), os.path.join(wf.output, "eval"), **options)
-    report = os.path.join(wf.output, "eval", "report.md")
-    if m.get("kind") == "process":
-        return {"step_accuracy": m["step_accuracy"], "first_error_accuracy": m["first_error_accuracy"],
-                "solutions": m["solutions"], "report": report}
-    return {"accuracy": m["accuracy"], "pairs": m["pairs"], "report": report}
+    report = os.path.join(wf.output, "eval", REPORT_FILE)
+    out = {k: m[k] for k in kind_named(m["kind"]).headline if k in m}
+    for bench in ("rewardbench_v1", "rewardbench_v2"):
+        if bench in m:
+            out[f"{bench}_score"] = m[bench]["score"]
+    return {**out, "report": report}
 
 
 def _run_export(wf: Workflow, hashes, log) -> dict[str, Any]:

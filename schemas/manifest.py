@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from schemas.errors import RmflowError
+from schemas.kinds import KINDS, OUTCOME
 from schemas.record import RECORD_VERSION
 
 MANIFEST_VERSION = 1
@@ -25,9 +26,6 @@ ERRORS_FILE = "errors.jsonl"
 COMPLETED_FILE = "COMPLETED"
 TOKENIZER_DIR = "tokenizer"  # the tokenizer files as used (chat template override applied)
 SPLITS = ("train", "eval")
-# What the shards train: an outcome reward model (preference pairs, PairRecord) or a process
-# reward model (stepwise solutions with a label per step, StepRecord).
-KINDS = ("outcome", "process")
 
 # Files that define a Hugging Face tokenizer's behaviour; hashed in sorted name order.
 TOKENIZER_FILES = (
@@ -122,11 +120,11 @@ class Manifest:
     config: Mapping[str, Any]
     manifest_version: int = MANIFEST_VERSION
     record_version: int = RECORD_VERSION
-    kind: str = "outcome"
+    kind: str = OUTCOME.name
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ManifestError(f"unknown kind {self.kind!r}; expected one of {KINDS}")
+            raise ManifestError(f"unknown kind {self.kind!r}; expected one of {', '.join(KINDS)}")
         for name, split in self.splits.items():
             if name not in SPLITS:
                 raise ManifestError(f"unknown split {name!r}; expected one of {SPLITS}")
@@ -157,7 +155,7 @@ class Manifest:
                 config=d["config"],
                 manifest_version=d["manifest_version"],
                 record_version=d["record_version"],
-                kind=d.get("kind", "outcome"),  # manifests written before process models: pairs
+                kind=d.get("kind", OUTCOME.name),  # manifests written before process models: pairs
             )
         except ManifestError:
             raise

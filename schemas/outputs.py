@@ -170,11 +170,15 @@ def swap_in(staging: str, output: str) -> None:
 
 # What each rmflow output folder holds, by which it is recognised (all of a set must be present),
 # so that an input folder holding an earlier output is never read back as data.
+EXPORT_INFO = "rmflow_export.json"  # in an export: the run and step it came from, its tokenizer hash
+EVAL_FILE = "eval.json"  # in an eval folder: the metrics and the config that produced them
+REPORT_FILE = "report.md"
+
 OUTPUT_SIGNATURES: dict[str, tuple[frozenset[str], ...]] = {
     "shard folder": (frozenset({"manifest.json", "stats.json"}), frozenset({"_summary.json"})),
     "run directory": (frozenset({"model_config.json", "config.json"}),),
-    "eval folder": (frozenset({"eval.json", "report.md"}),),
-    "export": (frozenset({"rmflow_export.json"}),),
+    "eval folder": (frozenset({EVAL_FILE, REPORT_FILE}),),
+    "export": (frozenset({EXPORT_INFO}),),
     "staging folder": (frozenset({"_owner.json"}),),
     "workflow folder": (frozenset({"preprocess.done.json"}), frozenset({"train.started.json"})),
 }

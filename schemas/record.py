@@ -119,6 +119,10 @@ class PairRecord:
     def record_id(self) -> str:
         return self.pair_id
 
+    def stat_lengths(self) -> dict[str, int]:
+        """What the preprocessing statistics histogram: prompt, chosen and rejected tokens."""
+        return {"prompt": self.prompt_len, "chosen": len(self.chosen_ids), "rejected": len(self.rejected_ids)}
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepRecord:
@@ -159,6 +163,12 @@ class StepRecord:
         )
 
     __hash__ = None
+
+    def stat_lengths(self) -> dict[str, int]:
+        """What the preprocessing statistics histogram: prompt and sequence tokens, steps, and
+        how many of its steps are labelled incorrect."""
+        return {"prompt": self.prompt_len, "sequence": len(self.input_ids), "steps": len(self.step_ends),
+                "incorrect": int((self.step_labels == 0).sum())}
 
     @property
     def first_error(self) -> int:

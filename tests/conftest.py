@@ -37,9 +37,9 @@ def hf_tokenizer(tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def pair_tokenizer(hf_tokenizer):
-    from pipelines.tokenize import PairTokenizer
+    from pipelines.tokenize import RecordTokenizer
 
-    return PairTokenizer(hf_tokenizer)
+    return RecordTokenizer(hf_tokenizer)
 
 
 @pytest.fixture(scope="session")

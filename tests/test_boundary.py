@@ -61,9 +61,9 @@ def test_transitive_imports_respect_the_boundary(package):
     assert len(modules) > 3
 
 
-def test_no_import_cycle_between_modules():
-    """The imports between rmflow's own modules form no cycle, counting those deferred into
-    functions (a deferral hides a cycle from Python, not from a reader)."""
+def _import_graph() -> dict[str, set[str]]:
+    """Each of rmflow's own modules -> the own modules it imports, counting imports deferred into
+    functions."""
     own = ("schemas", "pipelines", "trainer", "rmflow")
     modules = {m for p in own for m in _modules(p)}
     graph: dict[str, set[str]] = {}
@@ -82,6 +82,29 @@ def test_no_import_cycle_between_modules():
                 if name and name != m:
                     deps.add(name)
         graph[m] = deps
+    return graph
+
+
+# What loads and scores a trained model (the one inference path) and what uses it.
+INFERENCE = ("trainer.inference", "trainer.export", "rmflow.api", "rmflow.scoring", "rmflow.evaluation")
+TRAINING_LOOP = ("trainer.train", "trainer.window", "trainer.data.lookahead", "trainer.loggers")
+
+
+def test_inference_imports_nothing_of_the_training_loop():
+    graph = _import_graph()
+    for start in INFERENCE:
+        seen, todo = {start}, [start]
+        while todo:
+            for d in graph[todo.pop()] - seen:
+                seen.add(d)
+                todo.append(d)
+        assert not seen & set(TRAINING_LOOP), f"{start} imports {sorted(seen & set(TRAINING_LOOP))}"
+
+
+def test_no_import_cycle_between_modules():
+    """The imports between rmflow's own modules form no cycle, counting those deferred into
+    functions (a deferral hides a cycle from Python, not from a reader)."""
+    graph = _import_graph()
     state: dict[str, int] = {}
 
     def visit(m, path):

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from pipelines.preprocess import run as preprocess
 from rmflow.cli import app
 from schemas.config import PreprocessConfig, TrainConfig
+from trainer.checkpoints import load_trained_model
 from trainer.export import export
-from trainer.train import load_trained_model
 from trainer.train import run as train
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"

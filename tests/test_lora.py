@@ -13,8 +13,9 @@ from flax import nnx
 
 from schemas.config import ConfigError, TrainConfig
 from tests.test_train import GOOD, config, synthetic  # noqa: F401 - the synthetic shards fixture
+from trainer.checkpoints import load_trained_model
 from trainer.modeling import lora
-from trainer.train import base_model, load_trained_model
+from trainer.setup import base_model
 from trainer.train import run as train
 
 LORA = {"rank": 8, "alpha": 16, "target_modules": "all-linear"}

@@ -41,7 +41,8 @@ REFERENCE = textwrap.dedent('''
     from trainer.data import make_loader
     from trainer.step import stack_micro_batches
     from trainer.step import widen as _widen
-    from trainer.train import build_model, load_trained_model, make_trainer, read_manifest, shard_paths
+    from trainer.setup import build_model, make_trainer, read_manifest, shard_paths
+    from trainer.checkpoints import load_trained_model
     data, run_dir = sys.argv[1], sys.argv[2]
     cfg = TrainConfig(data=data, model="tiny", output=run_dir, max_steps=STEPS, batch_size=8, save_steps=2,
                       logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack")
@@ -143,7 +144,7 @@ def test_two_processes_equal_one_and_resume_exactly(demo_shards, tmp_path):
     check = textwrap.dedent('''
         import sys, jax, numpy as np
         from flax import nnx
-        from trainer.train import load_trained_model
+        from trainer.checkpoints import load_trained_model
         (a, _, sa), (b, _, sb) = load_trained_model(sys.argv[1]), load_trained_model(sys.argv[2])
         assert sa == sb == int(sys.argv[3])
         for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):

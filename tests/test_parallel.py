@@ -130,7 +130,8 @@ RESUME_SCRIPT = textwrap.dedent('''
     import jax, numpy as np
     from pipelines.preprocess import run as preprocess
     from schemas.config import PreprocessConfig, TrainConfig
-    from trainer.train import load_trained_model, run as train
+    from trainer.checkpoints import load_trained_model
+    from trainer.train import run as train
 
     base = pathlib.Path(sys.argv[1])
     demo = pathlib.Path("rmflow/demo")

@@ -19,12 +19,13 @@ from pipelines.length import TooLong, apply_length_policy_steps
 from pipelines.preprocess import PreprocessError
 from pipelines.preprocess import run as preprocess
 from pipelines.tokenize import step_token_ends
+from rmflow.metrics import process_metrics
 from schemas.config import PreprocessConfig, TrainConfig
 from schemas.manifest import Manifest
 from schemas.record import RecordCorruptError, StepRecord, decode, encode, peek_lengths
 from trainer.data import StepCollate, StepPackCollate
 from trainer.data.steps import record_step_values
-from trainer.evaluate import process_metrics, score_steps
+from trainer.inference import score_steps
 from trainer.loss import finalize_steps, step_loss
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.llama import RewardModel
@@ -178,7 +179,7 @@ def test_real_stepwise_data_becomes_step_records(prm800k, hf_tokenizer):
 def test_mixing_pairs_and_steps_is_refused(tmp_path, tokenizer_dir):
     (tmp_path / "steps.jsonl").write_text(json.dumps({"prompt": "p", "completions": ["a"], "labels": [True]}) + "\n")
     (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
-    with pytest.raises(PreprocessError, match="mix preference pairs .1 written. and stepwise solutions .1."):
+    with pytest.raises(PreprocessError, match="mix preference pairs .1 written. and stepwise solutions .1 written."):
         preprocess(PreprocessConfig(inputs=(str(tmp_path / "*.jsonl"),), output=str(tmp_path / "out"),
                                     tokenizer=tokenizer_dir, eval_fraction=0.0))
     assert not (tmp_path / "out").exists()
@@ -401,14 +402,18 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
     from rmflow import RewardModel as API
     from rmflow.api import BadConversation, WrongModelKind
     from rmflow.evaluation import EvalError, run_eval
-    from trainer.train import TrainError
+    from trainer.errors import TrainError
 
     _, run_dir = process_run
-    with pytest.raises(EvalError, match="is a process reward model .it scores steps."):
+    with pytest.raises(EvalError, match="holds preference pairs, which an outcome reward model .* scores; .* is a "
+                       "process reward model .*: evaluate it on stepwise solutions"):
         run_eval(str(run_dir), [str(demo_shards)], str(tmp_path / "e1"))
-    with pytest.raises(EvalError, match="apply to outcome reward models"):
-        run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "e2"), mode="rewardbench-v1")
-    with pytest.raises(TrainError, match="center_rewards_coefficient applies to outcome"):
+    for mode in ("rewardbench-v1", "rewardbench-v2"):  # outcome modes: refused before any data is read
+        with pytest.raises(EvalError, match=f"--mode {mode} do not apply to .*a process reward model"):
+            run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "e2"), mode=mode)
+    with pytest.raises(EvalError, match="--mode pairs and --normalize do not apply"):
+        run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "e2"), normalize=True)
+    with pytest.raises(TrainError, match="center_rewards_coefficient applies to pairwise .outcome. reward models"):
         train(TrainConfig(data=str(synthetic_steps / "shards"), model="tiny", output=str(tmp_path / "r"),
                           max_steps=1, center_rewards_coefficient=0.01))
     # An exported process model is a 2-class token classifier: it cannot start an outcome model.
@@ -416,7 +421,7 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
     from trainer.modeling.convert import CheckpointError
 
     prm = export(str(run_dir), str(tmp_path / "prm"))
-    with pytest.raises(CheckpointError, match="is a process reward model .2 step classes., but this run trains "
+    with pytest.raises(CheckpointError, match="is a process reward model .P.correct. for each step of a solution., but this run trains "
                        "an outcome reward model"):
         train(TrainConfig(data=str(demo_shards), model=prm, output=str(tmp_path / "o"), max_steps=1))
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -452,8 +457,8 @@ def test_lora_process_model_exports_a_token_classification_adapter(synthetic_ste
     import torch
     import transformers
 
+    from trainer.checkpoints import load_trained_model
     from trainer.export import export
-    from trainer.train import load_trained_model
 
     run_dir = tmp_path / "lora"
     train(TrainConfig(data=str(synthetic_steps / "shards"), model="tiny", output=str(run_dir), batch_size=8,

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from trainer.rewardbench import best_of_n_credit, v1_scores, v2_scores
+from rmflow.rewardbench import best_of_n_credit, v1_scores, v2_scores
 
 
 def test_v1_sections_weight_subsets_by_rewardbench_counts():
@@ -20,7 +20,7 @@ def test_v1_sections_weight_subsets_by_rewardbench_counts():
 
 
 def test_v1_headline_score_only_when_every_subset_is_present():
-    from trainer.rewardbench import V1_EXAMPLE_COUNTS, V1_SECTIONS
+    from rmflow.rewardbench import V1_EXAMPLE_COUNTS, V1_SECTIONS
 
     subsets = {n: {"accuracy": 0.5, "pairs": 10} for n in V1_EXAMPLE_COUNTS}
     out = v1_scores(subsets)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from pipelines.formats import BadRecord, normalize
-from pipelines.tokenize import PairTokenizer, TokenizerError, build_tokenizer, load_tokenizer_assets
+from pipelines.tokenize import RecordTokenizer, TokenizerError, build_tokenizer, load_tokenizer_assets
 
 U = lambda c: {"role": "user", "content": c}  # noqa: E731
 A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
@@ -64,12 +64,12 @@ def test_chat_template_override_and_failure(tokenizer_dir, tmp_path):
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
                    "{% if add_generation_prompt %}[assistant]{% endif %}")
-    tok = PairTokenizer(build_tokenizer(load_tokenizer_assets(tokenizer_dir, str(tpl))))
+    tok = RecordTokenizer(build_tokenizer(load_tokenizer_assets(tokenizer_dir, str(tpl))))
     (tp,) = tok([pair("Hi", "Yo", "No", fmt="text")])
     assert tok.tok.decode(tp.chosen_ids.tolist()) == "[user]Hi[assistant]Yo"
     bad = tmp_path / "bad.jinja"
     bad.write_text("{{ raise_exception('only one turn allowed') if messages|length > 1 else '' }}")
-    tok = PairTokenizer(build_tokenizer(load_tokenizer_assets(tokenizer_dir, str(bad))))
+    tok = RecordTokenizer(build_tokenizer(load_tokenizer_assets(tokenizer_dir, str(bad))))
     (res,) = tok([pair("Hi", "Yo", "No", fmt="text")])
     assert isinstance(res, BadRecord) and res.code == "template_error"
     assert "only one turn allowed" in res.message
@@ -107,7 +107,7 @@ def test_one_bad_pair_does_not_sink_its_batch(tokenizer_dir, tmp_path):
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}{% if m.content == 'BOOM' %}{{ raise_exception('no') }}{% endif %}"
                    "{{ m.content }}|{% endfor %}")
-    tok = PairTokenizer(build_tokenizer(load_tokenizer_assets(tokenizer_dir, str(tpl))))
+    tok = RecordTokenizer(build_tokenizer(load_tokenizer_assets(tokenizer_dir, str(tpl))))
     pairs = [pair("a", "b", "c", fmt="text"), pair("a", "BOOM", "c", fmt="text"),
              normalize({"chosen_ids": [1, 2], "rejected_ids": [1, 3]}, "tokenized", source="s", line=1)]
     out = tok(pairs)

@@ -20,7 +20,8 @@ from pipelines.io import write_array_record_shard
 from pipelines.preprocess import run as preprocess
 from schemas.config import PreprocessConfig, TrainConfig
 from schemas.record import decode, encode
-from trainer.train import METRICS_FILE, TrainError
+from trainer.errors import TrainError
+from trainer.train import METRICS_FILE
 from trainer.train import run as train
 
 GOOD = 1000  # the token that makes a reply preferred

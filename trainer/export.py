@@ -20,13 +20,14 @@ from flax import nnx
 
 from schemas.config import STEP_SEPARATOR
 from schemas.errors import RmflowError, RmflowWarning
-from schemas.outputs import output_lock, staged_output
+from schemas.kinds import kind_of_head
+from schemas.outputs import EXPORT_INFO, output_lock, staged_output
 from trainer import storage
+from trainer.checkpoints import load_trained_model
 from trainer.modeling import lora
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import hf_name, resolve
 from trainer.modeling.llama import RewardModel
-from trainer.train import load_trained_model
 
 MAX_SHARD_BYTES = 2 << 30
 
@@ -44,12 +45,9 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
         "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu",
         "tie_word_embeddings": False,
     })
-    if c.num_labels == 2:  # a process reward model: a class per step end, as TRL and Axolotl export them
-        head = {"architectures": [f"{c.hf_prefix}ForTokenClassification"], "num_labels": 2,
-                "id2label": {"0": "incorrect", "1": "correct"}, "label2id": {"incorrect": 0, "correct": 1}}
-    else:
-        head = {"architectures": [f"{c.hf_prefix}ForSequenceClassification"], "num_labels": 1,
-                "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+    kind = kind_of_head(c.num_labels)  # its Hugging Face head, as TRL and Axolotl export that kind
+    head = {"architectures": [f"{c.hf_prefix}{kind.hf_head}"], "num_labels": kind.num_labels,
+            "id2label": dict(kind.hf_labels), "label2id": {v: int(k) for k, v in kind.hf_labels.items()}}
     cfg.update({**head, "pad_token_id": pad_token_id, "torch_dtype": "float32", "dtype": "float32"})
     cfg.pop("problem_type", None)
     return cfg
@@ -99,7 +97,6 @@ def save_safetensors(tensors: dict[str, np.ndarray], folder: str, max_shard_byte
     return names
 
 
-EXPORT_INFO = "rmflow_export.json"
 
 
 class ExportError(RmflowError):
@@ -188,7 +185,7 @@ def write_adapter(model: RewardModel, folder: str, cfg, base_path: str) -> None:
     if model.score.bias is not None:
         tensors[f"{PEFT_PREFIX}score.bias"] = np.asarray(model.score.bias.value, np.float32)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-    task = "TOKEN_CLS" if model.config.num_labels == 2 else "SEQ_CLS"
+    task = kind_of_head(model.config.num_labels).peft_task
     config = {"peft_type": "LORA", "task_type": task, "r": cfg.rank, "lora_alpha": cfg.alpha,
               "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
               "modules_to_save": ["score"], "fan_in_fan_out": False, "inference_mode": True,

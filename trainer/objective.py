@@ -1,5 +1,5 @@
-"""What a run trains, by the kind of its shards (the manifest's ``kind``): the one place that
-knows which batch keys, loss and metrics an outcome or a process reward model uses.
+"""What a run trains, by the kind of its shards (the manifest's ``kind``, ``schemas.kinds``):
+the batch keys, loss and metrics of each reward model kind.
 
 * ``outcome``: preference pairs; Bradley-Terry with margin and reward centering
   (``trainer.loss.pairwise_loss``); normalised by the number of pairs.
@@ -14,36 +14,49 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from schemas import kinds
+from schemas.kinds import ModelKind
 from trainer.loss import STEP_SUM_KEYS, SUM_KEYS, finalize, finalize_steps, pairwise_loss, step_loss
 
 ROW_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids")
+_MODEL_ARGS = ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids")
+
+
+def _pairwise(model, mb: dict[str, Any], center_coef: float):
+    pairs = model(*(mb[k] for k in _MODEL_ARGS)).reshape(-1, 2)
+    _, sums = pairwise_loss(pairs[:, 0], pairs[:, 1], mb["margin"], mb["weight"], center_coef)
+    return sums["bt_loss_sum"] + center_coef * sums["center_sum"], sums
+
+
+def _stepwise(model, mb: dict[str, Any], center_coef: float):
+    _, sums = step_loss(model.logits(*(mb[k] for k in _MODEL_ARGS)), mb["step_labels"], mb["step_weight"])
+    return sums["loss_sum"], sums
 
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    kind: str
+    kind: ModelKind
     device_keys: tuple[str, ...]  # what the jitted step receives
     slot_keys: tuple[str, ...]  # (R, S) keys whose S differs between micro-batches (padded to one S)
     sum_keys: tuple[str, ...]
     count_key: str  # the sum the gradient is divided by
-    num_labels: int
     finalize: Callable[[dict[str, float]], dict[str, Any]]
+    objective: Callable[[Any, dict[str, Any], float], tuple[Any, dict[str, Any]]]
+
+    @property
+    def num_labels(self) -> int:
+        return self.kind.num_labels
 
     def loss(self, model, mb: dict[str, Any], center_coef: float = 0.0):
         """(summed objective to differentiate, metric sums) of one micro-batch."""
-        args = (mb["input_ids"], mb["positions"], mb["segment_ids"], mb["reward_index"], mb["branch_ids"])
-        if self.kind == "process":
-            _, sums = step_loss(model.logits(*args), mb["step_labels"], mb["step_weight"])
-            return sums["loss_sum"], sums
-        pairs = model(*args).reshape(-1, 2)
-        _, sums = pairwise_loss(pairs[:, 0], pairs[:, 1], mb["margin"], mb["weight"], center_coef)
-        return sums["bt_loss_sum"] + center_coef * sums["center_sum"], sums
+        return self.objective(model, mb, center_coef)
 
 
-OUTCOME = Objective("outcome", (*ROW_KEYS, "reward_index", "margin", "weight"), (), SUM_KEYS, "pairs", 1, finalize)
-PROCESS = Objective("process", (*ROW_KEYS, "reward_index", "step_labels", "step_weight"),
-                    ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", 2, finalize_steps)
-OBJECTIVES = {o.kind: o for o in (OUTCOME, PROCESS)}
+OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight"), (), SUM_KEYS, "pairs", finalize,
+                    _pairwise)
+PROCESS = Objective(kinds.PROCESS, (*ROW_KEYS, "reward_index", "step_labels", "step_weight"),
+                    ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", finalize_steps, _stepwise)
+OBJECTIVES = {o.kind.name: o for o in (OUTCOME, PROCESS)}
 
 
 def objective_for(kind: str) -> Objective:

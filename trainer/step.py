@@ -116,7 +116,7 @@ class Trainer:
         to the jitted steps as an argument (never baked into the compiled program). ``objective``:
         an outcome or a process reward model's loss and batch (``trainer.objective``)."""
         if model.config.num_labels != objective.num_labels:
-            raise ValueError(f"a {objective.kind} reward model needs a score head of {objective.num_labels} "
+            raise ValueError(f"a {objective.kind.name} reward model needs a score head of {objective.num_labels} "
                              f"output(s); this model has {model.config.num_labels}")
         self.objective = objective
         self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)

@@ -14,60 +14,49 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import signal
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from schemas.config import TrainConfig
 from schemas.errors import RmflowWarning
-from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
+from schemas.manifest import ManifestError
 from schemas.outputs import output_lock
 from trainer import storage
+from trainer.checkpoints import checkpoint_manager, existing_checkpoint, reading_checkpoint
 from trainer.compilation import use_compilation_cache
 from trainer.data import make_loader, resolve_packing
 from trainer.data.lookahead import Lookahead
-from trainer.errors import Interrupted, TrainError  # noqa: F401 - TrainError is imported from here too
+from trainer.errors import Interrupted, TrainError
 from trainer.loggers import Reporters, check_available
 from trainer.memory import release_free_memory
-from trainer.modeling import lora
-from trainer.modeling.config import ModelConfig
-from trainer.modeling.convert import load_reward_model, read_config, resolve
-from trainer.modeling.llama import RewardModel
-from trainer.objective import Objective, objective_for
+from trainer.modeling.convert import resolve
+from trainer.objective import objective_for
 from trainer.parallel import BATCH_AXES, batch_shards, distributed, make_mesh
 from trainer.rundir import (
-    CHECKPOINTS,
     CONFIG_HISTORY,
     RESUME_SHAPE_KEYS,
-    RunFiles,
-    is_run_dir,
-    read_run,
     record_config,
     resume_changes,
-    tokenizer_fingerprint,
     write_run_files,
 )
-from trainer.step import OptimConfig, Trainer, TrainState, stack_micro_batches, widen
+from trainer.setup import build_model, check_output, make_trainer, plan_steps, read_manifest, shard_paths
+from trainer.step import Trainer, TrainState, stack_micro_batches, widen
+from trainer.window import MetricWindow, append_history, read_history, write_history
 
 METRICS_FILE = "metrics.jsonl"
 
 
 SMALL_EVAL = 20  # an eval split below this many pairs gets a warning: its accuracy says little
-
-
 
 
 @contextlib.contextmanager
@@ -102,180 +91,6 @@ class TrainResult:
     total_steps: int
 
 
-# --------------------------------------------------------------------------- set-up
-
-
-def check_output(output: str, resume: bool) -> None:
-    """The run directory must be a folder: a new one, an empty one, or an earlier run."""
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise TrainError(f"--output {output} is a file; give a folder for the run")
-    if os.path.isdir(output) and os.listdir(output) and not is_run_dir(output):
-        raise TrainError(f"--output {output} is a folder that holds other files and no rmflow run; give a new or "
-                         "empty folder")
-
-
-def read_manifest(data: str) -> Manifest:
-    if not os.path.exists(os.path.join(data, COMPLETED_FILE)):
-        raise TrainError(f"{data} has no COMPLETED marker: `rmflow preprocess` did not finish writing it")
-    try:
-        with open(os.path.join(data, MANIFEST_FILE)) as f:
-            return Manifest.from_json(f.read())
-    except (OSError, ManifestError) as e:
-        raise TrainError(f"cannot read the manifest of {data}: {e}") from e
-
-
-def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
-    """The model, checked against the shards: token ids must fit and the tokenizer must match;
-    with LoRA adapters added when the config asks."""
-    vocab = manifest.tokenizer.vocab_size
-    labels = objective_for(manifest.kind).num_labels
-    tiny = ModelConfig.tiny(vocab_size=vocab, num_labels=labels) if cfg.model == "tiny" else None
-    if tiny is None:
-        folder = resolve(cfg.model)
-        model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
-        check_tokenizer(manifest, folder, "the model", with_template=False)
-        check_model_fits(manifest, model_config)  # before any weight is read
-    model = base_model(cfg, tiny, num_labels=labels)
-    check_model_fits(manifest, model.config)
-    return model
-
-
-def base_model(cfg: TrainConfig, tiny_config: ModelConfig | None = None, num_labels: int = 1) -> RewardModel:
-    """The run's initial model: the tiny preset (seeded) or the checkpoint, plus LoRA adapters;
-    ``num_labels``: the score head's outputs (2 for a process reward model)."""
-    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    if cfg.model == "tiny":
-        model = RewardModel(tiny_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
-                            attention=cfg.attention)
-    else:
-        model = load_reward_model(resolve(cfg.model), dtype=dtype, remat=cfg.gradient_checkpointing,
-                                  seed=cfg.seed, attention=cfg.attention, num_labels=num_labels)
-    if cfg.lora_config is not None:
-        lora.apply(model, cfg.lora_config, seed=cfg.seed)
-    return model
-
-
-def check_tokenizer(manifest: Manifest, folder: str | None, what: str, *, with_template: bool = True) -> None:
-    """The shards must come from the tokenizer in ``folder``: as used, chat template included (a
-    trained run, an export), or ``with_template=False`` its vocabulary only (a base model, whose
-    template the shards may have replaced with --chat-template). A folder without tokenizer files
-    gets a warning (the check cannot run), never silence."""
-    if not with_template and manifest.tokenizer.vocabulary_sha256 is None:
-        with_template = True  # shards made before the vocabulary hash: the whole tokenizer, as then
-    sha = tokenizer_fingerprint(folder, with_template=with_template) if folder else None
-    if sha is None:
-        warnings.warn(f"{what} ({folder}) has no tokenizer files, so rmflow cannot check that the shards "
-                      f"({manifest.tokenizer.name}) were made with its tokenizer; make sure they were",
-                      RmflowWarning, stacklevel=2)
-        return
-    try:
-        manifest.check_compatible(**{"tokenizer_sha256" if with_template else "vocabulary_sha256": sha})
-    except ManifestError as e:
-        raise TrainError(f"{e}. Preprocess with {what}'s tokenizer (--tokenizer {folder}).") from e
-
-
-def check_model_fits(manifest: Manifest, model_config: ModelConfig) -> None:
-    """The shards' token ids and sequence lengths are within what the model has embeddings for:
-    an id past the vocabulary or a position past max_position_embeddings would be computed on
-    (rotary positions extrapolate) without a word, giving numbers the model was never made for."""
-    if model_config.vocab_size < manifest.tokenizer.vocab_size:
-        raise TrainError(f"the shards' tokenizer has {manifest.tokenizer.vocab_size} tokens, the model's embedding "
-                         f"only {model_config.vocab_size}: they do not belong together")
-    if manifest.max_length > model_config.max_position_embeddings:
-        raise TrainError(f"the shards allow sequences of {manifest.max_length:,} tokens, past the model's "
-                         f"{model_config.max_position_embeddings:,} positions (max_position_embeddings): "
-                         f"preprocess again with --max-length {model_config.max_position_embeddings} or less")
-
-
-def shard_paths(data: str, manifest: Manifest, split: str) -> list[str]:
-    info = manifest.splits.get(split)
-    return [os.path.join(data, s.file) for s in info.shards] if info and info.pairs else []
-
-
-def planned_steps(cfg: TrainConfig) -> int:
-    """The run's optimizer steps, from the config and the shards' manifest (staged if remote)."""
-    return plan_steps(cfg, read_manifest(storage.stage_shards(cfg.data)).splits["train"].pairs)
-
-
-def plan_steps(cfg: TrainConfig, train_pairs: int) -> int:
-    if cfg.max_steps:
-        return cfg.max_steps
-    micro = math.ceil(train_pairs * cfg.num_epochs / cfg.batch_size)
-    return max(micro // cfg.grad_accum, 1)
-
-
-def make_trainer(cfg: TrainConfig, model: RewardModel, total_steps: int, objective: Objective | None = None
-                 ) -> Trainer:
-    return Trainer(model, OptimConfig(
-        learning_rate=cfg.learning_rate, learning_rate_end=cfg.learning_rate_end,
-        warmup_steps=cfg.warmup_steps, total_steps=total_steps, schedule=cfg.lr_schedule,
-        weight_decay=cfg.weight_decay, adam_b1=cfg.adam_b1, adam_b2=cfg.adam_b2, adam_eps=cfg.adam_eps,
-        max_grad_norm=cfg.max_grad_norm), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
-        trainable=lora.trainable_filter(cfg.lora_config), objective=objective or objective_for("outcome"))
-
-
-def checkpoint_manager(run_dir: str, keep: int = 1):
-    import orbax.checkpoint as ocp
-
-    return ocp.CheckpointManager(
-        os.path.abspath(os.path.join(run_dir, CHECKPOINTS)),
-        # cleanup_tmp_directories: a checkpoint a killed process left half-written is removed, never read
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
-                                             cleanup_tmp_directories=True),
-        item_names=("state", "data"),
-    )
-
-
-def existing_checkpoint(run_dir: str) -> int | None:
-    """The newest checkpoint step of a run directory, or None; creates nothing."""
-    if not os.path.isdir(os.path.join(run_dir, CHECKPOINTS)):
-        return None
-    return checkpoint_manager(run_dir).latest_step()
-
-
-@contextlib.contextmanager
-def _reading_checkpoint(run_dir: str, step: int):
-    """Orbax's failures to read a checkpoint (a damaged file, another layout) as one line."""
-    try:
-        yield
-    except Exception as e:  # noqa: BLE001 - Orbax, TensorStore and friends raise many kinds
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise TrainError(f"checkpoint step {step} of {run_dir} cannot be read ({type(e).__name__}: {first}): it is "
-                         "damaged or was written by another rmflow; resume from another checkpoint (remove this "
-                         "step's folder) or start a new run") from e
-
-
-def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardModel, RunFiles, int]:
-    """The reward model of a run directory, with the parameters of its newest (or given) checkpoint."""
-    import orbax.checkpoint as ocp
-
-    run_dir = storage.stage_run(run_dir)  # a remote run: a local copy
-    run = read_run(run_dir)
-    use_compilation_cache("auto")  # scoring a run twice compiles its shapes once
-    latest = existing_checkpoint(run_dir)
-    if latest is None:
-        raise TrainError(f"{run_dir} has no checkpoint yet: training stopped before its first save "
-                         "(resume it with `rmflow train --resume`, or set save_steps)")
-    if run.config.lora_config is not None:  # frozen base weights come from the base model, adapters from here
-        model = base_model(dataclasses.replace(run.config, dtype="float32", gradient_checkpointing=False),
-                           run.model_config, num_labels=run.model_config.num_labels)
-    else:
-        model = RewardModel(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention)
-    trainer = make_trainer(run.config, model, 1, objective_for(run.manifest.kind))
-    manager = checkpoint_manager(run_dir, keep=run.config.save_total_limit)
-    step = latest if step is None else step
-    if step not in manager.all_steps():
-        raise TrainError(f"{run_dir} has no checkpoint of step {step}; it has {sorted(manager.all_steps())}")
-    leaves = jax.tree.leaves(trainer.init_state)
-    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # whatever mesh trained it
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) for x in leaves]
-    with _reading_checkpoint(run_dir, step):
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    state = jax.tree.unflatten(jax.tree.structure(trainer.init_state), list(restored["state"]))
-    nnx.update(model, state.params)
-    return model, run, step
-
-
 # --------------------------------------------------------------------------- run
 
 
@@ -290,12 +105,12 @@ class Run:
             raise TrainError(str(e)) from e
         self.train_paths = shard_paths(cfg.data, self.manifest, "train")
         self.eval_paths = shard_paths(cfg.data, self.manifest, "eval")
-        if not self.train_paths:
-            raise TrainError(f"{cfg.data} has no train pairs")
         self.objective = objective_for(self.manifest.kind)
-        if self.objective.kind == "process" and cfg.center_rewards_coefficient:
-            raise TrainError(f"{cfg.data} holds stepwise solutions (a process reward model, trained with per-step "
-                             "cross-entropy): center_rewards_coefficient applies to outcome reward models; set it to 0")
+        if not self.train_paths:
+            raise TrainError(f"{cfg.data} has no train {self.objective.kind.units}")
+        if not self.objective.kind.pairwise and cfg.center_rewards_coefficient:
+            raise TrainError(f"{cfg.data} holds {self.objective.kind.data} ({self.objective.kind.description}): "
+                             "center_rewards_coefficient applies to pairwise (outcome) reward models; set it to 0")
         self.mesh = make_mesh(cfg.mesh_shape)
         shards, procs = batch_shards(self.mesh), jax.process_count()
         if cfg.batch_size % shards:
@@ -316,7 +131,7 @@ class Run:
         release_free_memory()  # initialisation temporaries
         n_eval = self.manifest.splits["eval"].pairs if "eval" in self.manifest.splits else 0
         if 0 < n_eval < SMALL_EVAL:  # after every check: a refused run prints its one line alone
-            warnings.warn(f"the eval split holds {n_eval} {'solutions' if self.manifest.kind == 'process' else 'pairs'}"
+            warnings.warn(f"the eval split holds {n_eval} {self.objective.kind.units}"
                           f": its accuracy moves in steps of {1 / n_eval:.2g} and says little (a 95% interval "
                           f"spans about +-{min(1.0, 0.98 / n_eval ** 0.5):.2f}); preprocess with a larger "
                           "--eval-fraction for a figure to rely on", RmflowWarning, stacklevel=2)
@@ -324,7 +139,7 @@ class Run:
     def loader(self, paths, *, train: bool):
         return make_loader(paths, batch_size=self.local_batch, max_length=self.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.loader_workers,
-                           pad_id=self.pad_id, packing=self.packing, rows=self.rows, kind=self.objective.kind)
+                           pad_id=self.pad_id, packing=self.packing, rows=self.rows, kind=self.objective.kind.name)
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         """Each process's micro-batches become its slice of the global batch (rows split over
@@ -425,18 +240,18 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     if resume and latest is not None:
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # onto this run's mesh, whatever saved it
                     for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(r.trainer.state_shardings))]
-        with _reading_checkpoint(run_dir, latest):
+        with reading_checkpoint(run_dir, latest):
             restored = manager.restore(latest, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
         state = jax.tree.unflatten(treedef, list(restored["state"]))
-        history = [h for h in _read_history(metrics_path) if h["step"] <= latest]
+        history = [h for h in read_history(metrics_path) if h["step"] <= latest]
     if primary:
-        _write_history(metrics_path, history)
+        write_history(metrics_path, history)
 
     # After a resume, TensorBoard drops the events logged past the restored checkpoint.
     writer = Reporters(cfg, run_dir, purge_step=int(state.step) + 1 if resume and latest is not None else None) \
         if primary else None
-    window = _Window(r.objective)
+    window = MetricWindow(r.objective)
     step = int(state.step)
     if on_start:
         on_start(step)
@@ -499,7 +314,7 @@ def _loop(cfg, r, state, step, iterator, ahead, manager, writer, window, history
         if record:
             history.append(record)
             if primary:
-                _append_history(metrics_path, record)
+                append_history(metrics_path, record)
                 writer.log(record, step)
             if on_log:
                 on_log(record)
@@ -532,60 +347,3 @@ def compile_ahead_steps(setting: int, backend: str, processes: int) -> int:
     return setting
 
 
-class _Window:
-    """Exact sums over one logging window; per-step figures (grad norm, lr) averaged."""
-
-    def __init__(self, objective: Objective):
-        self.objective = objective
-        self.reset()
-
-    def reset(self):
-        self.sums = {k: 0.0 for k in self.objective.sum_keys}
-        self.grad_norm, self.steps, self.start = 0.0, 0, time.perf_counter()
-        self.real = self.computed = self.total = 0
-        self.lr = 0.0
-
-    def add(self, m: dict[str, Any], micro: list[dict[str, np.ndarray]], slots: int):
-        """``slots``: token slots of the step's batch as the device got it (micro-batches padded
-        to one length when accumulating)."""
-        for k in self.objective.sum_keys:
-            self.sums[k] += float(m[k])
-        self.grad_norm += float(m["grad_norm"])
-        self.lr = float(m["learning_rate"])
-        self.steps += 1
-        self.real += sum(int(b["real_tokens"]) for b in micro)
-        self.computed += sum(int(b["computed_tokens"]) for b in micro)
-        self.total += slots
-
-    def finish(self) -> dict[str, Any]:
-        seconds = time.perf_counter() - self.start
-        if jax.process_count() > 1:  # token counts are per process: add them up (every process logs here)
-            from jax.experimental import multihost_utils
-
-            totals = multihost_utils.process_allgather(np.array([self.real, self.computed, self.total], np.int64))
-            self.real, self.computed, self.total = (int(v) for v in np.asarray(totals).reshape(-1, 3).sum(0))
-        out = {**self.objective.finalize(self.sums), "grad_norm": self.grad_norm / max(self.steps, 1), "learning_rate": self.lr,
-               "real_tokens": self.real, "tokens_per_second": self.real / seconds if seconds else 0.0,
-               "padding_fraction": 1.0 - self.computed / self.total if self.total else 0.0,
-               "computed_fraction": self.computed / self.real if self.real else 0.0}
-        self.reset()
-        return out
-
-
-def _read_history(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _write_history(path: str, history: list[dict[str, Any]]) -> None:
-    with open(path, "w") as f:
-        f.writelines(json.dumps(h, sort_keys=True) + "\n" for h in history)
-
-
-def _append_history(path: str, record: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())

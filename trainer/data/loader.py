@@ -9,8 +9,8 @@
 * ``pack``: each pair packed as one unit (prompt once, both replies) into ``rows`` long rows
   with no padding between pairs (``trainer.data.packing``).
 
-Stepwise solutions (process reward models, ``kind="process"``) are collated by
-``trainer.data.steps`` in the same modes: one solution a row, or packed.
+Stepwise solutions (process reward models) are collated by ``trainer.data.steps`` in the same
+modes: one solution a row, or packed (``COLLATES``: the collations of each reward model kind).
 
 In every mode a micro-batch holds exactly ``batch_size`` pairs (solutions) (fewer only at the end of a
 finite pass, the rest weight 0) and the loader's state, checkpointed with the run, resumes on
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import grain
 
 from schemas.config import PACKING
+from schemas.kinds import OUTCOME, PROCESS
 from schemas.record import PairRecord, StepRecord, decode
 from trainer.data.bucketing import LengthBucketSampler
 from trainer.data.collate import Collate
@@ -36,7 +37,7 @@ BUCKET_WINDOW = 32  # micro-batches whose pairs are sorted by length together in
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=128)
 
 
-class DecodePair(grain.transforms.Map):
+class DecodeRecord(grain.transforms.Map):
     def map(self, raw: bytes) -> PairRecord | StepRecord:
         return decode(raw)
 
@@ -53,9 +54,13 @@ def resolve_packing(packing: str, backend: str) -> str:
     return "pack" if backend == "cpu" else "bucket"
 
 
-def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int, kind: str = "outcome"):
-    """The collation of a packing mode, for pairs (``kind`` outcome) or stepwise solutions (process)."""
-    padded, packed = (StepCollate, StepPackCollate) if kind == "process" else (Collate, PackCollate)
+# Each reward model kind's (schemas.kinds) collations: (one record a padded row, packed rows).
+COLLATES = {OUTCOME.name: (Collate, PackCollate), PROCESS.name: (StepCollate, StepPackCollate)}
+
+
+def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int, kind: str = OUTCOME.name):
+    """The collation of a packing mode for the records of a reward model kind (``schemas.kinds``)."""
+    padded, packed = COLLATES[kind]
     if packing == "pack":
         return packed(batch_size, max_length, pad_id, rows)
     if packing in ("none", "bucket"):
@@ -77,7 +82,7 @@ def make_loader(
     packing: str = "none",
     rows: int = 1,
     shard: tuple[int, int] | None = None,
-    kind: str = "outcome",
+    kind: str = OUTCOME.name,
 ) -> grain.DataLoader:
     """A Grain DataLoader over the shards: seeded global shuffle, epochs, one shard of the data
     per JAX process, decoding in ``worker_count`` processes (0: in this process). ``rows``:
@@ -103,7 +108,7 @@ def make_loader(
     return grain.DataLoader(
         data_source=source,
         sampler=sampler,
-        operations=[DecodePair(), grain.transforms.Batch(batch_size, drop_remainder=False, batch_fn=collate)],
+        operations=[DecodeRecord(), grain.transforms.Batch(batch_size, drop_remainder=False, batch_fn=collate)],
         worker_count=worker_count,
         shard_options=sharding,
         read_options=READ_OPTIONS,

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from schemas.errors import RmflowError
+from schemas.kinds import KINDS, OUTCOME, ModelKind, UnknownKind, kind_of_head
 
 ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "llama": "Llama",
@@ -48,12 +49,13 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # Mistral; Qwen2 when use_sliding_window
     pad_token_id: int | None = None
-    num_labels: int = 1  # outputs of the score head: 1, a reward; 2, a process model's (incorrect, correct) step
+    num_labels: int = 1  # outputs of the score head: its reward model kind's (schemas.kinds)
 
     def __post_init__(self) -> None:
-        if self.num_labels not in (1, 2):
-            raise ModelConfigError(f"num_labels {self.num_labels}: a reward model has 1 (a score) or 2 (a process "
-                                   "reward model's incorrect/correct step classes)")
+        try:
+            kind_of_head(self.num_labels)
+        except UnknownKind as e:
+            raise ModelConfigError(f"num_labels {self.num_labels}: {e}") from None
         if self.model_type not in ARCHITECTURES:
             raise ModelConfigError(
                 f"model_type {self.model_type!r} is not supported; rmflow builds {sorted(ARCHITECTURES)}"
@@ -129,12 +131,25 @@ class ModelConfig:
         return cls(**base)
 
 
+def head_kind(d: Mapping[str, Any]) -> ModelKind | None:
+    """The reward model kind whose Hugging Face head a checkpoint's ``architectures`` name, or
+    None (a causal LM: no score head)."""
+    for kind in KINDS.values():
+        if any(a.endswith(kind.hf_head) for a in d.get("architectures") or []):
+            return kind
+    return None
+
+
+def hf_num_labels(d: Mapping[str, Any]) -> int:
+    """A Hugging Face classifier config's label count (``PretrainedConfig``'s default: 2)."""
+    return int(d.get("num_labels") or len(d.get("id2label") or {0: 0, 1: 1}))
+
+
 def _num_labels(d: Mapping[str, Any]) -> int:
-    """The score head's outputs a checkpoint brings: a token classifier's (a process reward model)
-    count; 1 for anything else (a causal LM gets a fresh head of the size the run asks for)."""
-    if any(a.endswith("ForTokenClassification") for a in d.get("architectures") or []):
-        return int(d.get("num_labels") or len(d.get("id2label") or {0: 0, 1: 1}))
-    return 1
+    """The score head's outputs a checkpoint brings: a classifier's label count (checked against
+    its kind when its weights are loaded); for a causal LM, the outcome head's (a fresh head of
+    the size the run asks for replaces it)."""
+    return hf_num_labels(d) if head_kind(d) is not None else OUTCOME.num_labels
 
 
 def _sliding_window(d: Mapping[str, Any]) -> int | None:

@@ -2,8 +2,9 @@
 
 Our parameter paths mirror Hugging Face's names: ``model.layers.0.mlp.up_proj.kernel`` is
 ``model.layers.0.mlp.up_proj.weight`` transposed. A ``*ForCausalLM`` checkpoint gets a fresh,
-seeded ``score`` head (``num_labels`` outputs); a ``*ForSequenceClassification`` one (num_labels 1)
-or a ``*ForTokenClassification`` one (num_labels 2, a process reward model) brings its own.
+seeded ``score`` head (``num_labels`` outputs); a classifier whose head is a reward model kind's
+(``schemas.kinds``: ``*ForSequenceClassification``, 1 label; ``*ForTokenClassification``, 2, a
+process reward model) brings its own.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from schemas.errors import RmflowError
-from trainer.modeling.config import ModelConfig
+from schemas.kinds import kind_of_head
+from trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
 from trainer.modeling.llama import RewardModel
 
 IGNORED = ("lm_head.weight",)  # a causal LM's head: not part of a reward model
@@ -90,15 +92,14 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
     folder = resolve(checkpoint)
     cfg, raw = read_config(folder)
     tensors = read_tensors(folder)
-    architectures = raw.get("architectures") or []
-    is_classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures)
-    if any(a.endswith("ForSequenceClassification") for a in architectures) \
-            and raw.get("num_labels", len(raw.get("id2label") or {0: 0, 1: 1})) != 1:
-        raise CheckpointError("a sequence-classification checkpoint must have num_labels=1 to be a reward model")
-    if is_classifier and num_labels is not None and cfg.num_labels != num_labels:
-        kind = {1: "an outcome reward model (one score)", 2: "a process reward model (2 step classes)"}
-        raise CheckpointError(f"{checkpoint} is {kind.get(cfg.num_labels, f'a {cfg.num_labels}-label classifier')}, "
-                              f"but this run trains {kind[num_labels]}: start from its base model instead")
+    head = head_kind(raw)  # None: a causal LM, which gets a fresh score head
+    is_classifier = head is not None
+    if head is not None and hf_num_labels(raw) != head.num_labels:
+        raise CheckpointError(f"a *{head.hf_head} checkpoint must have num_labels={head.num_labels} to be "
+                              f"{head.description}; {checkpoint} has {hf_num_labels(raw)}")
+    if head is not None and num_labels is not None and head.num_labels != num_labels:
+        raise CheckpointError(f"{checkpoint} is {head.description}, but this run trains "
+                              f"{kind_of_head(num_labels).description}: start from its base model instead")
     if num_labels is not None:
         cfg = dataclasses.replace(cfg, num_labels=num_labels)
     model = RewardModel(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from schemas.kinds import kind_of_head
 from trainer.modeling import lora
 from trainer.modeling.attention import (
     attention,
@@ -232,9 +233,10 @@ class DecoderModel(nnx.Module):
 
 
 class RewardModel(nnx.Module):
-    """Decoder + ``score`` head: a reward per sequence, or for a process reward model
-    (``cfg.num_labels == 2``: Hugging Face's ``*ForTokenClassification`` head, with bias) the
-    two class logits (incorrect, correct) of each scored step.
+    """Decoder + ``score`` head, shaped by the reward model kind of ``cfg.num_labels``
+    (``schemas.kinds``): a reward per sequence, or for a process reward model (Hugging Face's
+    ``*ForTokenClassification`` head, with bias) the two class logits (incorrect, correct) of
+    each scored step.
 
     ``reward_index`` holds the explicit index of each sequence's reward token (each step's end),
     (B,) or (B, K) for K per row; scores come back in float32 with the same shape: the reward,
@@ -247,7 +249,7 @@ class RewardModel(nnx.Module):
         self.config = cfg
         self.model = DecoderModel(cfg, dtype, remat, rngs=rngs, attention=attention)
         std = score_init_std if score_init_std is not None else 1.0 / math.sqrt(cfg.hidden_size + 1)
-        self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=cfg.num_labels > 1, dtype=dtype,
+        self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=kind_of_head(cfg.num_labels).head_bias, dtype=dtype,
                                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
     def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):

@@ -1,0 +1,251 @@
+"""Evaluation reports: ``eval.json`` (the metrics and the config that produced them), ``report.md``
+and PNG plots, for each reward model kind and benchmark mode; and the rows of the summary
+table ``rmflow eval`` prints. Rendering only: the numbers come from ``rmflow.metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from schemas.kinds import OUTCOME, PROCESS
+from schemas.outputs import EVAL_FILE, REPORT_FILE
+
+
+def write_eval(output: str, metrics: dict[str, Any], config: dict[str, Any], markdown: str,
+               plots: Sequence[str] = ()) -> list[str]:
+    """An eval folder's files: eval.json (every figure and the config), report.md (``markdown``)
+    beside the ``plots`` already saved there; returns the files written."""
+    os.makedirs(output, exist_ok=True)
+    with open(os.path.join(output, EVAL_FILE), "w") as f:
+        json.dump({"metrics": metrics, "config": config}, f, indent=2, sort_keys=True)
+    with open(os.path.join(output, REPORT_FILE), "w") as f:
+        f.write(markdown)
+    return [EVAL_FILE, REPORT_FILE, *plots]
+
+
+def write_report(metrics: dict[str, Any], rc: np.ndarray, rr: np.ndarray, output: str,
+                 config: dict[str, Any]) -> list[str]:
+    """An outcome reward model's eval: eval.json, report.md and PNG plots."""
+    os.makedirs(output, exist_ok=True)
+    plots = _plots(metrics, rc, rr, output)
+    return write_eval(output, metrics, config, report_markdown(metrics, plots, config), plots)
+
+
+def report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[str, Any] | None = None) -> str:
+    lines = ["# Reward model evaluation", "", *_source_lines(m, config or {})]
+    lo, hi = m["accuracy_ci95"]
+    lines += [f"{m['pairs']:,} pairs.", "", "| figure | value |", "| --- | ---: |"]
+    rows = [("accuracy (chosen scored strictly higher)", f"{m['accuracy']:.4f}"),
+            ("accuracy, 95% confidence interval (Wilson)", f"{lo:.4f} – {hi:.4f}"),
+            ("ties (equal rewards)", f"{m['ties']:,}"),
+            ("loss (-log σ(r_c - r_r - margin))", f"{m['loss']:.4f}"),
+            ("mean margin r_c - r_r", f"{m['margin_mean']:.4f}"),
+            ("chosen reward mean ± std", f"{m['reward_chosen_mean']:.4f} ± {m['reward_chosen_std']:.4f}"),
+            ("rejected reward mean ± std", f"{m['reward_rejected_mean']:.4f} ± {m['reward_rejected_std']:.4f}"),
+            ("expected calibration error", f"{m['calibration']['ece']:.4f}"),
+            ("Brier score", f"{m['calibration']['brier']:.4f}")]
+    if "length_bias" in m:
+        lb = m["length_bias"]
+        rows += [("baseline: the longer reply wins", f"{lb['longer_wins_accuracy']:.4f}"),
+                 ("correlation of reward with reply length", f"{lb['reward_length_correlation']:.4f}")]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    if m.get("subsets"):
+        lines += ["", "## Per subset", "", "| subset | pairs | accuracy |", "| --- | ---: | ---: |"]
+        lines += [f"| {k} | {v['pairs']:,} | {v['accuracy']:.4f} |" for k, v in m["subsets"].items()]
+    if m.get("rewardbench_v1"):
+        lines += ["", *rewardbench_v1_lines(m["rewardbench_v1"])]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _source_lines(m: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The report's "Model: ... Data: ..." lines."""
+    lines = []
+    if config.get("model_description"):
+        lines.append(f"Model: {config['model_description']}.  ")
+    if config.get("data"):
+        split = f", split {config['split']}" if config.get("split") and not m.get("input") else ""
+        lines.append(f"Data: {', '.join(map(str, config['data']))}{split}.  ")
+    return lines
+
+
+def rewardbench_v1_lines(rb: dict[str, Any]) -> list[str]:
+    if rb["complete"]:
+        head = [f"## RewardBench v1: score {rb['score']:.2f}"]
+    else:
+        head = ["## RewardBench v1: incomplete, no overall score",
+                "", f"The data covers {rb['subsets_covered']} of {rb['subsets_total']} RewardBench v1 subsets "
+                f"(missing: {', '.join(rb['missing_subsets'])}). Section scores below cover only the subsets "
+                "present; their mean over the sections present, "
+                + (f"{rb['partial_score']:.2f}, " if rb["partial_score"] is not None else "")
+                + "is not comparable with published RewardBench scores."]
+    lines = [*head, "", "| section | score |", "| --- | ---: |"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in rb["sections"].items()]
+    if rb.get("other_subsets"):
+        o = rb["other_subsets"]
+        lines += ["", f"Subsets outside RewardBench v1 ({', '.join(o['subsets'])}): {o['pairs']:,} pairs, "
+                  f"accuracy {o['accuracy']:.2f}%, not in any section."]
+    return lines
+
+
+def _plots(m: dict[str, Any], rc: np.ndarray, rr: np.ndarray, output: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bins = np.histogram_bin_edges(np.concatenate([rc, rr]), bins=40)
+    ax.hist(rc, bins=bins, alpha=0.6, label="chosen", color="tab:green")
+    ax.hist(rr, bins=bins, alpha=0.6, label="rejected", color="tab:red")
+    ax.set(xlabel="reward", ylabel="replies", title="Rewards of chosen and rejected replies")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: whole numbers
+    ax.legend()
+    files.append(_save(fig, output, "rewards.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.hist(rc - rr, bins=40, color="tab:blue")
+    ax.axvline(0, color="black", linewidth=1)
+    ax.set(xlabel="margin r_chosen - r_rejected", ylabel="pairs",
+           title=f"Margins (accuracy {m['accuracy']:.3f}: right of the line)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    files.append(_save(fig, output, "margins.png"))
+    fig, ax = plt.subplots(figsize=(5, 5))
+    table = m["calibration"]["bins"]
+    ax.plot([0.5, 1], [0.5, 1], color="grey", linestyle="--", label="perfect calibration")
+    table = [b for b in table if b["count"]]
+    ax.plot([b["confidence"] for b in table], [b["accuracy"] for b in table], marker="o", label="model")
+    for b in table:  # how many pairs each point stands on
+        ax.annotate(f"n={b['count']:,}", (b["confidence"], b["accuracy"]), textcoords="offset points",
+                    xytext=(0, 7), ha="center", fontsize=7)
+    ax.set(xlabel="confidence in the predicted winner, max(p, 1-p)", ylabel="accuracy",
+           title=f"Calibration (ECE {m['calibration']['ece']:.3f})", xlim=(0.5, 1), ylim=(0, 1.02))
+    ax.legend()
+    files.append(_save(fig, output, "calibration.png"))
+    return files
+
+
+def _save(fig, output: str, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(os.path.join(output, name), dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return name
+
+
+def write_process_report(metrics: dict[str, Any], p_correct: Sequence[np.ndarray], labels: Sequence[np.ndarray],
+                         output: str, config: dict[str, Any]) -> list[str]:
+    """A process reward model's eval: eval.json, report.md and a plot of P(correct) for correct and
+    incorrect steps."""
+    os.makedirs(output, exist_ok=True)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = np.concatenate([np.asarray(x) for x in p_correct])
+    y = np.concatenate([np.asarray(x) for x in labels]).astype(bool)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bins = np.linspace(0, 1, 41)
+    ax.hist(p[y], bins=bins, alpha=0.6, label="correct steps", color="tab:green")
+    ax.hist(p[~y], bins=bins, alpha=0.6, label="incorrect steps", color="tab:red")
+    ax.axvline(metrics["threshold"], color="black", linewidth=1)
+    ax.set(xlabel="P(step is correct)", ylabel="steps", title="Step scores by label", yscale="log")
+    ax.legend()
+    plots = [_save(fig, output, "step_scores.png")]
+    return write_eval(output, metrics, config, process_report_markdown(metrics, plots, config), plots)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def process_report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[str, Any] | None = None) -> str:
+    lines = ["# Process reward model evaluation", "", *_source_lines(m, config or {})]
+    lo, hi = m["step_accuracy_ci95"]
+    lines += [f"{m['solutions']:,} solutions ({m['with_error']:,} with a wrong step), {m['steps']:,} labelled steps "
+              f"({m['incorrect_steps']:,} incorrect). A step is predicted incorrect when P(correct) < "
+              f"{m['threshold']}.", "", "| figure | value |", "| --- | ---: |"]
+    rows = [("step accuracy", f"{m['step_accuracy']:.4f}"), ("step accuracy, 95% interval (Wilson)", f"{lo:.4f} – {hi:.4f}"),
+            ("step cross-entropy", f"{m['loss']:.4f}"),
+            ("incorrect steps: precision", f"{m['incorrect_precision']:.4f}"),
+            ("incorrect steps: recall", f"{m['incorrect_recall']:.4f}"),
+            ("incorrect steps: F1", f"{m['incorrect_f1']:.4f}"),
+            ("first wrong step found exactly (all solutions)", f"{m['first_error_accuracy']:.4f}"),
+            ("  on solutions with an error", _fmt(m["accuracy_with_error"])),
+            ("  on solutions without one (none flagged)", _fmt(m["accuracy_all_correct"])),
+            ("ProcessBench F1 (harmonic mean of the two)", _fmt(m["processbench_f1"]))]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    if m.get("subsets"):
+        lines += ["", "## Per subset", "", "| subset | solutions | with error | first error found | ProcessBench F1 |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {v['solutions']:,} | {v['with_error']:,} | {v['first_error_accuracy']:.4f} | "
+                  f"{_fmt(v['processbench_f1'])} |" for k, v in m["subsets"].items()]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+def rewardbench_v2_markdown(m: dict[str, Any], model: str = "", data: list[str] = ()) -> str:
+    rb = m["rewardbench_v2"]
+    lines = ["# RewardBench 2 (best-of-n, 1/k credit for ties)", ""]
+    if model:
+        lines.append(f"Model: {model}.  ")
+    if data:
+        lines.append(f"Data: {', '.join(data)}.  ")
+    lines += [f"{m['examples']:,} examples of {m['completions_per_example']} completions. Score: {rb['score']:.2f}",
+              "", "| subset | examples | accuracy |", "| --- | ---: | ---: |"]
+    lines += [f"| {k} | {v['examples']:,} | {v['accuracy']:.4f} |" for k, v in rb["subsets"].items()]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the summary `rmflow eval` prints
+
+
+def _pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+    if "rewardbench_v2" in m:
+        return (f"rmflow eval: RewardBench 2, {m['examples']:,} examples",
+                [("RewardBench 2 score", f"{m['rewardbench_v2']['score']:.2f}")])
+    lo, hi = m["accuracy_ci95"]
+    rows = [("accuracy", f"{m['accuracy']:.4f}"), ("  95% interval", f"{lo:.4f} – {hi:.4f}"),
+            ("ties", f"{m['ties']:,}"), ("loss", f"{m['loss']:.4f}"),
+            ("mean margin", f"{m['margin_mean']:.4f}"), ("ECE", f"{m['calibration']['ece']:.4f}"),
+            ("Brier", f"{m['calibration']['brier']:.4f}")]
+    if "length_bias" in m:
+        rows.append(("longer-reply baseline", f"{m['length_bias']['longer_wins_accuracy']:.4f}"))
+    if "rewardbench_v1" in m:
+        rb = m["rewardbench_v1"]
+        if rb["complete"]:
+            rows.append(("RewardBench v1 score", f"{rb['score']:.2f}"))
+        else:
+            rows.append(("RewardBench v1 score", f"incomplete: {rb['subsets_covered']} of {rb['subsets_total']} subsets"))
+            for section, value in rb["sections"].items():
+                rows.append((f"  {section} (subsets present only)", f"{value:.2f}"))
+    return f"rmflow eval: {m['pairs']:,} pairs", rows
+
+
+def _process_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+    rows = [("step accuracy", _fmt(m["step_accuracy"])), ("step cross-entropy", _fmt(m["loss"])),
+            ("incorrect steps: precision", _fmt(m["incorrect_precision"])),
+            ("incorrect steps: recall", _fmt(m["incorrect_recall"])), ("incorrect steps: F1", _fmt(m["incorrect_f1"])),
+            ("first wrong step found", _fmt(m["first_error_accuracy"])),
+            ("  solutions with an error", _fmt(m["accuracy_with_error"])),
+            ("  solutions without", _fmt(m["accuracy_all_correct"])),
+            ("ProcessBench F1", _fmt(m["processbench_f1"]))]
+    return f"rmflow eval (process reward model): {m['solutions']:,} solutions, {m['steps']:,} steps", rows
+
+
+# Each reward model kind's (schemas.kinds) summary: eval metrics -> (title, rows of (label, value)).
+SUMMARIES = {OUTCOME.name: _pair_summary, PROCESS.name: _process_summary}
+
+
+def eval_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+    """The title and rows of the table `rmflow eval` prints for an eval's metrics."""
+    return SUMMARIES[m["kind"]](m)

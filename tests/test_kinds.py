@@ -1,0 +1,103 @@
+"""The reward model kind is decided in one table (schemas/kinds.py): every per-kind table of the
+other packages covers every kind, the lookups round-trip, and no module decides the kind by
+comparing names or head widths itself."""
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+
+from schemas.config import EVAL_MODES
+from schemas.kinds import KINDS, OUTCOME, PROCESS, UnknownKind, kind_named, kind_of_head, kind_of_record
+from schemas.record import PairRecord, StepRecord
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("schemas", "pipelines", "trainer", "rmflow")
+
+
+def _per_kind_tables():
+    from rmflow.evaluation import EVALUATORS
+    from rmflow.reports import SUMMARIES
+    from rmflow.scoring import SCORERS
+    from trainer.data.loader import COLLATES
+    from trainer.objective import OBJECTIVES
+
+    return {"trainer.objective.OBJECTIVES": OBJECTIVES, "trainer.data.loader.COLLATES": COLLATES,
+            "rmflow.evaluation.EVALUATORS": EVALUATORS, "rmflow.reports.SUMMARIES": SUMMARIES,
+            "rmflow.scoring.SCORERS": SCORERS}
+
+
+def test_every_per_kind_table_covers_exactly_the_kinds():
+    for name, table in _per_kind_tables().items():
+        assert set(table) == set(KINDS), f"{name} has {sorted(table)}, the kinds are {sorted(KINDS)}"
+    from trainer.objective import OBJECTIVES
+
+    for name, objective in OBJECTIVES.items():
+        assert objective.kind is KINDS[name] and objective.num_labels == KINDS[name].num_labels
+
+
+def test_lookups_round_trip_and_refuse_what_no_kind_is():
+    for kind in KINDS.values():
+        assert kind_named(kind.name) is kind and kind_of_head(kind.num_labels) is kind
+        assert set(kind.eval_modes) <= set(EVAL_MODES), kind.name
+    pair = PairRecord(np.array([1, 2]), np.array([1, 3]), 1, 1, 1, "0" * 32)
+    steps = StepRecord(np.array([1, 2, 3]), np.array([1, 2]), np.array([1, 0], np.uint8), 1, "0" * 32)
+    assert kind_of_record(pair) is OUTCOME and kind_of_record(steps) is PROCESS
+    assert set(pair.stat_lengths()) >= set(OUTCOME.lengths) and set(steps.stat_lengths()) >= set(PROCESS.lengths)
+    with pytest.raises(UnknownKind, match="unknown reward model kind 'regression'; rmflow knows outcome, process"):
+        kind_named("regression")
+    with pytest.raises(UnknownKind, match="a score head of 3 outputs is no reward model kind"):
+        kind_of_head(3)
+    with pytest.raises(UnknownKind, match="dict is the record of no reward model kind"):
+        kind_of_record({})
+
+
+def test_export_head_reads_back_as_its_kind():
+    """An export's config.json names the head of its kind, and reading it back gives that kind."""
+    from trainer.export import hf_config
+    from trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
+
+    for kind in KINDS.values():
+        cfg = hf_config(ModelConfig.tiny(vocab_size=64, num_labels=kind.num_labels), None, 0)
+        assert cfg["architectures"][0].endswith(kind.hf_head) and head_kind(cfg) is kind
+        assert hf_num_labels(cfg) == kind.num_labels and len(cfg["id2label"]) == kind.num_labels
+        assert {v: int(k) for k, v in cfg["id2label"].items()} == cfg["label2id"]
+    assert head_kind({"architectures": ["LlamaForCausalLM"]}) is None
+
+
+def _kind_decisions(path: pathlib.Path) -> list[str]:
+    """Comparisons that decide a kind outside the table: ``x == "process"`` (any kind's name),
+    ``num_labels == 2`` (a head width), ``isinstance(x, StepRecord)`` (a kind's record type)."""
+    names = set(KINDS)
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            if any(isinstance(p, ast.Constant) and p.value in names for p in parts):
+                found.append(f"{where}:{node.lineno}: compares with a kind's name")
+            if any(isinstance(p, ast.Attribute) and p.attr == "num_labels" for p in parts) \
+                    and any(isinstance(p, ast.Constant) and isinstance(p.value, int) for p in parts):
+                found.append(f"{where}:{node.lineno}: compares num_labels with a number")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            types = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(getattr(t, "id", getattr(t, "attr", None)) in ("PairRecord", "StepRecord", "TokenizedSteps",
+                                                                  "TokenizedPair") for t in types):
+                found.append(f"{where}:{node.lineno}: decides the kind by a record type")
+    return found
+
+
+def test_no_module_decides_the_kind_itself():
+    allowed = {ROOT / "schemas" / "kinds.py", ROOT / "schemas" / "record.py"}  # the table; the codec's own types
+    found = [hit for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py")) if path not in allowed
+             for hit in _kind_decisions(path)]
+    assert not found, "decide these by a field of schemas.kinds.ModelKind (or a per-kind table):\n" + "\n".join(found)
+
+
+def test_the_scan_finds_what_it_forbids(tmp_path):
+    """The scan above is able to fail."""
+    probe = tmp_path / "probe.py"
+    probe.write_text('def f(m, rec):\n    if m.kind == "process" or m.config.num_labels == 2:\n        return 1\n'
+                     '    return isinstance(rec, (int, StepRecord))\n')
+    assert len(_kind_decisions(probe)) == 3

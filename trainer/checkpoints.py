@@ -1,0 +1,86 @@
+"""A run's Orbax checkpoints: the manager, the newest step, and a trained model read back from
+one (for evaluation, export and scoring as much as for resuming).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import jax
+from flax import nnx
+
+from trainer import storage
+from trainer.compilation import use_compilation_cache
+from trainer.errors import TrainError
+from trainer.modeling.llama import RewardModel
+from trainer.objective import objective_for
+from trainer.rundir import (
+    CHECKPOINTS,
+    RunFiles,
+    read_run,
+)
+from trainer.setup import base_model, make_trainer
+
+
+def checkpoint_manager(run_dir: str, keep: int = 1):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(run_dir, CHECKPOINTS)),
+        # cleanup_tmp_directories: a checkpoint a killed process left half-written is removed, never read
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
+                                             cleanup_tmp_directories=True),
+        item_names=("state", "data"),
+    )
+
+
+def existing_checkpoint(run_dir: str) -> int | None:
+    """The newest checkpoint step of a run directory, or None; creates nothing."""
+    if not os.path.isdir(os.path.join(run_dir, CHECKPOINTS)):
+        return None
+    return checkpoint_manager(run_dir).latest_step()
+
+
+@contextlib.contextmanager
+def reading_checkpoint(run_dir: str, step: int):
+    """Orbax's failures to read a checkpoint (a damaged file, another layout) as one line."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - Orbax, TensorStore and friends raise many kinds
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise TrainError(f"checkpoint step {step} of {run_dir} cannot be read ({type(e).__name__}: {first}): it is "
+                         "damaged or was written by another rmflow; resume from another checkpoint (remove this "
+                         "step's folder) or start a new run") from e
+
+
+def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardModel, RunFiles, int]:
+    """The reward model of a run directory, with the parameters of its newest (or given) checkpoint."""
+    import orbax.checkpoint as ocp
+
+    run_dir = storage.stage_run(run_dir)  # a remote run: a local copy
+    run = read_run(run_dir)
+    use_compilation_cache("auto")  # scoring a run twice compiles its shapes once
+    latest = existing_checkpoint(run_dir)
+    if latest is None:
+        raise TrainError(f"{run_dir} has no checkpoint yet: training stopped before its first save "
+                         "(resume it with `rmflow train --resume`, or set save_steps)")
+    if run.config.lora_config is not None:  # frozen base weights come from the base model, adapters from here
+        model = base_model(dataclasses.replace(run.config, dtype="float32", gradient_checkpointing=False),
+                           run.model_config, num_labels=run.model_config.num_labels)
+    else:
+        model = RewardModel(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention)
+    trainer = make_trainer(run.config, model, 1, objective_for(run.manifest.kind))
+    manager = checkpoint_manager(run_dir, keep=run.config.save_total_limit)
+    step = latest if step is None else step
+    if step not in manager.all_steps():
+        raise TrainError(f"{run_dir} has no checkpoint of step {step}; it has {sorted(manager.all_steps())}")
+    leaves = jax.tree.leaves(trainer.init_state)
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # whatever mesh trained it
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) for x in leaves]
+    with reading_checkpoint(run_dir, step):
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    state = jax.tree.unflatten(jax.tree.structure(trainer.init_state), list(restored["state"]))
+    nnx.update(model, state.params)
+    return model, run, step

@@ -1,0 +1,137 @@
+"""Setting a run up: reading and checking the shards' manifest against the model (tokenizer,
+vocabulary, positions), building the model and the jitted trainer, planning the steps.
+
+Training (``trainer.train``) and inference (``trainer.inference``) both start here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import jax.numpy as jnp
+from flax import nnx
+
+from schemas.config import TrainConfig
+from schemas.errors import RmflowWarning
+from schemas.kinds import OUTCOME
+from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
+from trainer import storage
+from trainer.errors import TrainError
+from trainer.modeling import lora
+from trainer.modeling.config import ModelConfig
+from trainer.modeling.convert import load_reward_model, read_config, resolve
+from trainer.modeling.llama import RewardModel
+from trainer.objective import Objective, objective_for
+from trainer.rundir import is_run_dir, tokenizer_fingerprint
+from trainer.step import OptimConfig, Trainer
+
+
+def check_output(output: str, resume: bool) -> None:
+    """The run directory must be a folder: a new one, an empty one, or an earlier run."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise TrainError(f"--output {output} is a file; give a folder for the run")
+    if os.path.isdir(output) and os.listdir(output) and not is_run_dir(output):
+        raise TrainError(f"--output {output} is a folder that holds other files and no rmflow run; give a new or "
+                         "empty folder")
+
+
+def read_manifest(data: str) -> Manifest:
+    if not os.path.exists(os.path.join(data, COMPLETED_FILE)):
+        raise TrainError(f"{data} has no COMPLETED marker: `rmflow preprocess` did not finish writing it")
+    try:
+        with open(os.path.join(data, MANIFEST_FILE)) as f:
+            return Manifest.from_json(f.read())
+    except (OSError, ManifestError) as e:
+        raise TrainError(f"cannot read the manifest of {data}: {e}") from e
+
+
+def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
+    """The model, checked against the shards: token ids must fit and the tokenizer must match;
+    with LoRA adapters added when the config asks."""
+    vocab = manifest.tokenizer.vocab_size
+    labels = objective_for(manifest.kind).num_labels
+    tiny = ModelConfig.tiny(vocab_size=vocab, num_labels=labels) if cfg.model == "tiny" else None
+    if tiny is None:
+        folder = resolve(cfg.model)
+        model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
+        check_tokenizer(manifest, folder, "the model", with_template=False)
+        check_model_fits(manifest, model_config)  # before any weight is read
+    model = base_model(cfg, tiny, num_labels=labels)
+    check_model_fits(manifest, model.config)
+    return model
+
+
+def base_model(cfg: TrainConfig, tiny_config: ModelConfig | None = None, num_labels: int = 1) -> RewardModel:
+    """The run's initial model: the tiny preset (seeded) or the checkpoint, plus LoRA adapters;
+    ``num_labels``: the score head's outputs (2 for a process reward model)."""
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    if cfg.model == "tiny":
+        model = RewardModel(tiny_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
+                            attention=cfg.attention)
+    else:
+        model = load_reward_model(resolve(cfg.model), dtype=dtype, remat=cfg.gradient_checkpointing,
+                                  seed=cfg.seed, attention=cfg.attention, num_labels=num_labels)
+    if cfg.lora_config is not None:
+        lora.apply(model, cfg.lora_config, seed=cfg.seed)
+    return model
+
+
+def check_tokenizer(manifest: Manifest, folder: str | None, what: str, *, with_template: bool = True) -> None:
+    """The shards must come from the tokenizer in ``folder``: as used, chat template included (a
+    trained run, an export), or ``with_template=False`` its vocabulary only (a base model, whose
+    template the shards may have replaced with --chat-template). A folder without tokenizer files
+    gets a warning (the check cannot run), never silence."""
+    if not with_template and manifest.tokenizer.vocabulary_sha256 is None:
+        with_template = True  # shards made before the vocabulary hash: the whole tokenizer, as then
+    sha = tokenizer_fingerprint(folder, with_template=with_template) if folder else None
+    if sha is None:
+        warnings.warn(f"{what} ({folder}) has no tokenizer files, so rmflow cannot check that the shards "
+                      f"({manifest.tokenizer.name}) were made with its tokenizer; make sure they were",
+                      RmflowWarning, stacklevel=2)
+        return
+    try:
+        manifest.check_compatible(**{"tokenizer_sha256" if with_template else "vocabulary_sha256": sha})
+    except ManifestError as e:
+        raise TrainError(f"{e}. Preprocess with {what}'s tokenizer (--tokenizer {folder}).") from e
+
+
+def check_model_fits(manifest: Manifest, model_config: ModelConfig) -> None:
+    """The shards' token ids and sequence lengths are within what the model has embeddings for:
+    an id past the vocabulary or a position past max_position_embeddings would be computed on
+    (rotary positions extrapolate) without a word, giving numbers the model was never made for."""
+    if model_config.vocab_size < manifest.tokenizer.vocab_size:
+        raise TrainError(f"the shards' tokenizer has {manifest.tokenizer.vocab_size} tokens, the model's embedding "
+                         f"only {model_config.vocab_size}: they do not belong together")
+    if manifest.max_length > model_config.max_position_embeddings:
+        raise TrainError(f"the shards allow sequences of {manifest.max_length:,} tokens, past the model's "
+                         f"{model_config.max_position_embeddings:,} positions (max_position_embeddings): "
+                         f"preprocess again with --max-length {model_config.max_position_embeddings} or less")
+
+
+def shard_paths(data: str, manifest: Manifest, split: str) -> list[str]:
+    info = manifest.splits.get(split)
+    return [os.path.join(data, s.file) for s in info.shards] if info and info.pairs else []
+
+
+def planned_steps(cfg: TrainConfig) -> int:
+    """The run's optimizer steps, from the config and the shards' manifest (staged if remote)."""
+    return plan_steps(cfg, read_manifest(storage.stage_shards(cfg.data)).splits["train"].pairs)
+
+
+def plan_steps(cfg: TrainConfig, train_pairs: int) -> int:
+    if cfg.max_steps:
+        return cfg.max_steps
+    micro = math.ceil(train_pairs * cfg.num_epochs / cfg.batch_size)
+    return max(micro // cfg.grad_accum, 1)
+
+
+def make_trainer(cfg: TrainConfig, model: RewardModel, total_steps: int, objective: Objective | None = None
+                 ) -> Trainer:
+    return Trainer(model, OptimConfig(
+        learning_rate=cfg.learning_rate, learning_rate_end=cfg.learning_rate_end,
+        warmup_steps=cfg.warmup_steps, total_steps=total_steps, schedule=cfg.lr_schedule,
+        weight_decay=cfg.weight_decay, adam_b1=cfg.adam_b1, adam_b2=cfg.adam_b2, adam_eps=cfg.adam_eps,
+        max_grad_norm=cfg.max_grad_norm), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
+        trainable=lora.trainable_filter(cfg.lora_config), objective=objective or objective_for(OUTCOME.name))
