@@ -17,10 +17,10 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.config import (
-    SCORING_BATCH_SIZE,
     ConfigError,
     EvalConfig,
     PreprocessConfig,
+    ScoreConfig,
     TrainConfig,
     help_for,
 )
@@ -347,13 +347,10 @@ def eval_(
 
 @command()
 def score(
-    model: str = typer.Option(..., help="A run directory or an exported checkpoint folder."),
-    input: str = typer.Option(..., "--input", "-i", help="JSONL of conversations: message lists, or objects "
-                              "with 'messages'; for a process reward model, solutions: objects with 'prompt' and "
-                              "'completions' (the steps)."),
-    output: str = typer.Option(..., "--output", "-o", help="JSONL of the input lines with their 'score' (a process "
-                               "model: 'step_scores', P(step is correct), and 'first_error')."),
-    batch_size: int = typer.Option(SCORING_BATCH_SIZE, help="Conversations per forward pass (sorted by length)."),
+    model: str = typer.Option(..., help=help_for(ScoreConfig, "model")),
+    input: str = typer.Option(..., "--input", "-i", help=help_for(ScoreConfig, "input")),
+    output: str = typer.Option(..., "--output", "-o", help=help_for(ScoreConfig, "output")),
+    batch_size: int = _option(ScoreConfig, "batch_size"),
 ) -> None:
     """Score conversations with a reward model (or each step of solutions with a process reward model), in
     batches sorted by length."""
@@ -366,7 +363,8 @@ def score(
             task = progress.add_task("scoring", total=total)
             return lambda n: progress.advance(task, n)
 
-        counts = score_file(model, input, output, batch_size=batch_size, progress_factory=factory)
+        cfg = ScoreConfig(model=model, input=input, output=output, batch_size=batch_size)
+        counts = score_file(cfg.model, cfg.input, cfg.output, batch_size=cfg.batch_size, progress_factory=factory)
     console.print(f"{counts['scored']:,} scored, {counts['errors']:,} bad lines (with 'error' in the output): "
                   f"[bold]{output}[/bold]")
     if counts["errors"]:

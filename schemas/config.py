@@ -193,9 +193,6 @@ def _check_int(value: Any, name: str, minimum: int) -> None:
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "base_dtype")
-
-
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     rank: int = 8
@@ -221,17 +218,20 @@ class LoraConfig:
         bad = [t for t in targets if t not in LORA_TARGETS]
         if bad or not targets:
             raise ConfigError(f"lora target_modules {bad or targets}: use names from {list(LORA_TARGETS)} or all-linear")
-        rank, alpha, dropout = d.get("rank", 8), d.get("alpha", 16.0), d.get("dropout", 0.0)
+        rank, alpha, dropout = d.get("rank", cls.rank), d.get("alpha", cls.alpha), d.get("dropout", cls.dropout)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ConfigError(f"lora rank {rank!r}: a positive integer")
         if not isinstance(alpha, (int, float)) or alpha <= 0:
             raise ConfigError(f"lora alpha {alpha!r}: a positive number")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"lora dropout {dropout!r}: a number in [0, 1)")
-        base_dtype = d.get("base_dtype", "float32")
+        base_dtype = d.get("base_dtype", cls.base_dtype)
         if base_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"lora base_dtype {base_dtype!r}: float32 or bfloat16")
         return cls(rank, float(alpha), float(dropout), targets, base_dtype)
+
+
+LORA_KEYS = tuple(f.name for f in dataclasses.fields(LoraConfig))  # the keys of TrainConfig.lora
 
 
 DTYPES = ("float32", "bfloat16")
@@ -343,6 +343,7 @@ class TrainConfig(_Serializable):
         if self.lora is not None and not isinstance(self.lora, dict):
             raise ConfigError("lora: a mapping {rank, alpha, dropout, target_modules}")
         lcfg = LoraConfig.from_dict(self.lora)  # validates
+        object.__setattr__(self, "_lora", lcfg)  # parsed once (not a field: the YAML form is the mapping)
         if lcfg is not None:
             object.__setattr__(self, "lora", dataclasses.asdict(lcfg) | {"target_modules": list(lcfg.target_modules)})
         if self.distributed not in DISTRIBUTED:
@@ -367,7 +368,7 @@ class TrainConfig(_Serializable):
 
     @property
     def lora_config(self) -> LoraConfig | None:
-        return LoraConfig.from_dict(self.lora)
+        return self._lora
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
@@ -466,3 +467,19 @@ class EvalConfig(_Serializable):
     def raw_input_options(self) -> dict[str, Any]:
         """The preprocessing options for raw files, as PreprocessConfig keywords."""
         return {name: getattr(self, name) for name in RAW_INPUT_OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreConfig(_Serializable):
+    """Everything that determines an `rmflow score` (its CLI options)."""
+
+    model: str = _opt("", "A run directory from `rmflow train` or an exported checkpoint folder (local or gs://).")
+    input: str = _opt("", "JSONL of conversations: message lists, or objects with 'messages'; for a process reward "
+                          "model, solutions: objects with 'prompt' and 'completions' (the steps).")
+    output: str = _opt("", "JSONL of the input lines with their 'score' (a process model: 'step_scores', P(step is "
+                           "correct), and 'first_error').")
+    batch_size: int = _opt(SCORING_BATCH_SIZE, "Conversations per forward pass (sorted by length).")
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        _check_int(self.batch_size, "batch_size", 1)

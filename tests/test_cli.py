@@ -50,21 +50,22 @@ def test_help_text_comes_from_the_config(tmp_path):
 
 
 def test_cli_options_are_their_config_fields():
-    """Every option of preprocess and eval that names a config field has that field's default and
+    """Every option of preprocess, eval and score that names a config field has that field's default and
     help: a default or a text copied into the CLI could drift; these cannot."""
     import dataclasses
 
     import typer.main
 
     from rmflow.cli import app
-    from schemas.config import EvalConfig, PreprocessConfig
+    from schemas.config import EvalConfig, PreprocessConfig, ScoreConfig
 
-    for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig)):
+    for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig), ("score", ScoreConfig)):
         fields = {f.name: f for f in dataclasses.fields(cls)}
         params = typer.main.get_command(app).commands[name].params
         checked = 0
         for p in params:
-            field = fields.get(p.name) or fields.get({"input": "inputs"}.get(p.name, ""))
+            field = fields.get(p.name) if cls is not PreprocessConfig else \
+                fields.get(p.name) or fields.get({"input": "inputs"}.get(p.name, ""))
             if field is None:
                 continue
             checked += 1

@@ -71,10 +71,25 @@ def test_no_weight_decay_on_norms_and_biases():
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_warmup_then_decay_to_end(schedule):
     s = learning_rate_schedule(OptimConfig(learning_rate=1.0, learning_rate_end=0.1, warmup_steps=10,
-                                           total_steps=110, schedule=schedule))
+                                           total_steps=110, lr_schedule=schedule))
     assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5)
     assert float(s(10)) == pytest.approx(1.0) and float(s(110)) == pytest.approx(0.1, abs=1e-6)
     assert float(s(60)) == pytest.approx(0.55, abs=1e-6)  # halfway: both schedules give the midpoint
+
+
+def test_optimizer_settings_are_the_train_config_s():
+    """OptimConfig holds TrainConfig's fields of the same names, defaults included: one source."""
+    import dataclasses
+
+    from schemas.config import TrainConfig
+
+    train = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for f in dataclasses.fields(OptimConfig):
+        if f.name != "total_steps":
+            assert f.name in train and f.default == train[f.name], f.name
+    cfg = TrainConfig(data="d", model="tiny", output="o", learning_rate=3e-4, lr_schedule="cosine", adam_b2=0.95)
+    o = OptimConfig.of(cfg, 7)
+    assert (o.learning_rate, o.lr_schedule, o.adam_b2, o.total_steps) == (3e-4, "cosine", 0.95, 7)
 
 
 def test_a_shape_compiled_ahead_is_compiled_off_the_training_thread_and_trains_alike():

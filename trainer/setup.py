@@ -129,9 +129,5 @@ def plan_steps(cfg: TrainConfig, train_pairs: int) -> int:
 
 def make_trainer(cfg: TrainConfig, model: RewardModel, total_steps: int, objective: Objective | None = None
                  ) -> Trainer:
-    return Trainer(model, OptimConfig(
-        learning_rate=cfg.learning_rate, learning_rate_end=cfg.learning_rate_end,
-        warmup_steps=cfg.warmup_steps, total_steps=total_steps, schedule=cfg.lr_schedule,
-        weight_decay=cfg.weight_decay, adam_b1=cfg.adam_b1, adam_b2=cfg.adam_b2, adam_eps=cfg.adam_eps,
-        max_grad_norm=cfg.max_grad_norm), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
+    return Trainer(model, OptimConfig.of(cfg, total_steps), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
         trainable=lora.trainable_filter(cfg.lora_config), objective=objective or objective_for(OUTCOME.name))

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from schemas.config import TrainConfig
 from trainer.modeling import lora
 from trainer.modeling.llama import RewardModel
 from trainer.objective import OUTCOME, ROW_KEYS, Objective
@@ -26,30 +27,41 @@ from trainer.objective import OUTCOME, ROW_KEYS, Objective
 DEVICE_KEYS = OUTCOME.device_keys  # an outcome model's batch (``Objective.device_keys`` in general)
 
 
+_TRAIN = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    learning_rate: float = 1e-5
-    learning_rate_end: float = 0.0
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    schedule: str = "linear"  # or "cosine"
-    weight_decay: float = 0.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0
+    """The optimizer's settings: ``TrainConfig``'s fields of the same names (defaults included),
+    plus the run's planned ``total_steps``."""
+
+    learning_rate: float = _TRAIN["learning_rate"]
+    learning_rate_end: float = _TRAIN["learning_rate_end"]
+    warmup_steps: int = _TRAIN["warmup_steps"]
+    lr_schedule: str = _TRAIN["lr_schedule"]
+    weight_decay: float = _TRAIN["weight_decay"]
+    adam_b1: float = _TRAIN["adam_b1"]
+    adam_b2: float = _TRAIN["adam_b2"]
+    adam_eps: float = _TRAIN["adam_eps"]
+    max_grad_norm: float = _TRAIN["max_grad_norm"]
+    total_steps: int = 1000  # planned per run (trainer.setup.plan_steps)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, total_steps: int) -> OptimConfig:
+        return cls(total_steps=total_steps, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)
+                                               if f.name != "total_steps"})
 
 
 def learning_rate_schedule(c: OptimConfig) -> optax.Schedule:
     """Linear warmup from 0 to learning_rate, then linear or cosine decay to learning_rate_end."""
     decay_steps = max(c.total_steps - c.warmup_steps, 1)
-    if c.schedule == "cosine":
+    if c.lr_schedule == "cosine":
         decay = optax.cosine_decay_schedule(c.learning_rate, decay_steps, alpha=c.learning_rate_end / c.learning_rate
                                             if c.learning_rate else 0.0)
-    elif c.schedule == "linear":
+    elif c.lr_schedule == "linear":
         decay = optax.linear_schedule(c.learning_rate, c.learning_rate_end, decay_steps)
     else:
-        raise ValueError(f"schedule {c.schedule!r}: use 'linear' or 'cosine'")
+        raise ValueError(f"schedule {c.lr_schedule!r}: use 'linear' or 'cosine'")
     if not c.warmup_steps:
         return decay
     warmup = optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps)
