@@ -34,7 +34,7 @@ from tests.layouts import packed_layout  # noqa: E402
 from trainer.data import Collate, PackCollate  # noqa: E402
 from trainer.modeling.attention import allowed, attention  # noqa: E402
 from trainer.modeling.config import ModelConfig  # noqa: E402
-from trainer.modeling.llama import RewardModel  # noqa: E402
+from trainer.modeling.llama import RewardTransformer  # noqa: E402
 from trainer.step import OptimConfig, Trainer, stack_micro_batches  # noqa: E402
 
 CONFIGS = {
@@ -109,7 +109,7 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
                packed_attention: str = "blockwise") -> None:
     cfg = ModelConfig(**CONFIGS[name])
     impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
-    model = RewardModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl)
+    model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl)
     if impl in ("blockwise", "pallas") and block:
         import trainer.modeling.attention as A
         import trainer.modeling.pallas_attention as PA

@@ -28,7 +28,7 @@ from flax import nnx  # noqa: E402
 from trainer.data import make_loader  # noqa: E402
 from trainer.modeling.attention import attention  # noqa: E402
 from trainer.modeling.config import ModelConfig  # noqa: E402
-from trainer.modeling.llama import RewardModel  # noqa: E402
+from trainer.modeling.llama import RewardTransformer  # noqa: E402
 from trainer.step import OptimConfig, Trainer, stack_micro_batches  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
@@ -75,7 +75,7 @@ def main() -> None:
     import json
 
     vocab = json.loads((pathlib.Path(shards) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
-    model = RewardModel(ModelConfig.tiny(vocab_size=vocab), rngs=nnx.Rngs(0), attention=a.attention)
+    model = RewardTransformer(ModelConfig.tiny(vocab_size=vocab), rngs=nnx.Rngs(0), attention=a.attention)
     trainer = Trainer(model, OptimConfig(learning_rate=1e-4, total_steps=1000))
     compiled = trainer._train_jit.lower(trainer.init_state, batch, trainer.frozen).compile()
     memory = compiled.memory_analysis()
@@ -105,7 +105,7 @@ def main() -> None:
 
     attn = jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2)))
     attn_s = timed(lambda: attn(q, kv, kv), a.repeat) * cfg.num_hidden_layers
-    mlp = RewardModel(cfg, rngs=nnx.Rngs(1)).model.layers[0].mlp  # the first model's arrays went to the step
+    mlp = RewardTransformer(cfg, rngs=nnx.Rngs(1)).model.layers[0].mlp  # the first model's arrays went to the step
     x = jnp.asarray(rng.normal(size=(rows, t, cfg.hidden_size)), jnp.float32)
     mlp_graph, mlp_params = nnx.split(mlp)
     mlp_grad = jax.jit(jax.grad(lambda p, x: nnx.merge(mlp_graph, p)(x).sum(), argnums=(0, 1)))

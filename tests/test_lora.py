@@ -126,12 +126,12 @@ def test_adapter_dropout_is_unbiased_and_only_in_training():
     import jax.numpy as jnp
 
     from tests.test_step import CFG
-    from trainer.modeling.llama import RewardModel
+    from trainer.modeling.llama import RewardTransformer
 
-    model = RewardModel(CFG, rngs=nnx.Rngs(0))
+    model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
     lora.apply(model, lora.LoraConfig(rank=4, alpha=8, dropout=0.5, target_modules=("q_proj",)))
     linear = model.model.layers[0].self_attn.q_proj
-    linear.lora_B = lora.LoRAParam(jax.random.normal(jax.random.key(1), linear.lora_B[...].shape))
+    linear.lora_B = nnx.LoRAParam(jax.random.normal(jax.random.key(1), linear.lora_B[...].shape))
     x = jax.random.normal(jax.random.key(2), (4, CFG.hidden_size))
     plain = lora.delta(linear, x)
     draws = []
@@ -189,13 +189,13 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
 def test_the_train_step_draws_dropout_masks_from_the_run_seed():
     from tests.test_step import CFG, records
     from trainer.data import Collate
-    from trainer.modeling.llama import RewardModel
+    from trainer.modeling.llama import RewardTransformer
     from trainer.step import OptimConfig, Trainer, stack_micro_batches
 
     batch = stack_micro_batches([Collate(4, 64)(records(4))])
 
     def step(dropout, seed):
-        model = RewardModel(CFG, rngs=nnx.Rngs(0))
+        model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
         cfg = lora.LoraConfig(rank=4, alpha=8, dropout=dropout, target_modules=("q_proj", "v_proj"))
         lora.apply(model, cfg)
         t = Trainer(model, OptimConfig(learning_rate=1e-2, total_steps=2), seed=seed, trainable=lora.trainable_filter(cfg))

@@ -25,7 +25,7 @@ from trainer.data.packing import assign_rows, pack_unit
 from trainer.loss import pairwise_loss
 from trainer.modeling.attention import attention
 from trainer.modeling.convert import load_reward_model
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 from trainer.step import DEVICE_KEYS, clip_scale, pair_rewards
 
 VOCAB = 97
@@ -374,7 +374,7 @@ def test_a_model_with_pallas_attention_scores_packed_rows_as_the_reference():
     batch = {k: jnp.asarray(v) for k, v in PackCollate(4, 64)(records(4)).items() if k in DEVICE_KEYS}
     rewards = []
     for impl in ("xla", "pallas"):
-        model = RewardModel(CFG, rngs=nnx.Rngs(0), attention=impl)
+        model = RewardTransformer(CFG, rngs=nnx.Rngs(0), attention=impl)
         with jax.default_matmul_precision("highest"):
             rewards.append(np.asarray(jnp.stack(pair_rewards(model, batch))))
     np.testing.assert_allclose(rewards[1], rewards[0], atol=1e-5, rtol=0)

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent('''
     from jax.sharding import NamedSharding, PartitionSpec as P
     from tests.test_step import CFG, records
     from trainer.data import Collate, PackCollate
-    from trainer.modeling.llama import RewardModel
+    from trainer.modeling.llama import RewardTransformer
     from trainer.parallel import batch_shards, describe, make_mesh, shardings
     from trainer.parallel.mesh import BATCH_AXES
     from trainer.step import OptimConfig, Trainer, stack_micro_batches
@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent('''
     STEPS = 3
 
     def fresh():
-        return Trainer(RewardModel(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5,
+        return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5,
                        weight_decay=0.01), center_coef=0.01)
 
     def batches(collate):

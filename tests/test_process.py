@@ -28,7 +28,7 @@ from trainer.data.steps import record_step_values
 from trainer.inference import score_steps
 from trainer.loss import finalize_steps, step_loss
 from trainer.modeling.config import ModelConfig
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 from trainer.objective import PROCESS
 from trainer.step import OptimConfig, Trainer, stack_micro_batches
 from trainer.train import run as train
@@ -203,7 +203,7 @@ def test_step_loss_and_metrics_from_exact_counts():
 
 
 def test_packed_steps_equal_one_solution_a_row():
-    model = RewardModel(CFG, rngs=nnx.Rngs(0))
+    model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
     recs = step_records(7, seed=3)
     padded = StepCollate(8, 64)(recs)
     packed = StepPackCollate(8, 64, rows=2)(recs)
@@ -230,7 +230,7 @@ def test_process_gradient_accumulation_equals_one_big_batch():
     recs = step_records(8, seed=1)
 
     def fresh():
-        return Trainer(RewardModel(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=10),
+        return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=10),
                        objective=PROCESS)
 
     t = fresh()
@@ -242,7 +242,7 @@ def test_process_gradient_accumulation_equals_one_big_batch():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     assert float(m_big["steps"]) == float(m_acc["steps"]) == sum(len(r.step_ends) for r in recs)
     with pytest.raises(ValueError, match="score head of 2"):
-        Trainer(RewardModel(ModelConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0)), OptimConfig(), objective=PROCESS)
+        Trainer(RewardTransformer(ModelConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0)), OptimConfig(), objective=PROCESS)
 
 
 SHARDED = '''
@@ -251,14 +251,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.test_process import CFG, step_records
 from trainer.data import StepCollate, StepPackCollate
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 from trainer.objective import PROCESS
 from trainer.parallel import make_mesh
 from trainer.parallel.mesh import BATCH_AXES
 from trainer.step import OptimConfig, Trainer, stack_micro_batches
 
 def fresh():
-    return Trainer(RewardModel(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5), objective=PROCESS)
+    return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5), objective=PROCESS)
 
 for collate in (StepCollate(8, 64), StepPackCollate(8, 64, rows=8)):
     batches = [stack_micro_batches([collate(step_records(8, seed=s))], PROCESS) for s in range(3)]

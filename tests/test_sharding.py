@@ -13,12 +13,12 @@ SCRIPT = textwrap.dedent('''
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from tests.test_step import CFG, records
     from trainer.data import Collate, PackCollate
-    from trainer.modeling.llama import RewardModel
+    from trainer.modeling.llama import RewardTransformer
     from trainer.step import OptimConfig, Trainer, stack_micro_batches
 
     assert len(jax.devices()) == 8
     def fresh():
-        return Trainer(RewardModel(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5),
+        return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5),
                        center_coef=0.01)
     host = {k: np.asarray(v) for k, v in stack_micro_batches([Collate(8, 64)(records(7))]).items()}
     t = fresh()

@@ -8,7 +8,7 @@ from schemas.record import PairRecord
 from trainer.data import Collate
 from trainer.loss import finalize
 from trainer.modeling.config import ModelConfig
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 from trainer.step import OptimConfig, Trainer, decay_mask, learning_rate_schedule, stack_micro_batches
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -27,7 +27,7 @@ def records(n, seed=0):
 
 
 def trainer(**optim):
-    model = RewardModel(CFG, rngs=nnx.Rngs(0))
+    model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
     return Trainer(model, OptimConfig(learning_rate=1e-3, total_steps=10, **optim), center_coef=0.01)
 
 
@@ -60,7 +60,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_no_weight_decay_on_norms_and_biases():
-    params = nnx.state(RewardModel(CFG.__class__(**{**CFG.__dict__, "qkv_bias": True}), rngs=nnx.Rngs(0)), nnx.Param)
+    params = nnx.state(RewardTransformer(CFG.__class__(**{**CFG.__dict__, "qkv_bias": True}), rngs=nnx.Rngs(0)), nnx.Param)
     flat = {".".join(map(str, p)): v.value for p, v in nnx.to_flat_state(decay_mask(params))}
     assert flat["model.layers.0.self_attn.q_proj.kernel"] is True
     assert flat["model.layers.0.self_attn.q_proj.bias"] is False

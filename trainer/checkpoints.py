@@ -14,7 +14,7 @@ from flax import nnx
 from trainer import storage
 from trainer.compilation import use_compilation_cache
 from trainer.errors import TrainError
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 from trainer.objective import objective_for
 from trainer.rundir import (
     CHECKPOINTS,
@@ -55,7 +55,7 @@ def reading_checkpoint(run_dir: str, step: int):
                          "step's folder) or start a new run") from e
 
 
-def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardModel, RunFiles, int]:
+def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardTransformer, RunFiles, int]:
     """The reward model of a run directory, with the parameters of its newest (or given) checkpoint."""
     import orbax.checkpoint as ocp
 
@@ -70,7 +70,7 @@ def load_trained_model(run_dir: str, step: int | None = None) -> tuple[RewardMod
         model = base_model(dataclasses.replace(run.config, dtype="float32", gradient_checkpointing=False),
                            run.model_config, num_labels=run.model_config.num_labels)
     else:
-        model = RewardModel(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention)
+        model = RewardTransformer(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention)
     trainer = make_trainer(run.config, model, 1, objective_for(run.manifest.kind))
     manager = checkpoint_manager(run_dir, keep=run.config.save_total_limit)
     step = latest if step is None else step

@@ -27,7 +27,7 @@ from trainer.checkpoints import load_trained_model
 from trainer.modeling import lora
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import hf_name, resolve
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 
 MAX_SHARD_BYTES = 2 << 30
 
@@ -53,7 +53,7 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
     return cfg
 
 
-def state_dict(model: RewardModel) -> dict[str, np.ndarray]:
+def state_dict(model: RewardTransformer) -> dict[str, np.ndarray]:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = hf_name(path)
@@ -161,7 +161,7 @@ def _export(run_dir: str, output: str, step: int | None, max_shard_bytes: int, a
     return output
 
 
-def _write_checkpoint(model: RewardModel, folder: str, base: dict | None, pad: int | None, max_shard_bytes: int):
+def _write_checkpoint(model: RewardTransformer, folder: str, base: dict | None, pad: int | None, max_shard_bytes: int):
     os.makedirs(folder, exist_ok=True)
     save_safetensors(state_dict(model), folder, max_shard_bytes)
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -171,7 +171,7 @@ def _write_checkpoint(model: RewardModel, folder: str, base: dict | None, pad: i
 PEFT_PREFIX = "base_model.model."
 
 
-def write_adapter(model: RewardModel, folder: str, cfg, base_path: str) -> None:
+def write_adapter(model: RewardTransformer, folder: str, cfg, base_path: str) -> None:
     """PEFT's adapter layout: lora_A.weight (rank, in), lora_B.weight (out, rank) per targeted module,
     the trained score head under its own name (``modules_to_save``), task SEQ_CLS (a process
     model: TOKEN_CLS, the head's bias too)."""

@@ -30,7 +30,7 @@ from trainer.checkpoints import load_trained_model
 from trainer.data import PackCollate, StepPackCollate, bucket_length
 from trainer.data.steps import record_step_values
 from trainer.modeling.convert import load_reward_model
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 from trainer.objective import PROCESS
 from trainer.rundir import is_run_dir, tokenizer_fingerprint
 from trainer.step import DEVICE_KEYS, pair_rewards
@@ -42,7 +42,7 @@ class ModelLoadError(RmflowError):
     """The path names no trained reward model rmflow can load; the message says what to give."""
 
 
-def score_pairs(model: RewardModel, records: Sequence[PairRecord], *, batch_size: int = SCORING_BATCH_SIZE,
+def score_pairs(model: RewardTransformer, records: Sequence[PairRecord], *, batch_size: int = SCORING_BATCH_SIZE,
                 max_length: int | None = None, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Rewards of chosen and rejected for each record, in order: the records packed as in
     training (``PackCollate``, one row) and scored by the same ``pair_rewards``."""
@@ -59,7 +59,7 @@ def score_pairs(model: RewardModel, records: Sequence[PairRecord], *, batch_size
     return np.concatenate(rc), np.concatenate(rr)
 
 
-def score_sequences(model: RewardModel, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
+def score_sequences(model: RewardTransformer, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
                     pad_id: int = 0, progress=None) -> np.ndarray:
     """The reward of each token sequence (at its last token), batched in length order to waste
     little padding; returned in the input order."""
@@ -86,7 +86,7 @@ def score_sequences(model: RewardModel, sequences: Sequence[np.ndarray], *, batc
     return scores
 
 
-def score_steps(model: RewardModel, records: Sequence[StepRecord], *, batch_size: int = SCORING_BATCH_SIZE,
+def score_steps(model: RewardTransformer, records: Sequence[StepRecord], *, batch_size: int = SCORING_BATCH_SIZE,
                 max_length: int | None = None, pad_id: int = 0) -> list[np.ndarray]:
     """P(correct) of each step of each record, in order: the records packed as in training
     (``StepPackCollate``, one row) and scored by the model's step logits."""

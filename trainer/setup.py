@@ -22,7 +22,7 @@ from trainer.errors import TrainError
 from trainer.modeling import lora
 from trainer.modeling.config import ModelConfig
 from trainer.modeling.convert import load_reward_model, read_config, resolve
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 from trainer.objective import Objective, objective_for
 from trainer.rundir import is_run_dir, tokenizer_fingerprint
 from trainer.step import OptimConfig, Trainer
@@ -47,7 +47,7 @@ def read_manifest(data: str) -> Manifest:
         raise TrainError(f"cannot read the manifest of {data}: {e}") from e
 
 
-def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
+def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardTransformer:
     """The model, checked against the shards: token ids must fit and the tokenizer must match;
     with LoRA adapters added when the config asks."""
     vocab = manifest.tokenizer.vocab_size
@@ -63,12 +63,12 @@ def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardModel:
     return model
 
 
-def base_model(cfg: TrainConfig, tiny_config: ModelConfig | None = None, num_labels: int = 1) -> RewardModel:
+def base_model(cfg: TrainConfig, tiny_config: ModelConfig | None = None, num_labels: int = 1) -> RewardTransformer:
     """The run's initial model: the tiny preset (seeded) or the checkpoint, plus LoRA adapters;
     ``num_labels``: the score head's outputs (2 for a process reward model)."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     if cfg.model == "tiny":
-        model = RewardModel(tiny_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
+        model = RewardTransformer(tiny_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
                             attention=cfg.attention)
     else:
         model = load_reward_model(resolve(cfg.model), dtype=dtype, remat=cfg.gradient_checkpointing,
@@ -127,7 +127,7 @@ def plan_steps(cfg: TrainConfig, train_pairs: int) -> int:
     return max(micro // cfg.grad_accum, 1)
 
 
-def make_trainer(cfg: TrainConfig, model: RewardModel, total_steps: int, objective: Objective | None = None
+def make_trainer(cfg: TrainConfig, model: RewardTransformer, total_steps: int, objective: Objective | None = None
                  ) -> Trainer:
     return Trainer(model, OptimConfig.of(cfg, total_steps), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
         trainable=lora.trainable_filter(cfg.lora_config), objective=objective or objective_for(OUTCOME.name))

@@ -21,7 +21,7 @@ from flax import nnx
 
 from schemas.config import TrainConfig
 from trainer.modeling import lora
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 from trainer.objective import OUTCOME, ROW_KEYS, Objective
 
 DEVICE_KEYS = OUTCOME.device_keys  # an outcome model's batch (``Objective.device_keys`` in general)
@@ -100,7 +100,7 @@ def clip_scale(summed_norm: jax.Array, pairs: jax.Array, max_norm: float) -> tup
     return jnp.where(norm < max_norm, 1.0, max_norm / jnp.maximum(norm, 1e-30)) / n, norm
 
 
-def pair_rewards(model: RewardModel, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+def pair_rewards(model: RewardTransformer, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
     """Chosen and rejected rewards, one per pair slot, from one forward pass over a batch in
     the shared layout (``trainer.data.collate``): padded rows or packed rows alike."""
     r = model(batch["input_ids"], batch["positions"], batch["segment_ids"], batch["reward_index"],
@@ -121,7 +121,7 @@ class TrainState:
 class Trainer:
     """Holds the model's static structure and the jitted steps over a TrainState pytree."""
 
-    def __init__(self, model: RewardModel, optim: OptimConfig, *, center_coef: float = 0.0, seed: int = 0,
+    def __init__(self, model: RewardTransformer, optim: OptimConfig, *, center_coef: float = 0.0, seed: int = 0,
                  trainable=nnx.Param, objective: Objective = OUTCOME):
         """``trainable``: an NNX filter of the parameters to train (all, or with LoRA the adapters and
         the score head); the other parameters are frozen: no gradient, no optimizer state, passed
@@ -212,7 +212,7 @@ class Trainer:
     def eval_step(self, params: Any, mb: dict[str, jax.Array]):
         return self._eval_jit(params, mb, self.frozen)
 
-    def model(self, params: Any, frozen: Any = None) -> RewardModel:
+    def model(self, params: Any, frozen: Any = None) -> RewardTransformer:
         return nnx.merge(self.graphdef, params, self.frozen if frozen is None else frozen, self.others)
 
     def rewards(self, params: Any, mb: dict[str, jax.Array], frozen: Any = None) -> tuple[jax.Array, jax.Array]:

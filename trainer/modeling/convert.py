@@ -21,7 +21,7 @@ from flax import nnx
 from schemas.errors import RmflowError
 from schemas.kinds import kind_of_head
 from trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
-from trainer.modeling.llama import RewardModel
+from trainer.modeling.llama import RewardTransformer
 
 IGNORED = ("lm_head.weight",)  # a causal LM's head: not part of a reward model
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
@@ -86,7 +86,7 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
 
 
 def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False, seed: int = 0,
-                      attention: str = "auto", num_labels: int | None = None) -> RewardModel:
+                      attention: str = "auto", num_labels: int | None = None) -> RewardTransformer:
     """Build the reward model a checkpoint describes and load its weights. ``num_labels``: the
     head the caller needs (1: reward, 2: process model); None takes the checkpoint's."""
     folder = resolve(checkpoint)
@@ -102,7 +102,7 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
                               f"{kind_of_head(num_labels).description}: start from its base model instead")
     if num_labels is not None:
         cfg = dataclasses.replace(cfg, num_labels=num_labels)
-    model = RewardModel(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention)
+    model = RewardTransformer(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention)
     state = nnx.state(model, nnx.Param)
     missing, bad_shape, used = [], [], set()
     for path, var in nnx.to_flat_state(state):

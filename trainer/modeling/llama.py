@@ -43,7 +43,7 @@ def _proj(linear: nnx.Linear, x: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
         self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
         self.eps, self.dtype = eps, dtype
 
@@ -104,7 +104,7 @@ class AttentionContext:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         h, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.q_proj = _linear(cfg, dtype, h, self.n_heads * hd, cfg.qkv_bias, rngs)
@@ -112,8 +112,8 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg, dtype, h, self.n_kv * hd, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, dtype, self.n_heads * hd, h, cfg.o_bias, rngs)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
         self.qk_norm = cfg.qk_norm
 
     def __call__(self, x, cos, sin, ctx: AttentionContext):
@@ -145,7 +145,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = _linear(cfg, dtype, h, i, cfg.mlp_bias, rngs)
         self.up_proj = _linear(cfg, dtype, h, i, cfg.mlp_bias, rngs)
@@ -156,11 +156,11 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
-        self.self_attn = Attention(cfg, dtype, rngs=rngs)
-        self.mlp = MLP(cfg, dtype, rngs=rngs)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, x, cos, sin, ctx):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
@@ -186,11 +186,11 @@ def _layer_at(layer: DecoderLayer, x, index, cos, sin, ctx):
 class DecoderModel(nnx.Module):
     """The transformer body (Hugging Face's ``model.`` prefix)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, remat: bool, *, rngs: nnx.Rngs, attention: str = "auto"):
+    def __init__(self, cfg: ModelConfig, *, dtype, remat: bool = False, rngs: nnx.Rngs, attention: str = "auto"):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=jnp.float32,
                                       embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # a constant, not a parameter
         self.sliding_window, self.dtype = cfg.sliding_window, dtype
         self.attention = resolve_attention(attention, dtype)
@@ -232,7 +232,7 @@ class DecoderModel(nnx.Module):
         return self._forward_at(self.layers[-1], x, index, cos, sin, ctx)
 
 
-class RewardModel(nnx.Module):
+class RewardTransformer(nnx.Module):
     """Decoder + ``score`` head, shaped by the reward model kind of ``cfg.num_labels``
     (``schemas.kinds``): a reward per sequence, or for a process reward model (Hugging Face's
     ``*ForTokenClassification`` head, with bias) the two class logits (incorrect, correct) of
@@ -247,7 +247,7 @@ class RewardModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, remat: bool = False, rngs: nnx.Rngs,
                  score_init_std: float | None = None, attention: str = "auto"):
         self.config = cfg
-        self.model = DecoderModel(cfg, dtype, remat, rngs=rngs, attention=attention)
+        self.model = DecoderModel(cfg, dtype=dtype, remat=remat, rngs=rngs, attention=attention)
         std = score_init_std if score_init_std is not None else 1.0 / math.sqrt(cfg.hidden_size + 1)
         self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=kind_of_head(cfg.num_labels).head_bias, dtype=dtype,
                                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)

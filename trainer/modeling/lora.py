@@ -2,7 +2,7 @@
 
 A targeted projection ``W`` (our kernels are (in, out)) computes ``x W + (x A) B * alpha / rank``
 with ``A`` (in, rank) initialised as PEFT does (Kaiming-uniform) and ``B`` (rank, out) zeros, so
-training starts from the base model exactly. The adapters (``LoRAParam``) and the score head are
+training starts from the base model exactly. The adapters (Flax's ``nnx.LoRAParam``) and the score head are
 the only trainable parameters (``trainable_filter``): the base weights get no gradient and no
 optimizer state. Target names are Hugging Face / PEFT's (``q_proj`` ... ``down_proj``), or
 ``all-linear``. ``merge`` folds the adapters into the kernels for a plain checkpoint.
@@ -10,6 +10,9 @@ optimizer state. Target names are Hugging Face / PEFT's (``q_proj`` ... ``down_p
 ``dropout``: as PEFT's ``lora_dropout``, the adapter's input is dropped (``(drop(x) A) B``) while
 training only: the train step opens ``dropout_key(key)`` (a key from the run's seed and step, so
 a resumed run draws the same masks); outside it, as in eval and export, there is no dropout.
+Flax's ``nnx.LoRA`` module is not used: it has no ``alpha / rank`` scale and no input dropout,
+both of which PEFT's adapters (and their exported weights) have; ``nnx.Dropout`` would carry its
+RNG state in the model (in every checkpoint) where a key from the seed and step suffices.
 ``base_dtype: bfloat16`` keeps the frozen kernels and embeddings in bfloat16 (half their
 memory; they are upcast where used, and eval and export see the same rounded weights).
 """
@@ -26,7 +29,7 @@ from flax import nnx
 from schemas.config import LORA_TARGETS as TARGETS
 from schemas.config import LoraConfig
 
-__all__ = ["TARGETS", "LoRAParam", "LoraConfig", "adapters", "apply", "delta", "dropout_key", "lora_linears",
+__all__ = ["TARGETS", "LoraConfig", "adapters", "apply", "delta", "dropout_key", "lora_linears",
            "merge", "strip", "trainable_filter"]
 
 _DROPOUT_KEYS: list = []  # the key of the train step being traced (innermost last)
@@ -40,10 +43,6 @@ def dropout_key(key):
         yield
     finally:
         _DROPOUT_KEYS.pop()
-
-
-class LoRAParam(nnx.Param):
-    """A LoRA factor: trainable while the base weights (plain ``nnx.Param``) are frozen."""
 
 
 def lora_linears(model: nnx.Module, targets: tuple[str, ...]):
@@ -61,8 +60,8 @@ def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
         n_in, n_out = linear.kernel.value.shape
         key, sub = jax.random.split(key)
         bound = 1.0 / math.sqrt(n_in)  # Kaiming-uniform with a=sqrt(5), as PEFT's nn.Linear init
-        linear.lora_A = LoRAParam(jax.random.uniform(sub, (n_in, cfg.rank), jnp.float32, -bound, bound))
-        linear.lora_B = LoRAParam(jnp.zeros((cfg.rank, n_out), jnp.float32))
+        linear.lora_A = nnx.LoRAParam(jax.random.uniform(sub, (n_in, cfg.rank), jnp.float32, -bound, bound))
+        linear.lora_B = nnx.LoRAParam(jnp.zeros((cfg.rank, n_out), jnp.float32))
         linear.lora_scale = cfg.scale
         linear.lora_dropout = cfg.dropout
         linear.lora_index = n  # each adapter draws its own mask
@@ -100,7 +99,7 @@ def trainable_filter(cfg: LoraConfig | None):
     """What the optimizer trains: everything, or with LoRA the adapters and the score head."""
     if cfg is None:
         return nnx.Param
-    return nnx.Any(LoRAParam, nnx.All(nnx.Param, nnx.PathContains("score")))
+    return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains("score")))
 
 
 def merge(model: nnx.Module) -> int:
