@@ -8,7 +8,7 @@ export TRANSFORMERS_VERBOSITY ?= error
 
 .PHONY: install demo test test-airflow lint bench bench-trl clean wheel template-metadata template-constraints template-image template schedule
 
-# The demo needs rmflow alone (no PyTorch, no Google Cloud client); the tests add those.
+# The demo needs rmflow with both stages (rmflow[all]: no PyTorch, no Google Cloud client); the tests add those.
 install: $(VENV)/.installed-demo
 
 $(BIN)/python:
@@ -16,11 +16,11 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e '.[all]'
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[all,test]'
 	touch $@
 
 demo: $(VENV)/.installed-demo
@@ -32,7 +32,7 @@ test: $(VENV)/.installed-test
 # The Airflow DAG's test, in its own virtualenv (Airflow's pins would move the main one's).
 test-airflow:
 	$(PYTHON) -m venv .venv-airflow
-	.venv-airflow/bin/pip install --quiet -e '.[airflow]' pytest
+	.venv-airflow/bin/pip install --quiet -e '.[all,airflow]' pytest
 	RMFLOW_REQUIRE_AIRFLOW=1 AIRFLOW_HOME=$(CURDIR)/.venv-airflow/home .venv-airflow/bin/python -m pytest -q \
 		-p no:cacheprovider tests/test_deploy.py
 
@@ -65,12 +65,12 @@ wheel: $(VENV)/.installed-test
 	rm -rf dist && $(BIN)/pip wheel --quiet --no-deps -w dist .
 
 template-metadata: $(VENV)/.installed-demo
-	$(BIN)/python -m pipelines.template metadata > deploy/dataflow/metadata.json
+	$(BIN)/python -m rmflow.pipelines.template metadata > deploy/dataflow/metadata.json
 
 template-constraints:
 	rm -rf /tmp/rmflow-lock && $(PYTHON) -m venv /tmp/rmflow-lock
-	/tmp/rmflow-lock/bin/pip install --quiet '.[gcp]'
-	( echo "# pip freeze of rmflow[gcp], made by make template-constraints"; \
+	/tmp/rmflow-lock/bin/pip install --quiet '.[preprocess,gcp]'
+	( echo "# pip freeze of rmflow[preprocess,gcp], made by make template-constraints"; \
 	  /tmp/rmflow-lock/bin/pip freeze --exclude rmflow ) > deploy/dataflow/constraints.txt
 
 template-image: wheel
@@ -82,7 +82,7 @@ template: template-image template-metadata
 	    --metadata-file deploy/dataflow/metadata.json
 
 schedule: $(VENV)/.installed-demo
-	$(BIN)/python -m pipelines.template launch-body --template $(TEMPLATE) --param inputs='$(INPUTS)' \
+	$(BIN)/python -m rmflow.pipelines.template launch-body --template $(TEMPLATE) --param inputs='$(INPUTS)' \
 	    --param tokenizer=$(TOKENIZER) --param 'output=gs://$(BUCKET)/shards/{date}' \
 	    --temp-location gs://$(BUCKET)/tmp --job-name rmflow-preprocess-nightly > /tmp/rmflow-launch.json
 	gcloud scheduler jobs create http rmflow-preprocess-nightly --location $(REGION) \

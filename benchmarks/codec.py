@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from schemas.record import PairRecord, decode, encode  # noqa: E402
+from rmflow.schemas.record import PairRecord, decode, encode  # noqa: E402
 
 
 def best_of(fn, items, repeat=5) -> float:

@@ -29,13 +29,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from rmflow.trainer.data import Collate, PackCollate  # noqa: E402
+from rmflow.trainer.modeling.attention import allowed, attention  # noqa: E402
+from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
+from rmflow.trainer.modeling.llama import RewardTransformer  # noqa: E402
+from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches  # noqa: E402
 
 from tests.layouts import packed_layout  # noqa: E402
-from trainer.data import Collate, PackCollate  # noqa: E402
-from trainer.modeling.attention import allowed, attention  # noqa: E402
-from trainer.modeling.config import ModelConfig  # noqa: E402
-from trainer.modeling.llama import RewardTransformer  # noqa: E402
-from trainer.step import OptimConfig, Trainer, stack_micro_batches  # noqa: E402
 
 CONFIGS = {
     "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -86,8 +86,7 @@ def check_parity() -> None:
 
 def load_records(shards: pathlib.Path):
     import grain
-
-    from schemas.record import decode
+    from rmflow.schemas.record import decode
 
     paths = sorted(str(p) for p in shards.glob("train-*.array_record"))
     source = grain.sources.ArrayRecordDataSource(paths)
@@ -111,8 +110,8 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
     impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
     model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl)
     if impl in ("blockwise", "pallas") and block:
-        import trainer.modeling.attention as A
-        import trainer.modeling.pallas_attention as PA
+        import rmflow.trainer.modeling.attention as A
+        import rmflow.trainer.modeling.pallas_attention as PA
 
         A.BLOCK = PA.BLOCK = block
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -24,12 +24,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-
-from trainer.data import make_loader  # noqa: E402
-from trainer.modeling.attention import attention  # noqa: E402
-from trainer.modeling.config import ModelConfig  # noqa: E402
-from trainer.modeling.llama import RewardTransformer  # noqa: E402
-from trainer.step import OptimConfig, Trainer, stack_micro_batches  # noqa: E402
+from rmflow.trainer.data import make_loader  # noqa: E402
+from rmflow.trainer.modeling.attention import attention  # noqa: E402
+from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
+from rmflow.trainer.modeling.llama import RewardTransformer  # noqa: E402
+from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"
@@ -57,8 +56,8 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     shards = a.shards
     if not shards:
-        from pipelines.preprocess import run as preprocess
-        from schemas.config import PreprocessConfig
+        from rmflow.pipelines.preprocess import run as preprocess
+        from rmflow.schemas.config import PreprocessConfig
 
         shards = str(pathlib.Path(tmp.name) / "shards")
         preprocess(PreprocessConfig(inputs=(str(DATA / "hh_*.jsonl.gz"),), output=shards, tokenizer=str(TOKENIZER),

@@ -25,12 +25,11 @@ sys.path.insert(0, str(REPO))
 import grain  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
-from pipelines.preprocess import run as preprocess  # noqa: E402
-from schemas.config import PreprocessConfig, TrainConfig  # noqa: E402
-from schemas.record import decode  # noqa: E402
-from trainer.data import make_loader  # noqa: E402
-from trainer.train import run as train  # noqa: E402
+from rmflow.pipelines.preprocess import run as preprocess  # noqa: E402
+from rmflow.schemas.config import PreprocessConfig, TrainConfig  # noqa: E402
+from rmflow.schemas.record import decode  # noqa: E402
+from rmflow.trainer.data import make_loader  # noqa: E402
+from rmflow.trainer.train import run as train  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"

@@ -60,8 +60,7 @@ TINY = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_att
 
 def records(shards: pathlib.Path, split: str):
     import grain
-
-    from schemas.record import decode
+    from rmflow.schemas.record import decode
 
     paths = sorted(str(p) for p in shards.glob(f"{split}-*.array_record"))
     source = grain.sources.ArrayRecordDataSource(paths)
@@ -80,10 +79,9 @@ def rmflow_order(num_records: int, count: int) -> list[int]:
 def prepare(work: pathlib.Path, max_length: int, vocab: str) -> dict:
     """Shards (rmflow preprocess) and the initial model (transformers), made once per vocabulary."""
     import torch
+    from rmflow.pipelines.preprocess import run as preprocess
+    from rmflow.schemas.config import PreprocessConfig
     from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    from pipelines.preprocess import run as preprocess
-    from schemas.config import PreprocessConfig
 
     shards = work / "shards"
     preprocess(PreprocessConfig(inputs=(str(DATA / "hh_helpful_base_test_first2000.jsonl.gz"),
@@ -171,10 +169,9 @@ def child_trl(args: dict) -> dict:
 
 def child_rmflow(args: dict) -> dict:
     import jax
-
-    from schemas.config import TrainConfig
-    from trainer import train
-    from trainer.train import run
+    from rmflow.schemas.config import TrainConfig
+    from rmflow.trainer import train
+    from rmflow.trainer.train import run
 
     eval_seconds = [0.0]  # the held-out evaluation at the end: not part of the training time
     evaluate = train.Run.evaluate

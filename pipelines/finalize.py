@@ -17,12 +17,12 @@ import math
 import time
 from typing import Any
 
-from pipelines import io as rio
-from pipelines.staging import OWNER_FILE
-from schemas.config import PreprocessConfig
-from schemas.errors import RmflowError
-from schemas.kinds import OUTCOME, kind_named
-from schemas.manifest import (
+from rmflow.pipelines import io as rio
+from rmflow.pipelines.staging import OWNER_FILE
+from rmflow.schemas.config import PreprocessConfig
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import OUTCOME, kind_named
+from rmflow.schemas.manifest import (
     COMPLETED_FILE,
     CONFIG_FILE,
     ERRORS_FILE,

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from schemas.config import FORMATS, STEP_FORMATS
+from rmflow.schemas.config import FORMATS, STEP_FORMATS
 
 Message = tuple[str, ...]  # (role, content), or (role, content, tool calls as canonical JSON)
 ROLES = ("system", "user", "assistant", "tool")

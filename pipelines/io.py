@@ -20,9 +20,8 @@ from typing import Any
 
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
-
-from schemas.errors import RmflowError
-from schemas.outputs import output_kind
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.outputs import output_kind
 
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"

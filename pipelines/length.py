@@ -5,8 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-
-from pipelines.formats import BadRecord
+from rmflow.pipelines.formats import BadRecord
 
 
 class TooLong(BadRecord):

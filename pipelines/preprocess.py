@@ -21,17 +21,16 @@ from typing import Any
 import apache_beam as beam
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
-
-from pipelines import io as rio
-from pipelines.finalize import (
+from rmflow.pipelines import io as rio
+from rmflow.pipelines.finalize import (
     FAILED_FILE,
     SUMMARY_FILE,
     Finalization,
     PreprocessError,
 )
-from pipelines.staging import clean_leftovers, new_staging
-from pipelines.tokenize import TokenizerAssets, build_tokenizer, load_tokenizer_assets, tokenizer_info
-from pipelines.transforms import (
+from rmflow.pipelines.staging import clean_leftovers, new_staging
+from rmflow.pipelines.tokenize import TokenizerAssets, build_tokenizer, load_tokenizer_assets, tokenizer_info
+from rmflow.pipelines.transforms import (
     NAMESPACE,
     ApplyChatTemplate,
     ApplyLengthPolicy,
@@ -45,16 +44,16 @@ from pipelines.transforms import (
     WriteShards,
     shared_record_tokenizer,
 )
-from schemas.config import PreprocessConfig
-from schemas.errors import RmflowWarning
-from schemas.manifest import (
+from rmflow.schemas.config import PreprocessConfig
+from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.manifest import (
     COMPLETED_FILE,
     ERRORS_FILE,
     MANIFEST_FILE,
     STATS_FILE,
     Manifest,
 )
-from schemas.outputs import output_lock
+from rmflow.schemas.outputs import output_lock
 
 BYTES_PER_SHARD = 256 << 20  # raw input bytes per train shard when --num-shards is 0 (auto)
 

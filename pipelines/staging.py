@@ -18,8 +18,7 @@ import time
 import uuid
 
 from apache_beam.io.filesystems import FileSystems
-
-from pipelines import io as rio
+from rmflow.pipelines import io as rio
 
 OWNER_FILE = "_owner.json"
 SUFFIX = ".tmp-"

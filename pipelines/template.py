@@ -9,8 +9,8 @@ Dataflow's own pipeline options; it submits the job and returns (the job finalis
 Scheduler posts nightly. An output ``gs://b/shards/{date}`` is expanded at launch (UTC), so
 each scheduled run writes a new dated folder and never touches the previous one.
 
-    python -m pipelines.template metadata > metadata.json
-    python -m pipelines.template launch-body --template gs://b/templates/rmflow.json \\
+    python -m rmflow.pipelines.template metadata > metadata.json
+    python -m rmflow.pipelines.template launch-body --template gs://b/templates/rmflow.json \\
         --param inputs=gs://b/raw/*.jsonl.gz --param tokenizer=gs://b/tokenizer \\
         --param output=gs://b/shards/{date} --temp-location gs://b/tmp
 """
@@ -25,8 +25,8 @@ import os
 import sys
 from typing import Any
 
-from schemas.config import FORMATS as INPUT_FORMATS
-from schemas.config import LENGTH_POLICIES, PreprocessConfig, help_for
+from rmflow.schemas.config import FORMATS as INPUT_FORMATS
+from rmflow.schemas.config import LENGTH_POLICIES, PreprocessConfig, help_for
 
 # Options that are not template parameters: where and how the job runs is Dataflow's to say
 # (runner, Beam options), and local worker processes do not exist there.
@@ -117,7 +117,7 @@ def config_from_args(argv: list[str]) -> PreprocessConfig:
 
 def main(argv: list[str] | None = None) -> None:
     """The template's entry point: build the job and submit it; a local runner runs it here."""
-    from pipelines.preprocess import LOCAL_RUNNERS, run
+    from rmflow.pipelines.preprocess import LOCAL_RUNNERS, run
 
     cfg = config_from_args(list(sys.argv[1:] if argv is None else argv))
     run(cfg, wait=cfg.runner.lower() in LOCAL_RUNNERS)
@@ -146,7 +146,7 @@ def launch_body(template: str, parameters: dict[str, str], *, job_name: str = "r
 
 
 def _cli(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.template")
+    parser = argparse.ArgumentParser(prog="python -m rmflow.pipelines.template")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("metadata", help="print metadata.json")
     body = sub.add_parser("launch-body", help="print the flexTemplates:launch request body")

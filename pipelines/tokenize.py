@@ -16,13 +16,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from pipelines.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
-from pipelines.length import apply_length_policy, apply_length_policy_steps
-from schemas.config import STEP_SEPARATOR
-from schemas.errors import RmflowError
-from schemas.manifest import TOKENIZER_FILES, TokenizerInfo, sha256_text, tokenizer_sha256, vocabulary_sha256
-from schemas.record import PairRecord, StepRecord
+from rmflow.pipelines.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
+from rmflow.pipelines.length import apply_length_policy, apply_length_policy_steps
+from rmflow.schemas.config import STEP_SEPARATOR
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.manifest import (
+    TOKENIZER_FILES,
+    TokenizerInfo,
+    sha256_text,
+    tokenizer_sha256,
+    vocabulary_sha256,
+)
+from rmflow.schemas.record import PairRecord, StepRecord
 
 # transformers announces at import that PyTorch is absent: irrelevant here (tokenizers only).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -17,16 +17,22 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.pvalue import TaggedOutput
 from apache_beam.utils import shared
-
-from pipelines.finalize import finalize
-from pipelines.formats import BadRecord, CanonicalPair, Duplicate, detect_format, normalize, parse_json_object
-from pipelines.io import iter_records, write_array_record_shard
-from pipelines.length import assign_shard, assign_split
-from pipelines.tokenize import RecordTokenizer, Rendered, TokenizerAssets, build_tokenizer
-from schemas.config import STEP_SEPARATOR
-from schemas.kinds import kind_of_record
-from schemas.manifest import shard_name
-from schemas.record import encode
+from rmflow.pipelines.finalize import finalize
+from rmflow.pipelines.formats import (
+    BadRecord,
+    CanonicalPair,
+    Duplicate,
+    detect_format,
+    normalize,
+    parse_json_object,
+)
+from rmflow.pipelines.io import iter_records, write_array_record_shard
+from rmflow.pipelines.length import assign_shard, assign_split
+from rmflow.pipelines.tokenize import RecordTokenizer, Rendered, TokenizerAssets, build_tokenizer
+from rmflow.schemas.config import STEP_SEPARATOR
+from rmflow.schemas.kinds import kind_of_record
+from rmflow.schemas.manifest import shard_name
+from rmflow.schemas.record import encode
 
 NAMESPACE = "rmflow"
 DEAD = "dead"

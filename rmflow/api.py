@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from schemas.config import SCORING_BATCH_SIZE
-from schemas.kinds import OUTCOME, PROCESS, ModelKind, kind_named
+from rmflow.schemas.config import SCORING_BATCH_SIZE
+from rmflow.schemas.kinds import OUTCOME, PROCESS, ModelKind, kind_named
 
 Conversation = Sequence[dict[str, str]] | dict[str, Any]
 
@@ -50,7 +50,7 @@ def conversation_messages(obj: Any) -> tuple[tuple[str, ...], ...]:
     """The messages of a conversation (a list of ``{role, content}``, or an object with ``messages``),
     read by the preprocessing code itself (roles, text parts, tool calls), ending with an assistant
     message."""
-    from pipelines.formats import BadRecord, read_messages
+    from rmflow.pipelines.formats import BadRecord, read_messages
 
     msgs = obj.get("messages") if isinstance(obj, dict) else obj
     if not isinstance(msgs, (list, tuple)) or not msgs:
@@ -95,14 +95,14 @@ class RewardModel:
         or remote (gs://, copied down once)."""
         from transformers import AutoTokenizer
 
-        from trainer.inference import load_model, require_tokenizer
+        from rmflow.trainer.inference import load_model, require_tokenizer
 
         loaded = load_model(path)
         tok = AutoTokenizer.from_pretrained(require_tokenizer(path, loaded.tokenizer_dir, "scoring"))
         return cls(loaded, tok, loaded.normalization)
 
     def _record_tokenizer(self):
-        from pipelines.tokenize import RecordTokenizer
+        from rmflow.pipelines.tokenize import RecordTokenizer
 
         if self._renderer is None:
             self._renderer = RecordTokenizer(self.tokenizer, self.step_separator)
@@ -112,7 +112,7 @@ class RewardModel:
         """Token ids of one conversation, rendered and tokenized as preprocessing does (the chat
         template applied; message text, special-token strings included, as text); raises
         BadConversation."""
-        from pipelines.formats import BadRecord
+        from rmflow.pipelines.formats import BadRecord
 
         try:
             ids = self._record_tokenizer().encode_conversation(conversation_messages(conversation))
@@ -125,7 +125,7 @@ class RewardModel:
     def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
                   progress=None) -> np.ndarray:
         """Rewards of token sequences (each scored at its last token), in input order."""
-        from trainer.inference import score_sequences
+        from rmflow.trainer.inference import score_sequences
 
         self._require(OUTCOME, "score_ids")
         if not len(sequences):
@@ -155,7 +155,7 @@ class RewardModel:
     def encode_steps(self, solution: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, index of each step's scoring token) of one solution, ``{"prompt": ...,
         "completions": [step, ...]}``, rendered by the preprocessing code itself; raises BadConversation."""
-        from pipelines.formats import BadRecord, solution_to_score
+        from rmflow.pipelines.formats import BadRecord, solution_to_score
 
         self._require(PROCESS, "encode_steps")
         try:
@@ -171,8 +171,8 @@ class RewardModel:
     def score_step_ids(self, encoded: Sequence[tuple[np.ndarray, np.ndarray]], *, batch_size: int = SCORING_BATCH_SIZE
                        ) -> list[np.ndarray]:
         """P(correct) of each step of each encoded solution, float32, in input order."""
-        from schemas.record import StepRecord
-        from trainer.inference import score_steps
+        from rmflow.schemas.record import StepRecord
+        from rmflow.trainer.inference import score_steps
 
         if not len(encoded):
             return []

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from schemas.config import (
+from rmflow.schemas.config import (
     ConfigError,
     EvalConfig,
     PreprocessConfig,
@@ -24,9 +24,9 @@ from schemas.config import (
     TrainConfig,
     help_for,
 )
-from schemas.errors import RmflowError, RmflowWarning
-from schemas.kinds import OUTCOME, kind_named
-from schemas.outputs import REPORT_FILE
+from rmflow.schemas.errors import RmflowError, RmflowWarning
+from rmflow.schemas.kinds import OUTCOME, kind_named
+from rmflow.schemas.outputs import REPORT_FILE
 
 app = typer.Typer(
     name="rmflow",
@@ -176,7 +176,7 @@ def preprocess(
         num_shards=num_shards, overwrite=overwrite, num_workers=num_workers, runner=runner,
         beam_args=tuple(ctx.args), batch_size=batch_size, step_separator=step_separator,
     )
-    from pipelines.preprocess import run
+    from rmflow.pipelines.preprocess import run
 
     with console.status("preprocessing ..."):
         result = run(cfg, wait=not detach)
@@ -270,8 +270,8 @@ def train(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from trainer.setup import planned_steps
-    from trainer.train import run
+    from rmflow.trainer.setup import planned_steps
+    from rmflow.trainer.train import run
 
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[info]}")]
@@ -382,7 +382,7 @@ def export(
 ) -> None:
     """Export a trained run as a Hugging Face *ForSequenceClassification checkpoint (a process reward model:
     *ForTokenClassification), with its tokenizer."""
-    from trainer.export import export as do_export
+    from rmflow.trainer.export import export as do_export
 
     out = do_export(run, output, step=step, max_shard_bytes=int(max_shard_gb * 2**30), adapter=adapter)
     if adapter:

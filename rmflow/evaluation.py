@@ -22,14 +22,14 @@ import numpy as np
 from rmflow.metrics import pair_metrics, process_metrics
 from rmflow.reports import rewardbench_v2_markdown, write_eval, write_process_report, write_report
 from rmflow.rewardbench import best_of_n_credit, v1_scores, v2_scores
-from schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
-from schemas.errors import RmflowError
-from schemas.kinds import OUTCOME, PROCESS, kind_of_record
-from schemas.manifest import ERRORS_FILE, MANIFEST_FILE
-from schemas.outputs import output_lock, staged_output
-from schemas.record import decode
-from trainer import storage
-from trainer.inference import (
+from rmflow.schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import OUTCOME, PROCESS, kind_of_record
+from rmflow.schemas.manifest import ERRORS_FILE, MANIFEST_FILE
+from rmflow.schemas.outputs import output_lock, staged_output
+from rmflow.schemas.record import decode
+from rmflow.trainer import storage
+from rmflow.trainer.inference import (
     NORMALIZATION_FILE,
     LoadedModel,
     load_model,
@@ -38,7 +38,7 @@ from trainer.inference import (
     score_sequences,
     score_steps,
 )
-from trainer.setup import check_model_fits, check_tokenizer, read_manifest
+from rmflow.trainer.setup import check_model_fits, check_tokenizer, read_manifest
 
 
 class EvalError(RmflowError):
@@ -65,8 +65,8 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
         check_tokenizer(manifest, tokenizer, f"the model {model_path}")
         check_model_fits(manifest, model.config)
     else:
-        from pipelines.preprocess import PreprocessError
-        from pipelines.preprocess import run as preprocess
+        from rmflow.pipelines.preprocess import PreprocessError
+        from rmflow.pipelines.preprocess import run as preprocess
 
         tokenizer = require_tokenizer(model_path, tokenizer, "evaluating raw files")
         folder = os.path.join(workdir, "shards")
@@ -210,12 +210,12 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
     """RewardBench 2 layout: prompt, chosen (list), rejected (list), subset. Best-of-n with tie credit."""
     from transformers import AutoTokenizer
 
-    from pipelines.io import expand_inputs, iter_records
+    from rmflow.pipelines.io import expand_inputs, iter_records
 
     model_path, data, batch_size = cfg.model, list(cfg.data), cfg.batch_size
     model, pad_id = loaded.model, loaded.pad_id
-    from pipelines.formats import BadRecord
-    from pipelines.tokenize import RecordTokenizer
+    from rmflow.pipelines.formats import BadRecord
+    from rmflow.pipelines.tokenize import RecordTokenizer
 
     tok = AutoTokenizer.from_pretrained(require_tokenizer(model_path, loaded.tokenizer_dir, "rewardbench-v2"))
     renderer = RecordTokenizer(tok, loaded.step_separator)  # as preprocessing renders: message text is text

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from schemas.kinds import OUTCOME, PROCESS
-from schemas.outputs import EVAL_FILE, REPORT_FILE
+from rmflow.schemas.kinds import OUTCOME, PROCESS
+from rmflow.schemas.outputs import EVAL_FILE, REPORT_FILE
 
 
 def write_eval(output: str, metrics: dict[str, Any], config: dict[str, Any], markdown: str,

@@ -24,9 +24,9 @@ from typing import Any
 
 from rmflow.api import BadConversation, RewardModel
 from rmflow.metrics import STEP_THRESHOLD, first_error
-from schemas.config import SCORING_BATCH_SIZE
-from schemas.errors import RmflowError
-from schemas.kinds import OUTCOME, PROCESS
+from rmflow.schemas.config import SCORING_BATCH_SIZE
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import OUTCOME, PROCESS
 
 
 def _lines(path: str):

@@ -31,9 +31,9 @@ import os
 import shutil
 from typing import Any
 
-from schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
-from schemas.kinds import kind_named
-from schemas.outputs import REPORT_FILE, output_lock
+from rmflow.schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
+from rmflow.schemas.kinds import kind_named
+from rmflow.schemas.outputs import REPORT_FILE, output_lock
 
 STAGES = ("preprocess", "train", "eval", "export")
 KNOWN_KEYS = {"output", *STAGES}
@@ -178,7 +178,7 @@ def file_identity(folder: str) -> list[tuple[str, int, float]]:
 
 def preprocess_identity(cfg: PreprocessConfig) -> dict[str, Any]:
     """What the shards depend on besides the config: the inputs' metadata, the tokenizer's files."""
-    from pipelines.io import InputError, list_inputs
+    from rmflow.pipelines.io import InputError, list_inputs
 
     try:
         inputs = list_inputs(cfg.inputs)  # one listing per pattern, metadata only
@@ -195,7 +195,7 @@ def preprocess_identity(cfg: PreprocessConfig) -> dict[str, Any]:
 def eval_identity(data: list[str]) -> list[Any]:
     """What a held-out eval's result depends on besides its options: each shard folder's manifest,
     or the raw files' metadata (as for preprocess inputs)."""
-    from pipelines.io import InputError, list_inputs
+    from rmflow.pipelines.io import InputError, list_inputs
 
     ident: list[Any] = []
     for path in data:
@@ -227,7 +227,7 @@ def _content_hash(path: str) -> str:
 
 
 def _run_preprocess(wf: Workflow, hashes, log) -> dict[str, Any]:
-    from pipelines.preprocess import run as preprocess
+    from rmflow.pipelines.preprocess import run as preprocess
 
     result = preprocess(wf.preprocess)
     for line in summary_lines(result.stats, wf.preprocess.max_length):
@@ -252,7 +252,7 @@ def summary_lines(stats: dict[str, Any], max_length: int) -> list[str]:
 
 
 def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
-    from trainer.train import run as train
+    from rmflow.trainer.train import run as train
 
     started = os.path.join(wf.output, "train.started.json")
     resume = False
@@ -295,7 +295,7 @@ def changed_keys(run_dir: str, cfg: TrainConfig) -> list[str]:
 def _set_aside(wf: Workflow, old_hash: str, log) -> None:
     """Move the run a changed config replaces to previous/run-<hash> (the last one is kept) and say
     what changed."""
-    from trainer.checkpoints import existing_checkpoint
+    from rmflow.trainer.checkpoints import existing_checkpoint
 
     run_dir = wf.train.output
     changes = changed_keys(run_dir, wf.train)
@@ -326,7 +326,7 @@ def _run_eval(wf: Workflow, hashes, log) -> dict[str, Any]:
 
 
 def _run_export(wf: Workflow, hashes, log) -> dict[str, Any]:
-    from trainer.export import export
+    from rmflow.trainer.export import export
 
     out = os.path.join(wf.output, "export")
     if os.path.isdir(out):

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from schemas.errors import RmflowError
+from rmflow.schemas.errors import RmflowError
 
 # Raw layouts `rmflow preprocess` reads; "auto" detects one per file.
 FORMATS = (

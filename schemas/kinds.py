@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from schemas.errors import RmflowError
-from schemas.record import PairRecord, StepRecord
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.record import PairRecord, StepRecord
 
 
 class UnknownKind(RmflowError, ValueError):

@@ -14,9 +14,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from schemas.errors import RmflowError
-from schemas.kinds import KINDS, OUTCOME
-from schemas.record import RECORD_VERSION
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import KINDS, OUTCOME
+from rmflow.schemas.record import RECORD_VERSION
 
 MANIFEST_VERSION = 1
 MANIFEST_FILE = "manifest.json"

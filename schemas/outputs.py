@@ -28,7 +28,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 
-from schemas.errors import RmflowError, RmflowWarning
+from rmflow.schemas.errors import RmflowError, RmflowWarning
 
 LOCK_SUFFIX = ".rmflow-lock"
 STAGING_SUFFIX = ".tmp-"

@@ -53,8 +53,7 @@ import struct
 import zlib
 
 import numpy as np
-
-from schemas.errors import RmflowError
+from rmflow.schemas.errors import RmflowError
 
 MAGIC = b"RMPR"
 STEP_MAGIC = b"RMST"

@@ -30,14 +30,14 @@ def tokenizer_dir() -> str:
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(tokenizer_dir):
-    from pipelines.tokenize import build_tokenizer, load_tokenizer_assets
+    from rmflow.pipelines.tokenize import build_tokenizer, load_tokenizer_assets
 
     return build_tokenizer(load_tokenizer_assets(tokenizer_dir))
 
 
 @pytest.fixture(scope="session")
 def pair_tokenizer(hf_tokenizer):
-    from pipelines.tokenize import RecordTokenizer
+    from rmflow.pipelines.tokenize import RecordTokenizer
 
     return RecordTokenizer(hf_tokenizer)
 
@@ -45,8 +45,8 @@ def pair_tokenizer(hf_tokenizer):
 @pytest.fixture(scope="session")
 def demo_shards(tmp_path_factory, tokenizer_dir) -> pathlib.Path:
     """The demo's 500 HH-RLHF pairs preprocessed at max_length 128 (read-only; shared by tests)."""
-    from pipelines.preprocess import run as preprocess
-    from schemas.config import PreprocessConfig
+    from rmflow.pipelines.preprocess import run as preprocess
+    from rmflow.schemas.config import PreprocessConfig
 
     out = tmp_path_factory.mktemp("demo-shards") / "shards"
     preprocess(PreprocessConfig(inputs=(str(REPO / "rmflow" / "demo" / "hh_rlhf_helpful_sample.jsonl.gz"),),

@@ -8,12 +8,12 @@ import pathlib
 
 import numpy as np
 import pytest
+from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.trainer.train import run as train
 from typer.testing import CliRunner
 
-from pipelines.preprocess import run as preprocess
 from rmflow.cli import app
-from schemas.config import PreprocessConfig, TrainConfig
-from trainer.train import run as train
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 U = lambda c: {"role": "user", "content": c}  # noqa: E731

@@ -2,10 +2,10 @@ import json
 import re
 
 import pytest
+from rmflow.schemas.config import PreprocessConfig, help_for
 from typer.testing import CliRunner
 
 from rmflow.cli import app
-from schemas.config import PreprocessConfig, help_for
 
 runner = CliRunner()
 SAMPLE = "rmflow/demo/hh_rlhf_helpful_sample.jsonl.gz"
@@ -55,9 +55,9 @@ def test_cli_options_are_their_config_fields():
     import dataclasses
 
     import typer.main
+    from rmflow.schemas.config import EvalConfig, PreprocessConfig, ScoreConfig
 
     from rmflow.cli import app
-    from schemas.config import EvalConfig, PreprocessConfig, ScoreConfig
 
     for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig), ("score", ScoreConfig)):
         fields = {f.name: f for f in dataclasses.fields(cls)}

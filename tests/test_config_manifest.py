@@ -1,9 +1,8 @@
 import json
 
 import pytest
-
-from schemas.config import ConfigError, PreprocessConfig
-from schemas.manifest import (
+from rmflow.schemas.config import ConfigError, PreprocessConfig
+from rmflow.schemas.manifest import (
     InputFile,
     Manifest,
     ManifestError,
@@ -72,7 +71,7 @@ def test_tokenizer_hash_is_order_free_and_content_sensitive():
 
 
 def test_tokenizer_identity_covers_the_template_and_the_vocabulary_identity_does_not():
-    from schemas.manifest import tokenizer_sha256, vocabulary_sha256
+    from rmflow.schemas.manifest import tokenizer_sha256, vocabulary_sha256
 
     files = {"tokenizer.json": b'{"model": 1}', "tokenizer_config.json": b'{"chat_template": "A", "x": 1}'}
     other_template = {**files, "tokenizer_config.json": b'{"x": 1, "chat_template": "B"}'}

@@ -1,9 +1,8 @@
 import numpy as np
 import pytest
-
-from pipelines.io import write_array_record_shard
-from schemas.record import PairRecord, encode
-from trainer.data import Collate, bucket_length, make_loader
+from rmflow.pipelines.io import write_array_record_shard
+from rmflow.schemas.record import PairRecord, encode
+from rmflow.trainer.data import Collate, bucket_length, make_loader
 
 
 def rec(i: int, n_c: int, n_r: int, margin=None) -> PairRecord:

@@ -9,8 +9,7 @@ import re
 import tomllib
 
 import pytest
-
-from pipelines.template import metadata
+from rmflow.pipelines.template import metadata
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -27,11 +26,11 @@ def test_image_beam_version_satisfies_the_dependency():
     from packaging.requirements import Requirement
 
     version = re.search(r"ARG BEAM_VERSION=(\S+)", (DEPLOY / "dataflow" / "Dockerfile").read_text()).group(1)
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["preprocess"]
     beam = next(Requirement(d) for d in deps if d.startswith("apache-beam"))
     assert beam.specifier.contains(version)
     assert 'FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main.py' in (DEPLOY / "dataflow" / "Dockerfile").read_text()
-    assert "from pipelines.template import main" in (DEPLOY / "dataflow" / "main.py").read_text()
+    assert "from rmflow.pipelines.template import main" in (DEPLOY / "dataflow" / "main.py").read_text()
 
 
 def test_airflow_dag_task_graph():
@@ -54,8 +53,7 @@ def test_airflow_dag_task_graph():
 @pytest.mark.parametrize("name", ["gpu-1host-8x.yaml", "tpu-v5e-32.yaml"])
 def test_worked_train_configs_are_valid(name):
     import yaml
-
-    from schemas.config import TrainConfig
+    from rmflow.schemas.config import TrainConfig
 
     raw = yaml.safe_load((DEPLOY / "train" / name).read_text())
     cfg = TrainConfig.from_dict({**raw, "data": "gs://b/shards", "output": "/tmp/run"})

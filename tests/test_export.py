@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.trainer.checkpoints import load_trained_model
+from rmflow.trainer.export import export
+from rmflow.trainer.train import run as train
 from typer.testing import CliRunner
 
-from pipelines.preprocess import run as preprocess
 from rmflow.cli import app
-from schemas.config import PreprocessConfig, TrainConfig
-from trainer.checkpoints import load_trained_model
-from trainer.export import export
-from trainer.train import run as train
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 CONVERSATIONS = [

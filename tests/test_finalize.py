@@ -6,10 +6,9 @@ import json
 import pathlib
 
 import pytest
-
-from pipelines.preprocess import build, finalization, make_pipeline, make_plan, run
-from schemas.config import PreprocessConfig
-from schemas.manifest import Manifest
+from rmflow.pipelines.preprocess import build, finalization, make_pipeline, make_plan, run
+from rmflow.schemas.config import PreprocessConfig
+from rmflow.schemas.manifest import Manifest
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 

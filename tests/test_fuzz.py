@@ -11,8 +11,7 @@ import pathlib
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
-from pipelines.formats import (
+from rmflow.pipelines.formats import (
     BadRecord,
     CanonicalPair,
     CanonicalSteps,
@@ -20,9 +19,9 @@ from pipelines.formats import (
     normalize,
     parse_json_object,
 )
-from pipelines.preprocess import run
-from schemas.config import FORMATS, STEP_FORMATS, PreprocessConfig
-from schemas.manifest import ERRORS_FILE
+from rmflow.pipelines.preprocess import run
+from rmflow.schemas.config import FORMATS, STEP_FORMATS, PreprocessConfig
+from rmflow.schemas.manifest import ERRORS_FILE
 
 DEMO_TOKENIZER = str(pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo" / "tokenizer")
 KEYS = ["prompt", "chosen", "rejected", "input", "role", "content", "messages", "margin", "subset",

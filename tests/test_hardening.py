@@ -15,13 +15,13 @@ import subprocess
 import sys
 
 import pytest
+from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.errors import RmflowWarning
+from rmflow.trainer.train import run as train
 from typer.testing import CliRunner
 
-from pipelines.preprocess import run as preprocess
 from rmflow.cli import app
-from schemas.config import PreprocessConfig, TrainConfig
-from schemas.errors import RmflowWarning
-from trainer.train import run as train
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 CONV = [{"role": "user", "content": "How do I boil an egg?"},
@@ -129,7 +129,7 @@ def test_a_model_folder_without_tokenizer_files_is_said(base, tmp_path):
     r = cli("eval", "--model", hf, "--data", base / "shards", "-o", tmp_path / "e")
     assert r.exit_code == 0 and "warning:" in r.output and "has no tokenizer files" in r.output
     # training from such a checkpoint warns the same way
-    from trainer.setup import check_tokenizer, read_manifest
+    from rmflow.trainer.setup import check_tokenizer, read_manifest
 
     with pytest.warns(RmflowWarning, match="no tokenizer files"):
         check_tokenizer(read_manifest(str(base / "shards")), str(hf), "the model")

@@ -8,10 +8,9 @@ import grain
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from pipelines.preprocess import PreprocessError, run
-from schemas.config import PreprocessConfig
-from schemas.record import decode
+from rmflow.pipelines.preprocess import PreprocessError, run
+from rmflow.schemas.config import PreprocessConfig
+from rmflow.schemas.record import decode
 
 U = lambda c: {"role": "user", "content": c}  # noqa: E731
 A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
@@ -102,7 +101,7 @@ def test_byte_order_mark_and_gzip_by_magic_bytes(tmp_path):
     gzip is recognised by its magic bytes, whatever the file is called."""
     import gzip
 
-    from pipelines.io import iter_records
+    from rmflow.pipelines.io import iter_records
 
     rows = [{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "c", "rejected": "d"}]
     text = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")

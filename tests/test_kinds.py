@@ -7,21 +7,29 @@ import pathlib
 
 import numpy as np
 import pytest
-
-from schemas.config import EVAL_MODES
-from schemas.kinds import KINDS, OUTCOME, PROCESS, UnknownKind, kind_named, kind_of_head, kind_of_record
-from schemas.record import PairRecord, StepRecord
+from rmflow.schemas.config import EVAL_MODES
+from rmflow.schemas.kinds import (
+    KINDS,
+    OUTCOME,
+    PROCESS,
+    UnknownKind,
+    kind_named,
+    kind_of_head,
+    kind_of_record,
+)
+from rmflow.schemas.record import PairRecord, StepRecord
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("schemas", "pipelines", "trainer", "rmflow")
 
 
 def _per_kind_tables():
+    from rmflow.trainer.data.loader import COLLATES
+    from rmflow.trainer.objective import OBJECTIVES
+
     from rmflow.evaluation import EVALUATORS
     from rmflow.reports import SUMMARIES
     from rmflow.scoring import SCORERS
-    from trainer.data.loader import COLLATES
-    from trainer.objective import OBJECTIVES
 
     return {"trainer.objective.OBJECTIVES": OBJECTIVES, "trainer.data.loader.COLLATES": COLLATES,
             "rmflow.evaluation.EVALUATORS": EVALUATORS, "rmflow.reports.SUMMARIES": SUMMARIES,
@@ -31,7 +39,7 @@ def _per_kind_tables():
 def test_every_per_kind_table_covers_exactly_the_kinds():
     for name, table in _per_kind_tables().items():
         assert set(table) == set(KINDS), f"{name} has {sorted(table)}, the kinds are {sorted(KINDS)}"
-    from trainer.objective import OBJECTIVES
+    from rmflow.trainer.objective import OBJECTIVES
 
     for name, objective in OBJECTIVES.items():
         assert objective.kind is KINDS[name] and objective.num_labels == KINDS[name].num_labels
@@ -55,8 +63,8 @@ def test_lookups_round_trip_and_refuse_what_no_kind_is():
 
 def test_export_head_reads_back_as_its_kind():
     """An export's config.json names the head of its kind, and reading it back gives that kind."""
-    from trainer.export import hf_config
-    from trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
+    from rmflow.trainer.export import hf_config
+    from rmflow.trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
 
     for kind in KINDS.values():
         cfg = hf_config(ModelConfig.tiny(vocab_size=64, num_labels=kind.num_labels), None, 0)

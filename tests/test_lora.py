@@ -10,13 +10,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from rmflow.schemas.config import ConfigError, TrainConfig
+from rmflow.trainer.checkpoints import load_trained_model
+from rmflow.trainer.modeling import lora
+from rmflow.trainer.setup import base_model
+from rmflow.trainer.train import run as train
 
-from schemas.config import ConfigError, TrainConfig
 from tests.test_train import GOOD, config, synthetic  # noqa: F401 - the synthetic shards fixture
-from trainer.checkpoints import load_trained_model
-from trainer.modeling import lora
-from trainer.setup import base_model
-from trainer.train import run as train
 
 LORA = {"rank": 8, "alpha": 16, "target_modules": "all-linear"}
 
@@ -65,8 +65,7 @@ def test_lora_trains_adapters_and_head_only_and_learns(synthetic, tmp_path):  # 
 def test_merged_export_matches_in_transformers(synthetic, tmp_path):  # noqa: F811
     import torch
     import transformers
-
-    from trainer.export import export
+    from rmflow.trainer.export import export
 
     train(config(synthetic, tmp_path / "run", max_steps=20, save_steps=20, learning_rate=3e-3,
                  lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}))
@@ -124,9 +123,9 @@ def test_lora_config_checks():
 
 def test_adapter_dropout_is_unbiased_and_only_in_training():
     import jax.numpy as jnp
+    from rmflow.trainer.modeling.llama import RewardTransformer
 
     from tests.test_step import CFG
-    from trainer.modeling.llama import RewardTransformer
 
     model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
     lora.apply(model, lora.LoraConfig(rank=4, alpha=8, dropout=0.5, target_modules=("q_proj",)))
@@ -152,9 +151,9 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
     import jax.numpy as jnp
     import torch
     import transformers
+    from rmflow.trainer.export import export
 
     from tests.test_export import rmflow_rewards
-    from trainer.export import export
 
     spec = {"rank": 4, "alpha": 8, "dropout": 0.1, "base_dtype": "bfloat16", "target_modules": "all-linear"}
     flat = dict(warmup_steps=2, learning_rate=3e-3, learning_rate_end=3e-3)  # the same rate whatever max_steps
@@ -187,10 +186,11 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
 
 
 def test_the_train_step_draws_dropout_masks_from_the_run_seed():
+    from rmflow.trainer.data import Collate
+    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
+
     from tests.test_step import CFG, records
-    from trainer.data import Collate
-    from trainer.modeling.llama import RewardTransformer
-    from trainer.step import OptimConfig, Trainer, stack_micro_batches
 
     batch = stack_micro_batches([Collate(4, 64)(records(4))])
 

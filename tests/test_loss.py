@@ -3,8 +3,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from trainer.loss import SUM_KEYS, finalize, pairwise_loss
+from rmflow.trainer.loss import SUM_KEYS, pair_metrics_of_sums, pairwise_loss
 
 
 def log_sigmoid(x):
@@ -20,7 +19,7 @@ def test_loss_by_hand_with_margin_and_centering():
     assert float(loss) == pytest.approx(expected, rel=1e-6)
     # -log σ(0.5) = 0.474077, -log σ(-1.5) = 1.701413, -log σ(-1) = 1.313262; centering 9, 0.25, 1
     assert expected == pytest.approx((0.474077 + 1.701413 + 1.313262) / 3 + 0.01 * 10.25 / 3, rel=1e-5)
-    m_ = finalize({k: float(v) for k, v in sums.items()})
+    m_ = pair_metrics_of_sums({k: float(v) for k, v in sums.items()})
     assert m_["accuracy"] == pytest.approx(1 / 3) and m_["ties"] == pytest.approx(1 / 3)  # strict >; ties apart
     assert m_["margin"] == pytest.approx((1.0 - 1.5 + 0.0) / 3)
 
@@ -45,6 +44,6 @@ def test_window_metrics_are_exact_counts_not_means_of_means():
     steps = [pairwise_loss(jnp.array(c), jnp.array(r), jnp.zeros(len(c)), jnp.ones(len(c)))[1]
              for c, r in (([1.0], [0.0]), ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0]))]
     window = {k: sum(float(s[k]) for s in steps) for k in SUM_KEYS}
-    assert finalize(window)["accuracy"] == pytest.approx(1 / 4)  # a mean of means would say 1/2
+    assert pair_metrics_of_sums(window)["accuracy"] == pytest.approx(1 / 4)  # a mean of means would say 1/2
     r = np.array([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
-    assert finalize(window)["reward_std"] == pytest.approx(r.std())
+    assert pair_metrics_of_sums(window)["reward_std"] == pytest.approx(r.std())

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
-from trainer.modeling.convert import CheckpointError, load_reward_model
+from rmflow.trainer.modeling.convert import CheckpointError, load_reward_model
 
 VOCAB, PAD = 97, 0
 LENGTHS = (24, 13, 6)

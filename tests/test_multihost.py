@@ -24,8 +24,8 @@ STEPS = 10
 WORKER = textwrap.dedent('''
     import sys
     STEPS = @STEPS@
-    from schemas.config import TrainConfig
-    from trainer.train import run
+    from rmflow.schemas.config import TrainConfig
+    from rmflow.trainer.train import run
     data, output, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
     run(TrainConfig(data=data, model="tiny", output=output, max_steps=STEPS, batch_size=8, save_steps=2,
                     logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack"), resume=resume)
@@ -37,12 +37,12 @@ REFERENCE = textwrap.dedent('''
     STEPS = @STEPS@
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from schemas.config import TrainConfig
-    from trainer.data import make_loader
-    from trainer.step import stack_micro_batches
-    from trainer.step import widen as _widen
-    from trainer.setup import build_model, make_trainer, read_manifest, shard_paths
-    from trainer.checkpoints import load_trained_model
+    from rmflow.schemas.config import TrainConfig
+    from rmflow.trainer.data import make_loader
+    from rmflow.trainer.step import stack_micro_batches
+    from rmflow.trainer.step import widen as _widen
+    from rmflow.trainer.setup import build_model, make_trainer, read_manifest, shard_paths
+    from rmflow.trainer.checkpoints import load_trained_model
     data, run_dir = sys.argv[1], sys.argv[2]
     cfg = TrainConfig(data=data, model="tiny", output=run_dir, max_steps=STEPS, batch_size=8, save_steps=2,
                       logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack")
@@ -144,7 +144,7 @@ def test_two_processes_equal_one_and_resume_exactly(demo_shards, tmp_path):
     check = textwrap.dedent('''
         import sys, jax, numpy as np
         from flax import nnx
-        from trainer.checkpoints import load_trained_model
+        from rmflow.trainer.checkpoints import load_trained_model
         (a, _, sa), (b, _, sb) = load_trained_model(sys.argv[1]), load_trained_model(sys.argv[2])
         assert sa == sb == int(sys.argv[3])
         for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):

@@ -16,15 +16,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from pipelines.finalize import PreprocessError
-from pipelines.formats import BadRecord, candidate_formats, detect_format, normalize
-from pipelines.io import iter_records, list_inputs
-from pipelines.preprocess import run as preprocess
-from pipelines.tokenize import RecordTokenizer
-from schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
-from schemas.errors import RmflowWarning
-from schemas.outputs import OutputBusy, output_lock, staged_output
+from rmflow.pipelines.finalize import PreprocessError
+from rmflow.pipelines.formats import BadRecord, candidate_formats, detect_format, normalize
+from rmflow.pipelines.io import iter_records, list_inputs
+from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.pipelines.tokenize import RecordTokenizer
+from rmflow.schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
+from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.outputs import OutputBusy, output_lock, staged_output
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO = ROOT / "rmflow" / "demo"
@@ -79,7 +78,7 @@ def test_parquet_bytes_that_are_not_utf8_are_refused_and_decimals_are_numbers(tm
 
 @pytest.fixture(scope="module")
 def demo_tok():
-    from pipelines.tokenize import build_tokenizer, load_tokenizer_assets
+    from rmflow.pipelines.tokenize import build_tokenizer, load_tokenizer_assets
 
     return build_tokenizer(load_tokenizer_assets(str(DEMO / "tokenizer")))
 
@@ -208,7 +207,7 @@ def test_workflow_lists_only_real_config_changes(tmp_path):
 
 HOLD = """
 import sys, time
-from schemas.outputs import output_lock
+from rmflow.schemas.outputs import output_lock
 with output_lock(sys.argv[1], "rmflow train"):
     print("held", flush=True)
     time.sleep(600)
@@ -292,9 +291,8 @@ def test_a_staged_output_is_swapped_in_whole_or_not_at_all(tmp_path):
 
 def test_a_full_disk_during_export_is_an_oserror(tmp_path, monkeypatch):
     import safetensors.numpy
+    from rmflow.trainer.export import save_safetensors
     from safetensors import SafetensorError
-
-    from trainer.export import save_safetensors
 
     def full(*a, **k):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
@@ -325,7 +323,7 @@ def test_a_tokenizer_without_a_chat_template_is_refused_before_any_record(tmp_pa
 
 
 def test_messages_say_what_is_wrong():
-    from pipelines.formats import solution_to_score
+    from rmflow.pipelines.formats import solution_to_score
 
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     for given in (conv, {"messages": conv}):

@@ -16,17 +16,17 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from rmflow.schemas.record import PairRecord, encode
+from rmflow.trainer.data import Collate, PackCollate, fine_length, make_loader
+from rmflow.trainer.data.packing import assign_rows, pack_unit
+from rmflow.trainer.loss import pairwise_loss
+from rmflow.trainer.modeling.attention import attention
+from rmflow.trainer.modeling.convert import load_reward_model
+from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.step import DEVICE_KEYS, clip_scale, pair_rewards
 
-from schemas.record import PairRecord, encode
 from tests.layouts import packed_layout
 from tests.test_model_parity import ARCHS, build_hf
-from trainer.data import Collate, PackCollate, fine_length, make_loader
-from trainer.data.packing import assign_rows, pack_unit
-from trainer.loss import pairwise_loss
-from trainer.modeling.attention import attention
-from trainer.modeling.convert import load_reward_model
-from trainer.modeling.llama import RewardTransformer
-from trainer.step import DEVICE_KEYS, clip_scale, pair_rewards
 
 VOCAB = 97
 
@@ -68,7 +68,7 @@ def test_pallas_attention_equals_reference_in_interpret_mode(window, t):
 
 
 def test_segment_bounds_and_the_blocks_the_kernels_visit():
-    from trainer.modeling.pallas_attention import segment_bounds
+    from rmflow.trainer.modeling.pallas_attention import segment_bounds
 
     seg = jnp.asarray([[1, 1, 1, 2, 2, 0, 3, 3, 0, 0]])
     first, last = segment_bounds(seg)
@@ -201,7 +201,7 @@ def test_clip_scale_equals_optax_clipping():
 
 @pytest.fixture()
 def shards(tmp_path):
-    from pipelines.io import write_array_record_shard
+    from rmflow.pipelines.io import write_array_record_shard
 
     rng = np.random.default_rng(3)
     paths = []
@@ -245,8 +245,7 @@ def test_loader_modes_serve_every_pair_once_and_resume_exactly(shards, packing):
 
 def _all(shards):
     import grain
-
-    from schemas.record import decode
+    from rmflow.schemas.record import decode
 
     source = grain.sources.ArrayRecordDataSource(shards)
     return [decode(source[i]) for i in range(len(source))]
@@ -263,8 +262,9 @@ def test_bucket_and_pack_pad_less_than_none(shards):
 
 
 def test_a_seen_shape_never_recompiles():
+    from rmflow.trainer.step import stack_micro_batches
+
     from tests.test_step import records, trainer
-    from trainer.step import stack_micro_batches
 
     compiles = []
 
@@ -294,9 +294,9 @@ def _steps_compile_once_per_shape(compiles, trainer, records, stack_micro_batche
 
 
 def test_auto_packing_and_attention_resolve_by_backend():
-    from schemas.config import ConfigError, TrainConfig
-    from trainer.data import resolve_packing
-    from trainer.modeling.attention import resolve_attention
+    from rmflow.schemas.config import ConfigError, TrainConfig
+    from rmflow.trainer.data import resolve_packing
+    from rmflow.trainer.modeling.attention import resolve_attention
 
     assert [resolve_packing("auto", b) for b in ("cpu", "gpu", "tpu")] == ["pack", "bucket", "bucket"]
     assert resolve_packing("none", "gpu") == "none"
@@ -334,7 +334,7 @@ def test_cudnn_attention_equals_reference_on_gpu():
 
 
 def test_xla_flags_respect_the_user():
-    from trainer.backend import configure_xla
+    from rmflow.trainer.backend import configure_xla
 
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     added = configure_xla(env)
@@ -346,7 +346,7 @@ def test_xla_flags_respect_the_user():
 
 
 def test_reading_ahead_keeps_the_order_and_the_checkpoint_state(shards):
-    from trainer.data.lookahead import Lookahead
+    from rmflow.trainer.data.lookahead import Lookahead
 
     def loader():
         return iter(make_loader(shards, batch_size=4, max_length=64, seed=2, num_epochs=1, shard_by_process=False,

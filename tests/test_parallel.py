@@ -9,8 +9,7 @@ import sys
 import textwrap
 
 import pytest
-
-from trainer.parallel import MeshError, mesh_shape
+from rmflow.trainer.parallel import MeshError, mesh_shape
 
 SCRIPT = textwrap.dedent('''
     import sys, tempfile
@@ -19,11 +18,11 @@ SCRIPT = textwrap.dedent('''
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
     from tests.test_step import CFG, records
-    from trainer.data import Collate, PackCollate
-    from trainer.modeling.llama import RewardTransformer
-    from trainer.parallel import batch_shards, describe, make_mesh, shardings
-    from trainer.parallel.mesh import BATCH_AXES
-    from trainer.step import OptimConfig, Trainer, stack_micro_batches
+    from rmflow.trainer.data import Collate, PackCollate
+    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.parallel import batch_shards, describe, make_mesh, shardings
+    from rmflow.trainer.parallel.mesh import BATCH_AXES
+    from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
 
     assert len(jax.devices()) == 8
     STEPS = 3
@@ -63,7 +62,7 @@ SCRIPT = textwrap.dedent('''
         # The arrays are sharded as the rules say, after the steps too (params and AdamW moments).
         expected = dict((name, spec) for name, _, spec in describe(state, mesh))
         leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-        from trainer.parallel import param_name
+        from rmflow.trainer.parallel import param_name
         for path, x in leaves:
             spec = expected[param_name(path)]
             assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (shape, param_name(path), x.sharding)
@@ -128,10 +127,10 @@ def test_mesh_shape_resolution():
 RESUME_SCRIPT = textwrap.dedent('''
     import json, shutil, sys, pathlib
     import jax, numpy as np
-    from pipelines.preprocess import run as preprocess
-    from schemas.config import PreprocessConfig, TrainConfig
-    from trainer.checkpoints import load_trained_model
-    from trainer.train import run as train
+    from rmflow.pipelines.preprocess import run as preprocess
+    from rmflow.schemas.config import PreprocessConfig, TrainConfig
+    from rmflow.trainer.checkpoints import load_trained_model
+    from rmflow.trainer.train import run as train
 
     base = pathlib.Path(sys.argv[1])
     demo = pathlib.Path("rmflow/demo")

@@ -9,11 +9,10 @@ import pathlib
 import grain
 import numpy as np
 import pytest
-
-from pipelines.preprocess import PreprocessError, run
-from schemas.config import PreprocessConfig
-from schemas.manifest import Manifest
-from schemas.record import decode
+from rmflow.pipelines.preprocess import PreprocessError, run
+from rmflow.schemas.config import PreprocessConfig
+from rmflow.schemas.manifest import Manifest
+from rmflow.schemas.record import decode
 
 HH_FILES = ("hh_helpful_base_test_first2000.jsonl.gz", "hh_helpful_rejection_sampled_test.jsonl.gz")
 EXPECTED_TIES = 33  # documented in ../shared/data/README.md (1 + 32)

@@ -13,25 +13,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from rmflow.pipelines.formats import BadRecord, CanonicalSteps, detect_format, normalize
+from rmflow.pipelines.length import TooLong, apply_length_policy_steps
+from rmflow.pipelines.preprocess import PreprocessError
+from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.pipelines.tokenize import step_token_ends
+from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.manifest import Manifest
+from rmflow.schemas.record import RecordCorruptError, StepRecord, decode, encode, peek_lengths
+from rmflow.trainer.data import StepCollate, StepPackCollate
+from rmflow.trainer.data.steps import record_step_values
+from rmflow.trainer.inference import score_steps
+from rmflow.trainer.loss import step_loss, step_metrics_of_sums
+from rmflow.trainer.modeling.config import ModelConfig
+from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.objective import PROCESS
+from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
+from rmflow.trainer.train import run as train
 
-from pipelines.formats import BadRecord, CanonicalSteps, detect_format, normalize
-from pipelines.length import TooLong, apply_length_policy_steps
-from pipelines.preprocess import PreprocessError
-from pipelines.preprocess import run as preprocess
-from pipelines.tokenize import step_token_ends
 from rmflow.metrics import process_metrics
-from schemas.config import PreprocessConfig, TrainConfig
-from schemas.manifest import Manifest
-from schemas.record import RecordCorruptError, StepRecord, decode, encode, peek_lengths
-from trainer.data import StepCollate, StepPackCollate
-from trainer.data.steps import record_step_values
-from trainer.inference import score_steps
-from trainer.loss import finalize_steps, step_loss
-from trainer.modeling.config import ModelConfig
-from trainer.modeling.llama import RewardTransformer
-from trainer.objective import PROCESS
-from trainer.step import OptimConfig, Trainer, stack_micro_batches
-from trainer.train import run as train
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_labels=2)
@@ -196,7 +196,7 @@ def test_step_loss_and_metrics_from_exact_counts():
     p = jax.nn.softmax(logits, -1)[0, :3, 1]
     expected = -np.mean([np.log(p[0]), np.log(1 - p[1]), np.log(p[2])])
     assert float(loss) == pytest.approx(expected, rel=1e-6)
-    m = finalize_steps({k: float(v) for k, v in sums.items()})
+    m = step_metrics_of_sums({k: float(v) for k, v in sums.items()})
     # predicted incorrect: steps 1 and 2; truly incorrect: step 1 -> tp 1, fp 1, fn 0
     assert m["steps"] == 3 and m["step_accuracy"] == pytest.approx(2 / 3)
     assert (m["incorrect_precision"], m["incorrect_recall"], m["incorrect_f1"]) == pytest.approx((0.5, 1.0, 2 / 3))
@@ -250,12 +250,12 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.test_process import CFG, step_records
-from trainer.data import StepCollate, StepPackCollate
-from trainer.modeling.llama import RewardTransformer
-from trainer.objective import PROCESS
-from trainer.parallel import make_mesh
-from trainer.parallel.mesh import BATCH_AXES
-from trainer.step import OptimConfig, Trainer, stack_micro_batches
+from rmflow.trainer.data import StepCollate, StepPackCollate
+from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.objective import PROCESS
+from rmflow.trainer.parallel import make_mesh
+from rmflow.trainer.parallel.mesh import BATCH_AXES
+from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
 
 def fresh():
     return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5), objective=PROCESS)
@@ -348,12 +348,12 @@ def test_a_process_model_learns_a_stepwise_task(process_run):
 
 def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
     import torch
+    from rmflow.trainer.export import export
     from transformers import AutoModelForTokenClassification
 
     from rmflow import RewardModel as API
     from rmflow.evaluation import load_model, run_eval
     from rmflow.scoring import score_file
-    from trainer.export import export
 
     _, run_dir = process_run
     m = run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "eval"))
@@ -399,10 +399,11 @@ def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
 
 
 def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_path):
+    from rmflow.trainer.errors import TrainError
+
     from rmflow import RewardModel as API
     from rmflow.api import BadConversation, WrongModelKind
     from rmflow.evaluation import EvalError, run_eval
-    from trainer.errors import TrainError
 
     _, run_dir = process_run
     with pytest.raises(EvalError, match="holds preference pairs, which an outcome reward model .* scores; .* is a "
@@ -417,8 +418,8 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
         train(TrainConfig(data=str(synthetic_steps / "shards"), model="tiny", output=str(tmp_path / "r"),
                           max_steps=1, center_rewards_coefficient=0.01))
     # An exported process model is a 2-class token classifier: it cannot start an outcome model.
-    from trainer.export import export
-    from trainer.modeling.convert import CheckpointError
+    from rmflow.trainer.export import export
+    from rmflow.trainer.modeling.convert import CheckpointError
 
     prm = export(str(run_dir), str(tmp_path / "prm"))
     with pytest.raises(CheckpointError, match="is a process reward model .P.correct. for each step of a solution., but this run trains "
@@ -456,9 +457,8 @@ def test_lora_process_model_exports_a_token_classification_adapter(synthetic_ste
     import peft
     import torch
     import transformers
-
-    from trainer.checkpoints import load_trained_model
-    from trainer.export import export
+    from rmflow.trainer.checkpoints import load_trained_model
+    from rmflow.trainer.export import export
 
     run_dir = tmp_path / "lora"
     train(TrainConfig(data=str(synthetic_steps / "shards"), model="tiny", output=str(run_dir), batch_size=8,

@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
-
-from schemas.record import MAGIC, PairRecord, RecordCorruptError, decode, encode
+from rmflow.schemas.record import MAGIC, PairRecord, RecordCorruptError, decode, encode
 
 PAD_EQ_EOS = 2  # SmolLM2: <|im_end|> is both eos and pad
 

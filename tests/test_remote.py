@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
+from rmflow.pipelines import io as rio
+from rmflow.pipelines.preprocess import Plan, PreprocessError, build, make_pipeline, pipeline_options, run
+from rmflow.pipelines.tokenize import load_tokenizer_assets
+from rmflow.schemas.config import PreprocessConfig
 
-from pipelines import io as rio
-from pipelines.preprocess import Plan, PreprocessError, build, make_pipeline, pipeline_options, run
-from pipelines.tokenize import load_tokenizer_assets
-from schemas.config import PreprocessConfig
 from tests import fakefs
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"

@@ -8,9 +8,8 @@ import shutil
 import struct
 
 import pytest
-
-from schemas.config import ConfigError, TrainConfig
-from trainer.train import run as train
+from rmflow.schemas.config import ConfigError, TrainConfig
+from rmflow.trainer.train import run as train
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 

@@ -12,9 +12,9 @@ SCRIPT = textwrap.dedent('''
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from tests.test_step import CFG, records
-    from trainer.data import Collate, PackCollate
-    from trainer.modeling.llama import RewardTransformer
-    from trainer.step import OptimConfig, Trainer, stack_micro_batches
+    from rmflow.trainer.data import Collate, PackCollate
+    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
 
     assert len(jax.devices()) == 8
     def fresh():

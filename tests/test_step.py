@@ -3,13 +3,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from schemas.record import PairRecord
-from trainer.data import Collate
-from trainer.loss import finalize
-from trainer.modeling.config import ModelConfig
-from trainer.modeling.llama import RewardTransformer
-from trainer.step import OptimConfig, Trainer, decay_mask, learning_rate_schedule, stack_micro_batches
+from rmflow.schemas.record import PairRecord
+from rmflow.trainer.data import Collate
+from rmflow.trainer.loss import pair_metrics_of_sums
+from rmflow.trainer.modeling.config import ModelConfig
+from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.step import OptimConfig, Trainer, decay_mask, learning_rate_schedule, stack_micro_batches
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -55,8 +54,8 @@ def test_gradient_accumulation_equals_one_big_batch():
     acc, m_acc = t.train_step(copy_state(t.init_state), stack_micro_batches(micro))
     for a, b in zip(jax.tree.leaves(big.params), jax.tree.leaves(acc.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
-    assert finalize({k: float(v) for k, v in m_big.items()})["loss"] == pytest.approx(
-        finalize({k: float(v) for k, v in m_acc.items()})["loss"], abs=1e-6)
+    assert pair_metrics_of_sums({k: float(v) for k, v in m_big.items()})["loss"] == pytest.approx(
+        pair_metrics_of_sums({k: float(v) for k, v in m_acc.items()})["loss"], abs=1e-6)
 
 
 def test_no_weight_decay_on_norms_and_biases():
@@ -81,7 +80,7 @@ def test_optimizer_settings_are_the_train_config_s():
     """OptimConfig holds TrainConfig's fields of the same names, defaults included: one source."""
     import dataclasses
 
-    from schemas.config import TrainConfig
+    from rmflow.schemas.config import TrainConfig
 
     train = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for f in dataclasses.fields(OptimConfig):
@@ -97,8 +96,7 @@ def test_a_shape_compiled_ahead_is_compiled_off_the_training_thread_and_trains_a
 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from trainer.parallel import BATCH_AXES, make_mesh
+    from rmflow.trainer.parallel import BATCH_AXES, make_mesh
 
     mesh = make_mesh((-1, 1, 1))
     place = lambda host: {k: jax.device_put(v, NamedSharding(mesh, P(None, BATCH_AXES)))  # noqa: E731

@@ -9,10 +9,9 @@ import pathlib
 
 import fsspec
 import pytest
-
-from schemas.config import TrainConfig
-from trainer import storage
-from trainer.train import run as train
+from rmflow.schemas.config import TrainConfig
+from rmflow.trainer import storage
+from rmflow.trainer.train import run as train
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 
@@ -46,8 +45,9 @@ def test_train_eval_export_with_remote_shards_and_run(remote_shards, tmp_path):
     stamp = os.path.getmtime(os.path.join(local, "manifest.json"))
     assert storage.stage_shards(shards) == local and os.path.getmtime(os.path.join(local, "manifest.json")) == stamp
 
+    from rmflow.trainer.export import export
+
     from rmflow.evaluation import run_eval
-    from trainer.export import export
 
     m = run_eval(run_url, [shards], str(tmp_path / "eval"))
     assert m["pairs"] > 0

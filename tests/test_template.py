@@ -10,10 +10,17 @@ import re
 
 import pytest
 import typer
+from rmflow.pipelines.template import (
+    NOT_PARAMETERS,
+    config_from_args,
+    expand_date,
+    launch_body,
+    main,
+    metadata,
+)
+from rmflow.schemas.config import PreprocessConfig, help_for
 
-from pipelines.template import NOT_PARAMETERS, config_from_args, expand_date, launch_body, main, metadata
 from rmflow.cli import app
-from schemas.config import PreprocessConfig, help_for
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 CLI_ONLY = {"verbose", "detach"}  # console options of the CLI, not of the job
@@ -97,8 +104,7 @@ def test_the_entry_point_runs_locally_with_the_launchers_arguments(tmp_path, tok
 
 def test_launch_body_command_prints_a_valid_request(capsys):
     from google.cloud.dataflow_v1beta3 import LaunchFlexTemplateRequest
-
-    from pipelines.template import _cli
+    from rmflow.pipelines.template import _cli
 
     _cli(["launch-body", "--template", "gs://b/t.json", "--param", "inputs=gs://b/raw/*.jsonl.gz",
           "--param", "tokenizer=gs://b/tok", "--param", "output=gs://b/shards/{date}", "--temp-location", "gs://b/tmp"])

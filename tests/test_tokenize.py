@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
-
-from pipelines.formats import BadRecord, normalize
-from pipelines.tokenize import RecordTokenizer, TokenizerError, build_tokenizer, load_tokenizer_assets
+from rmflow.pipelines.formats import BadRecord, normalize
+from rmflow.pipelines.tokenize import RecordTokenizer, TokenizerError, build_tokenizer, load_tokenizer_assets
 
 U = lambda c: {"role": "user", "content": c}  # noqa: E731
 A = lambda c: {"role": "assistant", "content": c}  # noqa: E731

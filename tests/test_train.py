@@ -15,14 +15,13 @@ import grain
 import jax
 import numpy as np
 import pytest
-
-from pipelines.io import write_array_record_shard
-from pipelines.preprocess import run as preprocess
-from schemas.config import PreprocessConfig, TrainConfig
-from schemas.record import decode, encode
-from trainer.errors import TrainError
-from trainer.train import METRICS_FILE
-from trainer.train import run as train
+from rmflow.pipelines.io import write_array_record_shard
+from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.record import decode, encode
+from rmflow.trainer.errors import TrainError
+from rmflow.trainer.train import METRICS_FILE
+from rmflow.trainer.train import run as train
 
 GOOD = 1000  # the token that makes a reply preferred
 
@@ -169,7 +168,7 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
         import sys
         import importlib.util
         assert importlib.util.find_spec("torch") is not None, "the test needs torch installed"
-        from trainer.tensorboard import summary_writer
+        from rmflow.trainer.tensorboard import summary_writer
         w = summary_writer({str(tmp_path)!r})
         w.add_scalar("loss", 1.0, 1)
         w.close()
@@ -215,7 +214,7 @@ def test_a_second_run_compiles_nothing_the_first_compiled(synthetic, tmp_path):
 def test_compiling_ahead_trains_and_resumes_exactly_as_without(synthetic, tmp_path):
     """compile_ahead reads batches ahead (trainer.data.lookahead): the same batches, the same
     parameters, and a resume from a middle checkpoint continues on exactly the next batch."""
-    from trainer.train import compile_ahead_steps
+    from rmflow.trainer.train import compile_ahead_steps
 
     assert compile_ahead_steps(-1, "cpu", 1) == 0 and compile_ahead_steps(-1, "gpu", 1) == 8
     assert compile_ahead_steps(3, "cpu", 1) == 3 and compile_ahead_steps(3, "gpu", 2) == 0

@@ -4,6 +4,6 @@ It reads the shards and manifest written by `rmflow preprocess` through `schemas
 never imports apache_beam. Importing it applies rmflow's XLA settings (``trainer.backend``).
 """
 
-from trainer.backend import configure_xla
+from rmflow.trainer.backend import configure_xla
 
 configure_xla()

@@ -10,18 +10,17 @@ import os
 
 import jax
 from flax import nnx
-
-from trainer import storage
-from trainer.compilation import use_compilation_cache
-from trainer.errors import TrainError
-from trainer.modeling.llama import RewardTransformer
-from trainer.objective import objective_for
-from trainer.rundir import (
+from rmflow.trainer import storage
+from rmflow.trainer.compilation import use_compilation_cache
+from rmflow.trainer.errors import TrainError
+from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.objective import objective_for
+from rmflow.trainer.rundir import (
     CHECKPOINTS,
     RunFiles,
     read_run,
 )
-from trainer.setup import base_model, make_trainer
+from rmflow.trainer.setup import base_model, make_trainer
 
 
 def checkpoint_manager(run_dir: str, keep: int = 1):

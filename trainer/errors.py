@@ -3,7 +3,7 @@ none of those imports the training loop to raise one)."""
 
 from __future__ import annotations
 
-from schemas.errors import RmflowError
+from rmflow.schemas.errors import RmflowError
 
 
 class TrainError(RmflowError, RuntimeError):

@@ -17,17 +17,16 @@ import warnings
 
 import numpy as np
 from flax import nnx
-
-from schemas.config import STEP_SEPARATOR
-from schemas.errors import RmflowError, RmflowWarning
-from schemas.kinds import kind_of_head
-from schemas.outputs import EXPORT_INFO, output_lock, staged_output
-from trainer import storage
-from trainer.checkpoints import load_trained_model
-from trainer.modeling import lora
-from trainer.modeling.config import ModelConfig
-from trainer.modeling.convert import hf_name, resolve
-from trainer.modeling.llama import RewardTransformer
+from rmflow.schemas.config import STEP_SEPARATOR
+from rmflow.schemas.errors import RmflowError, RmflowWarning
+from rmflow.schemas.kinds import kind_of_head
+from rmflow.schemas.outputs import EXPORT_INFO, output_lock, staged_output
+from rmflow.trainer import storage
+from rmflow.trainer.checkpoints import load_trained_model
+from rmflow.trainer.modeling import lora
+from rmflow.trainer.modeling.config import ModelConfig
+from rmflow.trainer.modeling.convert import hf_name, resolve
+from rmflow.trainer.modeling.llama import RewardTransformer
 
 MAX_SHARD_BYTES = 2 << 30
 

@@ -19,21 +19,20 @@ from typing import Any
 
 import jax
 import numpy as np
-
-from schemas.config import SCORING_BATCH_SIZE, STEP_SEPARATOR
-from schemas.errors import RmflowError
-from schemas.kinds import ModelKind, kind_of_head
-from schemas.outputs import EXPORT_INFO
-from schemas.record import PairRecord, StepRecord
-from trainer import storage
-from trainer.checkpoints import load_trained_model
-from trainer.data import PackCollate, StepPackCollate, bucket_length
-from trainer.data.steps import record_step_values
-from trainer.modeling.convert import load_reward_model
-from trainer.modeling.llama import RewardTransformer
-from trainer.objective import PROCESS
-from trainer.rundir import is_run_dir, tokenizer_fingerprint
-from trainer.step import DEVICE_KEYS, pair_rewards
+from rmflow.schemas.config import SCORING_BATCH_SIZE, STEP_SEPARATOR
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import ModelKind, kind_of_head
+from rmflow.schemas.outputs import EXPORT_INFO
+from rmflow.schemas.record import PairRecord, StepRecord
+from rmflow.trainer import storage
+from rmflow.trainer.checkpoints import load_trained_model
+from rmflow.trainer.data import PackCollate, StepPackCollate, bucket_length
+from rmflow.trainer.data.steps import record_step_values
+from rmflow.trainer.modeling.convert import load_reward_model
+from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.objective import PROCESS
+from rmflow.trainer.rundir import is_run_dir, tokenizer_fingerprint
+from rmflow.trainer.step import DEVICE_KEYS, pair_rewards
 
 NORMALIZATION_FILE = "reward_normalization.json"  # in a model folder: `rmflow eval --normalize`'s mean and std
 

@@ -13,9 +13,9 @@ import os
 import uuid
 from typing import Any
 
-from schemas.config import TrainConfig
-from trainer.errors import TrainError
-from trainer.tensorboard import summary_writer
+from rmflow.schemas.config import TrainConfig
+from rmflow.trainer.errors import TrainError
+from rmflow.trainer.tensorboard import summary_writer
 
 WANDB_ID_FILE = "wandb_id"
 

@@ -52,7 +52,7 @@ def pairwise_loss(r_chosen, r_rejected, margin, weight, center_coef: float = 0.0
     return loss, sums
 
 
-def finalize(sums: dict[str, float]) -> dict[str, float]:
+def pair_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
     """Window metrics from exact sums: loss, accuracy (strict >), tie rate, rewards."""
     n = sums["pairs"]
     if not n:
@@ -114,7 +114,7 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
-def finalize_steps(sums: dict[str, float]) -> dict[str, float]:
+def step_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
     """Window metrics of a process reward model from exact sums: loss, step accuracy, and
     precision / recall / F1 of the "incorrect" class (the steps a PRM exists to find)."""
     n = sums["steps"]

@@ -14,9 +14,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from schemas import kinds
-from schemas.kinds import ModelKind
-from trainer.loss import STEP_SUM_KEYS, SUM_KEYS, finalize, finalize_steps, pairwise_loss, step_loss
+from rmflow.schemas import kinds
+from rmflow.schemas.kinds import ModelKind
+from rmflow.trainer.loss import (
+    STEP_SUM_KEYS,
+    SUM_KEYS,
+    pair_metrics_of_sums,
+    pairwise_loss,
+    step_loss,
+    step_metrics_of_sums,
+)
 
 ROW_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids")
 _MODEL_ARGS = ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids")
@@ -40,7 +47,7 @@ class Objective:
     slot_keys: tuple[str, ...]  # (R, S) keys whose S differs between micro-batches (padded to one S)
     sum_keys: tuple[str, ...]
     count_key: str  # the sum the gradient is divided by
-    finalize: Callable[[dict[str, float]], dict[str, Any]]
+    metrics: Callable[[dict[str, float]], dict[str, Any]]
     objective: Callable[[Any, dict[str, Any], float], tuple[Any, dict[str, Any]]]
 
     @property
@@ -52,10 +59,10 @@ class Objective:
         return self.objective(model, mb, center_coef)
 
 
-OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight"), (), SUM_KEYS, "pairs", finalize,
-                    _pairwise)
+OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight"), (), SUM_KEYS, "pairs",
+                    pair_metrics_of_sums, _pairwise)
 PROCESS = Objective(kinds.PROCESS, (*ROW_KEYS, "reward_index", "step_labels", "step_weight"),
-                    ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", finalize_steps, _stepwise)
+                    ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", step_metrics_of_sums, _stepwise)
 OBJECTIVES = {o.kind.name: o for o in (OUTCOME, PROCESS)}
 
 

@@ -22,9 +22,9 @@ import os
 import shutil
 from typing import Any
 
-from schemas.config import ConfigError, TrainConfig
-from schemas.errors import RmflowError
-from schemas.manifest import (
+from rmflow.schemas.config import ConfigError, TrainConfig
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.manifest import (
     MANIFEST_FILE,
     TOKENIZER_DIR,
     TOKENIZER_FILES,
@@ -33,7 +33,7 @@ from schemas.manifest import (
     tokenizer_sha256,
     vocabulary_sha256,
 )
-from trainer.modeling.config import ModelConfig, ModelConfigError
+from rmflow.trainer.modeling.config import ModelConfig, ModelConfigError
 
 CONFIG = "config.json"
 MODEL_CONFIG = "model_config.json"

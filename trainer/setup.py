@@ -12,20 +12,19 @@ import warnings
 
 import jax.numpy as jnp
 from flax import nnx
-
-from schemas.config import TrainConfig
-from schemas.errors import RmflowWarning
-from schemas.kinds import OUTCOME
-from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
-from trainer import storage
-from trainer.errors import TrainError
-from trainer.modeling import lora
-from trainer.modeling.config import ModelConfig
-from trainer.modeling.convert import load_reward_model, read_config, resolve
-from trainer.modeling.llama import RewardTransformer
-from trainer.objective import Objective, objective_for
-from trainer.rundir import is_run_dir, tokenizer_fingerprint
-from trainer.step import OptimConfig, Trainer
+from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.kinds import OUTCOME
+from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
+from rmflow.trainer import storage
+from rmflow.trainer.errors import TrainError
+from rmflow.trainer.modeling import lora
+from rmflow.trainer.modeling.config import ModelConfig
+from rmflow.trainer.modeling.convert import load_reward_model, read_config, resolve
+from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.objective import Objective, objective_for
+from rmflow.trainer.rundir import is_run_dir, tokenizer_fingerprint
+from rmflow.trainer.step import OptimConfig, Trainer
 
 
 def check_output(output: str, resume: bool) -> None:

@@ -18,11 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-
-from schemas.config import TrainConfig
-from trainer.modeling import lora
-from trainer.modeling.llama import RewardTransformer
-from trainer.objective import OUTCOME, ROW_KEYS, Objective
+from rmflow.schemas.config import TrainConfig
+from rmflow.trainer.modeling import lora
+from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.objective import OUTCOME, ROW_KEYS, Objective
 
 DEVICE_KEYS = OUTCOME.device_keys  # an outcome model's batch (``Objective.device_keys`` in general)
 
@@ -156,8 +155,7 @@ class Trainer:
         keep it so: the step's output state has the input's shardings. Returns the placed state."""
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
-
-        from trainer.parallel import BATCH_AXES, shardings
+        from rmflow.trainer.parallel import BATCH_AXES, shardings
 
         self.state_shardings = shardings(self.init_state, mesh)
         self.frozen = jax.device_put(self.frozen, shardings(self.frozen, mesh))

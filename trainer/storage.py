@@ -16,8 +16,8 @@ import logging
 import os
 import shutil
 
-from schemas.errors import RmflowError
-from schemas.manifest import COMPLETED_FILE, MANIFEST_FILE
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE
 
 log = logging.getLogger("rmflow")
 

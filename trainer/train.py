@@ -26,32 +26,38 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from schemas.config import TrainConfig
-from schemas.errors import RmflowWarning
-from schemas.manifest import ManifestError
-from schemas.outputs import output_lock
-from trainer import storage
-from trainer.checkpoints import checkpoint_manager, existing_checkpoint, reading_checkpoint
-from trainer.compilation import use_compilation_cache
-from trainer.data import make_loader, resolve_packing
-from trainer.data.lookahead import Lookahead
-from trainer.errors import Interrupted, TrainError
-from trainer.loggers import Reporters, check_available
-from trainer.memory import release_free_memory
-from trainer.modeling.convert import resolve
-from trainer.objective import objective_for
-from trainer.parallel import BATCH_AXES, batch_shards, distributed, make_mesh
-from trainer.rundir import (
+from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.manifest import ManifestError
+from rmflow.schemas.outputs import output_lock
+from rmflow.trainer import storage
+from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, reading_checkpoint
+from rmflow.trainer.compilation import use_compilation_cache
+from rmflow.trainer.data import make_loader, resolve_packing
+from rmflow.trainer.data.lookahead import Lookahead
+from rmflow.trainer.errors import Interrupted, TrainError
+from rmflow.trainer.loggers import Reporters, check_available
+from rmflow.trainer.memory import release_free_memory
+from rmflow.trainer.modeling.convert import resolve
+from rmflow.trainer.objective import objective_for
+from rmflow.trainer.parallel import BATCH_AXES, batch_shards, distributed, make_mesh
+from rmflow.trainer.rundir import (
     CONFIG_HISTORY,
     RESUME_SHAPE_KEYS,
     record_config,
     resume_changes,
     write_run_files,
 )
-from trainer.setup import build_model, check_output, make_trainer, plan_steps, read_manifest, shard_paths
-from trainer.step import Trainer, TrainState, stack_micro_batches, widen
-from trainer.window import MetricWindow, append_history, read_history, write_history
+from rmflow.trainer.setup import (
+    build_model,
+    check_output,
+    make_trainer,
+    plan_steps,
+    read_manifest,
+    shard_paths,
+)
+from rmflow.trainer.step import Trainer, TrainState, stack_micro_batches, widen
+from rmflow.trainer.window import MetricWindow, append_history, read_history, write_history
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -171,7 +177,7 @@ class Run:
             for k in keys:
                 sums[k] += float(s[k])
         release_free_memory()  # what compiling the eval shapes left
-        return {f"eval_{k}": v for k, v in self.objective.finalize(sums).items()}
+        return {f"eval_{k}": v for k, v in self.objective.metrics(sums).items()}
 
 
 def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None] | None = None,

@@ -11,8 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
-
-from trainer.objective import Objective
+from rmflow.trainer.objective import Objective
 
 
 class MetricWindow:
@@ -47,7 +46,7 @@ class MetricWindow:
 
             totals = multihost_utils.process_allgather(np.array([self.real, self.computed, self.total], np.int64))
             self.real, self.computed, self.total = (int(v) for v in np.asarray(totals).reshape(-1, 3).sum(0))
-        out = {**self.objective.finalize(self.sums), "grad_norm": self.grad_norm / max(self.steps, 1), "learning_rate": self.lr,
+        out = {**self.objective.metrics(self.sums), "grad_norm": self.grad_norm / max(self.steps, 1), "learning_rate": self.lr,
                "real_tokens": self.real, "tokens_per_second": self.real / seconds if seconds else 0.0,
                "padding_fraction": 1.0 - self.computed / self.total if self.total else 0.0,
                "computed_fraction": self.computed / self.real if self.real else 0.0}

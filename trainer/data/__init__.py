@@ -2,10 +2,10 @@
 (``collate``), length-bucketed (``bucketing``) or packed without padding (``packing``); stepwise
 solutions for process reward models likewise (``steps``)."""
 
-from trainer.data.collate import Collate, bucket_length, fine_length
-from trainer.data.loader import PACKING, make_loader, resolve_packing
-from trainer.data.packing import PackCollate
-from trainer.data.steps import StepCollate, StepPackCollate
+from rmflow.trainer.data.collate import Collate, bucket_length, fine_length
+from rmflow.trainer.data.loader import PACKING, make_loader, resolve_packing
+from rmflow.trainer.data.packing import PackCollate
+from rmflow.trainer.data.steps import StepCollate, StepPackCollate
 
 __all__ = ["PACKING", "Collate", "PackCollate", "StepCollate", "StepPackCollate", "bucket_length", "fine_length",
            "make_loader", "resolve_packing"]

@@ -11,8 +11,7 @@ one window at a time (no pass over the data at start-up).
 from __future__ import annotations
 
 import numpy as np
-
-from schemas.record import peek_lengths
+from rmflow.schemas.record import peek_lengths
 
 
 class LengthBucketSampler:

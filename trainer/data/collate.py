@@ -23,8 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-
-from schemas.record import PairRecord
+from rmflow.schemas.record import PairRecord
 
 MIN_BUCKET = 16
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grain
-
-from schemas.config import PACKING
-from schemas.kinds import OUTCOME, PROCESS
-from schemas.record import PairRecord, StepRecord, decode
-from trainer.data.bucketing import LengthBucketSampler
-from trainer.data.collate import Collate
-from trainer.data.packing import PackCollate
-from trainer.data.steps import StepCollate, StepPackCollate
+from rmflow.schemas.config import PACKING
+from rmflow.schemas.kinds import OUTCOME, PROCESS
+from rmflow.schemas.record import PairRecord, StepRecord, decode
+from rmflow.trainer.data.bucketing import LengthBucketSampler
+from rmflow.trainer.data.collate import Collate
+from rmflow.trainer.data.packing import PackCollate
+from rmflow.trainer.data.steps import StepCollate, StepPackCollate
 
 BUCKET_WINDOW = 32  # micro-batches whose pairs are sorted by length together in bucket mode
 # Record reads per process: Grain's default (16 threads, 500 records ahead) holds memory in 16

@@ -20,9 +20,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-
-from schemas.record import PairRecord
-from trainer.data.collate import check_fits, fine_length, pair_arrays
+from rmflow.schemas.record import PairRecord
+from rmflow.trainer.data.collate import check_fits, fine_length, pair_arrays
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,9 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-
-from schemas.record import StepRecord
-from trainer.data.collate import bucket_length, check_fits, fine_length
-from trainer.data.packing import assign_rows
+from rmflow.schemas.record import StepRecord
+from rmflow.trainer.data.collate import bucket_length, check_fits, fine_length
+from rmflow.trainer.data.packing import assign_rows
 
 MIN_STEP_SLOTS = 8
 

@@ -35,9 +35,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
-from schemas.config import ATTENTION  # one list: the config validates against it
-from trainer.modeling.masking import allowed, dense_mask  # noqa: F401 - the rules, imported from here too
+from rmflow.schemas.config import ATTENTION  # one list: the config validates against it
+from rmflow.trainer.modeling.masking import allowed, dense_mask  # noqa: F401 - the rules, imported from here too
 
 BLOCK = 128
 _NEG = -1e30
@@ -67,8 +66,8 @@ def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: st
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids, positions, branch_ids, window=window, block=block or BLOCK)
     if implementation == "pallas":
-        from trainer.modeling.pallas_attention import BLOCK as PALLAS_BLOCK
-        from trainer.modeling.pallas_attention import pallas_attention
+        from rmflow.trainer.modeling.pallas_attention import BLOCK as PALLAS_BLOCK
+        from rmflow.trainer.modeling.pallas_attention import pallas_attention
 
         return pallas_attention(q, k, v, segment_ids, positions, branch_ids, window=window,
                                 block=block or PALLAS_BLOCK)

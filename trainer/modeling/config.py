@@ -10,8 +10,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from schemas.errors import RmflowError
-from schemas.kinds import KINDS, OUTCOME, ModelKind, UnknownKind, kind_of_head
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import KINDS, OUTCOME, ModelKind, UnknownKind, kind_of_head
 
 ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "llama": "Llama",

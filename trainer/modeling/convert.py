@@ -17,11 +17,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from schemas.errors import RmflowError
-from schemas.kinds import kind_of_head
-from trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
-from trainer.modeling.llama import RewardTransformer
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import kind_of_head
+from rmflow.trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
+from rmflow.trainer.modeling.llama import RewardTransformer
 
 IGNORED = ("lm_head.weight",)  # a causal LM's head: not part of a reward model
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved

@@ -17,17 +17,16 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from schemas.kinds import kind_of_head
-from trainer.modeling import lora
-from trainer.modeling.attention import (
+from rmflow.schemas.kinds import kind_of_head
+from rmflow.trainer.modeling import lora
+from rmflow.trainer.modeling.attention import (
     attention,
     attention_at,
     dense_mask,
     resolve_attention,
     takes_dense_mask,
 )
-from trainer.modeling.config import ModelConfig
+from rmflow.trainer.modeling.config import ModelConfig
 
 INIT_STD = 0.02  # Hugging Face's initializer_range default
 

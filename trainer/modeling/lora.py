@@ -25,9 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from schemas.config import LORA_TARGETS as TARGETS
-from schemas.config import LoraConfig
+from rmflow.schemas.config import LORA_TARGETS as TARGETS
+from rmflow.schemas.config import LoraConfig
 
 __all__ = ["TARGETS", "LoraConfig", "adapters", "apply", "delta", "dropout_key", "lora_linears",
            "merge", "strip", "trainable_filter"]

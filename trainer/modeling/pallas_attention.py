@@ -26,8 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-
-from trainer.modeling.masking import allowed
+from rmflow.trainer.modeling.masking import allowed
 
 BLOCK = 64
 _NEG = -1e30

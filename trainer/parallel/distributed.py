@@ -14,8 +14,7 @@ from __future__ import annotations
 import os
 
 import jax
-
-from schemas.errors import RmflowError
+from rmflow.schemas.errors import RmflowError
 
 MODES = ("auto", "on", "off")
 

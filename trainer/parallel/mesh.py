@@ -13,8 +13,7 @@ from collections.abc import Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
-
-from schemas.errors import RmflowError
+from rmflow.schemas.errors import RmflowError
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
