@@ -1,14 +1,32 @@
 import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# No persistent compilation cache for the suite (never the user's ~/.cache; the tests compile
-# thousands of small executables, each of which the cache would write to disk); the tests of the
-# cache name a folder of their own.
-os.environ.setdefault("RMFLOW_COMPILATION_CACHE", "off")
+
+
+def pytest_configure(config):
+    """One persistent compilation cache for the whole run, never the user's ~/.cache: a fresh
+    folder the xdist workers and every process a test starts share (they inherit the variable),
+    so the tiny models' train and eval steps compile once per run instead of once per test
+    (test_train.py's time: 440 s -> 290 s). Removed when the run ends. The tests of the cache
+    itself name folders of their own."""
+    if hasattr(config, "workerinput") or "RMFLOW_COMPILATION_CACHE" in os.environ:
+        return
+    folder = tempfile.mkdtemp(prefix="rmflow-test-jax-cache-")
+    os.environ["RMFLOW_COMPILATION_CACHE"] = folder
+    config._rmflow_cache = folder
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_rmflow_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("RMFLOW_COMPILATION_CACHE", None)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -52,3 +70,13 @@ def demo_shards(tmp_path_factory, tokenizer_dir) -> pathlib.Path:
     preprocess(PreprocessConfig(inputs=(str(REPO / "rmflow" / "demo" / "hh_rlhf_helpful_sample.jsonl.gz"),),
                                 output=str(out), tokenizer=tokenizer_dir, max_length=128, max_bad_fraction=1.0))
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n N --dist loadgroup`` (``make test``), a module's tests that share a
+    module-scoped fixture (a preprocessed dataset, a trained run) run on one worker, so the
+    fixture is built once per run, not once per worker; the other tests spread one by one."""
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        if defs and any(d.scope == "module" for ds in defs.name2fixturedefs.values() for d in ds):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
