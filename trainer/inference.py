@@ -41,21 +41,66 @@ class ModelLoadError(RmflowError):
     """The path names no trained reward model rmflow can load; the message says what to give."""
 
 
-def score_pairs(model: RewardTransformer, records: Sequence[PairRecord], *, batch_size: int = SCORING_BATCH_SIZE,
-                max_length: int | None = None, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Rewards of chosen and rejected for each record, in order: the records packed as in
-    training (``PackCollate``, one row) and scored by the same ``pair_rewards``."""
-    longest = max(max(len(r.chosen_ids), len(r.rejected_ids)) for r in records)
-    collate = PackCollate(batch_size, max(max_length or 0, longest), pad_id)
-    forward = jax.jit(lambda batch: pair_rewards(model, batch))
-    rc, rr = [], []
-    for i in range(0, len(records), batch_size):
-        chunk = records[i : i + batch_size]
-        b = collate(chunk)
-        c, r = (np.asarray(x) for x in forward({k: b[k] for k in DEVICE_KEYS}))
-        rc.append(c[b["pair_slot"]])
-        rr.append(r[b["pair_slot"]])
-    return np.concatenate(rc), np.concatenate(rr)
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    model: Any
+    tokenizer_dir: str | None  # None: no tokenizer files (callers that need one say so)
+    pad_id: int
+    description: str  # which weights: the run and step, or the checkpoint folder
+    folder: str = ""  # the local folder it was read from (a copy, for a remote one)
+    step_separator: str = STEP_SEPARATOR  # a process model's: the text after every step, as in its training data
+
+    @property
+    def normalization(self) -> dict[str, Any] | None:
+        """The mean and std `rmflow eval --normalize` stored with the model, or None."""
+        path = os.path.join(self.folder, NORMALIZATION_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    @property
+    def kind(self) -> ModelKind:
+        """Its reward model kind (``schemas.kinds``), by the width of its score head."""
+        return kind_of_head(self.model.config.num_labels)
+
+
+
+def load_model(path: str, step: int | None = None) -> LoadedModel:
+    """A run directory (its newest checkpoint, or ``step``) or an exported checkpoint folder, local
+    or remote (copied down first)."""
+    path = storage.stage_run(path)
+    if is_run_dir(path):
+        model, run, step = load_trained_model(path, step)
+        return LoadedModel(model, run.tokenizer_dir, run.pad_id,
+                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
+                           run.manifest.config.get("step_separator", STEP_SEPARATOR))
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an "
+                             "exported checkpoint folder")
+    if step is not None:
+        raise ModelLoadError(f"{path} is an exported checkpoint (one set of weights): --step applies to run directories")
+    model = load_reward_model(path)
+    with open(os.path.join(path, "config.json")) as f:
+        pad = json.load(f).get("pad_token_id") or 0
+    description = f"checkpoint {os.path.abspath(path)}"
+    info = os.path.join(path, EXPORT_INFO)
+    separator = STEP_SEPARATOR
+    if os.path.exists(info):
+        with open(info) as f:
+            exported = json.load(f)
+        description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
+        separator = exported.get("step_separator", separator)
+    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator)
+
+
+
+def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
+    if tokenizer is None:
+        raise ModelLoadError(f"{model_path} has no tokenizer files (tokenizer.json ...), which {why} needs: copy "
+                             "the tokenizer the model was trained with into it")
+    return tokenizer
+
 
 
 def score_sequences(model: RewardTransformer, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
@@ -85,6 +130,25 @@ def score_sequences(model: RewardTransformer, sequences: Sequence[np.ndarray], *
     return scores
 
 
+
+def score_pairs(model: RewardTransformer, records: Sequence[PairRecord], *, batch_size: int = SCORING_BATCH_SIZE,
+                max_length: int | None = None, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Rewards of chosen and rejected for each record, in order: the records packed as in
+    training (``PackCollate``, one row) and scored by the same ``pair_rewards``."""
+    longest = max(max(len(r.chosen_ids), len(r.rejected_ids)) for r in records)
+    collate = PackCollate(batch_size, max(max_length or 0, longest), pad_id)
+    forward = jax.jit(lambda batch: pair_rewards(model, batch))
+    rc, rr = [], []
+    for i in range(0, len(records), batch_size):
+        chunk = records[i : i + batch_size]
+        b = collate(chunk)
+        c, r = (np.asarray(x) for x in forward({k: b[k] for k in DEVICE_KEYS}))
+        rc.append(c[b["pair_slot"]])
+        rr.append(r[b["pair_slot"]])
+    return np.concatenate(rc), np.concatenate(rr)
+
+
+
 def score_steps(model: RewardTransformer, records: Sequence[StepRecord], *, batch_size: int = SCORING_BATCH_SIZE,
                 max_length: int | None = None, pad_id: int = 0) -> list[np.ndarray]:
     """P(correct) of each step of each record, in order: the records packed as in training
@@ -99,61 +163,3 @@ def score_steps(model: RewardTransformer, records: Sequence[StepRecord], *, batc
         p = np.asarray(forward({k: b[k] for k in PROCESS.device_keys}))
         out += record_step_values(p, b["record_steps"])
     return out
-
-@dataclasses.dataclass(frozen=True)
-class LoadedModel:
-    model: Any
-    tokenizer_dir: str | None  # None: no tokenizer files (callers that need one say so)
-    pad_id: int
-    description: str  # which weights: the run and step, or the checkpoint folder
-    folder: str = ""  # the local folder it was read from (a copy, for a remote one)
-    step_separator: str = STEP_SEPARATOR  # a process model's: the text after every step, as in its training data
-
-    @property
-    def normalization(self) -> dict[str, Any] | None:
-        """The mean and std `rmflow eval --normalize` stored with the model, or None."""
-        path = os.path.join(self.folder, NORMALIZATION_FILE)
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
-
-    @property
-    def kind(self) -> ModelKind:
-        """Its reward model kind (``schemas.kinds``), by the width of its score head."""
-        return kind_of_head(self.model.config.num_labels)
-
-
-def load_model(path: str, step: int | None = None) -> LoadedModel:
-    """A run directory (its newest checkpoint, or ``step``) or an exported checkpoint folder, local
-    or remote (copied down first)."""
-    path = storage.stage_run(path)
-    if is_run_dir(path):
-        model, run, step = load_trained_model(path, step)
-        return LoadedModel(model, run.tokenizer_dir, run.pad_id,
-                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
-                           run.manifest.config.get("step_separator", STEP_SEPARATOR))
-    if not os.path.isdir(path):
-        raise ModelLoadError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an exported "
-                         "checkpoint folder")
-    if step is not None:
-        raise ModelLoadError(f"{path} is an exported checkpoint (one set of weights): --step applies to run directories")
-    model = load_reward_model(path)
-    with open(os.path.join(path, "config.json")) as f:
-        pad = json.load(f).get("pad_token_id") or 0
-    description = f"checkpoint {os.path.abspath(path)}"
-    info = os.path.join(path, EXPORT_INFO)
-    separator = STEP_SEPARATOR
-    if os.path.exists(info):
-        with open(info) as f:
-            exported = json.load(f)
-        description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
-        separator = exported.get("step_separator", separator)
-    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator)
-
-
-def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
-    if tokenizer is None:
-        raise ModelLoadError(f"{model_path} has no tokenizer files (tokenizer.json ...), which {why} needs: copy the "
-                         "tokenizer the model was trained with into it")
-    return tokenizer
