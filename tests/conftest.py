@@ -1,5 +1,6 @@
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 
@@ -72,11 +73,25 @@ def demo_shards(tmp_path_factory, tokenizer_dir) -> pathlib.Path:
     return out
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (``make test``), a module's tests that share a
-    module-scoped fixture (a preprocessed dataset, a trained run) run on one worker, so the
-    fixture is built once per run, not once per worker; the other tests spread one by one."""
-    for item in items:
-        defs = getattr(item, "_fixtureinfo", None)
-        if defs and any(d.scope == "module" for ds in defs.name2fixturedefs.values() for d in ds):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+def _modules_with_module_fixtures() -> frozenset[str]:
+    """Test files that define a module-scoped fixture (a preprocessed dataset, a trained run)."""
+    return frozenset(f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")
+                     if re.search(r"@pytest\.fixture\(scope=\"module\"", p.read_text()))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` (``pytest -n 2 --dist loadscope``): the tests of a module that defines a
+    module-scoped fixture run on one worker, so the fixture is built once per run, not once per
+    worker; every other test is its own unit, spread one by one as with ``--dist load``."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    grouped = _modules_with_module_fixtures()
+
+    class ModuleFixturesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in grouped else nodeid
+
+    return ModuleFixturesTogether(config, log)
