@@ -108,6 +108,8 @@ def _closure(reqs: list[Requirement]) -> set[str]:
 
 
 def test_a_dataflow_worker_installs_no_jax_and_a_training_host_no_beam():
+    for r in _requirements("preprocess", "train"):  # the closures below read their installed metadata
+        importlib.metadata.distribution(r.name)
     jax = {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"}
     assert not _closure(_requirements("preprocess", "gcp")) & jax
     assert not _closure(_requirements("train")) & {"apache-beam"}
@@ -123,5 +125,6 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     assert {n.split("/")[0] for n in names} == {"rmflow", next(n.split("/")[0] for n in names
                                                               if ".dist-info/" in n)}
     for module in ("rmflow/schemas/kinds.py", "rmflow/pipelines/transforms.py", "rmflow/trainer/modeling/llama.py",
-                   "rmflow/trainer/data/loader.py", "rmflow/demo/workflow.yaml", "rmflow/cli.py"):
+                   "rmflow/trainer/data/loader.py", "rmflow/demo/workflow.yaml", "rmflow/demo/tokenizer/tokenizer.json",
+                   "rmflow/demo/hh_rlhf_helpful_sample.jsonl.gz", "rmflow/cli.py"):
         assert module in names, module

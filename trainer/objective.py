@@ -48,15 +48,12 @@ class Objective:
     sum_keys: tuple[str, ...]
     count_key: str  # the sum the gradient is divided by
     metrics: Callable[[dict[str, float]], dict[str, Any]]
-    objective: Callable[[Any, dict[str, Any], float], tuple[Any, dict[str, Any]]]
+    # (model, micro-batch, center_coef) -> (summed objective to differentiate, metric sums)
+    loss: Callable[[Any, dict[str, Any], float], tuple[Any, dict[str, Any]]]
 
     @property
     def num_labels(self) -> int:
         return self.kind.num_labels
-
-    def loss(self, model, mb: dict[str, Any], center_coef: float = 0.0):
-        """(summed objective to differentiate, metric sums) of one micro-batch."""
-        return self.objective(model, mb, center_coef)
 
 
 OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight"), (), SUM_KEYS, "pairs",
