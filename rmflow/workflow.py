@@ -34,6 +34,7 @@ from typing import Any
 from rmflow.schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.outputs import REPORT_FILE, output_lock
+from rmflow.schemas.presets import is_preset
 
 STAGES = ("preprocess", "train", "eval", "export")
 KNOWN_KEYS = {"output", *STAGES}
@@ -72,7 +73,7 @@ class Workflow:
                 pre[key] = _path(pre[key], base_dir)
         pre = PreprocessConfig.from_dict({**pre, "output": os.path.join(out, "shards"), "overwrite": True})
         train = dict(d["train"])
-        if train.get("model") and train["model"] != "tiny" and os.path.exists(_path(train["model"], base_dir)):
+        if train.get("model") and not is_preset(train["model"]) and os.path.exists(_path(train["model"], base_dir)):
             train["model"] = _path(train["model"], base_dir)
         train = TrainConfig.from_dict({**train, "data": pre.output, "output": os.path.join(out, "run")})
         ev = dict(d.get("eval") or {})
@@ -211,7 +212,7 @@ def eval_identity(data: list[str]) -> list[Any]:
 
 
 def model_identity(model: str) -> list[tuple[str, int, float]] | None:
-    return file_identity(model) if model != "tiny" and os.path.isdir(model) else None
+    return file_identity(model) if not is_preset(model) and os.path.isdir(model) else None
 
 
 def _content_hash(path: str) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.presets import MODEL_PRESETS, describe, is_preset
 
 # Raw layouts `rmflow preprocess` reads; "auto" detects one per file.
 FORMATS = (
@@ -248,7 +249,7 @@ class TrainConfig(_Serializable):
 
     data: str = _opt("", "Shard directory written by `rmflow preprocess` (holds manifest.json).")
     model: str = _opt("", "Hugging Face checkpoint folder or hub id (*ForCausalLM or *ForSequenceClassification), "
-                          "or 'tiny' for a small random Llama (4 layers, hidden 256).")
+                          "or a random-init Llama preset: " + ", ".join(map(describe, MODEL_PRESETS)) + ".")
     output: str = _opt("", "Run directory: config, metrics.jsonl, TensorBoard events, checkpoints.")
     max_steps: int = _opt(0, "Optimizer steps to run; 0 = num_epochs over the train split.")
     num_epochs: int = _opt(1, "Passes over the train split when max_steps is 0.")
@@ -375,8 +376,8 @@ class TrainConfig(_Serializable):
         return (self.mesh_data, self.mesh_fsdp, self.mesh_tensor)
 
     def with_absolute_paths(self) -> TrainConfig:
-        """Local paths made absolute (the run stores them; a hub id or 'tiny' stays as it is)."""
-        model = self.model if self.model == "tiny" else absolute_if_local(self.model)
+        """Local paths made absolute (the run stores them; a hub id or a preset name stays as it is)."""
+        model = self.model if is_preset(self.model) else absolute_if_local(self.model)
         return dataclasses.replace(self, data=absolute(self.data), output=absolute(self.output), model=model)
 
     def with_overrides(self, pairs: list[str]) -> TrainConfig:

@@ -1,6 +1,7 @@
 """The reward model kind is decided in one table (schemas/kinds.py): every per-kind table of the
 other packages covers every kind, the lookups round-trip, and no module decides the kind by
-comparing names or head widths itself."""
+comparing names or head widths itself. Likewise the model presets (schemas/presets.py): no module
+compares ``--model`` with a preset's name."""
 
 import ast
 import pathlib
@@ -17,6 +18,7 @@ from rmflow.schemas.kinds import (
     kind_of_head,
     kind_of_record,
 )
+from rmflow.schemas.presets import MODEL_PRESETS
 from rmflow.schemas.record import PairRecord, StepRecord
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -85,6 +87,8 @@ def _kind_decisions(path: pathlib.Path) -> list[str]:
             parts = [node.left, *node.comparators]
             if any(isinstance(p, ast.Constant) and p.value in names for p in parts):
                 found.append(f"{where}:{node.lineno}: compares with a kind's name")
+            if any(isinstance(p, ast.Constant) and p.value in MODEL_PRESETS for p in parts):
+                found.append(f"{where}:{node.lineno}: compares with a preset's name (use schemas.presets.is_preset)")
             if any(isinstance(p, ast.Attribute) and p.attr == "num_labels" for p in parts) \
                     and any(isinstance(p, ast.Constant) and isinstance(p.value, int) for p in parts):
                 found.append(f"{where}:{node.lineno}: compares num_labels with a number")
@@ -97,7 +101,8 @@ def _kind_decisions(path: pathlib.Path) -> list[str]:
 
 
 def test_no_module_decides_the_kind_itself():
-    allowed = {ROOT / "schemas" / "kinds.py", ROOT / "schemas" / "record.py"}  # the table; the codec's own types
+    allowed = {ROOT / "schemas" / "kinds.py", ROOT / "schemas" / "record.py",  # the table; the codec's own types
+               ROOT / "schemas" / "presets.py"}
     found = [hit for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py")) if path not in allowed
              for hit in _kind_decisions(path)]
     assert not found, "decide these by a field of schemas.kinds.ModelKind (or a per-kind table):\n" + "\n".join(found)
@@ -107,5 +112,21 @@ def test_the_scan_finds_what_it_forbids(tmp_path):
     """The scan above is able to fail."""
     probe = tmp_path / "probe.py"
     probe.write_text('def f(m, rec):\n    if m.kind == "process" or m.config.num_labels == 2:\n        return 1\n'
+                     '    if m.model != "tiny":\n        return 2\n'
                      '    return isinstance(rec, (int, StepRecord))\n')
-    assert len(_kind_decisions(probe)) == 3
+    assert len(_kind_decisions(probe)) == 4
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_every_preset_builds_and_is_named_in_the_help(name):
+    import dataclasses
+
+    from rmflow.schemas.config import TrainConfig
+    from rmflow.trainer.modeling.config import ModelConfig
+
+    cfg = ModelConfig.preset(name, vocab_size=100, num_labels=2)
+    assert (cfg.vocab_size, cfg.num_labels, cfg.hidden_size) == (100, 2, MODEL_PRESETS[name]["hidden_size"])
+    assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
+    help_text = {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}["model"]
+    assert name in help_text
+    assert TrainConfig(data="d", model=name, output="o").with_absolute_paths().model == name

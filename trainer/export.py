@@ -21,6 +21,7 @@ from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import kind_of_head
 from rmflow.schemas.outputs import EXPORT_INFO, output_lock, staged_output
+from rmflow.schemas.presets import is_preset
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.modeling import lora
@@ -130,7 +131,7 @@ def _export(run_dir: str, output: str, step: int | None, max_shard_bytes: int, a
     if adapter and run.config.lora_config is None:
         raise ExportError(f"{run_dir} is not a LoRA run: --adapter exports LoRA adapters; export it without --adapter")
     base = run.base_config
-    if base is None and run.config.model != "tiny":  # a run from before runs kept base_config.json
+    if base is None and not is_preset(run.config.model):  # a run from before runs kept base_config.json
         with open(os.path.join(resolve(run.config.model), "config.json")) as f:
             base = json.load(f)
     if run.tokenizer_dir is None:
@@ -139,8 +140,8 @@ def _export(run_dir: str, output: str, step: int | None, max_shard_bytes: int, a
     pad = run.manifest.tokenizer.pad_token_id
     with staged_output(output) as staging:  # swapped in whole; an interrupted export leaves the old one
         if adapter:
-            base_path = os.path.abspath(resolve(run.config.model)) if run.config.model != "tiny" else None
-            if base_path is None:  # the tiny preset's random base exists nowhere else: ship it, in base/
+            base_path = os.path.abspath(resolve(run.config.model)) if not is_preset(run.config.model) else None
+            if base_path is None:  # a preset's random base exists nowhere else: ship it, in base/
                 plain = nnx.clone(model)
                 lora.strip(plain)
                 _write_checkpoint(plain, os.path.join(staging, "base"), base, pad, max_shard_bytes)

@@ -16,6 +16,7 @@ from rmflow.schemas.config import TrainConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.kinds import OUTCOME
 from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
+from rmflow.schemas.presets import is_preset
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.modeling import lora
@@ -51,23 +52,24 @@ def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardTransformer:
     with LoRA adapters added when the config asks."""
     vocab = manifest.tokenizer.vocab_size
     labels = objective_for(manifest.kind).num_labels
-    tiny = ModelConfig.tiny(vocab_size=vocab, num_labels=labels) if cfg.model == "tiny" else None
-    if tiny is None:
+    preset = ModelConfig.preset(cfg.model, vocab_size=vocab, num_labels=labels) if is_preset(cfg.model) else None
+    if preset is None:
         folder = resolve(cfg.model)
         model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
         check_tokenizer(manifest, folder, "the model", with_template=False)
         check_model_fits(manifest, model_config)  # before any weight is read
-    model = base_model(cfg, tiny, num_labels=labels)
+    model = base_model(cfg, preset, num_labels=labels)
     check_model_fits(manifest, model.config)
     return model
 
 
-def base_model(cfg: TrainConfig, tiny_config: ModelConfig | None = None, num_labels: int = 1) -> RewardTransformer:
-    """The run's initial model: the tiny preset (seeded) or the checkpoint, plus LoRA adapters;
+def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, num_labels: int = 1
+               ) -> RewardTransformer:
+    """The run's initial model: a preset (seeded) or the checkpoint, plus LoRA adapters;
     ``num_labels``: the score head's outputs (2 for a process reward model)."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    if cfg.model == "tiny":
-        model = RewardTransformer(tiny_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
+    if is_preset(cfg.model):
+        model = RewardTransformer(preset_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
                             attention=cfg.attention)
     else:
         model = load_reward_model(resolve(cfg.model), dtype=dtype, remat=cfg.gradient_checkpointing,

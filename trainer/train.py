@@ -30,6 +30,7 @@ from rmflow.schemas.config import TrainConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import ManifestError
 from rmflow.schemas.outputs import output_lock
+from rmflow.schemas.presets import is_preset
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, reading_checkpoint
 from rmflow.trainer.compilation import use_compilation_cache
@@ -230,7 +231,7 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
                       RmflowWarning, stacklevel=2)
     if primary:  # one writer for the run's own files; every process takes part in checkpoints
         write_run_files(run_dir, cfg, r.trainer.model(r.trainer.init_state.params).config,
-                        None if cfg.model == "tiny" else resolve(cfg.model), data_dir=data_dir)
+                        None if is_preset(cfg.model) else resolve(cfg.model), data_dir=data_dir)
         if latest is None or changed:
             record_config(run_dir, cfg, latest or 0, changed)
 

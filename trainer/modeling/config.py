@@ -12,6 +12,7 @@ from typing import Any
 
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import KINDS, OUTCOME, ModelKind, UnknownKind, kind_of_head
+from rmflow.schemas.presets import MODEL_PRESETS, PRESET_BASE
 
 ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "llama": "Llama",
@@ -122,13 +123,19 @@ class ModelConfig:
         )
 
     @classmethod
+    def preset(cls, name: str, vocab_size: int, **overrides: Any) -> ModelConfig:
+        """A random-init Llama of ``schemas.presets.MODEL_PRESETS``."""
+        return cls(**{**PRESET_BASE, **MODEL_PRESETS[name], "vocab_size": vocab_size, **overrides})
+
+    @classmethod
     def tiny(cls, vocab_size: int, **overrides: Any) -> ModelConfig:
-        """A small random-init Llama for tests and demos: 4 layers, hidden 256."""
-        base = dict(model_type="llama", vocab_size=vocab_size, hidden_size=256, intermediate_size=768,
-                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096)
-        base.update(overrides)
-        return cls(**base)
+        """The tiny preset: 4 layers, hidden 256 (the demo's and the benchmarks' model)."""
+        return cls.preset("tiny", vocab_size, **overrides)
+
+    @classmethod
+    def micro(cls, vocab_size: int, **overrides: Any) -> ModelConfig:
+        """The micro preset: 2 layers, hidden 64 (what the tests train)."""
+        return cls.preset("micro", vocab_size, **overrides)
 
 
 def head_kind(d: Mapping[str, Any]) -> ModelKind | None:
