@@ -28,7 +28,7 @@ def workdir(tmp_path_factory):
     base = tmp_path_factory.mktemp("api")
     preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(base / "shards"),
                                 tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
-    train(TrainConfig(data=str(base / "shards"), model="tiny", output=str(base / "runs" / "rm1"), max_steps=2,
+    train(TrainConfig(data=str(base / "shards"), model="micro", output=str(base / "runs" / "rm1"), max_steps=2,
                       batch_size=4, learning_rate=1e-3))
     return base
 

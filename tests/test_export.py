@@ -35,7 +35,7 @@ def trained_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("export")
     preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(base / "shards"),
                                 tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
-    train(TrainConfig(data=str(base / "shards"), model="tiny", output=str(base / "run"), max_steps=3,
+    train(TrainConfig(data=str(base / "shards"), model="micro", output=str(base / "run"), max_steps=3,
                       batch_size=4, learning_rate=1e-3, logging_steps=1))
     return base
 

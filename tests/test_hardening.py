@@ -50,7 +50,7 @@ def base(tmp_path_factory):
     try:
         preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output="shards",
                                     tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
-        train(TrainConfig(data="shards", model="tiny", output="run", max_steps=2, batch_size=4, logging_steps=1))
+        train(TrainConfig(data="shards", model="micro", output="run", max_steps=2, batch_size=4, logging_steps=1))
     finally:
         os.chdir(cwd)
     other = base / "other-tokenizer"
@@ -167,7 +167,7 @@ def test_resume_on_an_empty_or_missing_folder_says_so(base, tmp_path):
     for out in (tmp_path / "missing", tmp_path / "empty"):
         if out.name == "empty":
             out.mkdir()
-        r = cli("train", "--data", base / "shards", "--model", "tiny", "-o", out, "--resume",
+        r = cli("train", "--data", base / "shards", "--model", "micro", "-o", out, "--resume",
                 "--set", "max_steps=1", "--set", "batch_size=2")
         assert r.exit_code == 0, r.output
         assert "warning:" in r.output and "no checkpoint to continue from; starting at step 0" in r.output
@@ -215,7 +215,7 @@ def test_every_command_fails_in_one_line(base, tmp_path):
     assert "has no ['intermediate_size', 'num_hidden_layers', 'num_attention_heads']" in one_line_error(
         cli("train", "--data", shards, "--model", partial, "-o", tmp_path / "r2"))
     (tmp_path / "afile").write_text("x")
-    assert "is a file" in one_line_error(cli("train", "--data", shards, "--model", "tiny", "-o", tmp_path / "afile"))
+    assert "is a file" in one_line_error(cli("train", "--data", shards, "--model", "micro", "-o", tmp_path / "afile"))
     assert "is a file" in one_line_error(cli("eval", "--model", base / "run", "--data", shards,
                                              "-o", tmp_path / "afile"))
     assert "is a file" in one_line_error(cli("preprocess", "-i", DEMO / "hh_rlhf_helpful_sample.jsonl.gz",
@@ -245,7 +245,7 @@ def test_every_command_fails_in_one_line(base, tmp_path):
     assert "missing ['head_dim']" in one_line_error(cli("export", old, "-o", tmp_path / "x"))
     # `rmflow run` with a tokenizer path that does not exist.
     wf = tmp_path / "wf.yaml"
-    wf.write_text(json.dumps({"output": str(tmp_path / "wf"), "train": {"model": "tiny"},
+    wf.write_text(json.dumps({"output": str(tmp_path / "wf"), "train": {"model": "micro"},
                               "preprocess": {"inputs": [str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz")],
                                              "tokenizer": str(tmp_path / "no-such-tokenizer")}}))
     r = cli("run", wf)  # progress lines, then the error in one line
@@ -288,7 +288,7 @@ def test_eval_on_raw_files_takes_the_preprocess_options(base, tmp_path):
 def test_resume_refuses_a_changed_trajectory_unless_allowed_and_keeps_the_history(base, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(base / "run", run)
-    args = ["train", "--data", base / "shards", "--model", "tiny", "-o", run, "--resume",
+    args = ["train", "--data", base / "shards", "--model", "micro", "-o", run, "--resume",
             "--set", "batch_size=4", "--set", "logging_steps=1"]
     msg = one_line_error(cli(*args, "--set", "max_steps=3", "--set", "learning_rate=2e-5"))
     assert "learning_rate: 1e-05 -> 2e-05" in msg and "max_steps: 2 -> 3" in msg and "--allow-config-change" in msg
@@ -308,7 +308,7 @@ def test_resume_refuses_a_changed_trajectory_unless_allowed_and_keeps_the_histor
 def test_shards_longer_than_the_models_positions_are_refused(base, tmp_path):
     preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(tmp_path / "long"),
                                 tokenizer=str(DEMO / "tokenizer"), max_length=8192, max_bad_fraction=1.0))
-    msg = one_line_error(cli("train", "--data", tmp_path / "long", "--model", "tiny", "-o", tmp_path / "r"))
+    msg = one_line_error(cli("train", "--data", tmp_path / "long", "--model", "micro", "-o", tmp_path / "r"))
     assert "8,192 tokens, past the model's 4,096 positions" in msg and "--max-length 4096" in msg
     assert not (tmp_path / "r").exists()
     msg = one_line_error(cli("eval", "--model", base / "run", "--data", tmp_path / "long", "-o", tmp_path / "e"))
@@ -316,7 +316,7 @@ def test_shards_longer_than_the_models_positions_are_refused(base, tmp_path):
 
 
 def _train_process(base, out, *extra):
-    args = [sys.executable, "-m", "rmflow.cli", "train", "--data", str(base / "shards"), "--model", "tiny",
+    args = [sys.executable, "-m", "rmflow.cli", "train", "--data", str(base / "shards"), "--model", "micro",
             "-o", str(out), "--set", "batch_size=4", "--set", "logging_steps=1", *extra]
     return subprocess.Popen(args, cwd=pathlib.Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -354,7 +354,7 @@ def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(base, tmp_
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert (records[-1]["step"] if records else 0) == step
     if step:  # and it resumes from there
-        r = cli("train", "--data", base / "shards", "--model", "tiny", "-o", out, "--resume", "--set", "batch_size=4",
+        r = cli("train", "--data", base / "shards", "--model", "micro", "-o", out, "--resume", "--set", "batch_size=4",
                 "--set", "logging_steps=1", "--set", f"max_steps={step + 1}", "--allow-config-change")
         assert r.exit_code == 0, r.output
         assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()][-2:] == [step, step + 1]
@@ -365,7 +365,7 @@ def test_a_tiny_eval_split_is_said_to_say_little(tmp_path):
                                 tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0,
                                 eval_fraction=0.005))
     with pytest.warns(RmflowWarning, match=r"the eval split holds \d pairs: its accuracy moves in steps of"):
-        train(TrainConfig(data=str(tmp_path / "s"), model="tiny", output=str(tmp_path / "r"), max_steps=1,
+        train(TrainConfig(data=str(tmp_path / "s"), model="micro", output=str(tmp_path / "r"), max_steps=1,
                           batch_size=2))
 
 
@@ -388,7 +388,7 @@ def test_a_chat_template_override_trains_and_evaluates_on_its_own_shards(tmp_pat
     preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(tmp_path / "s"),
                                 tokenizer=str(DEMO / "tokenizer"), chat_template=str(template), max_length=128,
                                 max_bad_fraction=1.0))
-    train(TrainConfig(data=str(tmp_path / "s"), model="tiny", output=str(tmp_path / "r"), max_steps=2, batch_size=4))
+    train(TrainConfig(data=str(tmp_path / "s"), model="micro", output=str(tmp_path / "r"), max_steps=2, batch_size=4))
     assert (tmp_path / "r" / "tokenizer" / "chat_template.jinja").read_text().endswith("{# mine #}")
     r = cli("eval", "--model", tmp_path / "r", "--data", tmp_path / "s", "-o", tmp_path / "e")
     assert r.exit_code == 0, r.output

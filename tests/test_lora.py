@@ -36,9 +36,9 @@ def test_lora_trains_adapters_and_head_only_and_learns(synthetic, tmp_path):  # 
     result = train(cfg)
     final = result.history[-1]
     assert final["eval_accuracy"] > 0.9, final  # learns the task through the adapters
-    # Optimizer state only for the trainable parameters: 7 adapted projections x 4 layers x (A, B) + head.
+    # Optimizer state only for the trainable parameters: 7 adapted projections x 2 layers x (A, B) + head.
     n_trainable = len(jax.tree.leaves(result.state.params))
-    assert n_trainable == 7 * 4 * 2 + 1
+    assert n_trainable == 7 * 2 * 2 + 1
     mu = result.state.opt_state[1][0].mu
     assert len(jax.tree.leaves(mu)) == n_trainable
 
@@ -111,14 +111,14 @@ def test_merged_export_matches_in_transformers(synthetic, tmp_path):  # noqa: F8
 
 
 def test_lora_config_checks():
-    cfg = TrainConfig(data="d", model="tiny", output="o", lora={"rank": 4, "target_modules": "all-linear"})
+    cfg = TrainConfig(data="d", model="micro", output="o", lora={"rank": 4, "target_modules": "all-linear"})
     assert cfg.lora_config.target_modules == lora.TARGETS and cfg.lora_config.scale == 4.0
-    assert TrainConfig(data="d", model="tiny", output="o").with_overrides(["lora.rank=2"]).lora_config.rank == 2
+    assert TrainConfig(data="d", model="micro", output="o").with_overrides(["lora.rank=2"]).lora_config.rank == 2
     for bad, match in [({"rank": 0}, "rank"), ({"target_modules": ["lm_head"]}, "target_modules"),
                        ({"dropout": 1.0}, "dropout"), ({"dropout": -0.1}, "dropout"),
                        ({"base_dtype": "int8"}, "base_dtype"), ({"ranks": 4}, "unknown keys")]:
         with pytest.raises(ConfigError, match=match):
-            TrainConfig(data="d", model="tiny", output="o", lora=bad)
+            TrainConfig(data="d", model="micro", output="o", lora=bad)
 
 
 def test_adapter_dropout_is_unbiased_and_only_in_training():

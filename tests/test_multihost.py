@@ -27,7 +27,7 @@ WORKER = textwrap.dedent('''
     from rmflow.schemas.config import TrainConfig
     from rmflow.trainer.train import run
     data, output, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    run(TrainConfig(data=data, model="tiny", output=output, max_steps=STEPS, batch_size=8, save_steps=2,
+    run(TrainConfig(data=data, model="micro", output=output, max_steps=STEPS, batch_size=8, save_steps=2,
                     logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack"), resume=resume)
     print("WORKER DONE")
 ''').replace("@STEPS@", str(STEPS))
@@ -44,7 +44,7 @@ REFERENCE = textwrap.dedent('''
     from rmflow.trainer.setup import build_model, make_trainer, read_manifest, shard_paths
     from rmflow.trainer.checkpoints import load_trained_model
     data, run_dir = sys.argv[1], sys.argv[2]
-    cfg = TrainConfig(data=data, model="tiny", output=run_dir, max_steps=STEPS, batch_size=8, save_steps=2,
+    cfg = TrainConfig(data=data, model="micro", output=run_dir, max_steps=STEPS, batch_size=8, save_steps=2,
                       logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack")
     manifest = read_manifest(data)
     trainer = make_trainer(cfg, build_model(cfg, manifest), STEPS)

@@ -167,7 +167,7 @@ def test_folders_yield_their_inputs_only(tmp_path):
 ])
 def test_values_no_model_should_see_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(data="d", model="tiny", output="o", **overrides)
+        TrainConfig(data="d", model="micro", output="o", **overrides)
 
 
 def test_margins_beyond_reward_units_are_refused():
@@ -180,7 +180,7 @@ def test_margins_beyond_reward_units_are_refused():
 def test_workflow_values_are_checked_where_defined(tmp_path):
     from rmflow.workflow import Workflow
 
-    base = {"output": str(tmp_path / "wf"), "train": {"model": "tiny"},
+    base = {"output": str(tmp_path / "wf"), "train": {"model": "micro"},
             "preprocess": {"inputs": ["x.jsonl"], "tokenizer": "t"}}
     with pytest.raises(ConfigError, match="'export' 'no': must be true or false"):
         Workflow.from_dict({**base, "export": "no"})
@@ -196,7 +196,7 @@ def test_workflow_values_are_checked_where_defined(tmp_path):
 def test_workflow_lists_only_real_config_changes(tmp_path):
     from rmflow.workflow import changed_keys
 
-    cfg = TrainConfig(data="d", model="tiny", output=str(tmp_path / "run"))
+    cfg = TrainConfig(data="d", model="micro", output=str(tmp_path / "run"))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text(cfg.to_json())  # tuples stored as lists
     assert changed_keys(str(tmp_path / "run"), cfg) == []
@@ -248,13 +248,13 @@ def test_every_command_that_writes_a_folder_takes_its_lock(tmp_path):
     proc = _holder(out)
     try:
         wf = tmp_path / "wf.yaml"
-        wf.write_text(json.dumps({"output": str(out), "train": {"model": "tiny"},
+        wf.write_text(json.dumps({"output": str(out), "train": {"model": "micro"},
                                   "preprocess": {"inputs": [str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz")],
                                                  "tokenizer": str(DEMO / "tokenizer")}}))
         commands = {
             "preprocess": ["preprocess", "-i", DEMO / "hh_rlhf_helpful_sample.jsonl.gz", "--tokenizer",
                            DEMO / "tokenizer", "-o", out],
-            "train": ["train", "--data", tmp_path / "nothing", "--model", "tiny", "-o", out],
+            "train": ["train", "--data", tmp_path / "nothing", "--model", "micro", "-o", out],
             "eval": ["eval", "--model", tmp_path / "nothing", "--data", tmp_path / "nothing", "-o", out],
             "export": ["export", tmp_path / "nothing", "-o", out],
             "run": ["run", wf],

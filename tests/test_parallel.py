@@ -139,7 +139,7 @@ RESUME_SCRIPT = textwrap.dedent('''
     # adam_eps 1e-6: AdamW divides by sqrt(v), so embedding rows with gradients near 1e-9 turn the
     # summation-order noise of another mesh into updates near lr (one element in 12.6M off by 1.3e-5
     # at eps 1e-8); the larger eps bounds that without changing what is compared.
-    common = dict(data=str(base / "shards"), model="tiny", max_steps=4, batch_size=8, save_steps=2,
+    common = dict(data=str(base / "shards"), model="micro", max_steps=4, batch_size=8, save_steps=2,
                   learning_rate=1e-3, adam_eps=1e-6, logging_steps=1, packing="none", save_total_limit=2)
     # The whole run on (1, 4, 2): parameters sharded over fsdp and tensor.
     train(TrainConfig(output=str(base / "a"), mesh_data=1, mesh_fsdp=4, mesh_tensor=2, **common))

@@ -332,7 +332,7 @@ def synthetic_steps(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def process_run(synthetic_steps):
-    cfg = TrainConfig(data=str(synthetic_steps / "shards"), model="tiny", output=str(synthetic_steps / "run"),
+    cfg = TrainConfig(data=str(synthetic_steps / "shards"), model="micro", output=str(synthetic_steps / "run"),
                       batch_size=16, learning_rate=2e-3, warmup_steps=10, max_steps=120, eval_steps=120,
                       save_steps=120, logging_steps=20, seed=0)
     return train(cfg), synthetic_steps / "run"
@@ -415,7 +415,7 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
     with pytest.raises(EvalError, match="--mode pairs and --normalize do not apply"):
         run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "e2"), normalize=True)
     with pytest.raises(TrainError, match="center_rewards_coefficient applies to pairwise .outcome. reward models"):
-        train(TrainConfig(data=str(synthetic_steps / "shards"), model="tiny", output=str(tmp_path / "r"),
+        train(TrainConfig(data=str(synthetic_steps / "shards"), model="micro", output=str(tmp_path / "r"),
                           max_steps=1, center_rewards_coefficient=0.01))
     # An exported process model is a 2-class token classifier: it cannot start an outcome model.
     from rmflow.trainer.export import export
@@ -461,7 +461,7 @@ def test_lora_process_model_exports_a_token_classification_adapter(synthetic_ste
     from rmflow.trainer.export import export
 
     run_dir = tmp_path / "lora"
-    train(TrainConfig(data=str(synthetic_steps / "shards"), model="tiny", output=str(run_dir), batch_size=8,
+    train(TrainConfig(data=str(synthetic_steps / "shards"), model="micro", output=str(run_dir), batch_size=8,
                       learning_rate=3e-3, max_steps=6, save_steps=6, logging_steps=6, seed=0,
                       lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
     model, _, _ = load_trained_model(str(run_dir))
@@ -492,7 +492,7 @@ def test_the_workflow_runs_a_process_model(synthetic_steps, tmp_path, tokenizer_
         "output": str(tmp_path / "out"),
         "preprocess": {"inputs": [str(tmp_path / "steps.jsonl")], "tokenizer": tokenizer_dir, "max_length": 128,
                        "eval_fraction": 0.25},
-        "train": {"model": "tiny", "max_steps": 3, "batch_size": 4, "logging_steps": 1},
+        "train": {"model": "micro", "max_steps": 3, "batch_size": 4, "logging_steps": 1},
         "eval": {"split": "eval"}, "export": True})
     logs = []
     assert run(wf, log=logs.append) == {"preprocess": "ran", "train": "ran", "eval": "ran", "export": "ran"}

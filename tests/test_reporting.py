@@ -59,7 +59,7 @@ def test_wandb_gets_the_same_metrics_and_the_config(demo_shards, tmp_path, monke
     shards = demo_shards
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = TrainConfig(data=str(shards), model="tiny", output=str(tmp_path / "run"), max_steps=4, batch_size=4,
+    cfg = TrainConfig(data=str(shards), model="micro", output=str(tmp_path / "run"), max_steps=4, batch_size=4,
                       logging_steps=1, eval_steps=2, save_steps=2, report_to=("tensorboard", "wandb"))
     train(cfg)
     run_id, history, config = logged(tmp_path / "run")
@@ -83,12 +83,12 @@ def test_wandb_gets_the_same_metrics_and_the_config(demo_shards, tmp_path, monke
 
 def test_report_to_values(demo_shards, tmp_path):
     shards = demo_shards
-    assert TrainConfig(data="d", model="tiny", output="o").report_to == ("tensorboard",)
-    assert TrainConfig(data="d", model="tiny", output="o", report_to=["none"]).report_to == ()
-    cfg = TrainConfig(data="d", model="tiny", output="o").with_overrides(["report_to=tensorboard,wandb"])
+    assert TrainConfig(data="d", model="micro", output="o").report_to == ("tensorboard",)
+    assert TrainConfig(data="d", model="micro", output="o", report_to=["none"]).report_to == ()
+    cfg = TrainConfig(data="d", model="micro", output="o").with_overrides(["report_to=tensorboard,wandb"])
     assert cfg.report_to == ("tensorboard", "wandb")
     with pytest.raises(ConfigError, match="report_to \\['mlflow'\\]"):
-        TrainConfig(data="d", model="tiny", output="o", report_to=("mlflow",))
-    train(TrainConfig(data=str(shards), model="tiny", output=str(tmp_path / "quiet"), max_steps=1, batch_size=2,
+        TrainConfig(data="d", model="micro", output="o", report_to=("mlflow",))
+    train(TrainConfig(data=str(shards), model="micro", output=str(tmp_path / "quiet"), max_steps=1, batch_size=2,
                       report_to=()))
     assert not (tmp_path / "quiet" / "tensorboard").exists() and (tmp_path / "quiet" / "metrics.jsonl").exists()

@@ -86,7 +86,7 @@ def test_optimizer_settings_are_the_train_config_s():
     for f in dataclasses.fields(OptimConfig):
         if f.name != "total_steps":
             assert f.name in train and f.default == train[f.name], f.name
-    cfg = TrainConfig(data="d", model="tiny", output="o", learning_rate=3e-4, lr_schedule="cosine", adam_b2=0.95)
+    cfg = TrainConfig(data="d", model="micro", output="o", learning_rate=3e-4, lr_schedule="cosine", adam_b2=0.95)
     o = OptimConfig.of(cfg, 7)
     assert (o.learning_rate, o.lr_schedule, o.adam_b2, o.total_steps) == (3e-4, "cosine", 0.95, 7)
 

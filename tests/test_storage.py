@@ -29,7 +29,7 @@ def remote_shards(demo_shards, tmp_path, monkeypatch):
 def test_train_eval_export_with_remote_shards_and_run(remote_shards, tmp_path):
     shards, bucket = remote_shards
     run_url = f"{bucket}/runs/r1"
-    train(TrainConfig(data=shards, model="tiny", output=run_url, max_steps=3, batch_size=4, save_steps=1,
+    train(TrainConfig(data=shards, model="micro", output=run_url, max_steps=3, batch_size=4, save_steps=1,
                       save_total_limit=1, logging_steps=1))
     fs = fsspec.filesystem("memory")
     remote = {p.split("/runs/r1/", 1)[1] for p in fs.find(run_url.removeprefix("memory://"))}
@@ -58,11 +58,11 @@ def test_train_eval_export_with_remote_shards_and_run(remote_shards, tmp_path):
     # Without --resume an existing remote run is refused and left whole (the mirror would replace it).
     before = sorted(fs.find(run_url.removeprefix("memory://")))
     with pytest.raises(storage.StorageError, match="already holds a run: pass --resume"):
-        train(TrainConfig(data=shards, model="tiny", output=run_url, max_steps=1, batch_size=4))
+        train(TrainConfig(data=shards, model="micro", output=run_url, max_steps=1, batch_size=4))
     assert sorted(fs.find(run_url.removeprefix("memory://"))) == before
 
     # Resume brings the remote run down first: more steps continue from step 3.
-    train(TrainConfig(data=shards, model="tiny", output=run_url, max_steps=3, batch_size=4, save_steps=1,
+    train(TrainConfig(data=shards, model="micro", output=run_url, max_steps=3, batch_size=4, save_steps=1,
                       save_total_limit=1, logging_steps=1), resume=True)  # already complete: nothing lost
     assert len(fs.cat_file(run_url.removeprefix("memory://") + "/metrics.jsonl").splitlines()) == 3
 

@@ -45,7 +45,7 @@ def synthetic(tmp_path_factory, tokenizer_dir):
 
 
 def config(data, out, **kw):
-    base = dict(data=str(data), model="tiny", output=str(out), batch_size=16, learning_rate=1e-3,
+    base = dict(data=str(data), model="micro", output=str(out), batch_size=16, learning_rate=1e-3,
                 logging_steps=10, seed=0)
     base.update(kw)
     steps = base.get("max_steps", 0)
@@ -72,7 +72,7 @@ def timing_free(history):
 def test_kill_9_then_resume_equals_an_uninterrupted_run(synthetic, tmp_path):
     kw = dict(max_steps=60, save_steps=10, eval_steps=30, learning_rate=3e-4)
     run_dir = tmp_path / "killed"
-    args = [sys.executable, "-m", "rmflow.cli", "train", "--data", str(synthetic), "--model", "tiny",
+    args = [sys.executable, "-m", "rmflow.cli", "train", "--data", str(synthetic), "--model", "micro",
             "--output", str(run_dir)] + [f"--set={k}={v}" for k, v in
                                          {**kw, "batch_size": 16, "warmup_steps": 10, "logging_steps": 10}.items()]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
