@@ -397,6 +397,15 @@ class RecordTokenizer:
         pattern = self._special_pattern()
         return bool(pattern) and any(pattern.search(t) for t in texts)
 
+    def render_text(self, conversation: tuple[Message, ...]) -> str:
+        """One conversation rendered with the chat template, as a pair's side is."""
+        return self._render_many([conversation], False)[0]
+
+    def encode_text(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
+        """Token ids of a text already rendered with a chat template (special-token strings are
+        the control tokens they name), as a rendering is tokenized."""
+        return np.asarray(self.backend.encode(text, add_special_tokens=add_special_tokens).ids, np.int32)
+
     def encode_conversation(self, conversation: tuple[Message, ...]) -> np.ndarray:
         """Token ids of one whole conversation (a reply to score), rendered and tokenized exactly as
         preprocessing renders a pair's side: message text is text. Raises BadRecord."""

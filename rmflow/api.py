@@ -88,16 +88,17 @@ class RewardModel:
         self.kind = loaded.kind.name  # schemas.kinds: "outcome" (a score per conversation), "process" (per step)
         self.step_separator = loaded.step_separator
         self._renderer = None
+        self._scorers: dict[Any, Any] = {}  # ScoringShapes -> SequenceScorer (compiled once per shape)
 
     @classmethod
-    def load(cls, path: str) -> RewardModel:
-        """From a run directory (its newest checkpoint) or an exported checkpoint folder, local
-        or remote (gs://, copied down once)."""
+    def load(cls, path: str, step: int | None = None) -> RewardModel:
+        """From a run directory (its newest checkpoint, or ``step``) or an exported checkpoint
+        folder, local or remote (gs://, copied down once)."""
         from transformers import AutoTokenizer
 
         from rmflow.trainer.inference import load_model, require_tokenizer
 
-        loaded = load_model(path)
+        loaded = load_model(path, step)
         tok = AutoTokenizer.from_pretrained(require_tokenizer(path, loaded.tokenizer_dir, "scoring"))
         return cls(loaded, tok, loaded.normalization)
 
@@ -108,30 +109,76 @@ class RewardModel:
             self._renderer = RecordTokenizer(self.tokenizer, self.step_separator)
         return self._renderer
 
-    def encode(self, conversation: Conversation) -> np.ndarray:
+    @property
+    def pad_id(self) -> int:
+        return self._loaded.pad_id
+
+    def identity(self) -> dict[str, Any]:
+        """Which weights score: run, step, kind and tokenizer hash (``LoadedModel.identity``)."""
+        return self._loaded.identity()
+
+    def encode(self, conversation: Conversation, *, truncate: str = "error") -> np.ndarray:
         """Token ids of one conversation, rendered and tokenized as preprocessing does (the chat
         template applied; message text, special-token strings included, as text); raises
-        BadConversation."""
+        BadConversation. Longer than the model's positions: an error, or with ``truncate="left"``
+        the earliest tokens dropped, as long as the reply to score stays whole."""
         from rmflow.pipelines.formats import BadRecord
 
+        messages = conversation_messages(conversation)
         try:
-            ids = self._record_tokenizer().encode_conversation(conversation_messages(conversation))
+            ids = np.asarray(self._record_tokenizer().encode_conversation(messages), np.int32)
         except BadRecord as e:
             raise BadConversation(e.message) from e
-        if len(ids) > self.max_length:
-            raise BadConversation(f"{len(ids)} tokens, more than the model's {self.max_length} positions")
-        return np.asarray(ids, np.int32)
+        if len(ids) <= self.max_length:
+            return ids
+        if truncate == "left":
+            reply = len(self.encode_text(messages[-1][1]))
+            if reply < self.max_length:
+                return ids[-self.max_length:]
+            raise BadConversation(f"the reply alone has {reply} tokens, more than the model's {self.max_length} "
+                                  "positions: left truncation cannot keep it whole")
+        raise BadConversation(f"{len(ids)} tokens, more than the model's {self.max_length} positions (ask for left "
+                              "truncation to drop the earliest tokens)")
+
+    def encode_text(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
+        """Token ids of a text already rendered with a chat template (special-token strings are
+        the control tokens they name), as preprocessing tokenizes a rendering."""
+        return np.asarray(self._record_tokenizer().encode_text(text, add_special_tokens=add_special_tokens), np.int32)
+
+    @property
+    def assistant_marker(self) -> str:
+        """What this model's chat template puts before an assistant reply (after the user's
+        turn): a rendered text without it was not made with this template."""
+        if not hasattr(self, "_marker"):
+            rendered = self._record_tokenizer().render_text((("user", "\x00U\x00"), ("assistant", "\x00A\x00")))
+            self._marker = rendered[rendered.index("\x00U\x00") + 3 : rendered.index("\x00A\x00")].strip()
+        return self._marker
+
+    def shapes(self, batch_size: int = SCORING_BATCH_SIZE, token_budget: int | None = None):
+        """The batch shapes this model scores in (``trainer.inference.ScoringShapes``): power-of-two
+        lengths up to the model's positions; ``batch_size`` rows each, or with a token budget
+        as many rows as fit it (at most ``batch_size``)."""
+        from rmflow.trainer.inference import ScoringShapes
+
+        return ScoringShapes(self.max_length, max_rows=batch_size, token_budget=token_budget)
+
+    def scorer(self, shapes=None):
+        """The model's ``SequenceScorer`` for ``shapes`` (default ``self.shapes()``), built and
+        compiled once and reused by every later call."""
+        from rmflow.trainer.inference import SequenceScorer
+
+        shapes = shapes or self.shapes()
+        if shapes not in self._scorers:
+            self._scorers[shapes] = SequenceScorer(self._loaded.model, shapes, pad_id=self._loaded.pad_id)
+        return self._scorers[shapes]
 
     def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
                   progress=None) -> np.ndarray:
         """Rewards of token sequences (each scored at its last token), in input order."""
-        from rmflow.trainer.inference import score_sequences
-
         self._require(OUTCOME, "score_ids")
         if not len(sequences):
             return np.zeros(0, np.float32)
-        return score_sequences(self._loaded.model, list(sequences), batch_size=batch_size,
-                               pad_id=self._loaded.pad_id, progress=progress)
+        return self.scorer(self.shapes(batch_size)).score(list(sequences), progress)
 
     def score(self, conversations: Sequence[Conversation], *, batch_size: int = SCORING_BATCH_SIZE,
               normalized: bool = False) -> np.ndarray:
@@ -152,9 +199,10 @@ class RewardModel:
 
     # ------------------------------------------------------------------ process reward models
 
-    def encode_steps(self, solution: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_steps(self, solution: dict[str, Any], *, truncate: str = "error") -> tuple[np.ndarray, np.ndarray]:
         """(token ids, index of each step's scoring token) of one solution, ``{"prompt": ...,
-        "completions": [step, ...]}``, rendered by the preprocessing code itself; raises BadConversation."""
+        "completions": [step, ...]}``, rendered by the preprocessing code itself; raises
+        BadConversation (also when too long: every step is scored, so nothing is truncated)."""
         from rmflow.pipelines.formats import BadRecord, solution_to_score
 
         self._require(PROCESS, "encode_steps")
@@ -165,7 +213,9 @@ class RewardModel:
         if isinstance(out, BadRecord):
             raise BadConversation(out.message)
         if len(out.input_ids) > self.max_length:
-            raise BadConversation(f"{len(out.input_ids)} tokens, more than the model's {self.max_length} positions")
+            raise BadConversation(f"{len(out.input_ids)} tokens, more than the model's {self.max_length} positions"
+                                  + (" (a solution is never truncated: each step is scored)" if truncate == "left"
+                                     else ""))
         return out.input_ids, out.step_ends
 
     def score_step_ids(self, encoded: Sequence[tuple[np.ndarray, np.ndarray]], *, batch_size: int = SCORING_BATCH_SIZE

@@ -21,6 +21,7 @@ from rmflow.schemas.config import (
     EvalConfig,
     PreprocessConfig,
     ScoreConfig,
+    ServeConfig,
     TrainConfig,
     help_for,
 )
@@ -369,6 +370,38 @@ def score(
                   f"[bold]{output}[/bold]")
     if counts["errors"]:
         raise typer.Exit(1)
+
+
+def _S(name: str, *flags: str):
+    return _option(ServeConfig, name, *flags)
+
+
+@command()
+def serve(
+    model: str = typer.Argument(..., help=help_for(ServeConfig, "model")),
+    step: int | None = _S("step"),
+    host: str = _S("host"),
+    port: int = _S("port"),
+    api_key: str = _S("api_key"),
+    max_length: int = _S("max_length"),
+    token_budget: int = _S("token_budget"),
+    max_batch_rows: int = _S("max_batch_rows"),
+    max_wait_ms: float = _S("max_wait_ms"),
+    max_queue: int = _S("max_queue"),
+    max_request_items: int = _S("max_request_items"),
+    max_body_mb: float = _S("max_body_mb"),
+    shutdown_timeout_s: float = _S("shutdown_timeout_s"),
+    normalize: bool = _S("normalize"),
+) -> None:
+    """Serve a reward model over HTTP with dynamic batching: POST /v1/score (conversations, or a process model's
+    solutions), /get_reward (OpenRLHF's --remote_rm_url), /classify (vLLM's pooling API, as verl calls it);
+    GET /health, /metrics (Prometheus), /v1/model. Needs the serve extra (pip install 'rmflow[serve]')."""
+    cfg = ServeConfig(**{k: v for k, v in locals().items()})
+    try:
+        from rmflow.server.app import serve as run_server
+    except ImportError as e:
+        raise RmflowError(f"rmflow serve needs the serve extra: pip install 'rmflow[serve]' ({e})") from e
+    raise typer.Exit(run_server(cfg))
 
 
 @command()

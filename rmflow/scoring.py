@@ -22,6 +22,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from rmflow.api import BadConversation, RewardModel
 from rmflow.metrics import STEP_THRESHOLD, first_error
 from rmflow.schemas.config import SCORING_BATCH_SIZE
@@ -76,38 +78,55 @@ def score_file(model_path: str, input_path: str, output_path: str, *, batch_size
                 if isinstance(obj, dict) else {}  # the user's own fields (an id ...), to join results back
             rows.append({**kept, "line": line_no, "error": reason})
     progress = progress_factory(len(seqs)) if progress_factory and seqs else None
-    for i, fields in zip(where, scorer.score(rm, seqs, batch_size, progress)):
-        rows[i].update(fields)
+    shapes = rm.shapes(batch_size)
+    for batch in shapes.plan([scorer.size(x) for x in seqs]):
+        for i, fields in zip(batch, scorer.run(rm, [seqs[i] for i in batch], shapes)):
+            rows[where[i]].update(fields)
+        if progress:
+            progress(len(batch))
     _write(output_path, rows)
     return {"scored": len(seqs), "errors": len(rows) - len(seqs)}
 
 
-def _score_outcome(rm: RewardModel, seqs: list, batch_size: int, progress) -> list[dict[str, Any]]:
-    scores = rm.score_ids(seqs, batch_size=batch_size, progress=progress)
+def _run_outcome(rm: RewardModel, seqs: list, shapes) -> list[dict[str, Any]]:
+    scores = rm.scorer(shapes).run(seqs)
     normalized = rm.normalize(scores) if rm.normalization and rm.normalization.get("std") else None
     return [{"score": float(s), **({"score_normalized": float(normalized[k])} if normalized is not None else {})}
             for k, s in enumerate(scores)]
 
 
-def _score_process(rm: RewardModel, seqs: list, batch_size: int, progress) -> list[dict[str, Any]]:
-    out = [{"step_scores": [float(x) for x in p], "first_error": first_error(p < STEP_THRESHOLD)}
-           for p in rm.score_step_ids(seqs, batch_size=batch_size)]
-    if progress:
-        progress(len(seqs))
-    return out
+def _run_process(rm: RewardModel, solutions: list, shapes) -> list[dict[str, Any]]:
+    return [{"step_scores": [float(x) for x in p], "first_error": first_error(p < STEP_THRESHOLD)}
+            for p in rm.score_step_ids(solutions, batch_size=max(len(solutions), 1))]
+
+
+def _warm_outcome(rm: RewardModel, shapes) -> None:
+    rm.scorer(shapes).warm_up()
+
+
+def _warm_process(rm: RewardModel, shapes) -> None:
+    """One probe solution (one step) per length: the packed rows of up to 8 steps compile now;
+    a batch with more steps in a row compiles its step-slot count on first use."""
+    for length in shapes.lengths:
+        probe = (np.full(length, rm.pad_id, np.int32), np.asarray([length - 1], np.int32))
+        rm.score_step_ids([probe], batch_size=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class Scorer:
-    encode: Callable[[RewardModel, Any], Any]  # one input line's object -> what ``score`` takes; BadConversation
-    score: Callable[[RewardModel, list, int, Any], list[dict[str, Any]]]  # -> the fields each scored line gets
+    encode: Callable[[RewardModel, Any], Any]  # one input object -> what ``run`` takes; raises BadConversation
+    size: Callable[[Any], int]  # an encoded input's tokens (how batches are cut)
+    # one batch that fits a shape of the ScoringShapes -> the fields each input gets
+    run: Callable[[RewardModel, list, Any], list[dict[str, Any]]]
     fields: tuple[str, ...]
+    warm_up: Callable[[RewardModel, Any], None]  # compile the batch shapes before the first request
 
 
-# Each reward model kind's (schemas.kinds) scoring of a JSONL line.
+# Each reward model kind's (schemas.kinds) scoring of one input (a JSONL line, a server request item).
 SCORERS = {
-    OUTCOME.name: Scorer(RewardModel.encode, _score_outcome, ("score", "score_normalized")),
-    PROCESS.name: Scorer(RewardModel.encode_steps, _score_process, ("step_scores", "first_error")),
+    OUTCOME.name: Scorer(RewardModel.encode, len, _run_outcome, ("score", "score_normalized"), _warm_outcome),
+    PROCESS.name: Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
+                         _warm_process),
 }
 OUTPUT_FIELDS = frozenset(f for s in SCORERS.values() for f in s.fields)  # a failed line drops these
 

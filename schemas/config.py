@@ -484,3 +484,54 @@ class ScoreConfig(_Serializable):
     def __post_init__(self) -> None:
         self._check_types()
         _check_int(self.batch_size, "batch_size", 1)
+
+
+SERVE_API_KEY_ENV = "RMFLOW_API_KEY"  # the bearer token `rmflow serve` requires when --api-key is not given
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig(_Serializable):
+    """Everything that determines an `rmflow serve` (its CLI options)."""
+
+    model: str = _opt("", "A run directory from `rmflow train` or an exported checkpoint folder (local or gs://).")
+    step: int | None = _opt(None, "Checkpoint step of a run directory to serve; default: the newest.")
+    host: str = _opt("127.0.0.1", "Address to listen on (0.0.0.0: every interface; then set an API key).")
+    port: int = _opt(8000, "Port to listen on (0: any free port; the chosen one is printed).")
+    api_key: str = _opt("", f"Bearer token every request must carry (Authorization: Bearer ...); default: the "
+                            f"{SERVE_API_KEY_ENV} environment variable; none: no authentication.")
+    max_length: int = _opt(0, "Longest sequence scored, in tokens; 0 = the model's positions. Fewer tokens, fewer "
+                              "batch shapes to compile at start-up.")
+    token_budget: int = _opt(16384, "Tokens per forward pass (rows x padded length): the dynamic batcher fills "
+                                    "up to this, and each batch shape holds about this many.")
+    max_batch_rows: int = _opt(64, "Sequences per forward pass at most.")
+    max_wait_ms: float = _opt(5.0, "How long the batcher waits for more requests before running a batch that is "
+                                   "not full.")
+    max_queue: int = _opt(8192, "Sequences waiting at most; beyond it requests get 503 with Retry-After.")
+    max_request_items: int = _opt(2048, "Sequences (conversations, queries, solutions) in one request at most.")
+    max_body_mb: float = _opt(64.0, "Largest request body, in MiB.")
+    shutdown_timeout_s: float = _opt(30.0, "On SIGTERM: stop accepting, then wait at most this long for the "
+                                           "requests in flight to finish.")
+    normalize: bool = _opt(False, "/get_reward and /classify return scores standardised by the model's "
+                                  "reward_normalization.json (`rmflow eval --normalize`), as OpenRLHF's "
+                                  "--normalize_reward does.")
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if not self.model:
+            raise ConfigError("model: required (a run directory or an exported checkpoint)")
+        if self.step is not None:
+            _check_int(self.step, "step", 0)
+        for name, minimum in (("port", 0), ("max_length", 0), ("token_budget", 1), ("max_batch_rows", 1),
+                              ("max_queue", 1), ("max_request_items", 1)):
+            _check_int(getattr(self, name), name, minimum)
+        if self.port > 65535:
+            raise ConfigError(f"port {self.port}: at most 65535")
+        for name in ("max_wait_ms", "max_body_mb", "shutdown_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} {getattr(self, name)}: must be >= 0")
+        if self.max_request_items > self.max_queue:
+            raise ConfigError(f"max_request_items {self.max_request_items} > max_queue {self.max_queue}: a request "
+                              "that big could never be queued")
+
+    def resolved_api_key(self) -> str:
+        return self.api_key or os.environ.get(SERVE_API_KEY_ENV, "")

@@ -50,16 +50,17 @@ def test_help_text_comes_from_the_config(tmp_path):
 
 
 def test_cli_options_are_their_config_fields():
-    """Every option of preprocess, eval and score that names a config field has that field's default and
-    help: a default or a text copied into the CLI could drift; these cannot."""
+    """Every option of preprocess, eval, score and serve that names a config field has that field's default
+    and help: a default or a text copied into the CLI could drift; these cannot."""
     import dataclasses
 
     import typer.main
-    from rmflow.schemas.config import EvalConfig, PreprocessConfig, ScoreConfig
+    from rmflow.schemas.config import EvalConfig, PreprocessConfig, ScoreConfig, ServeConfig
 
     from rmflow.cli import app
 
-    for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig), ("score", ScoreConfig)):
+    for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig), ("score", ScoreConfig),
+                      ("serve", ServeConfig)):
         fields = {f.name: f for f in dataclasses.fields(cls)}
         params = typer.main.get_command(app).commands[name].params
         checked = 0

@@ -50,7 +50,8 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 RUNS_UNDER = {"schemas": (), "pipelines": ("preprocess",), "trainer": ("train",), "rmflow": ("preprocess", "train")}
 IMPORT_NAMES = {"yaml": "pyyaml", "orbax": "orbax-checkpoint", "absl": "absl-py"}  # import name -> distribution
 # Imported only by an opt-in feature, which says which extra to install when it is missing.
-OPT_IN = {"wandb": "wandb"}
+OPT_IN = {"wandb": "wandb", "starlette": "starlette", "uvicorn": "uvicorn",  # rmflow serve: the serve extra
+          "prometheus_client": "prometheus-client"}
 
 
 def _dist(name: str) -> str:

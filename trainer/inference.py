@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from rmflow.schemas.config import SCORING_BATCH_SIZE, STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import ModelKind, kind_of_head
@@ -27,6 +28,7 @@ from rmflow.schemas.record import PairRecord, StepRecord
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.data import PackCollate, StepPackCollate, bucket_length
+from rmflow.trainer.data.collate import MIN_BUCKET
 from rmflow.trainer.data.steps import record_step_values
 from rmflow.trainer.modeling.convert import load_reward_model
 from rmflow.trainer.modeling.llama import RewardTransformer
@@ -49,6 +51,14 @@ class LoadedModel:
     description: str  # which weights: the run and step, or the checkpoint folder
     folder: str = ""  # the local folder it was read from (a copy, for a remote one)
     step_separator: str = STEP_SEPARATOR  # a process model's: the text after every step, as in its training data
+    step: int | None = None  # the checkpoint step (a run's, or the one an export was made from)
+    run: str | None = None  # the run directory the weights come from, when known
+
+    def identity(self) -> dict[str, Any]:
+        """What a scorer reports with its scores: the weights (run and step), the kind and the
+        tokenizer's fingerprint (the same hash the manifest keeps, chat template included)."""
+        return {"description": self.description, "run": self.run, "step": self.step, "kind": self.kind.name,
+                "tokenizer_hash": tokenizer_fingerprint(self.tokenizer_dir) if self.tokenizer_dir else None}
 
     @property
     def normalization(self) -> dict[str, Any] | None:
@@ -74,7 +84,7 @@ def load_model(path: str, step: int | None = None) -> LoadedModel:
         model, run, step = load_trained_model(path, step)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
-                           run.manifest.config.get("step_separator", STEP_SEPARATOR))
+                           run.manifest.config.get("step_separator", STEP_SEPARATOR), step, os.path.abspath(path))
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an "
                              "exported checkpoint folder")
@@ -85,13 +95,14 @@ def load_model(path: str, step: int | None = None) -> LoadedModel:
         pad = json.load(f).get("pad_token_id") or 0
     description = f"checkpoint {os.path.abspath(path)}"
     info = os.path.join(path, EXPORT_INFO)
-    separator = STEP_SEPARATOR
+    separator, exported = STEP_SEPARATOR, {}
     if os.path.exists(info):
         with open(info) as f:
             exported = json.load(f)
         description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
         separator = exported.get("step_separator", separator)
-    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator)
+    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator,
+                       exported.get("step"), exported.get("run"))
 
 
 
@@ -103,32 +114,114 @@ def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoringShapes:
+    """The fixed set of (rows, length) shapes scoring runs, so jit compiles each once (and a
+    server compiles them all at load, never per request): lengths are the powers of two from 16
+    below ``max_length``, then ``max_length``; a length's rows are ``token_budget // length``
+    rounded down to a power of two, between 1 and ``max_rows``. With no token budget every
+    length gets ``max_rows`` rows (``batch_size`` sequences a forward, what eval and the API do)."""
+
+    max_length: int
+    max_rows: int = SCORING_BATCH_SIZE
+    token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_length < 1 or self.max_rows < 1 or (self.token_budget is not None and self.token_budget < 1):
+            raise ValueError(f"scoring shapes need a positive max_length, max_rows and token budget: {self}")
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        out, n = [], MIN_BUCKET
+        while n < self.max_length:
+            out.append(n)
+            n *= 2
+        return (*out, self.max_length)
+
+    def length_for(self, n: int) -> int:
+        """The shortest length of the set that holds ``n`` tokens."""
+        return bucket_length(n, self.max_length)
+
+    def rows(self, length: int) -> int:
+        if self.token_budget is None:
+            return self.max_rows
+        return max(1, min(self.max_rows, 1 << max(self.token_budget // length, 1).bit_length() - 1))
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        return tuple((self.rows(n), n) for n in self.lengths)
+
+    def plan(self, lengths: Sequence[int]) -> list[np.ndarray]:
+        """Batches of indices into ``lengths``, shortest first: each fills at most the rows of
+        the length its longest member needs."""
+        order = np.argsort(np.asarray(lengths, np.int64), kind="stable")
+        batches: list[list[int]] = []
+        for i in order:
+            if not batches or len(batches[-1]) + 1 > self.rows(self.length_for(int(lengths[i]))):
+                batches.append([])
+            batches[-1].append(int(i))
+        return [np.asarray(b, np.int64) for b in batches]
+
+
+class SequenceScorer:
+    """An outcome model's forward, jitted once over the shapes of ``ScoringShapes``: ``score``
+    cuts any number of token sequences into batches of those shapes and returns the rewards in
+    input order; ``run`` scores one batch that fits a shape (the reward server's batcher).
+    The parameters are an argument of the compiled function, not constants baked into it."""
+
+    def __init__(self, model: RewardTransformer, shapes: ScoringShapes, *, pad_id: int = 0):
+        graphdef, state = nnx.split(model)
+        self.shapes, self.pad_id, self._state = shapes, pad_id, state
+
+        @jax.jit
+        def forward(state, ids, pos, seg, idx):
+            return nnx.merge(graphdef, state)(ids, pos, seg, idx)
+
+        self._forward = forward
+        self.compiled: set[tuple[int, int]] = set()  # shapes run so far
+
+    def warm_up(self) -> None:
+        """Compile every shape now (a server does this before it says it is ready)."""
+        for rows, length in self.shapes.shapes:
+            self._run_padded(np.full((rows, length), self.pad_id, np.int32), np.zeros((rows, length), np.int32),
+                             np.zeros(rows, np.int32))
+
+    def _run_padded(self, ids: np.ndarray, seg: np.ndarray, last: np.ndarray) -> np.ndarray:
+        self.compiled.add(ids.shape)
+        pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+        return np.asarray(self._forward(self._state, ids, pos, seg, last))
+
+    def run(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
+        """Rewards of one batch: at most the rows of the length its longest sequence needs."""
+        length = self.shapes.length_for(max(len(s) for s in sequences))
+        rows = self.shapes.rows(length)
+        if len(sequences) > rows:
+            raise ValueError(f"{len(sequences)} sequences of up to {length} tokens: a batch holds {rows}")
+        ids = np.full((rows, length), self.pad_id, np.int32)
+        seg = np.zeros_like(ids)
+        last = np.zeros(rows, np.int32)
+        for row, s in enumerate(sequences):
+            ids[row, : len(s)], seg[row, : len(s)], last[row] = s, 1, len(s) - 1
+        return self._run_padded(ids, seg, last)[: len(sequences)]
+
+    def score(self, sequences: Sequence[np.ndarray], progress=None) -> np.ndarray:
+        """Rewards of any number of sequences (each at its last token), in input order."""
+        scores = np.zeros(len(sequences), np.float32)
+        for batch in self.shapes.plan([len(s) for s in sequences]):
+            scores[batch] = self.run([sequences[i] for i in batch])
+            if progress:
+                progress(len(batch))
+        return scores
+
+
 def score_sequences(model: RewardTransformer, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
                     pad_id: int = 0, progress=None) -> np.ndarray:
-    """The reward of each token sequence (at its last token), batched in length order to waste
-    little padding; returned in the input order."""
-    @jax.jit
-    def forward(ids, pos, seg, idx):
-        return model(ids, pos, seg, idx)
-
-    order = np.argsort([len(s) for s in sequences], kind="stable")
-    scores = np.zeros(len(sequences), np.float32)
-    longest_allowed = max(len(s) for s in sequences)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        length = bucket_length(max(len(sequences[i]) for i in chunk), longest_allowed)
-        ids = np.full((batch_size, length), pad_id, np.int32)
-        seg = np.zeros_like(ids)
-        last = np.zeros(batch_size, np.int32)
-        for row, i in enumerate(chunk):
-            n = len(sequences[i])
-            ids[row, :n], seg[row, :n], last[row] = sequences[i], 1, n - 1
-        pos = np.broadcast_to(np.arange(length, dtype=np.int32), ids.shape)
-        scores[chunk] = np.asarray(forward(ids, pos, seg, last))[: len(chunk)]
-        if progress:
-            progress(len(chunk))
-    return scores
-
+    """The reward of each token sequence (at its last token), ``batch_size`` a forward in length
+    order, in power-of-two lengths; returned in the input order (a one-off ``SequenceScorer``)."""
+    if not len(sequences):
+        return np.zeros(0, np.float32)
+    shapes = ScoringShapes(max(len(s) for s in sequences), max_rows=batch_size)
+    return SequenceScorer(model, shapes, pad_id=pad_id).score(sequences, progress)
 
 
 def score_pairs(model: RewardTransformer, records: Sequence[PairRecord], *, batch_size: int = SCORING_BATCH_SIZE,

@@ -1,0 +1,179 @@
+"""The reward server against the offline batched core, on real HH-RLHF conversations.
+
+Starts `rmflow serve` as a process on a free localhost port and sends the conversations from
+C concurrent clients (one conversation a request: the hardest case, and how verl's reward loop
+calls a server), C = 1, 8, 64; measures sequences/s, real tokens/s and p50 / p99 latency. The
+reference, in the same run: the same conversations scored offline by the same core
+(``SequenceScorer`` over the same batch shapes, already compiled), and one forward pass of a
+single sequence of the median length. Prints the ratios the issue asks for.
+
+    .venv/bin/python benchmarks/serve.py [--model RUN_OR_EXPORT] [--n 512] [--max-length 512] [--repeat 3]
+
+Without --model it trains the tiny preset for 2 steps on the demo data first (a model's
+weights do not change its speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import gzip
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import requests  # noqa: E402
+
+DATA = REPO.parent / "shared" / "data" / "hh_helpful_base_test_first2000.jsonl.gz"
+
+
+def conversations(n: int) -> list[list[dict]]:
+    from rmflow.pipelines.formats import parse_hh_transcript
+
+    out = []
+    with gzip.open(DATA, "rt", encoding="utf-8") as f:
+        for line in f:
+            msgs = parse_hh_transcript(json.loads(line)["chosen"], "chosen")
+            if msgs[-1][0] == "assistant":
+                out.append([{"role": r, "content": c} for r, c, *_ in msgs])
+            if len(out) >= n:
+                break
+    return out
+
+
+def default_model(tmp: str) -> str:
+    from rmflow.pipelines.preprocess import run as preprocess
+    from rmflow.schemas.config import PreprocessConfig, TrainConfig
+    from rmflow.trainer.train import run as train
+
+    demo = REPO / "rmflow" / "demo"
+    preprocess(PreprocessConfig(inputs=(str(demo / "hh_rlhf_helpful_sample.jsonl.gz"),), output=f"{tmp}/shards",
+                                tokenizer=str(demo / "tokenizer"), max_length=256, max_bad_fraction=1.0))
+    train(TrainConfig(data=f"{tmp}/shards", model="tiny", output=f"{tmp}/run", max_steps=2, batch_size=4))
+    return f"{tmp}/run"
+
+
+def fits(rm, conversation) -> bool:
+    from rmflow.api import BadConversation
+
+    try:
+        rm.encode(conversation)  # longer than rm.max_length: BadConversation
+        return True
+    except BadConversation:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clients(url: str, convs: list, concurrency: int) -> tuple[float, list[float]]:
+    """(wall seconds, per-request latencies): each client sends its share, one conversation a request."""
+    shares = [convs[i::concurrency] for i in range(concurrency)]
+
+    def client(share):
+        session, lat = requests.Session(), []
+        for c in share:
+            t = time.perf_counter()
+            r = session.post(url + "/v1/score", json={"conversations": [c]}, timeout=300)
+            lat.append(time.perf_counter() - t)
+            assert r.status_code == 200, r.text
+        return lat
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        lat = [x for part in pool.map(client, shares) for x in part]
+    return time.perf_counter() - start, lat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a run directory or an export; default: the tiny preset, trained 2 steps")
+    ap.add_argument("--n", type=int, default=512, help="conversations")
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--token-budget", type=int, default=8192)
+    ap.add_argument("--max-batch-rows", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,8,64")
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    from rmflow import RewardModel
+
+    tmp = tempfile.mkdtemp(prefix="rmflow-bench-serve-")
+    model = a.model or default_model(tmp)
+    rm = RewardModel.load(model)
+    rm.max_length = a.max_length
+    convs = [c for c in conversations(a.n * 2) if fits(rm, c)][: a.n]
+    encoded = [rm.encode(c) for c in convs]
+    tokens = sum(map(len, encoded))
+    shapes = rm.shapes(a.max_batch_rows, a.token_budget)
+    scorer = rm.scorer(shapes)
+    scorer.warm_up()
+    offline = []
+    for _ in range(a.repeat):
+        t = time.perf_counter()
+        reference = scorer.score(encoded)
+        offline.append(time.perf_counter() - t)
+    median_seq = sorted(encoded, key=len)[len(encoded) // 2]
+    one = []
+    for _ in range(max(a.repeat, 5)):
+        t = time.perf_counter()
+        scorer.run([median_seq])
+        one.append(time.perf_counter() - t)
+    off_s = statistics.median(offline)
+    print(f"{len(convs)} HH-RLHF conversations, {tokens:,} real tokens (median {len(median_seq)}), "
+          f"max_length {a.max_length}, token budget {a.token_budget}; model: {rm.description}")
+    print(f"offline core: {len(convs) / off_s:,.1f} seq/s, {tokens / off_s:,.0f} tok/s "
+          f"(median of {a.repeat}: {', '.join(f'{x:.2f}' for x in offline)} s); one forward of "
+          f"{len(median_seq)} tokens: {statistics.median(one) * 1000:.1f} ms")
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rmflow.cli", "serve", model, "--port", str(port),
+                             "--max-length", str(a.max_length), "--token-budget", str(a.token_budget),
+                             "--max-batch-rows", str(a.max_batch_rows)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 600
+        while time.monotonic() < end:
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if proc.poll() is not None:
+                raise SystemExit(proc.stdout.read())
+            time.sleep(0.1)
+        got = requests.post(url + "/v1/score", json={"conversations": convs}, timeout=600).json()["scores"]
+        print(f"server scores vs offline: max |diff| {np.max(np.abs(np.asarray(got) - reference)):.2e}")
+        for c in map(int, a.concurrency.split(",")):
+            runs = [clients(url, convs, c) for _ in range(a.repeat)]
+            walls = [w for w, _ in runs]
+            wall = statistics.median(walls)
+            lat = sorted(x for _, ls in runs for x in ls)
+            p50, p99 = lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+            line = (f"concurrency {c:>3}: {len(convs) / wall:8,.1f} seq/s {tokens / wall:9,.0f} tok/s "
+                    f"({len(convs) / wall / (len(convs) / off_s):.2f}x offline; walls {', '.join(f'{w:.2f}' for w in walls)}"
+                    f" s)  p50 {p50 * 1000:7.1f} ms  p99 {p99 * 1000:7.1f} ms")
+            if c == 1:
+                line += f"  (p50 / one forward: {p50 / statistics.median(one):.2f}x)"
+            print(line, flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+if __name__ == "__main__":
+    main()

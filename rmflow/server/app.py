@@ -1,0 +1,268 @@
+"""`rmflow serve`: a reward model behind HTTP, for RL loops (PPO, GRPO) and anything else.
+
+A Starlette app on uvicorn. The model loads, and every batch shape compiles, in a background
+thread after the port is bound: ``GET /health`` answers 503 until then, 200 after. Scoring
+requests are read and tokenized off the event loop, queued in the ``DynamicBatcher`` and
+awaited; the device thread runs the batches. One model per process.
+
+Endpoints (``rmflow/server/protocol.py`` reads their bodies): ``POST /v1/score`` (native),
+``POST /get_reward`` (OpenRLHF), ``POST /classify`` (vLLM pooling, as verl calls it),
+``GET /v1/model``, ``GET /health``, ``GET /metrics`` (Prometheus). With an API key, every
+request must carry ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from rmflow.schemas.config import ServeConfig
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
+from rmflow.server.metrics import ServerMetrics
+from rmflow.server.protocol import NATIVE, Parsed, RequestError, read_classify, read_get_reward, read_native
+
+log = logging.getLogger("rmflow.serve")
+RETRY_AFTER_S = 1
+
+
+class Service:
+    """The model, its batcher and metrics; ``load`` runs once, in a background thread."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        self.rm = None
+        self.batcher: DynamicBatcher | None = None
+        self.shapes = None
+        self.error: str | None = None
+        self.ready = threading.Event()
+        self.metrics = ServerMetrics(lambda: self.batcher.depth if self.batcher else 0)
+
+    def load(self) -> None:
+        from rmflow.api import RewardModel
+        from rmflow.scoring import SCORERS
+
+        cfg = self.cfg
+        rm = RewardModel.load(cfg.model, cfg.step)
+        if cfg.max_length:
+            rm.max_length = min(cfg.max_length, rm.max_length)
+        if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
+            raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
+                                    "--normalize` on it first")
+        shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget)
+        scorer = SCORERS[rm.kind]
+        scorer.warm_up(rm, shapes)
+        _ = rm.assistant_marker  # rendered once, before the first request
+        self.rm, self.shapes = rm, shapes
+        self.batcher = DynamicBatcher(lambda batch: scorer.run(rm, batch, shapes), shapes.plan,
+                                      token_budget=cfg.token_budget, max_wait_s=cfg.max_wait_ms / 1000,
+                                      max_queue=cfg.max_queue, on_batch=self.metrics.batch)
+        self.metrics.ready.set(1)
+        self.ready.set()
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close(self.cfg.shutdown_timeout_s)
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def create_app(service: Service) -> Starlette:
+    cfg, metrics = service.cfg, service.metrics
+    api_key = cfg.resolved_api_key()
+    max_body = int(cfg.max_body_mb * 1024 * 1024)
+
+    def authorized(request: Request) -> bool:
+        if not api_key:
+            return True
+        given = request.headers.get("authorization", "")
+        return given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())
+
+    async def read_json(request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            raise RequestError(413, f"the body has {int(declared):,} bytes, at most {max_body:,} (--max-body-mb)",
+                               reason="too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise RequestError(413, f"the body is larger than {max_body:,} bytes (--max-body-mb)",
+                                   reason="too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(400, f"the body is not valid UTF-8 ({e})", reason="bad_json") from e
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise RequestError(400, f"the body is not valid JSON: {e}", reason="bad_json") from e
+
+    def scoring(name: str, reader: Callable, respond: Callable[[Parsed, list], dict[str, Any]]):
+        async def handler(request: Request) -> Response:
+            start, headers = time.monotonic(), {}
+            try:
+                if not authorized(request):
+                    raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                       reason="unauthorized")
+                if not service.ready.is_set():
+                    headers["Retry-After"] = str(RETRY_AFTER_S)
+                    raise RequestError(503, "the model is still loading; see GET /health", reason="not_ready")
+                body = await read_json(request)
+                parsed = await run_in_threadpool(reader, body, service.rm, cfg.max_request_items)
+                metrics.template_mismatches.inc(parsed.options.get("template_mismatches", 0))
+                try:
+                    futures = service.batcher.submit(parsed.encoded, parsed.sizes)
+                except (QueueFull, Closed) as e:
+                    headers["Retry-After"] = str(RETRY_AFTER_S)
+                    raise RequestError(503, f"overloaded: {e}; retry after {RETRY_AFTER_S} s",
+                                       reason="queue_full" if isinstance(e, QueueFull) else "shutting_down") from e
+                results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+                payload, status = respond(parsed, results), 200
+                if parsed.warnings:
+                    payload["warnings"] = parsed.warnings
+            except RequestError as e:
+                payload, status = e.body(), e.status
+                metrics.errors.labels(name, e.reason).inc()
+            except Exception as e:  # noqa: BLE001 - one request fails, the server stays up
+                log.exception("%s failed", name)
+                payload, status = {"error": f"internal error: {type(e).__name__}: {e}"}, 500
+                metrics.errors.labels(name, "internal").inc()
+            metrics.requests.labels(name, str(status)).inc()
+            metrics.latency.labels(name).observe(time.monotonic() - start)
+            return JSONResponse(payload, status, headers=headers)
+
+        return handler
+
+    def identity() -> dict[str, Any]:
+        return service.rm.identity()
+
+    def respond_native(parsed: Parsed, results: list) -> dict[str, Any]:
+        out = {}
+        for column, field in NATIVE[service.rm.kind].columns.items():
+            if field == "score_normalized" and not parsed.options.get("normalized"):
+                continue
+            out[column] = [r[field] for r in results]
+        return {**out, "model": identity()}
+
+    def reward(r: dict[str, Any]) -> float:
+        return r["score_normalized"] if cfg.normalize else r["score"]
+
+    def respond_get_reward(parsed: Parsed, results: list) -> dict[str, Any]:
+        rewards = [reward(r) for r in results]
+        return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
+
+    def respond_classify(parsed: Parsed, results: list) -> dict[str, Any]:
+        act = parsed.options["activation"]
+        data = [{"index": i, "label": "LABEL_0", "probs": [_sigmoid(reward(r)) if act else reward(r)],
+                 "num_classes": 1, "object": "classification"} for i, r in enumerate(results)]
+        tokens = sum(parsed.sizes)
+        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": cfg.model, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+
+    def plain(name: str, make: Callable[[], Response]):
+        async def handler(request: Request) -> Response:
+            if not authorized(request):
+                metrics.errors.labels(name, "unauthorized").inc()
+                metrics.requests.labels(name, "401").inc()
+                return JSONResponse({"error": "missing or wrong API key: send 'Authorization: Bearer <key>'"}, 401)
+            response = make()
+            metrics.requests.labels(name, str(response.status_code)).inc()
+            return response
+
+        return handler
+
+    def health() -> Response:
+        if service.error:
+            return JSONResponse({"status": "failed", "error": service.error}, 500)
+        if not service.ready.is_set():
+            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return JSONResponse({"status": "ready", "queue_depth": service.batcher.depth})
+
+    def model_info() -> Response:
+        if not service.ready.is_set():
+            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return JSONResponse({**identity(), "max_length": service.rm.max_length,
+                             "batch_shapes": [list(s) for s in service.shapes.shapes],
+                             "endpoints": ["/v1/score", "/get_reward", "/classify"]})
+
+    routes = [
+        Route("/v1/score", scoring("score", read_native, respond_native), methods=["POST"]),
+        Route("/get_reward", scoring("get_reward", read_get_reward, respond_get_reward), methods=["POST"]),
+        Route("/classify", scoring("classify", read_classify, respond_classify), methods=["POST"]),
+        Route("/health", plain("health", health), methods=["GET"]),
+        Route("/v1/model", plain("model", model_info), methods=["GET"]),
+        Route("/metrics", plain("metrics", lambda: Response(metrics.render(), media_type=metrics.content_type)),
+              methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+def serve(cfg: ServeConfig) -> int:
+    """Run until SIGTERM / SIGINT (then: stop accepting, finish what is in flight, exit 0), or
+    until the model fails to load (exit 1, the reason on stderr)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        stopped_by: list[int] = []
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's graceful stop on SIGTERM / SIGINT, without re-raising the signal
+            afterwards: for a server, a stop is its normal end (exit 0)."""
+            with super().capture_signals():
+                yield
+                self.stopped_by = list(self._captured_signals)
+                self._captured_signals.clear()
+
+    service = Service(cfg)
+    app = create_app(service)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=cfg.shutdown_timeout_s, lifespan="off")
+    server = Server(config)
+
+    def load() -> None:
+        try:
+            service.load()
+        except Exception as e:  # noqa: BLE001 - said once, then the server exits
+            service.error = str(e) if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
+            print(f"rmflow serve: cannot serve {cfg.model}: {service.error}", file=sys.stderr, flush=True)
+            server.should_exit = True
+            return
+        while not server.started and not server.should_exit:
+            time.sleep(0.01)
+        ports = [s.getsockname()[1] for srv in server.servers for s in srv.sockets] or [cfg.port]
+        print(f"rmflow serve: ready on http://{cfg.host}:{ports[0]} ({service.rm.description}, "
+              f"{service.rm.kind} reward model, {len(service.shapes.shapes)} batch shapes compiled)", flush=True)
+
+    threading.Thread(target=load, name="rmflow-load", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        with contextlib.suppress(Exception):
+            service.close()
+    if server.stopped_by:
+        print(f"rmflow serve: stopped by {signal.Signals(server.stopped_by[0]).name} (requests in flight finished)",
+              flush=True)
+    return 1 if service.error else 0

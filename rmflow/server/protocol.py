@@ -1,0 +1,191 @@
+"""The reward server's request bodies, read and checked without any HTTP: each reader turns a
+decoded JSON body into the items to score, or raises ``RequestError`` naming what is wrong (and,
+for a bad item, its index). Three protocols:
+
+* native ``POST /v1/score``: conversations (OpenAI-style messages), rendered with the model's
+  own chat template; for a process reward model, solutions (prompt and steps);
+* ``POST /get_reward``: OpenRLHF's remote reward model (``--remote_rm_url``): ``query`` holds
+  full texts the policy already rendered; ``prompts`` and ``labels`` are accepted and ignored;
+* ``POST /classify``: vLLM's pooling API as verl's reward loop calls it: ``input``, one text or
+  a list, already rendered with the reward model's template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rmflow.schemas.kinds import OUTCOME, PROCESS, kind_named
+
+from rmflow.api import BadConversation, RewardModel
+from rmflow.scoring import SCORERS
+
+
+class RequestError(Exception):
+    """A request that cannot be served as sent: HTTP ``status``, a message, the bad items."""
+
+    def __init__(self, status: int, message: str, items: list[dict[str, Any]] | None = None, reason: str = "bad_request"):
+        super().__init__(message)
+        self.status, self.message, self.items, self.reason = status, message, items or [], reason
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.message, **({"items": self.items} if self.items else {})}
+
+
+TRUNCATE = ("error", "left")
+
+
+@dataclasses.dataclass
+class Parsed:
+    """A request's items, encoded for the model, and what the response needs to know."""
+
+    encoded: list[Any]
+    sizes: list[int]
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _list(body: dict[str, Any], key: str, limit: int, *, also: str = "") -> list[Any]:
+    if key not in body:
+        raise RequestError(400, f"missing '{key}'{also}")
+    value = body[key]
+    if not isinstance(value, list):
+        raise RequestError(400, f"'{key}' must be a list, got {type(value).__name__}")
+    if not value:
+        raise RequestError(400, f"'{key}' is empty: send at least one item")
+    if len(value) > limit:
+        raise RequestError(413, f"'{key}' has {len(value)} items, at most {limit} a request (--max-request-items); "
+                                "split the request", reason="too_many_items")
+    return value
+
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise RequestError(400, f"'{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _encode_all(items: list[Any], encode, what: str) -> list[Any]:
+    """Every item encoded; all bad items named at once (nothing is scored when any is bad)."""
+    out, bad = [], []
+    for i, item in enumerate(items):
+        try:
+            out.append(encode(item))
+        except BadConversation as e:
+            bad.append({"index": i, "error": str(e)})
+    if bad:
+        first = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise RequestError(422, f"{what} {first['index']}: {first['error']}{more}", bad, reason="bad_item")
+    return out
+
+
+def _kind_check(rm: RewardModel, wanted, endpoint: str) -> None:
+    if rm.kind != wanted.name:
+        raise RequestError(400, f"{endpoint}: this server's model is {rm.description} ({rm.kind} reward model); "
+                                f"{endpoint} serves {wanted.description}s", reason="wrong_kind")
+
+
+@dataclasses.dataclass(frozen=True)
+class Native:
+    """A reward model kind's native request and response: the request's list key, each item's
+    encoding, and the response columns (name -> the scoring field, ``rmflow.scoring.SCORERS``)."""
+
+    key: str
+    what: str  # one item, in error messages
+    columns: dict[str, str]
+
+
+# Each kind (schemas.kinds) on POST /v1/score.
+NATIVE = {
+    OUTCOME.name: Native("conversations", "conversation", {"scores": "score", "normalized_scores": "score_normalized"}),
+    PROCESS.name: Native("solutions", "solution", {"step_scores": "step_scores", "first_errors": "first_error"}),
+}
+
+
+def read_native(body: Any, rm: RewardModel, max_items: int) -> Parsed:
+    """``{"conversations": [...], "normalized": false, "truncate": "error"}`` (an outcome model)
+    or ``{"solutions": [{"prompt": ..., "completions": [...]}, ...]}`` (a process model)."""
+    body = _object(body)
+    native = NATIVE[rm.kind]
+    for other in NATIVE.values():
+        if other is not native and other.key in body and native.key not in body:
+            raise RequestError(400, f"this is {kind_named(rm.kind).description}: send '{native.key}', not "
+                                    f"'{other.key}'", reason="wrong_kind")
+    items = _list(body, native.key, max_items)
+    normalized = _flag(body, "normalized", False)
+    if normalized and not (rm.normalization and rm.normalization.get("std")):
+        raise RequestError(400, "'normalized': this model has no reward_normalization.json (run `rmflow eval "
+                                "--normalize` on it first)")
+    truncate = body.get("truncate", "error")
+    if truncate not in TRUNCATE:
+        raise RequestError(400, f"'truncate' must be one of {', '.join(map(repr, TRUNCATE))}, got {truncate!r}")
+    encoded = _encode_all(items, lambda x: SCORERS[rm.kind].encode(rm, x, truncate=truncate), native.what)
+    return Parsed(encoded, [SCORERS[rm.kind].size(x) for x in encoded], {"normalized": normalized})
+
+
+def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: bool) -> list[Any]:
+    def encode(text: Any):
+        if not isinstance(text, str):
+            raise BadConversation(f"must be a string (a rendered conversation), got {type(text).__name__}")
+        if not text.strip():
+            raise BadConversation("is empty")
+        ids = rm.encode_text(text, add_special_tokens=add_special_tokens)
+        if len(ids) > rm.max_length:
+            raise BadConversation(f"{len(ids)} tokens, more than the server's {rm.max_length} (--max-length)")
+        if not len(ids):
+            raise BadConversation("has no tokens")
+        return ids
+
+    return _encode_all(values, encode, key)
+
+
+def _strip_padding(text: str, rm: RewardModel) -> str:
+    """A policy batch's padding, as OpenRLHF's own server strips it."""
+    pad = rm.tokenizer.pad_token
+    if pad and pad != rm.tokenizer.eos_token:
+        while text.endswith(pad):
+            text = text[: -len(pad)]
+        while text.startswith(pad):
+            text = text[len(pad):]
+    return text
+
+
+def read_get_reward(body: Any, rm: RewardModel, max_items: int) -> Parsed:
+    """OpenRLHF: ``{"query": [text, ...], "prompts": [...], "labels": [...]}``; each query is
+    scored as the text it is (tokenized with the reward model's tokenizer, no tokens added)."""
+    body = _object(body)
+    _kind_check(rm, OUTCOME, "/get_reward")
+    queries = _list(body, "query", max_items, also=" (OpenRLHF sends the rendered prompt + response texts there)")
+    for key in ("prompts", "labels"):
+        if body.get(key) is not None and (not isinstance(body[key], list) or len(body[key]) != len(queries)):
+            raise RequestError(400, f"'{key}' must be a list as long as 'query' ({len(queries)})")
+    queries = [_strip_padding(q, rm) if isinstance(q, str) else q for q in queries]
+    encoded = _texts(queries, "query", rm, add_special_tokens=False)
+    marker = rm.assistant_marker
+    missing = [i for i, q in enumerate(queries) if marker and marker not in q]
+    warnings = [f"{len(missing)} of {len(queries)} queries (first: {missing[0]}) lack {marker!r}, which the reward "
+                "model's chat template puts before a reply: they were rendered with another template, and their "
+                "scores are not what the reward model was trained to give"] if missing else []
+    return Parsed(encoded, [len(x) for x in encoded], {"template_mismatches": len(missing)}, warnings)
+
+
+def read_classify(body: Any, rm: RewardModel, max_items: int) -> Parsed:
+    """vLLM / verl: ``{"model": ..., "input": text or [text, ...], "activation": bool}``
+    (``use_activation`` as newer vLLM names it; ``add_special_tokens`` as vLLM, default true)."""
+    body = _object(body)
+    _kind_check(rm, OUTCOME, "/classify")
+    if "input" not in body:
+        raise RequestError(400, "missing 'input' (a rendered conversation, or a list of them)")
+    single = isinstance(body["input"], str)
+    inputs = [body["input"]] if single else _list(body, "input", max_items)
+    activation = _flag(body, "use_activation", _flag(body, "activation", True))
+    encoded = _texts(inputs, "input", rm, add_special_tokens=_flag(body, "add_special_tokens", True))
+    return Parsed(encoded, [len(x) for x in encoded], {"activation": activation})

@@ -1,0 +1,360 @@
+"""`rmflow serve`: the real server, started as a process on an ephemeral localhost port and
+spoken to over HTTP. Its scores equal the Python API's (outcome and process models, all three
+protocols); 32 concurrent clients each get exactly their own results; bad input gets a 4xx
+naming the item while the server stays up; a full queue answers 503 with Retry-After; SIGTERM
+finishes what is in flight, then exits 0. The batching core (shapes, batcher) is tested
+without HTTP too."""
+
+import concurrent.futures
+import gzip
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+from rmflow.pipelines.formats import parse_hh_transcript
+from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.trainer.train import run as train
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+KEY = "s3cret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_LENGTH = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`rmflow serve` in a subprocess; ``url`` once /health said ready (the statuses seen
+    before that are kept: 503 while the model loads)."""
+
+    def __init__(self, model, *args: str, env: dict | None = None, deadline: float = 240):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(pathlib.Path(str(model)).parent / f"serve-{self.port}.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "rmflow.cli", "serve", str(model), "--port",
+                                      str(self.port), "--max-length", str(MAX_LENGTH), *args], cwd=REPO,
+                                     env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.statuses = []
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited ({self.proc.returncode}): {self.output()}")
+            try:
+                r = requests.get(self.url + "/health", headers=AUTH, timeout=5)
+                self.statuses.append(r.status_code)
+                if r.status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise AssertionError(f"not ready within {deadline} s: {self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def post(self, path: str, body, **kw) -> requests.Response:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return requests.post(self.url + path, data=data, headers={**AUTH, "Content-Type": "application/json"},
+                             timeout=kw.pop("timeout", 120), **kw)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def _conversations(shared_data, n: int) -> list[list[dict]]:
+    out = []
+    with gzip.open(shared_data / "hh_helpful_base_test_first2000.jsonl.gz", "rt", encoding="utf-8") as f:
+        for line in f:
+            for side in ("chosen", "rejected"):
+                msgs = parse_hh_transcript(json.loads(line)[side], side)
+                if msgs[-1][0] == "assistant":
+                    out.append([{"role": r, "content": c} for r, c, *_ in msgs])
+            if len(out) >= n:
+                return out[:n]
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcome(demo_shards, tmp_path_factory):
+    base = tmp_path_factory.mktemp("serve")
+    train(TrainConfig(data=str(demo_shards), model="micro", output=str(base / "run"), max_steps=1, batch_size=4))
+    server = Server(base / "run", "--max-queue", "256", "--max-request-items", "128", "--token-budget", "4096",
+                    env={"RMFLOW_API_KEY": KEY})
+    from rmflow import RewardModel
+
+    rm = RewardModel.load(str(base / "run"))
+    rm.max_length = MAX_LENGTH
+    yield server, rm
+    server.stop()
+
+
+def _fits(rm, conversation) -> bool:
+    from rmflow.api import BadConversation
+
+    try:
+        return len(rm.encode(conversation)) <= MAX_LENGTH  # rm.max_length is MAX_LENGTH: longer ones raise
+    except BadConversation:
+        return False
+
+
+@pytest.fixture(scope="module")
+def conversations(shared_data, outcome):
+    _, rm = outcome
+    return [c for c in _conversations(shared_data, 400) if _fits(rm, c)][:200]
+
+
+def test_health_says_loading_until_warm_then_the_model(outcome):
+    server, _ = outcome
+    assert server.statuses[-1] == 200 and 503 in server.statuses, server.statuses
+    info = requests.get(server.url + "/v1/model", headers=AUTH, timeout=10).json()
+    assert info["kind"] == "outcome" and info["step"] == 1 and len(info["tokenizer_hash"]) == 64
+    assert info["max_length"] == MAX_LENGTH and [n for _, n in info["batch_shapes"]][-1] == MAX_LENGTH
+
+
+def test_native_scores_equal_the_api(outcome, conversations):
+    server, rm = outcome
+    got = []
+    for part in (conversations[:100], conversations[100:]):  # at most 128 a request on this server
+        r = server.post("/v1/score", {"conversations": part})
+        assert r.status_code == 200, r.text
+        got += r.json()["scores"]
+        assert r.json()["model"]["step"] == 1 and r.json()["model"]["kind"] == "outcome"
+    assert len(conversations) == 200
+    np.testing.assert_allclose(got, rm.score(conversations), atol=1e-5, rtol=0)
+
+
+def test_get_reward_as_openrlhf_sends_it_and_classify_as_verl(outcome, conversations):
+    server, rm = outcome
+    renderer = rm._record_tokenizer()
+    texts = [renderer.render_text(tuple((m["role"], m["content"]) for m in c)) for c in conversations[:24]]
+    expected = rm.score(conversations[:24])
+    # OpenRLHF's client (openrlhf/utils/remote_rm_utils.py): requests.post(url, json=..., headers=...)
+    # with query, prompts and labels, and reads response["rewards"].
+    r = requests.post(server.url + "/get_reward", json={"query": texts, "prompts": [t[:20] for t in texts],
+                                                        "labels": [""] * len(texts)},
+                      headers={"Content-Type": "application/json", **AUTH}, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["rewards"], expected, atol=1e-5, rtol=0)
+    assert "warnings" not in r.json()
+    # verl's reward loop: {"model", "input": one rendered text, "activation": False}, reads data[-1].probs[-1].
+    for text, want in zip(texts[:3], expected[:3]):
+        r = server.post("/classify", {"model": "rm", "input": text, "activation": False, "add_special_tokens": False})
+        assert abs(r.json()["data"][-1]["probs"][-1] - want) < 1e-5
+    r = server.post("/classify", {"input": texts[:3], "add_special_tokens": False}).json()
+    np.testing.assert_allclose([d["probs"][0] for d in r["data"]], 1 / (1 + np.exp(-expected[:3])), atol=1e-5)
+    assert r["usage"]["prompt_tokens"] == sum(len(rm.encode(c)) for c in conversations[:3])
+    # A query rendered with another template is scored as sent, and said to be mismatched.
+    r = server.post("/get_reward", {"query": ["User: hi\nAssistant: hello"]}).json()
+    assert len(r["rewards"]) == 1 and "another template" in r["warnings"][0]
+
+
+def test_32_concurrent_clients_each_get_their_own_results(outcome, conversations):
+    server, rm = outcome
+    expected = rm.score(conversations)
+    rng = np.random.default_rng(0)
+    requests_ = [rng.choice(len(conversations), int(rng.integers(1, 9)), replace=False) for _ in range(96)]
+
+    def client(idx):
+        r = server.post("/v1/score", {"conversations": [conversations[i] for i in idx]})
+        assert r.status_code == 200, r.text
+        return idx, r.json()["scores"]
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        for idx, got in pool.map(client, requests_):
+            np.testing.assert_allclose(got, expected[idx], atol=1e-5, rtol=0)
+    metrics = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    batches = float(next(x.split()[-1] for x in metrics.splitlines() if x.startswith("rmflow_batch_sequences_count")))
+    seqs = float(next(x.split()[-1] for x in metrics.splitlines() if x.startswith("rmflow_sequences_scored_total")))
+    assert seqs / batches > 1.5, (seqs, batches)  # requests shared forward passes
+
+
+def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, conversations):
+    server, rm = outcome
+    good = conversations[0]
+    long = [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "Fine."}]
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"conversations": ["\xff\xfe"]}', 400, "not valid UTF-8"),
+        ([good], 400, "must be a JSON object"),
+        ({"conversations": "hi"}, 400, "must be a list"),
+        ({"conversations": []}, 400, "is empty"),
+        ({}, 400, "missing 'conversations'"),
+        ({"conversations": [good, good[:-1]]}, 422, "conversation 1"),
+        ({"conversations": [good, [{"role": "user", "content": 5}]]}, 422, "conversation 1"),
+        ({"conversations": [good, long]}, 422, "more than"),
+        ({"conversations": [good], "truncate": "middle"}, 400, "'truncate'"),
+        ({"conversations": [good], "normalized": True}, 400, "reward_normalization"),
+        ({"solutions": [{"prompt": "p", "completions": ["a"]}]}, 400, "send 'conversations'"),
+        ({"conversations": [good] * 129}, 413, "at most 128"),
+    ]
+    for body, status, words in cases:
+        r = server.post("/v1/score", body)
+        assert r.status_code == status and words in r.json()["error"], (body if len(str(body)) < 300 else "", r.text)
+    r = server.post("/v1/score", {"conversations": [good, long, long[:1]]})
+    assert [i["index"] for i in r.json()["items"]] == [1, 2]
+    r = server.post("/get_reward", {"query": ["ok", 3]})
+    assert r.status_code == 422 and "query 1" in r.json()["error"]
+    r = requests.post(server.url + "/v1/score", json={"conversations": [good]}, timeout=30)
+    assert r.status_code == 401  # no API key
+    r = server.post("/v1/score", b"[" * 100 + b"]" * 100)
+    assert r.status_code == 400
+    # Left truncation, when asked: the earliest tokens dropped, the reply kept.
+    r = server.post("/v1/score", {"conversations": [long], "truncate": "left"})
+    assert r.status_code == 200
+    assert abs(r.json()["scores"][0] - rm.score_ids([rm.encode(long, truncate="left")])[0]) < 1e-5
+    r = server.post("/v1/score", {"conversations": [good]})
+    assert r.status_code == 200 and requests.get(server.url + "/health", headers=AUTH, timeout=5).status_code == 200
+
+
+def test_a_full_queue_answers_503_with_retry_after(outcome, conversations):
+    server, _ = outcome
+    body = {"conversations": (conversations * 2)[:128]}
+
+    def client(_):
+        r = server.post("/v1/score", body)
+        return r.status_code, r.headers.get("Retry-After")
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(client, range(24)))
+    assert {s for s, _ in results} <= {200, 503}, results
+    assert any(s == 503 and ra == "1" for s, ra in results), results
+    assert any(s == 200 for s, _ in results)
+    metrics = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    assert 'rmflow_request_errors_total{endpoint="score",reason="queue_full"}' in metrics
+    assert server.post("/v1/score", {"conversations": conversations[:2]}).status_code == 200
+
+
+def test_sigterm_finishes_what_is_in_flight_then_exits(outcome, conversations):
+    _, rm = outcome
+    server = Server(rm._loaded.folder, "--token-budget", "512", "--max-batch-rows", "2")
+    try:
+        result = {}
+
+        def client():
+            r = server.post("/v1/score", {"conversations": conversations[:128]})
+            result["status"], result["scores"] = r.status_code, r.json().get("scores")
+
+        t = threading.Thread(target=client)
+        t.start()
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # until its items are being scored
+            m = requests.get(server.url + "/metrics", timeout=5).text
+            if any(x.startswith("rmflow_batch_sequences_count") and float(x.split()[-1]) > 0 for x in m.splitlines()):
+                break
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        assert server.proc.wait(60) == 0, server.output()
+        assert result["status"] == 200 and len(result["scores"]) == 128
+        np.testing.assert_allclose(result["scores"], rm.score(conversations[:128]), atol=1e-5, rtol=0)
+        with pytest.raises(requests.ConnectionError):
+            requests.get(server.url + "/health", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_a_process_model_serves_step_scores_equal_to_the_api(shared_data, tmp_path, tokenizer_dir):
+    with gzip.open(shared_data / "prm800k_phase1_test.stepwise.jsonl.gz", "rt", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(40)]
+    (tmp_path / "prm.jsonl").write_text("".join(lines), encoding="utf-8")
+    preprocess(PreprocessConfig(inputs=(str(tmp_path / "prm.jsonl"),), output=str(tmp_path / "shards"),
+                                tokenizer=tokenizer_dir, max_length=MAX_LENGTH, max_bad_fraction=1.0))
+    train(TrainConfig(data=str(tmp_path / "shards"), model="micro", output=str(tmp_path / "run"), max_steps=1,
+                      batch_size=4))
+    from rmflow import RewardModel
+
+    rm = RewardModel.load(str(tmp_path / "run"))
+    solutions = [{"prompt": r["prompt"], "completions": r["completions"]} for r in map(json.loads, lines)]
+    solutions = [s for s in solutions if len(rm.encode_steps(s)[0]) <= MAX_LENGTH][:12]
+    server = Server(tmp_path / "run")
+    try:
+        r = server.post("/v1/score", {"solutions": solutions})
+        assert r.status_code == 200, r.text
+        want = rm.score_steps(solutions)
+        for got, exp in zip(r.json()["step_scores"], want):
+            np.testing.assert_allclose(got, exp, atol=1e-5, rtol=0)
+        assert r.json()["first_errors"] == [int(np.argmax(p < 0.5)) if (p < 0.5).any() else -1 for p in want]
+        r = server.post("/get_reward", {"query": ["x"]})
+        assert r.status_code == 400 and "outcome" in r.json()["error"]
+        r = server.post("/v1/score", {"conversations": [[{"role": "user", "content": "q"}]]})
+        assert r.status_code == 400 and "'solutions'" in r.json()["error"]
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- the core, no HTTP
+
+def test_scoring_shapes_plan_fits_every_batch_shortest_first():
+    from rmflow.trainer.inference import ScoringShapes
+
+    shapes = ScoringShapes(300, max_rows=8, token_budget=1024)
+    assert shapes.lengths == (16, 32, 64, 128, 256, 300)
+    assert shapes.shapes == ((8, 16), (8, 32), (8, 64), (8, 128), (4, 256), (2, 300))
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 301, 500)
+    batches = shapes.plan(lengths)
+    assert sorted(np.concatenate(batches)) == list(range(500))
+    for b in batches:
+        assert len(b) <= shapes.rows(shapes.length_for(int(lengths[b].max())))
+    longest = [int(lengths[b].max()) for b in batches]
+    assert longest == sorted(longest)
+    with pytest.raises(ValueError):
+        shapes.length_for(301)
+
+
+def test_the_batcher_gives_each_item_its_own_result_and_drains_on_close():
+    from rmflow.trainer.inference import ScoringShapes
+
+    from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
+
+    shapes = ScoringShapes(64, max_rows=4, token_budget=128)
+    seen = []
+
+    def run(batch):
+        seen.append(len(batch))
+        assert len(batch) <= 4
+        time.sleep(0.002)
+        return [x * 2 for x in batch]
+
+    b = DynamicBatcher(run, shapes.plan, token_budget=128, max_wait_s=0.01, max_queue=64)
+    futures = [b.submit([i, i + 1000], [1 + i % 60, 5]) for i in range(20)]
+    assert [[f.result(10) for f in fs] for fs in futures] == [[2 * i, 2 * (i + 1000)] for i in range(20)]
+    assert max(seen) > 1  # items from different submits shared batches
+    with pytest.raises(QueueFull):
+        b.submit(list(range(65)), [1] * 65)
+    pending = b.submit(list(range(30)), [60] * 30)
+    b.close()
+    assert [f.result(0) for f in pending] == [2 * i for i in range(30)]
+    with pytest.raises(Closed):
+        b.submit([1], [1])
+
+    def fails(batch):
+        raise RuntimeError("device lost")
+
+    b = DynamicBatcher(fails, shapes.plan, token_budget=128, max_wait_s=0.0)
+    with pytest.raises(RuntimeError, match="device lost"):
+        b.submit([1], [1])[0].result(10)
+    b.close()
