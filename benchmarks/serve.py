@@ -118,7 +118,7 @@ def main() -> None:
     convs = [c for c in conversations(a.n * 2) if fits(rm, c)][: a.n]
     encoded = [rm.encode(c) for c in convs]
     tokens = sum(map(len, encoded))
-    shapes = rm.shapes(a.max_batch_rows, a.token_budget)
+    shapes = rm.shapes(a.max_batch_rows, a.token_budget, small_batches=True)  # the server's
     scorer = rm.scorer(shapes)
     scorer.warm_up()
     offline = []
@@ -127,10 +127,12 @@ def main() -> None:
         reference = scorer.score(encoded)
         offline.append(time.perf_counter() - t)
     median_seq = sorted(encoded, key=len)[len(encoded) // 2]
+    single = rm.scorer(rm.shapes(1))  # one sequence, one row: "one forward of that length"
+    single.run([median_seq])
     one = []
     for _ in range(max(a.repeat, 5)):
         t = time.perf_counter()
-        scorer.run([median_seq])
+        single.run([median_seq])
         one.append(time.perf_counter() - t)
     off_s = statistics.median(offline)
     print(f"{len(convs)} HH-RLHF conversations, {tokens:,} real tokens (median {len(median_seq)}), "

@@ -154,13 +154,15 @@ class RewardModel:
             self._marker = rendered[rendered.index("\x00U\x00") + 3 : rendered.index("\x00A\x00")].strip()
         return self._marker
 
-    def shapes(self, batch_size: int = SCORING_BATCH_SIZE, token_budget: int | None = None):
+    def shapes(self, batch_size: int = SCORING_BATCH_SIZE, token_budget: int | None = None,
+               small_batches: bool = False):
         """The batch shapes this model scores in (``trainer.inference.ScoringShapes``): power-of-two
         lengths up to the model's positions; ``batch_size`` rows each, or with a token budget
-        as many rows as fit it (at most ``batch_size``)."""
+        as many rows as fit it (at most ``batch_size``); ``small_batches``: smaller ones too."""
         from rmflow.trainer.inference import ScoringShapes
 
-        return ScoringShapes(self.max_length, max_rows=batch_size, token_budget=token_budget)
+        return ScoringShapes(self.max_length, max_rows=batch_size, token_budget=token_budget,
+                             small_batches=small_batches)
 
     def scorer(self, shapes=None):
         """The model's ``SequenceScorer`` for ``shapes`` (default ``self.shapes()``), built and

@@ -132,6 +132,7 @@ def test_health_says_loading_until_warm_then_the_model(outcome):
     info = requests.get(server.url + "/v1/model", headers=AUTH, timeout=10).json()
     assert info["kind"] == "outcome" and info["step"] == 1 and len(info["tokenizer_hash"]) == 64
     assert info["max_length"] == MAX_LENGTH and [n for _, n in info["batch_shapes"]][-1] == MAX_LENGTH
+    assert [1, MAX_LENGTH] in info["batch_shapes"]  # a lone sequence runs in a one-row forward
 
 
 def test_native_scores_equal_the_api(outcome, conversations):
@@ -323,6 +324,10 @@ def test_scoring_shapes_plan_fits_every_batch_shortest_first():
     assert longest == sorted(longest)
     with pytest.raises(ValueError):
         shapes.length_for(301)
+    small = ScoringShapes(300, max_rows=8, token_budget=1024, small_batches=True)
+    assert small.row_options(64) == (1, 2, 8) and small.row_options(300) == (1, 2)
+    assert [small.rows_for(n, 64) for n in (1, 2, 3, 8)] == [1, 2, 8, 8]
+    assert len(small.shapes) == 3 * 4 + 2 + 2  # 16 ... 128: 1, 2, 8 rows; 256: 1, 4; 300: 1, 2
 
 
 def test_the_batcher_gives_each_item_its_own_result_and_drains_on_close():

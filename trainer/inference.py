@@ -120,11 +120,14 @@ class ScoringShapes:
     server compiles them all at load, never per request): lengths are the powers of two from 16
     below ``max_length``, then ``max_length``; a length's rows are ``token_budget // length``
     rounded down to a power of two, between 1 and ``max_rows``. With no token budget every
-    length gets ``max_rows`` rows (``batch_size`` sequences a forward, what eval and the API do)."""
+    length gets ``max_rows`` rows (``batch_size`` sequences a forward, what eval and the API do).
+    ``small_batches``: each length also has 1 row and a quarter of its rows, so that a few
+    sequences (a lone request on a quiet server) run in a small forward, not a full one."""
 
     max_length: int
     max_rows: int = SCORING_BATCH_SIZE
     token_budget: int | None = None
+    small_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.max_length < 1 or self.max_rows < 1 or (self.token_budget is not None and self.token_budget < 1):
@@ -147,9 +150,18 @@ class ScoringShapes:
             return self.max_rows
         return max(1, min(self.max_rows, 1 << max(self.token_budget // length, 1).bit_length() - 1))
 
+    def row_options(self, length: int) -> tuple[int, ...]:
+        """The batch sizes compiled for ``length``, smallest first."""
+        full = self.rows(length)
+        return tuple(sorted({1, max(1, full // 4), full})) if self.small_batches else (full,)
+
+    def rows_for(self, n: int, length: int) -> int:
+        """The smallest compiled batch size of ``length`` that holds ``n`` sequences."""
+        return next(r for r in self.row_options(length) if r >= n)
+
     @property
     def shapes(self) -> tuple[tuple[int, int], ...]:
-        return tuple((self.rows(n), n) for n in self.lengths)
+        return tuple((r, n) for n in self.lengths for r in self.row_options(n))
 
     def plan(self, lengths: Sequence[int]) -> list[np.ndarray]:
         """Batches of indices into ``lengths``, shortest first: each fills at most the rows of
@@ -194,9 +206,10 @@ class SequenceScorer:
     def run(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
         """Rewards of one batch: at most the rows of the length its longest sequence needs."""
         length = self.shapes.length_for(max(len(s) for s in sequences))
-        rows = self.shapes.rows(length)
-        if len(sequences) > rows:
-            raise ValueError(f"{len(sequences)} sequences of up to {length} tokens: a batch holds {rows}")
+        if len(sequences) > self.shapes.rows(length):
+            raise ValueError(f"{len(sequences)} sequences of up to {length} tokens: a batch holds "
+                             f"{self.shapes.rows(length)}")
+        rows = self.shapes.rows_for(len(sequences), length)
         ids = np.full((rows, length), self.pad_id, np.int32)
         seg = np.zeros_like(ids)
         last = np.zeros(rows, np.int32)

@@ -65,7 +65,7 @@ class Service:
         if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
             raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
                                     "--normalize` on it first")
-        shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget)
+        shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=True)
         scorer = SCORERS[rm.kind]
         scorer.warm_up(rm, shapes)
         _ = rm.assistant_marker  # rendered once, before the first request
