@@ -325,9 +325,9 @@ def test_scoring_shapes_plan_fits_every_batch_shortest_first():
     with pytest.raises(ValueError):
         shapes.length_for(301)
     small = ScoringShapes(300, max_rows=8, token_budget=1024, small_batches=True)
-    assert small.row_options(64) == (1, 2, 8) and small.row_options(300) == (1, 2)
-    assert [small.rows_for(n, 64) for n in (1, 2, 3, 8)] == [1, 2, 8, 8]
-    assert len(small.shapes) == 3 * 4 + 2 + 2  # 16 ... 128: 1, 2, 8 rows; 256: 1, 4; 300: 1, 2
+    assert small.row_options(64) == (1, 2, 4, 8) and small.row_options(300) == (1, 2)
+    assert [small.rows_for(n, 64) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert len(small.shapes) == 4 * 4 + 3 + 2  # 16 ... 128: 1, 2, 4, 8 rows; 256: 1, 2, 4; 300: 1, 2
 
 
 def test_the_batcher_gives_each_item_its_own_result_and_drains_on_close():

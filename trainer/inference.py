@@ -121,8 +121,9 @@ class ScoringShapes:
     below ``max_length``, then ``max_length``; a length's rows are ``token_budget // length``
     rounded down to a power of two, between 1 and ``max_rows``. With no token budget every
     length gets ``max_rows`` rows (``batch_size`` sequences a forward, what eval and the API do).
-    ``small_batches``: each length also has 1 row and a quarter of its rows, so that a few
-    sequences (a lone request on a quiet server) run in a small forward, not a full one."""
+    ``small_batches``: each length also has every power of two of rows below its full count, so
+    that a few sequences (a lone request on a quiet server, the half of the clients whose requests
+    came in while the last batch ran) run in a forward their size, not a full one."""
 
     max_length: int
     max_rows: int = SCORING_BATCH_SIZE
@@ -153,7 +154,9 @@ class ScoringShapes:
     def row_options(self, length: int) -> tuple[int, ...]:
         """The batch sizes compiled for ``length``, smallest first."""
         full = self.rows(length)
-        return tuple(sorted({1, max(1, full // 4), full})) if self.small_batches else (full,)
+        if not self.small_batches:
+            return (full,)
+        return tuple(1 << k for k in range(full.bit_length()) if 1 << k < full) + (full,)
 
     def rows_for(self, n: int, length: int) -> int:
         """The smallest compiled batch size of ``length`` that holds ``n`` sequences."""

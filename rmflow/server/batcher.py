@@ -1,8 +1,8 @@
 """Dynamic batching for the reward server: requests from many clients share forward passes.
 
 Handlers ``submit`` encoded items (token ids, with their size in tokens) and await one future
-per item; a single device thread takes what is queued — up to a token budget, or whatever came
-within ``max_wait`` of the oldest item — cuts it into batches of the model's fixed shapes
+per item; a single device thread takes what is queued once a token budget's worth is there or
+``max_wait`` after the oldest item came (at most a few budgets' worth), cuts it into batches of the model's fixed shapes
 (shortest first) and runs them one after another, resolving each item's future with its own
 result. The HTTP event loop never touches the device. A bounded queue refuses new work when
 full (the server answers 503 with Retry-After) instead of growing without limit; ``close``
@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+TAKE_BUDGETS = 4  # token budgets taken from the queue at once, at most
 
 
 class QueueFull(Exception):
@@ -101,8 +103,10 @@ class DynamicBatcher:
                 if left <= 0:
                     break
                 self._cond.wait(left)
+            # Up to a few budgets' worth: sorted together by length, they cut into fuller batches
+            # of like lengths than one budget's worth would (the batches still run one by one).
             taken, tokens = [], 0
-            while self._queue and (not taken or tokens + self._queue[0].size <= self.token_budget):
+            while self._queue and (not taken or tokens + self._queue[0].size <= TAKE_BUDGETS * self.token_budget):
                 item = self._queue.popleft()
                 taken.append(item)
                 tokens += item.size
