@@ -480,10 +480,28 @@ class ScoreConfig(_Serializable):
     output: str = _opt("", "JSONL of the input lines with their 'score' (a process model: 'step_scores', P(step is "
                            "correct), and 'first_error').")
     batch_size: int = _opt(SCORING_BATCH_SIZE, "Conversations per forward pass (sorted by length).")
+    runner: str = _opt("", "Empty: score in this process, --input one JSONL file, --output one JSONL file. A Beam "
+                           "runner (DirectRunner, DataflowRunner ...): a Beam job; --input files, folders or globs "
+                           "(JSONL, JSON, Parquet) of conversations, preference pairs (both sides scored) or "
+                           "solutions, --output a folder of sorted JSONL shards, errors.jsonl, summary.json and "
+                           "COMPLETED. Further Beam options follow the command's own.")
+    beam_args: tuple[str, ...] = _opt((), "Extra Beam pipeline options, passed through unchanged (with --runner).")
+    num_shards: int = _opt(0, "With --runner: output shards; 0 = one per 256 MiB of input.")
+    token_budget: int = _opt(16384, "With --runner: tokens per forward pass (rows x padded length).")
+    group_by: str = _opt("", "With --runner: a field naming each prompt's group of candidates; writes best.jsonl "
+                             "(the highest-scoring candidate of each group) and pairs.jsonl (best against worst).")
+    overwrite: bool = _opt(False, "With --runner: replace an earlier scoring job's output folder.")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "beam_args", tuple(self.beam_args))
         self._check_types()
         _check_int(self.batch_size, "batch_size", 1)
+        _check_int(self.num_shards, "num_shards", 0)
+        _check_int(self.token_budget, "token_budget", 1)
+        if not self.runner:
+            used = [n for n in ("beam_args", "num_shards", "group_by", "overwrite") if getattr(self, n)]
+            if used:
+                raise ConfigError(f"{', '.join(used)}: only with --runner (a Beam job)")
 
 
 SERVE_API_KEY_ENV = "RMFLOW_API_KEY"  # the bearer token `rmflow serve` requires when --api-key is not given

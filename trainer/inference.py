@@ -166,13 +166,17 @@ class ScoringShapes:
     def shapes(self) -> tuple[tuple[int, int], ...]:
         return tuple((r, n) for n in self.lengths for r in self.row_options(n))
 
-    def plan(self, lengths: Sequence[int]) -> list[np.ndarray]:
+    def plan(self, lengths: Sequence[int], *, one_length: bool = False) -> list[np.ndarray]:
         """Batches of indices into ``lengths``, shortest first: each fills at most the rows of
-        the length its longest member needs."""
+        the length its longest member needs. ``one_length``: a batch never spans two lengths of
+        the set, so a sequence's padded shape depends on itself alone (and its score, to the
+        last bit, on nothing else: what makes a Beam job's reruns byte-identical)."""
         order = np.argsort(np.asarray(lengths, np.int64), kind="stable")
         batches: list[list[int]] = []
         for i in order:
-            if not batches or len(batches[-1]) + 1 > self.rows(self.length_for(int(lengths[i]))):
+            length = self.length_for(int(lengths[i]))
+            if not batches or len(batches[-1]) + 1 > self.rows(length) \
+                    or (one_length and self.length_for(int(lengths[batches[-1][0]])) != length):
                 batches.append([])
             batches[-1].append(int(i))
         return [np.asarray(b, np.int64) for b in batches]

@@ -1,0 +1,377 @@
+"""`rmflow score --runner ...`: scoring a dataset as a Beam job (locally, or on Dataflow).
+
+The graph, one labelled step each:
+
+    Read (files -> (source, line, raw); unreadable lines to the dead letters)
+    Parse (JSON; what each record is: a conversation, a preference pair, a stepwise solution)
+    Score (Beam's RunInference with ``RewardModelHandler``: the model loaded once per worker,
+           elements batched by token weight, each batch cut into the scoring core's shapes;
+           a record that cannot be encoded comes back as an error, not an exception)
+    WriteScores (sorted by (source, line) into a fixed number of JSONL shards: reruns are
+                 byte-identical), WriteErrors (one sorted file), [BestOfN], Finalize
+
+``Finalize`` is the graph's last step, as in preprocess: it reconciles the counts exactly
+(records read = scored + errors), writes ``summary.json`` (counts by reason, the model's
+identity), moves the staging folder to the output and writes ``COMPLETED`` last; a job that
+fails publishes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
+from apache_beam.pvalue import TaggedOutput
+
+from rmflow.api import BadConversation, RewardModel
+from rmflow.pipelines import io as rio
+from rmflow.pipelines.formats import BadRecord, detect_format, normalize
+from rmflow.pipelines.staging import OWNER_FILE, new_staging
+from rmflow.pipelines.transforms import DEAD, FILES, ReadRecordsFn, as_bad_record, dead_letter
+from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import kind_named
+from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
+from rmflow.scoring import SCORERS
+
+SCORES_PREFIX = "scores"
+BEST_FILE = "best.jsonl"
+PAIRS_FILE = "pairs.jsonl"
+SUMMARY_FILE = "summary.json"
+CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps")  # not echoed back
+
+
+class BatchScoreError(RmflowError):
+    """A scoring job that cannot run or did not reconcile; nothing was published."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What the workers and the last step need (picklable)."""
+
+    model: str
+    step: int | None
+    staging: str
+    output: str
+    num_shards: int
+    token_budget: int
+    batch_rows: int
+    group_by: str | None
+    started: float
+
+
+# --------------------------------------------------------------------------- what a record is
+
+
+def _pair_conversations(obj: dict[str, Any], source: str, line: int) -> tuple[list, list]:
+    pair = normalize(obj, detect_format(obj), source=source, line=line)
+    if not getattr(pair, "chosen", None) or getattr(pair, "is_tokenized", False):
+        raise BadRecord("not_a_pair", "a pair to score needs chosen and rejected replies as text")
+    return list(pair.prompt + pair.chosen), list(pair.prompt + pair.rejected)
+
+
+def encode_record(rm: RewardModel, obj: Any, source: str, line: int) -> tuple[str, list]:
+    """(what the record is, its encoded sequences): a conversation (one), a preference pair
+    (chosen and rejected, each with the prompt), or, for a process model, a solution (one).
+    Raises BadConversation or BadRecord."""
+    scorer = SCORERS[rm.kind]
+    if not kind_named(rm.kind).pairwise:
+        return "solution", [scorer.encode(rm, obj)]
+    if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj:
+        chosen, rejected = _pair_conversations(obj, source, line)
+        return "pair", [scorer.encode(rm, [dict(role=m[0], content=m[1]) for m in c]) for c in (chosen, rejected)]
+    return "conversation", [scorer.encode(rm, obj)]
+
+
+def _fields(what: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    if what == "pair":
+        c, r = results[0]["score"], results[1]["score"]
+        return {"score_chosen": c, "score_rejected": r, "margin": c - r, "agrees": bool(c > r)}
+    return results[0]
+
+
+def _parse(raw: str) -> Any:
+    """A record's JSON: an object, or a bare list of messages (a conversation); raises BadRecord."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRecord("bad_json", f"malformed JSON: {e}") from e
+    except RecursionError as e:
+        raise BadRecord("too_deeply_nested", "JSON nested deeper than the parser's recursion limit") from e
+
+
+def _approx_tokens(example: tuple[str, int, str]) -> int:
+    return 1 + len(example[2]) // 4
+
+
+class RewardModelHandler(ModelHandler):
+    """Beam's ``ModelHandler`` for an rmflow reward model: loaded once per worker process;
+    examples are (source, line, object); each batch is encoded and scored in the core's shapes,
+    and every example gets back ``{"fields": ...}`` or ``{"error": ..., "code": ...}``."""
+
+    def __init__(self, spec: JobSpec):
+        # Batches weighed in approximate tokens (4 bytes of JSON each), a few budgets at most:
+        # sorted together, they cut into full batches of like lengths.
+        super().__init__(element_size_fn=_approx_tokens, min_batch_size=1, max_batch_size=4 * spec.token_budget)
+        self.spec = spec
+
+    def load_model(self) -> RewardModel:
+        rm = RewardModel.load(self.spec.model, self.spec.step)
+        return rm
+
+    def run_inference(self, batch: Sequence[tuple[str, int, str]], model: RewardModel,
+                      inference_args: dict[str, Any] | None = None) -> Iterable[PredictionResult]:
+        scorer = SCORERS[model.kind]
+        shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget)
+        out: list[dict[str, Any]] = [{} for _ in batch]
+        flat, owner, kinds = [], [], {}
+        for i, (source, line, raw) in enumerate(batch):
+            try:
+                what, seqs = encode_record(model, _parse(raw), source, line)
+            except BadConversation as e:
+                out[i] = {"error": str(e), "code": "bad_conversation"}
+                continue
+            except Exception as e:  # noqa: BLE001 - one record, never the job: a bad record or a bug, named
+                err = as_bad_record(e)
+                out[i] = {"error": err.message, "code": err.code}
+                continue
+            kinds[i] = what
+            for s in seqs:
+                flat.append(s)
+                owner.append(i)
+        results: list[dict[str, Any] | None] = [None] * len(flat)
+        for b in shapes.plan([scorer.size(x) for x in flat], one_length=True):
+            for j, fields in zip(b, scorer.run(model, [flat[k] for k in b], shapes)):
+                results[j] = fields
+        per: dict[int, list] = {}
+        for j, i in enumerate(owner):
+            per.setdefault(i, []).append(results[j])
+        for i, rs in per.items():
+            out[i] = {"fields": _fields(kinds[i], rs)}
+        return [PredictionResult(ex, r) for ex, r in zip(batch, out)]
+
+    def get_metrics_namespace(self) -> str:
+        return "rmflow_score"
+
+
+# --------------------------------------------------------------------------- steps
+
+
+class RouteFn(beam.DoFn):
+    """A scored example to an output row (its own fields, minus the content, plus the scores),
+    or to the dead letters."""
+
+    def process(self, result: PredictionResult):
+        source, line, raw = result.example
+        r = result.inference
+        if "error" in r:
+            yield TaggedOutput(DEAD, dead_letter("score", source, line, raw, BadRecord(r["code"], r["error"])))
+            return
+        obj = _parse(raw)
+        kept = {k: v for k, v in obj.items() if k not in CONTENT_FIELDS} if isinstance(obj, dict) else {}
+        yield {"source": source, "line": line, **kept, **r["fields"], "_raw": raw}
+
+
+def _shard(key: tuple[str, int], n: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key[0]}\0{key[1]}".encode(), digest_size=8).digest(), "big") % n
+
+
+def _write_shard(item, staging: str, n: int):
+    index, rows = item
+    rows = sorted(rows, key=lambda r: (r["source"], r["line"]))
+    name = f"{SCORES_PREFIX}-{index:05d}-of-{n:05d}.jsonl"
+    body = "".join(json.dumps({k: v for k, v in r.items() if k != "_raw"}, ensure_ascii=False) + "\n" for r in rows)
+    rio.write_bytes(f"{staging}/{name}", body.encode("utf-8"))
+    yield name, len(rows)
+
+
+class WriteScores(beam.PTransform):
+    """Rows to ``n`` JSONL shards by a hash of (source, line), each sorted: deterministic files.
+    Every shard is written, empty or not."""
+
+    def __init__(self, staging: str, n: int):
+        super().__init__()
+        self.staging, self.n = staging, n
+
+    def expand(self, rows):
+        n = self.n
+        keyed = rows | "Key" >> beam.Map(lambda r: (_shard((r["source"], r["line"]), n), r))
+        empty = rows.pipeline | "AllShards" >> beam.Create([(i, None) for i in range(n)])
+        return (
+            (keyed, empty)
+            | "Both" >> beam.Flatten()
+            | "Group" >> beam.GroupByKey()
+            | "Write" >> beam.FlatMap(lambda kv, s=self.staging: _write_shard((kv[0], [r for r in kv[1] if r]), s, n))
+        )
+
+
+def _write_sorted(lines: list[str], path: str) -> int:
+    rio.write_bytes(path, "".join(sorted(lines)).encode("utf-8"))
+    return len(lines)
+
+
+def _best_of_group(kv) -> dict[str, Any] | None:
+    group, rows = kv
+    rows = sorted(rows, key=lambda r: (-r["score"], r["source"], r["line"]))
+    best, worst = rows[0], rows[-1]
+    return {"group": group, "size": len(rows), "best": best, "worst": worst}
+
+
+class BestOfN(beam.PTransform):
+    """Per value of ``field``: the highest-scoring candidate (``best.jsonl``: the rejection-sampling
+    step) and, when a group has two or more, best against worst as a preference pair (``pairs.jsonl``)."""
+
+    def __init__(self, field: str, staging: str):
+        super().__init__()
+        self.field, self.staging = field, staging
+
+    def expand(self, rows):
+        f = self.field
+        groups = (
+            rows
+            | "HasScore" >> beam.Filter(lambda r: "score" in r and r.get(f) is not None)
+            | "ByGroup" >> beam.Map(lambda r: (json.dumps(r[f], sort_keys=True), r))
+            | "Group" >> beam.GroupByKey()
+            | "Pick" >> beam.Map(_best_of_group)
+        )
+        best = groups | "BestLine" >> beam.Map(
+            lambda g: json.dumps({**{k: v for k, v in json.loads(g["best"]["_raw"]).items()}, "score": g["best"]["score"],
+                                  "group_size": g["size"]}, ensure_ascii=False) + "\n")
+        pairs = (
+            groups
+            | "Pairs" >> beam.Filter(lambda g: g["size"] > 1 and g["best"]["score"] > g["worst"]["score"])
+            | "PairLine" >> beam.Map(lambda g: json.dumps(_as_pair(g), ensure_ascii=False) + "\n")
+        )
+        s = self.staging
+        wrote_best = best | "AllBest" >> beam.combiners.ToList() | "WriteBest" >> beam.Map(
+            lambda ls: ("best", _write_sorted(ls, f"{s}/{BEST_FILE}")))
+        wrote_pairs = pairs | "AllPairs" >> beam.combiners.ToList() | "WritePairs" >> beam.Map(
+            lambda ls: ("pairs", _write_sorted(ls, f"{s}/{PAIRS_FILE}")))
+        return (wrote_best, wrote_pairs) | "BestCounts" >> beam.Flatten()
+
+
+def _as_pair(g: dict[str, Any]) -> dict[str, Any]:
+    best, worst = json.loads(g["best"]["_raw"]), json.loads(g["worst"]["_raw"])
+    chosen = best.get("messages", best) if isinstance(best, dict) else best
+    rejected = worst.get("messages", worst) if isinstance(worst, dict) else worst
+    return {"group": json.loads(g["group"]), "chosen": chosen, "rejected": rejected,
+            "score_chosen": g["best"]["score"], "score_rejected": g["worst"]["score"]}
+
+
+def finalize(items: list, spec: JobSpec, identity: dict[str, Any]) -> dict[str, Any]:
+    """Reconcile (read = scored + errors, exactly), write summary.json, publish, COMPLETED."""
+    out, staging = spec.output.rstrip("/"), spec.staging
+    if rio.exists(f"{out}/{COMPLETED_FILE}") and not rio.exists(staging):  # a retry after publishing
+        return json.loads(rio.read_bytes(f"{out}/{SUMMARY_FILE}"))
+    files = {v[0]: v[1] for k, v in items if k == "file"}
+    shards = sorted(v for k, v in items if k == "shard")
+    errors = {}
+    for k, v in items:
+        if k == "error":
+            errors[v] = errors.get(v, 0) + 1
+    best = {v[0]: v[1] for k, v in items if k == "best"}
+    read, scored, bad = sum(files.values()), sum(n for _, n in shards), sum(errors.values())
+    summary = {"model": identity, "records_read": read, "scored": scored, "errors": bad,
+               "errors_by_reason": dict(sorted(errors.items())), "files": files,
+               "shards": [{"file": f, "records": n} for f, n in shards], **({"best_of_n": best} if best else {}),
+               "seconds": round(time.time() - spec.started, 3)}
+    if read != scored + bad:
+        rio.write_bytes(f"{staging}/_FAILED.json", json.dumps(summary).encode())
+        raise BatchScoreError(f"counts do not reconcile: {read} read, {scored} scored, {bad} errors; nothing "
+                              f"published (staging left at {staging})")
+    rio.write_bytes(f"{staging}/{SUMMARY_FILE}", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+    from apache_beam.io.filesystems import FileSystems
+
+    FileSystems.delete([f"{staging}/{OWNER_FILE}"])
+    if rio.exists(out):
+        rio.delete_tree(out)  # --overwrite was given and checked when the job was planned
+    rio.publish(staging, out)
+    rio.write_bytes(f"{out}/{COMPLETED_FILE}", b"")
+    return summary
+
+
+def build(p: beam.Pipeline, files: list[str], spec: JobSpec, identity: dict[str, Any]) -> None:
+    read = p | "Files" >> beam.Create(files) | "Read" >> beam.ParDo(ReadRecordsFn("score")).with_outputs(
+        DEAD, FILES, main="main")
+    examples = read.main | "Spread" >> beam.Reshuffle() | "Example" >> beam.Map(lambda x: (x[0], x[1], x[3]))
+    scored = examples | "Score" >> RunInference(RewardModelHandler(spec))
+    routed = scored | "Route" >> beam.ParDo(RouteFn()).with_outputs(DEAD, main="rows")
+    shards = routed.rows | "WriteScores" >> WriteScores(spec.staging, spec.num_shards)
+    dead = (read[DEAD], routed[DEAD]) | "AllErrors" >> beam.Flatten()
+    error_lines = dead | "ErrorJson" >> beam.Map(lambda d: json.dumps(d, sort_keys=True) + "\n")
+    wrote_errors = (error_lines | "AllErrorLines" >> beam.combiners.ToList()
+                    | "WriteErrors" >> beam.Map(lambda ls, s=spec.staging: _write_sorted(ls, f"{s}/{ERRORS_FILE}")))
+    items = [
+        read[FILES] | "FileItems" >> beam.Map(lambda f: ("file", f)),
+        shards | "ShardItems" >> beam.Map(lambda s: ("shard", s)),
+        dead | "ErrorItems" >> beam.Map(lambda d: ("error", d["code"])),
+    ]
+    if spec.group_by:
+        items.append(routed.rows | "BestOfN" >> BestOfN(spec.group_by, spec.staging)
+                     | "BestItems" >> beam.Map(lambda b: ("best", b)))
+    (
+        items
+        | "AllItems" >> beam.Flatten()
+        | "Gather" >> beam.combiners.ToList()
+        | "Finalize" >> beam.Map(_finalize_after, spec, identity, beam.pvalue.AsSingleton(wrote_errors))
+    )
+
+
+def _finalize_after(items, spec, identity, _errors_written):
+    """``finalize`` once the errors file is written (the side input makes the step wait for it)."""
+    return finalize(items, spec, identity)
+
+
+# --------------------------------------------------------------------------- the job
+
+
+LOCAL_RUNNERS = ("directrunner", "direct", "fnapirunner")
+
+
+def make_pipeline(runner: str, beam_args: Sequence[str]) -> beam.Pipeline:
+    from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+
+    opts = PipelineOptions(list(beam_args))
+    std = opts.view_as(StandardOptions)
+    std.runner = std.runner or runner
+    if std.runner.lower() in LOCAL_RUNNERS:
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        return beam.Pipeline(runner=FnApiRunner(), options=opts)
+    return beam.Pipeline(options=opts)
+
+
+def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "DirectRunner",
+        beam_args: Sequence[str] = (), step: int | None = None, num_shards: int = 0, token_budget: int = 16384,
+        batch_rows: int = 64, group_by: str | None = None, overwrite: bool = False, wait: bool = True
+        ) -> dict[str, Any] | None:
+    """Score every record of ``inputs`` (JSONL, JSON, Parquet; files, folders, globs) into the
+    folder ``output``; returns summary.json's contents (None with ``wait=False``)."""
+    from rmflow.pipelines.io import expand_inputs
+
+    output = output.rstrip("/") if "://" in output else os.path.abspath(output)
+    if rio.exists(f"{output}/{COMPLETED_FILE}") and not overwrite:
+        raise BatchScoreError(f"{output} already holds a scoring job's output: give --overwrite to replace it")
+    if rio.exists(output) and not rio.exists(f"{output}/{COMPLETED_FILE}"):
+        raise BatchScoreError(f"{output} exists and is not a scoring job's output: give an empty or new folder")
+    listed = expand_inputs(tuple(inputs))
+    files, size = [path for path, _ in listed], sum(n for _, n in listed)
+    rm = RewardModel.load(model, step)  # fails here, in one line, before any worker starts
+    if group_by and not kind_named(rm.kind).pairwise:
+        raise BatchScoreError("--group-by picks the best of each group by score: an outcome reward model's")
+    p = make_pipeline(runner, beam_args)
+    spec = JobSpec(model=model, step=step, staging=new_staging(output), output=output,
+                   num_shards=num_shards or max(1, size // (256 << 20)), token_budget=token_budget,
+                   batch_rows=batch_rows, group_by=group_by, started=time.time())
+    build(p, files, spec, rm.identity())
+    result = p.run()
+    if not wait:
+        return None
+    result.wait_until_finish()
+    return json.loads(rio.read_bytes(f"{output}/{SUMMARY_FILE}"))

@@ -1,0 +1,127 @@
+"""`rmflow score --runner`: scoring a dataset as a Beam job (Beam's RunInference with rmflow's
+ModelHandler), run here on the local runner. Its scores equal the in-process core's, for
+conversations and for preference pairs (both sides, the margin, agreement with the label), from
+JSONL and Parquet; bad records are counted with their reasons and the counts reconcile exactly;
+best-of-n picks each group's highest-scoring candidate; an existing output is refused unless
+told; a rerun is byte-identical."""
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rmflow.pipelines.formats import parse_hh_transcript
+from rmflow.schemas.config import TrainConfig
+from rmflow.trainer.train import run as train
+from typer.testing import CliRunner
+
+from rmflow.cli import app
+
+
+def _messages(transcript: str, side: str) -> list[dict]:
+    return [{"role": r, "content": c} for r, c, *_ in parse_hh_transcript(transcript, side)]
+
+
+@pytest.fixture(scope="module")
+def job(demo_shards, shared_data, tmp_path_factory):
+    base = tmp_path_factory.mktemp("batch-scoring")
+    train(TrainConfig(data=str(demo_shards), model="micro", output=str(base / "run"), max_steps=1, batch_size=4))
+    with gzip.open(shared_data / "hh_helpful_base_test_first2000.jsonl.gz", "rt", encoding="utf-8") as f:
+        raw = [json.loads(next(f)) for _ in range(40)]
+    lines, convs = [], []
+    for i, r in enumerate(raw[:20]):  # conversations, 4 candidates a prompt group
+        conv = _messages(r["chosen"] if i % 2 else r["rejected"], "chosen")
+        if conv[-1]["role"] != "assistant":
+            continue
+        convs.append(conv)
+        lines.append(json.dumps({"id": f"c{i}", "prompt_id": i // 4, "messages": conv}))
+    pairs = [{"id": f"p{i}", "chosen": r["chosen"], "rejected": r["rejected"]} for i, r in enumerate(raw[20:])]
+    lines += [json.dumps(p) for p in pairs]
+    lines += ["{not json", json.dumps({"id": "bad", "messages": [{"role": "user", "content": "no reply"}]}),
+              json.dumps([{"role": "user", "content": "a bare list"}, {"role": "assistant", "content": "fine"}])]
+    (base / "in").mkdir()
+    (base / "in" / "part-0.jsonl").write_text("\n".join(lines[:25]) + "\n", encoding="utf-8")
+    (base / "in" / "part-1.jsonl").write_text("\n".join(lines[25:]) + "\n", encoding="utf-8")
+    from rmflow import RewardModel
+
+    rm = RewardModel.load(str(base / "run"))
+    r = CliRunner().invoke(app, ["score", "--model", str(base / "run"), "-i", str(base / "in"), "-o",
+                                 str(base / "out"), "--runner", "DirectRunner", "--num-shards", "3",
+                                 "--group-by", "prompt_id"])
+    return base, rm, convs, pairs, r
+
+
+def _rows(folder):
+    return [json.loads(x) for p in sorted(folder.glob("scores-*.jsonl")) for x in p.read_text().splitlines()]
+
+
+def test_scores_equal_the_in_process_core_and_counts_reconcile(job):
+    base, rm, convs, pairs, r = job
+    assert r.exit_code == 1, r.output  # bad records: exit 1, as the in-process `rmflow score`
+    out = base / "out"
+    assert (out / "COMPLETED").exists() and len(list(out.glob("scores-*-of-00003.jsonl"))) == 3
+    rows = _rows(out)
+    summary = json.loads((out / "summary.json").read_text())
+    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    assert summary["records_read"] == len(convs) + len(pairs) + 3 == summary["scored"] + summary["errors"]
+    assert summary["scored"] == len(rows) and summary["errors"] == len(errors) == 2
+    assert summary["errors_by_reason"] == {"bad_conversation": 1, "bad_json": 1}
+    assert {e["code"] for e in errors} == {"bad_json", "bad_conversation"} and all(e["source"] for e in errors)
+    assert summary["model"]["step"] == 1 and summary["model"]["kind"] == "outcome"
+    by_id = {row.get("id"): row for row in rows}
+    got = [by_id[f"c{i}"]["score"] for i in range(20) if f"c{i}" in by_id]
+    np.testing.assert_allclose(got, rm.score(convs), atol=1e-5, rtol=0)
+    assert "messages" not in by_id["c1"] and by_id["c1"]["prompt_id"] == 0  # the ids kept, the content not
+    chosen = [_messages(p["chosen"], "chosen") for p in pairs]
+    rejected = [_messages(p["rejected"], "rejected") for p in pairs]
+    rc, rr = rm.score_pairs(chosen, rejected)
+    np.testing.assert_allclose([by_id[p["id"]]["score_chosen"] for p in pairs], rc, atol=1e-5, rtol=0)
+    np.testing.assert_allclose([by_id[p["id"]]["score_rejected"] for p in pairs], rr, atol=1e-5, rtol=0)
+    assert [by_id[p["id"]]["agrees"] for p in pairs] == list(rc > rr)
+    bare = [row for row in rows if row.get("id") is None]
+    assert len(bare) == 1 and abs(bare[0]["score"] - rm.score([[{"role": "user", "content": "a bare list"},
+                                                               {"role": "assistant", "content": "fine"}]])[0]) < 1e-5
+
+
+def test_best_of_n_picks_each_group_s_highest(job):
+    base, rm, convs, _, _ = job
+    rows = [r for r in _rows(base / "out") if "prompt_id" in r]
+    best = {json.loads(x)["prompt_id"]: json.loads(x) for x in (base / "out" / "best.jsonl").read_text().splitlines()}
+    for group in {r["prompt_id"] for r in rows}:
+        members = [r for r in rows if r["prompt_id"] == group]
+        top = max(members, key=lambda r: r["score"])
+        assert best[group]["id"] == top["id"] and best[group]["group_size"] == len(members)
+        assert best[group]["messages"][-1]["role"] == "assistant"  # the candidate itself, to train on
+    pairs = [json.loads(x) for x in (base / "out" / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and all(p["score_chosen"] > p["score_rejected"] for p in pairs)
+
+
+def test_a_rerun_is_byte_identical_and_an_existing_output_is_refused_unless_told(job, tmp_path):
+    base, *_ = job
+    args = ["score", "--model", str(base / "run"), "-i", str(base / "in"), "--runner", "DirectRunner",
+            "--num-shards", "3", "--group-by", "prompt_id"]
+    r = CliRunner().invoke(app, [*args, "-o", str(base / "out")])
+    assert r.exit_code == 1 and "--overwrite" in r.output
+    r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "again")])
+    assert r.exit_code == 1, r.output
+    for name in ["errors.jsonl", "best.jsonl", "pairs.jsonl", *(f"scores-0000{i}-of-00003.jsonl" for i in range(3))]:
+        assert (tmp_path / "again" / name).read_bytes() == (base / "out" / name).read_bytes(), name
+    r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "again"), "--overwrite"])
+    assert r.exit_code == 1 and (tmp_path / "again" / "COMPLETED").exists()
+    r = CliRunner().invoke(app, ["score", "--model", str(base / "run"), "-i", "x.jsonl", "-o", "y.jsonl",
+                                 "--group-by", "id"])
+    assert r.exit_code == 2 and "only with --runner" in r.output
+
+
+def test_parquet_input_scores_the_same(job, tmp_path):
+    base, rm, convs, _, _ = job
+    table = pa.table({"id": [f"q{i}" for i in range(len(convs))],
+                      "messages": [[{"role": m["role"], "content": m["content"]} for m in c] for c in convs]})
+    pq.write_table(table, tmp_path / "convs.parquet")
+    r = CliRunner().invoke(app, ["score", "--model", str(base / "run"), "-i", str(tmp_path / "convs.parquet"), "-o",
+                                 str(tmp_path / "out"), "--runner", "DirectRunner"])
+    assert r.exit_code == 0, r.output
+    rows = sorted(_rows(tmp_path / "out"), key=lambda r: int(r["id"][1:]))
+    np.testing.assert_allclose([x["score"] for x in rows], rm.score(convs), atol=1e-5, rtol=0)
