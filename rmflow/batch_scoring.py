@@ -118,7 +118,8 @@ class RewardModelHandler(ModelHandler):
     def __init__(self, spec: JobSpec):
         # Batches weighed in approximate tokens (4 bytes of JSON each), a few budgets at most:
         # sorted together, they cut into full batches of like lengths.
-        super().__init__(element_size_fn=_approx_tokens, min_batch_size=1, max_batch_size=4 * spec.token_budget)
+        super().__init__(element_size_fn=_approx_tokens, min_batch_size=spec.token_budget,
+                         max_batch_size=4 * spec.token_budget)
         self.spec = spec
 
     def load_model(self) -> RewardModel:
