@@ -414,7 +414,7 @@ def serve(
 ) -> None:
     """Serve a reward model over HTTP with dynamic batching: POST /v1/score (conversations, or a process model's
     solutions), /get_reward (OpenRLHF's --remote_rm_url), /classify (vLLM's pooling API, as verl calls it);
-    GET /health, /metrics (Prometheus), /v1/model. Needs the serve extra (pip install 'rmflow[serve]')."""
+    GET /health, /metrics (Prometheus), /v1/model. Needs rmflow's serve extra (Starlette, uvicorn)."""
     cfg = ServeConfig(**{k: v for k, v in locals().items()})
     try:
         from rmflow.server.app import serve as run_server
