@@ -74,3 +74,19 @@ def test_cli_options_are_their_config_fields():
             if not p.required:
                 assert p.default == field.default, (name, p.name, p.default, field.default)
         assert checked == len(fields) - ("beam_args" in fields), (name, checked)  # beam_args: the rest
+
+
+def test_no_help_text_holds_brackets_rich_would_eat():
+    """typer renders help with rich, which reads ``[serve]`` as markup and drops it (the serve
+    command's help once said "pip install 'rmflow'"): no command's or option's help holds one."""
+    import re
+
+    import typer.main
+
+    from rmflow.cli import app
+
+    found = []
+    for name, cmd in typer.main.get_command(app).commands.items():
+        texts = [("doc", cmd.help or "")] + [(p.name, getattr(p, "help", None) or "") for p in cmd.params]
+        found += [f"{name} {where}: {m}" for where, text in texts for m in re.findall(r"\[[^\]\s]*\]", text)]
+    assert not found, "rich would drop these from --help; write them without brackets:\n" + "\n".join(found)
