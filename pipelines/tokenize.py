@@ -255,7 +255,7 @@ class RecordTokenizer:
                             "render them (it never reads 'tool_calls'): they would be dropped; use a template "
                             "that renders tool calls (--chat-template)")
         return [
-            render(messages=[_message_dict(m) for m in conv], add_generation_prompt=generation_prompt,
+            render(messages=[message_dict(m) for m in conv], add_generation_prompt=generation_prompt,
                    **self._variables)
             for conv in conversations
         ]
@@ -496,7 +496,7 @@ class RecordTokenizer:
         return [r if isinstance(r, BadRecord) else next(done) for r in rendered]
 
 
-def _message_dict(m: Message) -> dict[str, Any]:
+def message_dict(m: Message) -> dict[str, Any]:
     d = {"role": m[0], "content": m[1]}
     if len(m) > 2:
         d["tool_calls"] = json.loads(m[2])

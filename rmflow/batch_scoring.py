@@ -34,6 +34,7 @@ from rmflow.api import BadConversation, RewardModel
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.formats import BadRecord, detect_format, normalize
 from rmflow.pipelines.staging import OWNER_FILE, new_staging
+from rmflow.pipelines.tokenize import message_dict
 from rmflow.pipelines.transforms import DEAD, FILES, ReadRecordsFn, as_bad_record, dead_letter
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
@@ -85,7 +86,7 @@ def encode_record(rm: RewardModel, obj: Any, source: str, line: int) -> tuple[st
         return "solution", [scorer.encode(rm, obj)]
     if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj:
         chosen, rejected = _pair_conversations(obj, source, line)
-        return "pair", [scorer.encode(rm, [dict(role=m[0], content=m[1]) for m in c]) for c in (chosen, rejected)]
+        return "pair", [scorer.encode(rm, [message_dict(m) for m in c]) for c in (chosen, rejected)]
     return "conversation", [scorer.encode(rm, obj)]
 
 

@@ -25,9 +25,6 @@ from rmflow.pipelines.preprocess import run as preprocess
 from rmflow.schemas.config import PreprocessConfig, TrainConfig
 from rmflow.trainer.train import run as train
 
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
