@@ -21,7 +21,7 @@ from typing import Any
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.outputs import output_kind
+from rmflow.schemas.outputs import output_kind, refuse_if_stopping
 
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -293,6 +293,7 @@ def publish(staging: str, output: str) -> None:
     Local: one directory rename (atomic). Remote object stores have no directory rename:
     files move one by one, and readers rely on COMPLETED, which the caller writes last.
     """
+    refuse_if_stopping()
     staging, output = staging.rstrip("/"), output.rstrip("/")
     if "://" not in output:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

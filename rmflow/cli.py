@@ -27,7 +27,7 @@ from rmflow.schemas.config import (
 )
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import OUTCOME, kind_named
-from rmflow.schemas.outputs import REPORT_FILE
+from rmflow.schemas.outputs import REPORT_FILE, clear_stop, note_stop, stop_signal
 
 app = typer.Typer(
     name="rmflow",
@@ -66,9 +66,15 @@ def command(name: str | None = None, **kwargs):
                 warnings.showwarning = _show_warning
                 try:
                     with _interruptible():
-                        return fn(*args, **kw)
+                        out = fn(*args, **kw)
+                        late = stop_signal()
+                    if late is not None:  # asked to stop as it finished: what it published is whole
+                        console.print(f"[red]{verb} stopped[/red] by {signal.Signals(late).name} after its "
+                                      "output was complete")
+                        raise typer.Exit(128 + late)
+                    return out
                 except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (below), outside a training loop
-                    signum = _signals_received[-1] if _signals_received else signal.SIGINT
+                    signum = stop_signal() or signal.SIGINT
                     console.print(f"[red]{verb} interrupted[/red] by {signal.Signals(signum).name}: nothing it "
                                   "was writing was published")
                     raise typer.Exit(128 + signum) from e
@@ -83,34 +89,60 @@ def command(name: str | None = None, **kwargs):
                     where = f": {e.filename}" if e.filename else ""
                     console.print(f"[red]{verb} failed:[/red] {_escape((e.strerror or str(e)) + where)}")
                     raise typer.Exit(1) from e
+                finally:
+                    clear_stop()  # a stop is this command's: an API call made later in this process publishes
 
         return app.command(name=name, **kwargs)(wrapper)
 
     return register
 
 
-_signals_received: list[int] = []
-
-
 @contextlib.contextmanager
 def _interruptible():
     """SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: staging folders and locks are cleaned
-    up by the code being left, rather than the process vanishing mid-write. The training loop installs
-    its own handlers, which stop at a step boundary."""
+    up by the code being left, rather than the process vanishing mid-write. The stop is also noted
+    (schemas.outputs.note_stop), so that nothing is published after it even where its
+    KeyboardInterrupt is lost. The training loop installs its own handlers, which stop at a step
+    boundary."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    active = [True]
+
+    def deliver_again(signum):
+        if active[0]:
+            os.kill(os.getpid(), signum)
+
     def handler(signum, frame):
-        _signals_received.append(signum)
+        note_stop(signum)
+        if not _raising_is_safe(frame):  # raised here, the interrupt would be lost: deliver it again soon
+            timer = threading.Timer(0.05, deliver_again, (signum,))
+            timer.daemon = True
+            timer.start()
+            return
         raise KeyboardInterrupt
 
-    _signals_received.clear()
+    clear_stop()
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
+        active[0] = False
         signal.signal(signal.SIGTERM, previous)
+
+
+def _raising_is_safe(frame) -> bool:
+    """Whether a KeyboardInterrupt raised in ``frame`` reaches the code being interrupted. Not inside
+    a finalizer (``__del__``: Python prints and ignores it) nor inside an import (a C extension's
+    start-up code records it as uncaught, and the interpreter then exits by SIGINT whatever the
+    command said)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.startswith("<frozen importlib"):
+            return False
+        frame = frame.f_back
+    return True
 
 
 def _h(name: str) -> str:

@@ -29,6 +29,7 @@ from rmflow.metrics import STEP_THRESHOLD, first_error
 from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME, PROCESS
+from rmflow.schemas.outputs import refuse_if_stopping
 
 
 def _lines(path: str):
@@ -137,6 +138,7 @@ def _write(path: str, rows: list[dict[str, Any]]) -> None:
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        refuse_if_stopping()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -11,6 +11,10 @@ stores offer none, and the README says so.
 ends without an error: an earlier output there is replaced whole (no stale file survives), and an
 interrupted write leaves the earlier one intact. Staging folders left by a writer that died are
 removed by the next holder of the lock (which proves that writer is gone).
+
+A process asked to stop (``note_stop``, from the command line's signal handler) publishes nothing
+more: every publishing step calls ``refuse_if_stopping`` first. The signal's KeyboardInterrupt alone
+is not enough: one raised inside a finalizer is ignored by Python, and a library may catch it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,28 @@ STAGING_SUFFIX = ".tmp-"
 
 _held: dict[str, int] = {}  # lock file -> nesting depth, for this process (a workflow holds, its stages re-enter)
 _held_guard = threading.Lock()
+
+
+_stopping: list[int] = []  # the signals that asked this process to stop, newest last
+
+
+def note_stop(signum: int) -> None:
+    _stopping.append(signum)
+
+
+def stop_signal() -> int | None:
+    """The newest signal that asked this process to stop, or None."""
+    return _stopping[-1] if _stopping else None
+
+
+def clear_stop() -> None:
+    _stopping.clear()
+
+
+def refuse_if_stopping() -> None:
+    """Raise KeyboardInterrupt, before anything is published, once a stop was asked for."""
+    if _stopping:
+        raise KeyboardInterrupt(f"stopped by signal {_stopping[-1]} before publishing")
 
 
 class OutputBusy(RmflowError):
@@ -159,6 +185,7 @@ def staged_output(output: str) -> Iterator[str]:
 def swap_in(staging: str, output: str) -> None:
     """Replace ``output`` with ``staging``: one rename when there is none; else two, then the old
     one is removed (a reader sees the old folder or the new one, never a mix)."""
+    refuse_if_stopping()
     if not os.path.exists(output):
         os.rename(staging, output)
         return

@@ -345,7 +345,8 @@ def test_a_failed_preprocess_job_prints_one_line_without_beams_log(tmp_path):
     assert len(said.splitlines()) == 1 and "unknown_layout x5" in said, said
 
 
-def test_sigterm_stops_a_preprocess_job_and_removes_its_staging(tmp_path):
+@pytest.mark.parametrize("after", [0.0, 3.0])  # while it starts (imports, pickling), and mid-job
+def test_sigterm_stops_a_preprocess_job_and_removes_its_staging(tmp_path, after):
     rows = gzip.decompress((DEMO / "hh_rlhf_helpful_sample.jsonl.gz").read_bytes())
     (tmp_path / "big.jsonl").write_bytes(rows * 40)  # 20,000 records: the job is still running when signalled
     proc = subprocess.Popen([sys.executable, "-m", "rmflow.cli", "preprocess", "-i", str(tmp_path / "big.jsonl"),
@@ -356,9 +357,49 @@ def test_sigterm_stops_a_preprocess_job_and_removes_its_staging(tmp_path):
     end = time.time() + 120
     while not list(tmp_path.glob("out.tmp-*")) and time.time() < end and proc.poll() is None:
         time.sleep(0.05)
-    time.sleep(3)  # the job is under way
+    time.sleep(after)
     proc.send_signal(signal.SIGTERM)
     said = proc.communicate(timeout=120)[0]
     assert proc.returncode == 143, said
     assert "preprocess interrupted by SIGTERM" in said and "Traceback" not in said
     assert not list(tmp_path.glob("out*")) and not list(tmp_path.glob(".out*"))  # no staging, no lock file
+
+
+def test_a_sigterm_arriving_in_a_finalizer_is_not_lost():
+    """Python ignores an exception raised in ``__del__``: a SIGTERM whose KeyboardInterrupt was raised
+    there (a regex object collected mid-job) let preprocess run to the end and publish (exit 0)."""
+    import time
+
+    from rmflow import cli
+
+    class Collected:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(200_000):  # the handler runs here, inside the finalizer
+                pass
+
+    started = time.time()
+    with pytest.raises(KeyboardInterrupt), cli._interruptible():
+        Collected()  # collected at once
+        while time.time() - started < 10:
+            time.sleep(0.01)
+    assert time.time() - started < 5
+
+
+def test_nothing_is_published_once_a_stop_was_asked_for(tmp_path):
+    """The second guard: a stop whose KeyboardInterrupt a library swallowed still publishes nothing."""
+    from rmflow.pipelines.io import publish
+    from rmflow.schemas.outputs import clear_stop, note_stop
+
+    (tmp_path / "staged").mkdir()
+    note_stop(signal.SIGTERM)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            publish(str(tmp_path / "staged"), str(tmp_path / "out"))
+        with pytest.raises(KeyboardInterrupt), staged_output(str(tmp_path / "out2")) as d:
+            pathlib.Path(d, "x").write_text("x")
+    finally:
+        clear_stop()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["staged"]
+    publish(str(tmp_path / "staged"), str(tmp_path / "out"))  # no stop: published
+    assert (tmp_path / "out").is_dir()
