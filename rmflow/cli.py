@@ -27,7 +27,7 @@ from rmflow.schemas.config import (
 )
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import OUTCOME, kind_named
-from rmflow.schemas.outputs import REPORT_FILE, clear_stop, note_stop, stop_signal
+from rmflow.schemas.outputs import REPORT_FILE, clear_stop, note_stop
 
 app = typer.Typer(
     name="rmflow",
@@ -64,17 +64,18 @@ def command(name: str | None = None, **kwargs):
             with warnings.catch_warnings():
                 warnings.simplefilter("always", RmflowWarning)
                 warnings.showwarning = _show_warning
+                received: list[int] = []  # the signals that asked this command to stop
                 try:
-                    with _interruptible():
+                    with _interruptible(received):
                         out = fn(*args, **kw)
-                        late = stop_signal()
+                    late = received[-1] if received else None
                     if late is not None:  # asked to stop as it finished: what it published is whole
                         console.print(f"[red]{verb} stopped[/red] by {signal.Signals(late).name} after its "
                                       "output was complete")
                         raise typer.Exit(128 + late)
                     return out
                 except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (below), outside a training loop
-                    signum = stop_signal() or signal.SIGINT
+                    signum = received[-1] if received else signal.SIGINT
                     console.print(f"[red]{verb} interrupted[/red] by {signal.Signals(signum).name}: nothing it "
                                   "was writing was published")
                     raise typer.Exit(128 + signum) from e
@@ -89,8 +90,6 @@ def command(name: str | None = None, **kwargs):
                     where = f": {e.filename}" if e.filename else ""
                     console.print(f"[red]{verb} failed:[/red] {_escape((e.strerror or str(e)) + where)}")
                     raise typer.Exit(1) from e
-                finally:
-                    clear_stop()  # a stop is this command's: an API call made later in this process publishes
 
         return app.command(name=name, **kwargs)(wrapper)
 
@@ -98,12 +97,14 @@ def command(name: str | None = None, **kwargs):
 
 
 @contextlib.contextmanager
-def _interruptible():
+def _interruptible(received: list[int] | None = None):
     """SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: staging folders and locks are cleaned
     up by the code being left, rather than the process vanishing mid-write. The stop is also noted
     (schemas.outputs.note_stop), so that nothing is published after it even where its
     KeyboardInterrupt is lost. The training loop installs its own handlers, which stop at a step
-    boundary."""
+    boundary. ``received`` gets the signals; the stop is this block's alone (cleared when it ends,
+    so that later work in this process, an API call in a test, publishes)."""
+    received = [] if received is None else received
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -115,6 +116,7 @@ def _interruptible():
             os.kill(os.getpid(), signum)
 
     def handler(signum, frame):
+        received.append(signum)
         note_stop(signum)
         if not _raising_is_safe(frame):  # raised here, the interrupt would be lost: deliver it again soon
             timer = threading.Timer(0.05, deliver_again, (signum,))
@@ -130,6 +132,7 @@ def _interruptible():
     finally:
         active[0] = False
         signal.signal(signal.SIGTERM, previous)
+        clear_stop()
 
 
 def _raising_is_safe(frame) -> bool:
@@ -185,6 +188,10 @@ def preprocess(
     eval_fraction: float = _P("eval_fraction"),
     split_seed: int = _P("split_seed"),
     dedup: bool = _P("dedup", "--dedup/--no-dedup"),
+    decontaminate: list[str] = _P("decontaminate"),
+    decontaminate_ngram: int = _P("decontaminate_ngram"),
+    decontaminate_replies: bool = _P("decontaminate_replies", "--decontaminate-replies/--no-decontaminate-replies"),
+    decontaminate_mark_only: bool = _P("decontaminate_mark_only", "--decontaminate-mark-only"),
     margin_from_scores: bool = _P("margin_from_scores", "--margin-from-scores/--no-margin-from-scores"),
     max_bad_fraction: float = _P("max_bad_fraction"),
     num_shards: int = _P("num_shards"),
@@ -204,7 +211,9 @@ def preprocess(
     cfg = PreprocessConfig(
         inputs=tuple(input), output=output, tokenizer=tokenizer, chat_template=chat_template,
         format=format, max_length=max_length, length_policy=length_policy,
-        eval_fraction=eval_fraction, split_seed=split_seed, dedup=dedup,
+        eval_fraction=eval_fraction, split_seed=split_seed, dedup=dedup, decontaminate=tuple(decontaminate),
+        decontaminate_ngram=decontaminate_ngram, decontaminate_replies=decontaminate_replies,
+        decontaminate_mark_only=decontaminate_mark_only,
         margin_from_scores=margin_from_scores, max_bad_fraction=max_bad_fraction,
         num_shards=num_shards, overwrite=overwrite, num_workers=num_workers, runner=runner,
         beam_args=tuple(ctx.args), batch_size=batch_size, step_separator=step_separator,
@@ -229,10 +238,15 @@ def print_summary(stats: dict, output: str) -> None:
     table.add_row("records read", f"{c['records_read']:,}")
     table.add_row("written (train / eval)",
                   f"{c['pairs_written']:,} ({c['pairs_written_train']:,} / {c['pairs_written_eval']:,})")
-    table.add_row("dropped: too long", f"{c['dropped_too_long']:,}")
-    table.add_row("dropped: ties (chosen == rejected)", f"{c['ties']:,}")
-    table.add_row("dropped: duplicates", f"{c['duplicates']:,}")
-    table.add_row("errors", f"{c['errors']:,}")
+    from rmflow.pipelines.finalize import NOT_WRITTEN
+
+    for key, _, what in NOT_WRITTEN:
+        if key != "contaminated" or c.get(key):  # decontamination is asked for: its row only when it dropped any
+            table.add_row(what if key == "errors" else f"dropped: {what}", f"{c.get(key, 0):,}")
+    if c.get("contaminated_marked"):
+        table.add_row("written, marked contaminated (contamination.jsonl)", f"{c['contaminated_marked']:,}")
+    for eval_file, n in stats.get("contaminated_by_eval_file", {}).items():
+        table.add_row(f"  contaminated: overlapping {eval_file}", f"{n:,}")
     if kind.counts_steps:
         table.add_row("steps written (incorrect)", f"{c.get('steps_written', 0):,} ({c.get('incorrect_steps', 0):,})")
     truncated = c.get("prompt_truncated", 0)

@@ -378,12 +378,15 @@ def test_a_sigterm_arriving_in_a_finalizer_is_not_lost():
             for _ in range(200_000):  # the handler runs here, inside the finalizer
                 pass
 
-    started = time.time()
-    with pytest.raises(KeyboardInterrupt), cli._interruptible():
+    from rmflow.schemas.outputs import stop_signal
+
+    started, received = time.time(), []
+    with pytest.raises(KeyboardInterrupt), cli._interruptible(received):
         Collected()  # collected at once
         while time.time() - started < 10:
             time.sleep(0.01)
-    assert time.time() - started < 5
+    assert time.time() - started < 5 and received[0] == signal.SIGTERM
+    assert stop_signal() is None  # the stop was the block's: later work in this process publishes
 
 
 def test_nothing_is_published_once_a_stop_was_asked_for(tmp_path):
