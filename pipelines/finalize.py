@@ -67,18 +67,30 @@ class Finalization:
     skipped: tuple[tuple[str, str], ...] = ()  # (path, why): files the inputs' folders hold that are not inputs
 
 
+# Why a read record was not written: (stats count, dead-letter category, what it means). Every read
+# record is written or counted under exactly one of these; the summaries read this table.
+NOT_WRITTEN = (
+    ("dropped_too_long", "too_long", "too long"),
+    ("ties", "tie", "ties (chosen == rejected)"),
+    ("duplicates", "duplicate", "duplicates"),
+    ("contaminated", "contaminated", "contaminated (share an n-gram with an evaluation prompt)"),
+    ("errors", "error", "errors"),
+)
+
+
 def gather(items: list) -> dict[str, Any]:
     """The exact per-file, per-reason and per-shard counts gathered in the pipeline."""
-    summary: dict[str, Any] = {"files": {}, "dead": [], "shards": []}
+    summary: dict[str, Any] = {"files": {}, "dead": [], "shards": [], "marked": []}
     for kind, value in items:
         if kind == "file":
             summary["files"][value[0]] = value[1]
-        elif kind == "dead":
+        elif kind in ("dead", "marked"):
             (category, code), n = value
-            summary["dead"].append({"category": category, "code": code, "count": n})
+            summary[kind].append({"category": category, "code": code, "count": n})
         else:
             summary["shards"].append(value)
     summary["dead"].sort(key=lambda d: (d["category"], d["code"]))
+    summary["marked"].sort(key=lambda d: (d["category"], d["code"]))
     summary["shards"].sort(key=lambda s: s["file"])
     return summary
 
@@ -159,15 +171,13 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
         "pairs_written": sum(written.values()),
         "pairs_written_train": written["train"],
         "pairs_written_eval": written["eval"],
-        "dropped_too_long": by_category["too_long"],
-        "ties": by_category["tie"],
-        "duplicates": by_category["duplicate"],
-        "errors": by_category["error"],
+        **{key: by_category[category] for key, category, _ in NOT_WRITTEN},
+        "contaminated_marked": sum(d["count"] for d in summary.get("marked", [])),  # written all the same
         "prompt_truncated": sum(s.get("truncated", 0) for s in summary["shards"]),  # written, prompt cut
         # written, with special-token text in a message (kept as text, never as control tokens)
         "special_token_text": sum(s.get("special_text", 0) for s in summary["shards"]),
     }
-    accounted = sum(counts[k] for k in ("pairs_written", "dropped_too_long", "ties", "duplicates", "errors"))
+    accounted = counts["pairs_written"] + sum(counts[key] for key, _, _ in NOT_WRITTEN)
     if accounted != read:
         raise PreprocessError(f"internal error: {read} records read but {accounted} accounted for ({counts})")
     if kind.counts_steps:  # every written solution's steps, and how many of them are labelled incorrect
@@ -183,6 +193,10 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
         "reconciles": True,
         "dead_letters": summary["dead"],
         "records_per_file": summary["files"],
+        # dropped, or with decontaminate_mark_only found and written (counts.contaminated_marked)
+        "contaminated_by_eval_file": {d["code"].split(":", 1)[1]: d["count"]
+                                      for d in summary["dead"] + summary.get("marked", [])
+                                      if d["category"] == "contaminated"},
         "lengths": {split: {f: length_stats(h, cfg.max_length) for f, h in fields.items()}
                     for split, fields in sorted(lengths.items())},
         "tokens_written": tokens,

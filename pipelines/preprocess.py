@@ -22,6 +22,7 @@ import apache_beam as beam
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 from rmflow.pipelines import io as rio
+from rmflow.pipelines.decontaminate import CONTAMINATION_FILE, Decontaminate
 from rmflow.pipelines.finalize import (
     FAILED_FILE,
     SUMMARY_FILE,
@@ -72,6 +73,7 @@ class Plan:
     shard_counts: dict[str, int]
     staging: str
     skipped: tuple[tuple[str, str], ...] = ()  # (path, why) of files in the input folders that are not inputs
+    eval_files: tuple[str, ...] = ()  # the evaluation files to decontaminate against
 
 
 def plan_shards(cfg: PreprocessConfig, input_bytes: int) -> dict[str, int]:
@@ -96,13 +98,18 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
         files = rio.expand_inputs(cfg.inputs, skipped)
     except rio.InputError as e:
         raise PreprocessError(str(e)) from e
+    try:
+        eval_files = tuple(sorted({f for f, _ in rio.expand_inputs(cfg.decontaminate)}))
+    except rio.InputError as e:
+        raise PreprocessError(f"--decontaminate: {e}") from e
     assets = load_tokenizer_assets(cfg.tokenizer, cfg.chat_template)
     if not assets.has_chat_template and cfg.format != "tokenized":  # now, not after every record failed
         raise PreprocessError(f"tokenizer {cfg.tokenizer} has no chat template, which renders conversations into "
                               "text: pass one with --chat-template FILE (a Jinja template; pre-tokenized data "
                               "needs none: --format tokenized)")
     report_leftovers(out)
-    return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), new_staging(out), tuple(skipped))
+    return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), new_staging(out), tuple(skipped),
+                eval_files)
 
 
 def _is_shard_folder(path: str) -> bool:
@@ -159,12 +166,20 @@ def make_pipeline(cfg: PreprocessConfig) -> beam.Pipeline:
 
 
 def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization | None = None) -> None:
-    """The preprocess graph: read, normalize, [dedup], template, tokenize, length, split, write,
+    """The preprocess graph: read, normalize, [decontaminate], [dedup], template, tokenize, length, split, write,
     and the last step that reconciles, writes the manifest and publishes (``finalize``)."""
     fin = fin or finalization(cfg, plan)
     read = p | "Read" >> ReadPreferenceData([f for f, _ in plan.files], cfg.format)
     norm = read["main"] | "NormalizePairs" >> NormalizePairs(cfg.margin_from_scores)
     pairs, dead = norm["main"], [read["dead"], norm["dead"]]
+    marked = []
+    if cfg.decontaminate:
+        clean = pairs | "Decontaminate" >> Decontaminate(plan.eval_files, cfg.decontaminate_ngram,
+                                                         cfg.decontaminate_replies, cfg.decontaminate_mark_only)
+        pairs = clean["main"]
+        dead.append(clean["dead"])
+        if cfg.decontaminate_mark_only:
+            marked.append(clean["marked"])
     if cfg.dedup:
         dedup = pairs | "DropDuplicates" >> DropDuplicates()
         pairs = dedup["main"]
@@ -179,8 +194,12 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
         | "WriteShards" >> WriteShards(plan.staging, plan.shard_counts)
     )
     all_dead = dead | "AllDeadLetters" >> beam.Flatten()
-    errors_file = all_dead | "WriteErrors" >> WriteErrors(f"{plan.staging}/{ERRORS_FILE}")
-    (read["files"], all_dead, shards) | "Finalize" >> Finalize(fin, errors_file)
+    written = [all_dead | "WriteErrors" >> WriteErrors(f"{plan.staging}/{ERRORS_FILE}")]
+    if marked:
+        written.append(marked[0] | "WriteContamination" >> WriteErrors(f"{plan.staging}/{CONTAMINATION_FILE}"))
+    marks = marked[0] if marked else p | "NoMarks" >> beam.Create([])
+    after = written[0] if len(written) == 1 else written | "Written" >> beam.Flatten()
+    (read["files"], all_dead, shards, marks) | "Finalize" >> Finalize(fin, after)
 
 
 def finalization(cfg: PreprocessConfig, plan: Plan, started: float | None = None, tok: Any = None) -> Finalization:

@@ -62,12 +62,12 @@ def metadata() -> dict[str, Any]:
     for f in parameter_fields():
         required = f.name in ("inputs", "output", "tokenizer")
         p = {"name": f.name, "label": LABELS.get(f.name, f.name.replace("_", " ").capitalize()),
-             "helpText": help_for(PreprocessConfig, f.name) + (" Comma-separated." if f.name == "inputs" else "")
-             + ("" if required or f.default is None else f" Default: {_text(f.default)}."),
+             "helpText": help_for(PreprocessConfig, f.name) + (" Comma-separated." if _is_list(f) else "")
+             + ("" if required or f.default in (None, ()) else f" Default: {_text(f.default)}."),
              "isOptional": not required}
         if _regexes(f):
             p["regexes"] = _regexes(f)
-        if not required and f.default is not None:
+        if not required and f.default not in (None, ()):
             p["defaultValue"] = _text(f.default)
         params.append(p)
     return {"name": "rmflow-preprocess",
@@ -76,12 +76,18 @@ def metadata() -> dict[str, Any]:
             "parameters": params}
 
 
+def _is_list(f: dataclasses.Field) -> bool:
+    return str(f.type).startswith("tuple")
+
+
 def _text(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _parse(f: dataclasses.Field, text: str) -> Any:
-    if f.name == "inputs":
+    if _is_list(f):
         return tuple(p for p in text.split(",") if p)
     kind = str(f.type)
     if kind == "bool":

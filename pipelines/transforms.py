@@ -400,7 +400,7 @@ class WriteErrors(beam.PTransform):
 # --------------------------------------------------------------------------- summary
 
 
-def _summary_items(files, dead, shards) -> Iterable:
+def _summary_items(files, dead, shards, marked) -> Iterable:
     return (
         files | "FileCounts" >> beam.Map(lambda f: ("file", f)),
         dead
@@ -408,22 +408,26 @@ def _summary_items(files, dead, shards) -> Iterable:
         | "CountDead" >> beam.CombinePerKey(sum)
         | "DeadItems" >> beam.Map(lambda kv: ("dead", kv)),
         shards | "ShardItems" >> beam.Map(lambda s: ("shard", s)),
+        marked
+        | "MarkedKey" >> beam.Map(lambda d: ((d["category"], d["code"]), 1))
+        | "CountMarked" >> beam.CombinePerKey(sum)
+        | "MarkedItems" >> beam.Map(lambda kv: ("marked", kv)),
     )
 
 
 class Finalize(beam.PTransform):
     """Exact counts gathered in the pipeline itself (not from metrics), then the job's last step,
     run once: reconcile, write manifest and statistics, publish (``pipelines.finalize``). It waits
-    for every shard (its input) and for the errors file (``after``, a side input)."""
+    for every shard (its input) and for the errors file (``after``, a side input). Its inputs:
+    (files, dead letters, shards, records marked but written)."""
 
     def __init__(self, fin, after):
         super().__init__()
         self.fin, self.after = fin, after
 
     def expand(self, inputs):
-        files, dead, shards = inputs
         return (
-            _summary_items(files, dead, shards)
+            _summary_items(*inputs)
             | "Gather" >> beam.Flatten()
             | "ToList" >> beam.combiners.ToList()
             | "Publish" >> beam.Map(finalize, self.fin, beam.pvalue.AsList(self.after))

@@ -245,9 +245,11 @@ def summary_lines(stats: dict[str, Any], max_length: int) -> list[str]:
     if stats.get("skipped_inputs"):
         lines.append(f"skipped {len(stats['skipped_inputs']):,} files in the input folders: hidden, or inside "
                      "earlier rmflow outputs (stats.json, skipped_inputs)")
-    for key, what in (("dropped_too_long", f"longer than max_length {max_length}"), ("ties", "ties"),
-                      ("duplicates", "duplicates"), ("errors", "errors")):
-        if c[key]:
+    from rmflow.pipelines.finalize import NOT_WRITTEN
+
+    for key, _, what in NOT_WRITTEN:
+        what = f"longer than max_length {max_length}" if key == "dropped_too_long" else what
+        if c.get(key):
             lines.append(f"not written: {c[key]:,} {what} ({c[key] / read:.1%})")
     return lines
 

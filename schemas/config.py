@@ -125,6 +125,15 @@ class PreprocessConfig(_Serializable):
     eval_fraction: float = _opt(0.05, "Fraction of pairs in the eval split, chosen by a hash of the pair's content.")
     split_seed: int = _opt(0, "Salt of the train/eval split hash.")
     dedup: bool = _opt(False, "Drop exact duplicate pairs (same prompt, chosen and rejected), keeping the first.")
+    decontaminate: tuple[str, ...] = _opt(
+        (), "Evaluation files or globs (any layout preprocess reads, or a prompt list): drop every record whose "
+        "prompt shares an n-gram with one of their prompts (errors file reason: contaminated)."
+    )
+    decontaminate_ngram: int = _opt(
+        13, "Words per n-gram for decontaminate (case, Unicode form, punctuation and whitespace ignored).")
+    decontaminate_replies: bool = _opt(False, "Decontaminate checks the replies (or steps) too, not only the prompt.")
+    decontaminate_mark_only: bool = _opt(
+        False, "Keep contaminated records (they are written) and list them in contamination.jsonl instead of dropping them.")
     margin_from_scores: bool = _opt(
         False, "UltraFeedback layout: margin = score_chosen - score_rejected when a pair has no margin column."
     )
@@ -147,6 +156,9 @@ class PreprocessConfig(_Serializable):
             object.__setattr__(self, "inputs", (self.inputs,))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "beam_args", tuple(self.beam_args))
+        if isinstance(self.decontaminate, str):
+            object.__setattr__(self, "decontaminate", (self.decontaminate,))
+        object.__setattr__(self, "decontaminate", tuple(self.decontaminate))
         self._check_types()
         if not self.inputs or not all(isinstance(p, str) and p for p in self.inputs):
             raise ConfigError("inputs: give at least one input file, glob or directory (--input)")
@@ -165,6 +177,7 @@ class PreprocessConfig(_Serializable):
             raise ConfigError("step_separator: give a non-empty string (the default is a newline): without one, "
                               "a step's last token can merge with the next step's first")
         _check_int(self.num_shards, "num_shards", 0)
+        _check_int(self.decontaminate_ngram, "decontaminate_ngram", 1)
         _check_int(self.num_workers, "num_workers", 1)
         _check_int(self.batch_size, "batch_size", 1)
         _check_int(self.split_seed, "split_seed", 0)
@@ -178,6 +191,7 @@ class PreprocessConfig(_Serializable):
         anywhere (globs and URLs are kept; a tokenizer hub id too)."""
         return dataclasses.replace(
             self, inputs=tuple(absolute(p) for p in self.inputs), output=absolute(self.output),
+            decontaminate=tuple(absolute(p) for p in self.decontaminate),
             tokenizer=absolute_if_local(self.tokenizer), chat_template=absolute_if_local(self.chat_template))
 
     def output_affecting(self) -> dict[str, Any]:

@@ -90,3 +90,18 @@ def test_no_help_text_holds_brackets_rich_would_eat():
         texts = [("doc", cmd.help or "")] + [(p.name, getattr(p, "help", None) or "") for p in cmd.params]
         found += [f"{name} {where}: {m}" for where, text in texts for m in re.findall(r"\[[^\]\s]*\]", text)]
     assert not found, "rich would drop these from --help; write them without brackets:\n" + "\n".join(found)
+
+
+def test_the_readme_lists_every_preprocess_option():
+    """The README's configuration reference is a copy of the command's options: it cannot drift."""
+    import pathlib
+
+    import typer.main
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Configuration reference", 1)[1].split("\n### ", 1)[0]
+    command = typer.main.get_command(app).commands["preprocess"]
+    flags = [next(o for o in p.opts if o.startswith("--")) for p in command.params if p.opts]
+    missing = [f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", section)
+               and f not in ("--detach", "--verbose", "--help")]
+    assert not missing, f"add to the README's preprocess configuration reference: {missing}"

@@ -79,8 +79,10 @@ def test_output_is_dated_per_run():
     assert expand_date("gs://b/shards/{date}", now) == "gs://b/shards/2026-11-23"
     assert expand_date("gs://b/shards/{datetime}", now) == "gs://b/shards/20261123-020005"
     cfg = config_from_args(["--inputs=gs://b/a.jsonl,gs://b/c.jsonl", "--output=gs://b/s/{date}", "--tokenizer=x/y",
-                            "--max_length=512", "--dedup=true", "--project=p", "--region=r"])
+                            "--max_length=512", "--dedup=true", "--project=p", "--region=r",
+                            "--decontaminate=gs://b/rb.jsonl,gs://b/pb/*.jsonl", "--decontaminate_ngram=8"])
     assert cfg.inputs == ("gs://b/a.jsonl", "gs://b/c.jsonl") and cfg.max_length == 512 and cfg.dedup
+    assert cfg.decontaminate == ("gs://b/rb.jsonl", "gs://b/pb/*.jsonl") and cfg.decontaminate_ngram == 8
     assert re.fullmatch(r"gs://b/s/\d{4}-\d\d-\d\d", cfg.output)
     assert cfg.runner == "DataflowRunner" and "--project=p" in cfg.beam_args
 

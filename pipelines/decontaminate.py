@@ -1,0 +1,215 @@
+"""Decontamination: drop every training record that shares an n-gram with an evaluation prompt.
+
+The recipe of Skywork-Reward and cleaned UltraFeedback: text is normalised to words (Unicode NFKC,
+case-folded, split on anything that is not a letter or digit, so whitespace, punctuation and
+full-width variants compare equal), every run of ``n`` consecutive words of every evaluation prompt
+is an n-gram, and a training record whose prompt (and, when asked, replies) holds any of them is
+contaminated. Prompts shorter than ``n`` words count as one n-gram of all their words: a short
+evaluation prompt is found where a training prompt equals it, not inside a longer one.
+
+The pure core (``words``, ``ngrams``, ``EvalIndex``) is wrapped by the Beam step
+``Decontaminate``: the evaluation n-grams are built once, in the pipeline, into a side input (an
+index of 8-byte hashes: a million evaluation n-grams is about 100 MiB per worker), and every
+training record is checked against it. The first overlap in reading order is reported
+(deterministic): the evaluation file, its item, and the n-gram.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import unicodedata
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.pvalue import AsSingleton, TaggedOutput
+from rmflow.pipelines.formats import (
+    BadRecord,
+    CanonicalPair,
+    CanonicalSteps,
+    detect_format,
+    normalize,
+    parse_json_object,
+)
+from rmflow.pipelines.io import iter_records
+from rmflow.pipelines.transforms import DEAD, dead_letter
+
+CONTAMINATED = "contaminated"
+MARKED = "marked"  # the tag of records found contaminated and kept (mark_only)
+CONTAMINATION_FILE = "contamination.jsonl"  # in the output, with mark_only: the records kept
+_WORD = re.compile(r"[^\W_]+")  # letters and digits, any script
+PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "query", "input", "text")
+
+
+class Contaminated(BadRecord):
+    """The record shares an n-gram with an evaluation prompt."""
+
+    category = CONTAMINATED
+
+    def __init__(self, message: str, eval_file: str):
+        super().__init__(f"{CONTAMINATED}:{eval_file}", message)
+
+
+def words(text: str) -> list[str]:
+    return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
+
+
+def ngrams(ws: list[str], n: int) -> Iterator[tuple[int, tuple[str, ...]]]:
+    """(hash, words) of each n-gram in order; a text shorter than ``n`` words is one n-gram."""
+    if not ws:
+        return
+    for i in range(max(1, len(ws) - n + 1)):
+        gram = tuple(ws[i:i + n])
+        yield _hash(gram), gram
+
+
+def _hash(gram: tuple[str, ...]) -> int:
+    return int.from_bytes(hashlib.blake2b(" ".join(gram).encode(), digest_size=8).digest(), "little")
+
+
+def prompt_text(record: Any, source: str, line: int) -> str:
+    """The prompt of one evaluation item, in any layout preprocess reads, or a plain prompt list
+    (a JSON string per line, or an object with one of PROMPT_FIELDS)."""
+    if isinstance(record, str):
+        return record
+    try:
+        item = normalize(record, detect_format(record), source=source, line=line)
+        return "\n".join(m[1] for m in item.prompt if m[0] != "system")
+    except BadRecord:
+        for field in PROMPT_FIELDS:
+            if isinstance(record.get(field), str):
+                return record[field]
+        raise BadRecord("no_prompt", f"{source}:{line}: no prompt found (a layout preprocess reads, a JSON "
+                        f"string, or an object with one of {', '.join(PROMPT_FIELDS)})") from None
+
+
+@dataclasses.dataclass
+class EvalIndex:
+    """Evaluation n-gram hash -> (evaluation file, item line): the first item that holds it."""
+
+    n: int
+    where: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
+
+    def add(self, text: str, source: str, line: int) -> None:
+        for h, _ in ngrams(words(text), self.n):
+            self.where.setdefault(h, (source, line))
+
+    def merge(self, other: EvalIndex) -> EvalIndex:
+        for h, at in other.where.items():
+            if h not in self.where or at < self.where[h]:
+                self.where[h] = at
+        return self
+
+    def first_overlap(self, texts: Iterable[str]) -> tuple[tuple[str, ...], str, int] | None:
+        """(n-gram, evaluation file, item line) of the first n-gram of ``texts`` in the index."""
+        for text in texts:
+            for h, gram in ngrams(words(text), self.n):
+                if h in self.where:
+                    return (gram, *self.where[h])
+        return None
+
+
+def index_file(path: str, n: int) -> EvalIndex:
+    """The n-grams of one evaluation file's prompts. An item whose prompt cannot be found fails
+    the job with its file and line: a decontamination that silently skipped items would be wrong."""
+    index = EvalIndex(n)
+    for line, raw, problem in iter_records(path):
+        if problem:
+            raise BadRecord("bad_eval_file", f"{path}:{line}: {problem}")
+        text = raw.strip()  # a JSON object, a JSON string, or a plain line of a prompt list
+        record: Any = parse_json_object(text) if text.startswith("{") else (
+            json.loads(text) if text.startswith('"') else text)
+        index.add(prompt_text(record, path, line), path, line)
+    return index
+
+
+def record_texts(pair: CanonicalPair | CanonicalSteps, replies: bool) -> list[str]:
+    texts = ["\n".join(m[1] for m in pair.prompt if m[0] != "system")]
+    if replies:
+        if isinstance(pair, CanonicalSteps):
+            texts.append("\n".join(pair.steps))
+        else:
+            texts += ["\n".join(m[1] for m in pair.chosen), "\n".join(m[1] for m in pair.rejected)]
+    return texts
+
+
+class _IndexFileFn(beam.DoFn):
+    def __init__(self, n: int):
+        self.n = n
+
+    def process(self, path: str):
+        try:
+            yield index_file(path, self.n)
+        except BadRecord as e:
+            raise ValueError(f"--decontaminate: {e.message}") from None
+
+
+class _MergeIndexes(beam.CombineFn):
+    def __init__(self, n: int):
+        self.n = n
+
+    def create_accumulator(self):
+        return EvalIndex(self.n)
+
+    def add_input(self, acc, index):
+        return acc.merge(index)
+
+    def merge_accumulators(self, accs):
+        accs = list(accs)
+        return accs[0] if len(accs) == 1 else _merge_all(accs, self.n)
+
+    def extract_output(self, acc):
+        return acc
+
+
+def _merge_all(accs: list[EvalIndex], n: int) -> EvalIndex:
+    out = EvalIndex(n)
+    for a in accs:
+        out.merge(a)
+    return out
+
+
+class CheckFn(beam.DoFn):
+    def __init__(self, replies: bool, mark_only: bool):
+        self.replies, self.mark_only = replies, mark_only
+
+    def process(self, pair, index: EvalIndex):
+        if pair.is_tokenized:  # ids, no text: nothing to compare with (the README says so)
+            yield pair
+            return
+        hit = index.first_overlap(record_texts(pair, self.replies))
+        if hit is None:
+            yield pair
+            return
+        gram, eval_file, eval_line = hit
+        err = Contaminated(f"shares the {len(gram)}-gram {' '.join(gram)!r} with {eval_file}:{eval_line}", eval_file)
+        entry = dead_letter("decontaminate", pair.source, pair.line, pair.raw, err)
+        if self.mark_only:
+            yield pair
+            yield TaggedOutput(MARKED, entry)
+        else:
+            yield TaggedOutput(DEAD, entry)
+
+
+class Decontaminate(beam.PTransform):
+    """Drop the pairs (or solutions) that share an n-gram with any evaluation file's prompts, or
+    with ``mark_only`` keep them and list them (the ``marked`` output, dead-letter shaped)."""
+
+    def __init__(self, eval_files: tuple[str, ...], n: int, replies: bool, mark_only: bool = False):
+        """``eval_files``: the files themselves (the plan expands the user's globs and folders)."""
+        super().__init__()
+        self.eval_files, self.n, self.replies, self.mark_only = eval_files, n, replies, mark_only
+
+    def expand(self, pairs):
+        index = (
+            pairs.pipeline
+            | "EvalFiles" >> beam.Create(list(self.eval_files))
+            | "IndexEvalPrompts" >> beam.ParDo(_IndexFileFn(self.n))
+            | "MergeIndex" >> beam.CombineGlobally(_MergeIndexes(self.n))
+        )
+        checked = pairs | "CheckOverlap" >> beam.ParDo(CheckFn(self.replies, self.mark_only), AsSingleton(index)
+                                                       ).with_outputs(DEAD, MARKED, main="main")
+        return {"main": checked.main, "dead": checked[DEAD], "marked": checked[MARKED]}
