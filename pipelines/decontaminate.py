@@ -9,7 +9,7 @@ evaluation prompt is found where a training prompt equals it, not inside a longe
 
 The pure core (``words``, ``ngrams``, ``EvalIndex``) is wrapped by the Beam step
 ``Decontaminate``: the evaluation n-grams are built once, in the pipeline, into a side input (an
-index of 8-byte hashes: a million evaluation n-grams is about 100 MiB per worker), and every
+index of 8-byte hashes: measured at about 140 bytes an n-gram in a worker's memory), and every
 training record is checked against it. The first overlap in reading order is reported
 (deterministic): the evaluation file, its item, and the n-gram.
 """
@@ -70,6 +70,11 @@ def _hash(gram: tuple[str, ...]) -> int:
     return int.from_bytes(hashlib.blake2b(" ".join(gram).encode(), digest_size=8).digest(), "little")
 
 
+def _prompt_of(messages) -> str:
+    """The text of a prompt's turns, the system turn left out (instructions, not the task)."""
+    return "\n".join(m[1] for m in messages if m[0] != "system")
+
+
 def prompt_text(record: Any, source: str, line: int) -> str:
     """The prompt of one evaluation item, in any layout preprocess reads, or a plain prompt list
     (a JSON string per line, or an object with one of PROMPT_FIELDS)."""
@@ -77,7 +82,7 @@ def prompt_text(record: Any, source: str, line: int) -> str:
         return record
     try:
         item = normalize(record, detect_format(record), source=source, line=line)
-        return "\n".join(m[1] for m in item.prompt if m[0] != "system")
+        return _prompt_of(item.prompt)
     except BadRecord:
         for field in PROMPT_FIELDS:
             if isinstance(record.get(field), str):
@@ -127,7 +132,7 @@ def index_file(path: str, n: int) -> EvalIndex:
 
 
 def record_texts(pair: CanonicalPair | CanonicalSteps, replies: bool) -> list[str]:
-    texts = ["\n".join(m[1] for m in pair.prompt if m[0] != "system")]
+    texts = [_prompt_of(pair.prompt)]
     if replies:
         if isinstance(pair, CanonicalSteps):
             texts.append("\n".join(pair.steps))
@@ -158,18 +163,13 @@ class _MergeIndexes(beam.CombineFn):
         return acc.merge(index)
 
     def merge_accumulators(self, accs):
-        accs = list(accs)
-        return accs[0] if len(accs) == 1 else _merge_all(accs, self.n)
+        out = EvalIndex(self.n)
+        for a in accs:
+            out.merge(a)
+        return out
 
     def extract_output(self, acc):
         return acc
-
-
-def _merge_all(accs: list[EvalIndex], n: int) -> EvalIndex:
-    out = EvalIndex(n)
-    for a in accs:
-        out.merge(a)
-    return out
 
 
 class CheckFn(beam.DoFn):

@@ -89,8 +89,8 @@ def gather(items: list) -> dict[str, Any]:
             summary[kind].append({"category": category, "code": code, "count": n})
         else:
             summary["shards"].append(value)
-    summary["dead"].sort(key=lambda d: (d["category"], d["code"]))
-    summary["marked"].sort(key=lambda d: (d["category"], d["code"]))
+    for kind in ("dead", "marked"):
+        summary[kind].sort(key=lambda d: (d["category"], d["code"]))
     summary["shards"].sort(key=lambda s: s["file"])
     return summary
 

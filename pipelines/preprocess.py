@@ -172,14 +172,14 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
     read = p | "Read" >> ReadPreferenceData([f for f, _ in plan.files], cfg.format)
     norm = read["main"] | "NormalizePairs" >> NormalizePairs(cfg.margin_from_scores)
     pairs, dead = norm["main"], [read["dead"], norm["dead"]]
-    marked = []
+    marked = None  # with decontaminate_mark_only: the records found contaminated and kept
     if cfg.decontaminate:
         clean = pairs | "Decontaminate" >> Decontaminate(plan.eval_files, cfg.decontaminate_ngram,
                                                          cfg.decontaminate_replies, cfg.decontaminate_mark_only)
         pairs = clean["main"]
         dead.append(clean["dead"])
         if cfg.decontaminate_mark_only:
-            marked.append(clean["marked"])
+            marked = clean["marked"]
     if cfg.dedup:
         dedup = pairs | "DropDuplicates" >> DropDuplicates()
         pairs = dedup["main"]
@@ -194,12 +194,13 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
         | "WriteShards" >> WriteShards(plan.staging, plan.shard_counts)
     )
     all_dead = dead | "AllDeadLetters" >> beam.Flatten()
-    written = [all_dead | "WriteErrors" >> WriteErrors(f"{plan.staging}/{ERRORS_FILE}")]
-    if marked:
-        written.append(marked[0] | "WriteContamination" >> WriteErrors(f"{plan.staging}/{CONTAMINATION_FILE}"))
-    marks = marked[0] if marked else p | "NoMarks" >> beam.Create([])
-    after = written[0] if len(written) == 1 else written | "Written" >> beam.Flatten()
-    (read["files"], all_dead, shards, marks) | "Finalize" >> Finalize(fin, after)
+    after = all_dead | "WriteErrors" >> WriteErrors(f"{plan.staging}/{ERRORS_FILE}")
+    if marked is None:
+        marked = p | "NoMarks" >> beam.Create([])
+    else:
+        listed = marked | "WriteContamination" >> WriteErrors(f"{plan.staging}/{CONTAMINATION_FILE}")
+        after = (after, listed) | "Written" >> beam.Flatten()
+    (read["files"], all_dead, shards, marked) | "Finalize" >> Finalize(fin, after)
 
 
 def finalization(cfg: PreprocessConfig, plan: Plan, started: float | None = None, tok: Any = None) -> Finalization:

@@ -403,15 +403,19 @@ class WriteErrors(beam.PTransform):
 def _summary_items(files, dead, shards, marked) -> Iterable:
     return (
         files | "FileCounts" >> beam.Map(lambda f: ("file", f)),
-        dead
-        | "DeadKey" >> beam.Map(lambda d: ((d["category"], d["code"]), 1))
-        | "CountDead" >> beam.CombinePerKey(sum)
-        | "DeadItems" >> beam.Map(lambda kv: ("dead", kv)),
+        _counts_by_reason(dead, "Dead", "dead"),
         shards | "ShardItems" >> beam.Map(lambda s: ("shard", s)),
-        marked
-        | "MarkedKey" >> beam.Map(lambda d: ((d["category"], d["code"]), 1))
-        | "CountMarked" >> beam.CombinePerKey(sum)
-        | "MarkedItems" >> beam.Map(lambda kv: ("marked", kv)),
+        _counts_by_reason(marked, "Marked", "marked"),
+    )
+
+
+def _counts_by_reason(letters, label: str, kind: str):
+    """(kind, ((category, code), count)) for each reason among dead-letter-shaped entries."""
+    return (
+        letters
+        | f"{label}Key" >> beam.Map(lambda d: ((d["category"], d["code"]), 1))
+        | f"Count{label}" >> beam.CombinePerKey(sum)
+        | f"{label}Items" >> beam.Map(lambda kv, kind=kind: (kind, kv))
     )
 
 

@@ -68,11 +68,10 @@ def command(name: str | None = None, **kwargs):
                 try:
                     with _interruptible(received):
                         out = fn(*args, **kw)
-                    late = received[-1] if received else None
-                    if late is not None:  # asked to stop as it finished: what it published is whole
-                        console.print(f"[red]{verb} stopped[/red] by {signal.Signals(late).name} after its "
-                                      "output was complete")
-                        raise typer.Exit(128 + late)
+                    if received:  # asked to stop as it finished: what it published is whole
+                        console.print(f"[red]{verb} stopped[/red] by {signal.Signals(received[-1]).name} after "
+                                      "its output was complete")
+                        raise typer.Exit(128 + received[-1])
                     return out
                 except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (below), outside a training loop
                     signum = received[-1] if received else signal.SIGINT
