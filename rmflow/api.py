@@ -88,7 +88,7 @@ class RewardModel:
         self.kind = loaded.kind.name  # schemas.kinds: "outcome" (a score per conversation), "process" (per step)
         self.step_separator = loaded.step_separator
         self._renderer = None
-        self._scorers: dict[Any, Any] = {}  # ScoringShapes -> SequenceScorer (compiled once per shape)
+        self._scorers: dict[Any, Any] = {}  # ScoringShapes -> its scorer (compiled once per shape)
 
     @classmethod
     def load(cls, path: str, step: int | str | None = None) -> RewardModel:
@@ -165,13 +165,15 @@ class RewardModel:
                              small_batches=small_batches)
 
     def scorer(self, shapes=None):
-        """The model's ``SequenceScorer`` for ``shapes`` (default ``self.shapes()``), built and
-        compiled once and reused by every later call."""
-        from rmflow.trainer.inference import SequenceScorer
+        """The model's scorer for ``shapes`` (default ``self.shapes()``): a ``SequenceScorer`` for
+        an outcome model, a ``StepScorer`` for a process model; built and compiled once and
+        reused by every later call."""
+        from rmflow.trainer.inference import SequenceScorer, StepScorer
 
         shapes = shapes or self.shapes()
         if shapes not in self._scorers:
-            self._scorers[shapes] = SequenceScorer(self._loaded.model, shapes, pad_id=self._loaded.pad_id)
+            make = StepScorer if self.kind == PROCESS.name else SequenceScorer
+            self._scorers[shapes] = make(self._loaded.model, shapes, pad_id=self._loaded.pad_id)
         return self._scorers[shapes]
 
     def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
@@ -220,22 +222,11 @@ class RewardModel:
                                      else ""))
         return out.input_ids, out.step_ends
 
-    def score_step_ids(self, encoded: Sequence[tuple[np.ndarray, np.ndarray]], *, batch_size: int = SCORING_BATCH_SIZE
-                       ) -> list[np.ndarray]:
+    def score_step_ids(self, encoded: Sequence[tuple[np.ndarray, np.ndarray]], *, batch_size: int = SCORING_BATCH_SIZE,
+                       progress=None) -> list[np.ndarray]:
         """P(correct) of each step of each encoded solution, float32, in input order."""
-        from rmflow.schemas.record import StepRecord
-        from rmflow.trainer.inference import score_steps
-
-        if not len(encoded):
-            return []
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))  # similar lengths batched
-        records = [StepRecord(encoded[i][0], encoded[i][1], np.ones(len(encoded[i][1]), np.uint8), 0, "0" * 32)
-                   for i in order]
-        scores = score_steps(self._loaded.model, records, batch_size=batch_size, pad_id=self._loaded.pad_id)
-        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(encoded)
-        for i, p in zip(order, scores):
-            out[i] = p.astype(np.float32)
-        return out
+        self._require(PROCESS, "score_step_ids")
+        return self.scorer(self.shapes(batch_size)).score(list(encoded), progress)
 
     def score_steps(self, solutions: Sequence[dict[str, Any]], *, batch_size: int = SCORING_BATCH_SIZE) -> list[np.ndarray]:
         """For a process reward model: P(step is correct) for every step of every solution, one

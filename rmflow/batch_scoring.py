@@ -148,7 +148,7 @@ class RewardModelHandler(ModelHandler):
                 flat.append(s)
                 owner.append(i)
         results: list[dict[str, Any] | None] = [None] * len(flat)
-        for b in shapes.plan([scorer.size(x) for x in flat], one_length=True):
+        for b in shapes.plan([scorer.size(x) for x in flat], one_length=True, groups=[scorer.group(x) for x in flat]):
             for j, fields in zip(b, scorer.run(model, [flat[k] for k in b], shapes)):
                 results[j] = fields
         per: dict[int, list] = {}

@@ -22,8 +22,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from rmflow.api import BadConversation, RewardModel
 from rmflow.metrics import STEP_THRESHOLD, first_error
 from rmflow.schemas.config import SCORING_BATCH_SIZE
@@ -98,19 +96,17 @@ def _run_outcome(rm: RewardModel, seqs: list, shapes) -> list[dict[str, Any]]:
 
 def _run_process(rm: RewardModel, solutions: list, shapes) -> list[dict[str, Any]]:
     return [{"step_scores": [float(x) for x in p], "first_error": first_error(p < STEP_THRESHOLD)}
-            for p in rm.score_step_ids(solutions, batch_size=max(len(solutions), 1))]
+            for p in rm.scorer(shapes).run(solutions)]
 
 
-def _warm_outcome(rm: RewardModel, shapes) -> None:
+def _warm(rm: RewardModel, shapes) -> None:
     rm.scorer(shapes).warm_up()
 
 
-def _warm_process(rm: RewardModel, shapes) -> None:
-    """One probe solution (one step) per length: the packed rows of up to 8 steps compile now;
-    a batch with more steps in a row compiles its step-slot count on first use."""
-    for length in shapes.lengths:
-        probe = (np.full(length, rm.pad_id, np.int32), np.asarray([length - 1], np.int32))
-        rm.score_step_ids([probe], batch_size=1)
+def _step_slots(solution) -> int:
+    from rmflow.trainer.inference import StepScorer
+
+    return StepScorer.slots(solution)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +117,15 @@ class Scorer:
     run: Callable[[RewardModel, list, Any], list[dict[str, Any]]]
     fields: tuple[str, ...]
     warm_up: Callable[[RewardModel, Any], None]  # compile the batch shapes before the first request
+    # what besides its length fixes an encoded input's batch shape (``ScoringShapes.plan``'s groups)
+    group: Callable[[Any], int] = lambda x: 0
 
 
 # Each reward model kind's (schemas.kinds) scoring of one input (a JSONL line, a server request item).
 SCORERS = {
-    OUTCOME.name: Scorer(RewardModel.encode, len, _run_outcome, ("score", "score_normalized"), _warm_outcome),
+    OUTCOME.name: Scorer(RewardModel.encode, len, _run_outcome, ("score", "score_normalized"), _warm),
     PROCESS.name: Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
-                         _warm_process),
+                         _warm, _step_slots),
 }
 OUTPUT_FIELDS = frozenset(f for s in SCORERS.values() for f in s.fields)  # a failed line drops these
 

@@ -101,3 +101,27 @@ def pytest_xdist_make_scheduler(config, log):
             return module if module in grouped else nodeid
 
     return ModuleFixturesTogether(config, log)
+
+
+PROCESS_MAX_LENGTH = 256
+
+
+@pytest.fixture(scope="session")
+def process_run(tmp_path_factory, tokenizer_dir) -> tuple[pathlib.Path, list[dict]]:
+    """A micro process reward model trained one step on 40 PRM800K solutions (max_length 256),
+    and those solutions (``{"prompt", "completions", "labels"}``; read-only; shared by tests)."""
+    import gzip
+    import json
+
+    from rmflow.pipelines.preprocess import run as preprocess
+    from rmflow.schemas.config import PreprocessConfig, TrainConfig
+    from rmflow.trainer.train import run as train
+
+    base = tmp_path_factory.mktemp("process-run")
+    with gzip.open(SHARED_DATA / "prm800k_phase1_test.stepwise.jsonl.gz", "rt", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(40)]
+    (base / "prm.jsonl").write_text("".join(lines), encoding="utf-8")
+    preprocess(PreprocessConfig(inputs=(str(base / "prm.jsonl"),), output=str(base / "shards"),
+                                tokenizer=tokenizer_dir, max_length=PROCESS_MAX_LENGTH, max_bad_fraction=1.0))
+    train(TrainConfig(data=str(base / "shards"), model="micro", output=str(base / "run"), max_steps=1, batch_size=4))
+    return base / "run", [json.loads(x) for x in lines]

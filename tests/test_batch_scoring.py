@@ -125,3 +125,29 @@ def test_parquet_input_scores_the_same(job, tmp_path):
     assert r.exit_code == 0, r.output
     rows = sorted(_rows(tmp_path / "out"), key=lambda r: int(r["id"][1:]))
     np.testing.assert_allclose([x["score"] for x in rows], rm.score(convs), atol=1e-5, rtol=0)
+
+
+def test_a_process_model_job_scores_steps_as_the_core_and_reruns_byte_identical(process_run, tmp_path):
+    from rmflow import RewardModel
+
+    run, records = process_run
+    rm = RewardModel.load(str(run))
+    solutions = [{"id": f"s{i}", "prompt": r["prompt"], "completions": r["completions"]} for i, r in enumerate(records)]
+    solutions = [s for s in solutions if len(rm.encode_steps(s)[0]) <= rm.max_length]
+    lines = [json.dumps(s) for s in solutions] + [json.dumps({"id": "empty", "prompt": "q", "completions": []})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    outs = []
+    for name in ("a", "b"):
+        r = CliRunner().invoke(app, ["score", "--model", str(run), "-i", str(tmp_path / "in.jsonl"), "-o",
+                                     str(tmp_path / name), "--runner", "DirectRunner", "--num-shards", "2"])
+        assert r.exit_code == 1, r.output  # the empty solution is an error, counted
+        outs.append(tmp_path / name)
+    summary = json.loads((outs[0] / "summary.json").read_text())
+    assert summary["scored"] == len(solutions) and summary["errors"] == 1 and summary["model"]["kind"] == "process"
+    by_id = {row["id"]: row for row in _rows(outs[0])}
+    want = rm.score_steps([{"prompt": s["prompt"], "completions": s["completions"]} for s in solutions])
+    for s, p in zip(solutions, want):
+        np.testing.assert_allclose(by_id[s["id"]]["step_scores"], p, atol=1e-5, rtol=0)
+        assert by_id[s["id"]]["first_error"] == (int(np.argmax(p < 0.5)) if (p < 0.5).any() else -1)
+    for name in ["errors.jsonl", "scores-00000-of-00002.jsonl", "scores-00001-of-00002.jsonl"]:
+        assert (outs[1] / name).read_bytes() == (outs[0] / name).read_bytes(), name

@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 import requests
 from rmflow.pipelines.formats import parse_hh_transcript
-from rmflow.pipelines.preprocess import run as preprocess
-from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.config import TrainConfig
 from rmflow.trainer.train import run as train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -274,20 +273,14 @@ def test_sigterm_finishes_what_is_in_flight_then_exits(outcome, conversations):
         server.stop()
 
 
-def test_a_process_model_serves_step_scores_equal_to_the_api(shared_data, tmp_path, tokenizer_dir):
-    with gzip.open(shared_data / "prm800k_phase1_test.stepwise.jsonl.gz", "rt", encoding="utf-8") as f:
-        lines = [next(f) for _ in range(40)]
-    (tmp_path / "prm.jsonl").write_text("".join(lines), encoding="utf-8")
-    preprocess(PreprocessConfig(inputs=(str(tmp_path / "prm.jsonl"),), output=str(tmp_path / "shards"),
-                                tokenizer=tokenizer_dir, max_length=MAX_LENGTH, max_bad_fraction=1.0))
-    train(TrainConfig(data=str(tmp_path / "shards"), model="micro", output=str(tmp_path / "run"), max_steps=1,
-                      batch_size=4))
+def test_a_process_model_serves_step_scores_equal_to_the_api(process_run):
+    run, records = process_run
     from rmflow import RewardModel
 
-    rm = RewardModel.load(str(tmp_path / "run"))
-    solutions = [{"prompt": r["prompt"], "completions": r["completions"]} for r in map(json.loads, lines)]
+    rm = RewardModel.load(str(run))
+    solutions = [{"prompt": r["prompt"], "completions": r["completions"]} for r in records]
     solutions = [s for s in solutions if len(rm.encode_steps(s)[0]) <= MAX_LENGTH][:12]
-    server = Server(tmp_path / "run")
+    server = Server(run)
     try:
         r = server.post("/v1/score", {"solutions": solutions})
         assert r.status_code == 200, r.text
@@ -325,6 +318,30 @@ def test_scoring_shapes_plan_fits_every_batch_shortest_first():
     assert small.row_options(64) == (1, 2, 4, 8) and small.row_options(300) == (1, 2)
     assert [small.rows_for(n, 64) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert len(small.shapes) == 4 * 4 + 3 + 2  # 16 ... 128: 1, 2, 4, 8 rows; 256: 1, 2, 4; 300: 1, 2
+    groups = rng.integers(0, 3, 500)
+    batches = shapes.plan(lengths, one_length=True, groups=groups)  # a batch's shape: its members' own
+    assert sorted(np.concatenate(batches)) == list(range(500))
+    for b in batches:
+        assert len({shapes.length_for(int(n)) for n in lengths[b]}) == 1 and len(set(groups[b])) == 1
+        assert len(b) <= shapes.rows(shapes.length_for(int(lengths[b].max())))
+
+
+def test_a_solution_s_step_scores_do_not_depend_on_its_batch(process_run):
+    """The process scorer pads each solution alone into a shape of its own length and step count,
+    so its scores are the same to the last bit whatever it is batched with (a Beam job's reruns
+    are byte-identical), and each shape compiles once."""
+    from rmflow import RewardModel
+
+    run, records = process_run
+    rm = RewardModel.load(str(run))
+    encoded = [rm.encode_steps({"prompt": r["prompt"], "completions": r["completions"]}) for r in records]
+    encoded = [e for e in encoded if len(e[0]) <= MAX_LENGTH][:12]
+    together = rm.score_step_ids(encoded, batch_size=8)
+    alone = [rm.score_step_ids([e], batch_size=8)[0] for e in encoded[::-1]][::-1]
+    for a, b, (_, ends) in zip(together, alone, encoded):
+        assert a.dtype == np.float32 and len(a) == len(ends) and np.array_equal(a, b)
+    scorer = rm.scorer(rm.shapes(8))
+    assert scorer.compiled <= {(8, n, s) for n in scorer.shapes.lengths for s in (8, 16, 32, 64)}
 
 
 def test_the_batcher_gives_each_item_its_own_result_and_drains_on_close():

@@ -29,7 +29,7 @@ from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.data import PackCollate, StepPackCollate, bucket_length
 from rmflow.trainer.data.collate import MIN_BUCKET
-from rmflow.trainer.data.steps import record_step_values
+from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
 from rmflow.trainer.modeling.convert import load_reward_model
 from rmflow.trainer.modeling.llama import RewardTransformer
 from rmflow.trainer.objective import PROCESS
@@ -166,17 +166,23 @@ class ScoringShapes:
     def shapes(self) -> tuple[tuple[int, int], ...]:
         return tuple((r, n) for n in self.lengths for r in self.row_options(n))
 
-    def plan(self, lengths: Sequence[int], *, one_length: bool = False) -> list[np.ndarray]:
+    def plan(self, lengths: Sequence[int], *, one_length: bool = False,
+             groups: Sequence[Any] | None = None) -> list[np.ndarray]:
         """Batches of indices into ``lengths``, shortest first: each fills at most the rows of
         the length its longest member needs. ``one_length``: a batch never spans two lengths of
-        the set, so a sequence's padded shape depends on itself alone (and its score, to the
-        last bit, on nothing else: what makes a Beam job's reruns byte-identical)."""
+        the set, nor two ``groups`` (what else fixes a batch's shape: a process model's step
+        slots), so an input's padded shape depends on itself alone (and its score, to the last
+        bit, on nothing else: what makes a Beam job's reruns byte-identical)."""
+        def key(i: int) -> tuple:
+            return (self.length_for(int(lengths[i])), groups[i] if groups is not None else 0)
+
         order = np.argsort(np.asarray(lengths, np.int64), kind="stable")
+        if one_length:
+            order = sorted(order, key=lambda i: (key(i), lengths[i]))
         batches: list[list[int]] = []
         for i in order:
             length = self.length_for(int(lengths[i]))
-            if not batches or len(batches[-1]) + 1 > self.rows(length) \
-                    or (one_length and self.length_for(int(lengths[batches[-1][0]])) != length):
+            if not batches or len(batches[-1]) + 1 > self.rows(length) or (one_length and key(batches[-1][0]) != key(i)):
                 batches.append([])
             batches[-1].append(int(i))
         return [np.asarray(b, np.int64) for b in batches]
@@ -232,6 +238,68 @@ class SequenceScorer:
             if progress:
                 progress(len(batch))
         return scores
+
+
+class StepScorer:
+    """A process model's P(correct) of each step, jitted once over the shapes of ``ScoringShapes``
+    (and a power of two of step slots, from 8): one solution a row, right-padded, so a
+    solution's scores never depend on what it was batched with. ``run`` scores one batch that fits
+    a shape (the server's batcher, a Beam job's bundle); ``score`` any number, in input order.
+    Solutions are (token ids, index of each step's scoring token)."""
+
+    def __init__(self, model: RewardTransformer, shapes: ScoringShapes, *, pad_id: int = 0):
+        graphdef, state = nnx.split(model)
+        self.shapes, self.pad_id, self._state = shapes, pad_id, state
+
+        @jax.jit
+        def forward(state, ids, pos, seg, idx):
+            return jax.nn.softmax(nnx.merge(graphdef, state).logits(ids, pos, seg, idx), axis=-1)[..., 1]
+
+        self._forward = forward
+        self.compiled: set[tuple[int, int, int]] = set()  # (rows, length, slots) run so far
+
+    @staticmethod
+    def slots(solution: tuple[np.ndarray, np.ndarray]) -> int:
+        """The step slots a solution's row needs (part of its batch's shape)."""
+        return step_slots(len(solution[1]))
+
+    def warm_up(self) -> None:
+        """Compile every shape with the fewest step slots now; a batch with more steps in a row
+        compiles its slot count on first use."""
+        for rows, length in self.shapes.shapes:
+            self._run_padded(np.full((rows, length), self.pad_id, np.int32), np.zeros((rows, length), np.int32),
+                             np.zeros((rows, MIN_STEP_SLOTS), np.int32))
+
+    def _run_padded(self, ids: np.ndarray, seg: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        self.compiled.add((*ids.shape, idx.shape[1]))
+        pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+        return np.asarray(self._forward(self._state, ids, pos, seg, idx))
+
+    def run(self, solutions: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """P(correct) per step of one batch: at most the rows of the length its longest needs."""
+        length = self.shapes.length_for(max(len(ids) for ids, _ in solutions))
+        if len(solutions) > self.shapes.rows(length):
+            raise ValueError(f"{len(solutions)} solutions of up to {length} tokens: a batch holds "
+                             f"{self.shapes.rows(length)}")
+        rows = self.shapes.rows_for(len(solutions), length)
+        ids = np.full((rows, length), self.pad_id, np.int32)
+        seg = np.zeros_like(ids)
+        idx = np.zeros((rows, max(self.slots(s) for s in solutions)), np.int32)
+        for row, (s, ends) in enumerate(solutions):
+            ids[row, : len(s)], seg[row, : len(s)], idx[row, : len(ends)] = s, 1, ends
+        p = self._run_padded(ids, seg, idx)
+        return [p[row, : len(ends)].astype(np.float32) for row, (_, ends) in enumerate(solutions)]
+
+    def score(self, solutions: Sequence[tuple[np.ndarray, np.ndarray]], progress=None) -> list[np.ndarray]:
+        """P(correct) per step of any number of solutions, in input order."""
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(solutions)
+        for batch in self.shapes.plan([len(s[0]) for s in solutions], one_length=True,
+                                      groups=[self.slots(s) for s in solutions]):
+            for i, p in zip(batch, self.run([solutions[i] for i in batch])):
+                out[i] = p
+            if progress:
+                progress(len(batch))
+        return out
 
 
 def score_sequences(model: RewardTransformer, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
