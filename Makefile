@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export JAX_PLATFORMS ?= cpu
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: install demo test test-airflow lint bench bench-trl clean wheel template-metadata template-constraints template-image template schedule
+.PHONY: install demo test test-airflow lint bench bench-trl clean wheel template-metadata template-constraints template-image template schedule score-template-metadata score-template-constraints score-template-image score-template
 
 # The demo needs rmflow with both stages (rmflow[all]: no PyTorch, no Google Cloud client); the tests add those.
 install: $(VENV)/.installed-demo
@@ -60,6 +60,14 @@ SCHEDULE ?= 0 2 * * *
 INPUTS ?= gs://$(BUCKET)/raw/*.jsonl.gz
 TOKENIZER ?= gs://$(BUCKET)/tokenizer
 SERVICE_ACCOUNT ?= rmflow-scheduler@$(PROJECT).iam.gserviceaccount.com
+# The scoring template: GPU=1 builds an image for NVIDIA L4 workers (g2-standard-4), GPU=0 for CPU workers.
+GPU ?= 1
+comma := ,
+SCORE_IMAGE ?= $(REGION)-docker.pkg.dev/$(PROJECT)/rmflow/score$(if $(filter 1,$(GPU)),-gpu,):$(VERSION)
+SCORE_TEMPLATE ?= gs://$(BUCKET)/templates/rmflow-score$(if $(filter 1,$(GPU)),-gpu,).json
+SCORE_EXTRAS := all,gcp$(if $(filter 1,$(GPU)),$(comma)cuda,)
+WORKER_ACCELERATOR ?= $(if $(filter 1,$(GPU)),type:nvidia-l4;count:1;install-nvidia-driver,)
+WORKER_MACHINE_TYPE ?= $(if $(filter 1,$(GPU)),g2-standard-4,)
 
 wheel: $(VENV)/.installed-test
 	rm -rf dist && $(BIN)/pip wheel --quiet --no-deps -w dist .
@@ -80,6 +88,26 @@ template-image: wheel
 template: template-image template-metadata
 	gcloud dataflow flex-template build $(TEMPLATE) --image $(IMAGE) --sdk-language PYTHON \
 	    --metadata-file deploy/dataflow/metadata.json
+
+score-template-metadata: $(VENV)/.installed-demo
+	$(BIN)/python -m rmflow.score_template metadata > deploy/dataflow/score-metadata.json
+
+score-template-constraints:
+	rm -rf /tmp/rmflow-lock && $(PYTHON) -m venv /tmp/rmflow-lock
+	/tmp/rmflow-lock/bin/pip install --quiet '.[all,gcp,cuda]'
+	( echo "# pip freeze of rmflow[all,gcp,cuda], made by make score-template-constraints"; \
+	  /tmp/rmflow-lock/bin/pip freeze --exclude rmflow ) > deploy/dataflow/score-constraints.txt
+
+score-template-image: wheel
+	docker build -f deploy/dataflow/Dockerfile --build-arg WORKER_IMAGE=$(SCORE_IMAGE) \
+	    --build-arg EXTRAS=$(SCORE_EXTRAS) --build-arg CONSTRAINTS=deploy/dataflow/score-constraints.txt \
+	    --build-arg TEMPLATE_MAIN=deploy/dataflow/score_main.py --build-arg 'WORKER_ACCELERATOR=$(WORKER_ACCELERATOR)' \
+	    --build-arg WORKER_MACHINE_TYPE=$(WORKER_MACHINE_TYPE) -t $(SCORE_IMAGE) .
+	docker push $(SCORE_IMAGE)
+
+score-template: score-template-image score-template-metadata
+	gcloud dataflow flex-template build $(SCORE_TEMPLATE) --image $(SCORE_IMAGE) --sdk-language PYTHON \
+	    --metadata-file deploy/dataflow/score-metadata.json
 
 schedule: $(VENV)/.installed-demo
 	$(BIN)/python -m rmflow.pipelines.template launch-body --template $(TEMPLATE) --param inputs='$(INPUTS)' \

@@ -28,52 +28,78 @@ from typing import Any
 from rmflow.schemas.config import FORMATS as INPUT_FORMATS
 from rmflow.schemas.config import LENGTH_POLICIES, PreprocessConfig, help_for
 
-# Options that are not template parameters: where and how the job runs is Dataflow's to say
-# (runner, Beam options), and local worker processes do not exist there.
-NOT_PARAMETERS = ("runner", "beam_args", "num_workers")
 GCS = r"^gs:\/\/[^\n\r]+$"
 TOKENIZER = r"^(gs:\/\/[^\n\r]+|[A-Za-z0-9][\w.-]*\/[\w.-]+|[A-Za-z0-9][\w.-]*)$"
-REGEXES = {
-    "inputs": [r"^gs:\/\/[^\n\r]+(,gs:\/\/[^\n\r]+)*$"],
-    "output": [GCS],
-    "tokenizer": [TOKENIZER],
-    "chat_template": [GCS],
-    "format": ["^(" + "|".join(("auto",) + tuple(INPUT_FORMATS)) + ")$"],
-    "length_policy": ["^(" + "|".join(LENGTH_POLICIES) + ")$"],
-}
 INT, FLOAT, BOOL = r"^[0-9]+$", r"^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$", r"^(true|false)$"
-LABELS = {"inputs": "Input files", "output": "Output folder", "tokenizer": "Tokenizer"}
 WORKER_IMAGE_ENV = "RMFLOW_WORKER_IMAGE"  # set in the image: workers run the launcher's image
+# Set in a GPU image (deploy/dataflow/Dockerfile's WORKER_ACCELERATOR, WORKER_MACHINE_TYPE): the job's
+# workers get these GPUs (Dataflow's worker_accelerator service option) and machine type, unless the
+# launch names its own.
+WORKER_ACCELERATOR_ENV, WORKER_MACHINE_TYPE_ENV = "RMFLOW_WORKER_ACCELERATOR", "RMFLOW_WORKER_MACHINE_TYPE"
 
 
-def parameter_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(PreprocessConfig) if f.name not in NOT_PARAMETERS]
+def one_of(choices) -> list[str]:
+    return ["^(" + "|".join(choices) + ")$"]
 
 
-def _regexes(f: dataclasses.Field) -> list[str]:
-    if f.name in REGEXES:
-        return REGEXES[f.name]
+@dataclasses.dataclass(frozen=True)
+class TemplateSpec:
+    """One Flex Template: the config whose fields are its parameters (less ``not_parameters``:
+    where and how the job runs is Dataflow's to say), which are required, the regexes that
+    validate values beyond their type, and ``dated``: the paths whose ``{date}`` is expanded at
+    launch (one new folder per scheduled run)."""
+
+    name: str
+    description: str
+    config: type
+    required: tuple[str, ...]
+    not_parameters: tuple[str, ...] = ("runner", "beam_args")
+    regexes: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    dated: tuple[str, ...] = ("output",)
+
+
+PREPROCESS = TemplateSpec(
+    name="rmflow-preprocess",
+    description="rmflow preprocess: raw preference pairs to tokenized ArrayRecord shards plus a manifest (the job "
+                "publishes the output and writes COMPLETED when it is complete).",
+    config=PreprocessConfig,
+    required=("inputs", "output", "tokenizer"),
+    # local worker processes do not exist on Dataflow
+    not_parameters=("runner", "beam_args", "num_workers"),
+    regexes={"inputs": [r"^gs:\/\/[^\n\r]+(,gs:\/\/[^\n\r]+)*$"], "output": [GCS], "tokenizer": [TOKENIZER],
+             "chat_template": [GCS], "format": one_of(("auto",) + tuple(INPUT_FORMATS)),
+             "length_policy": one_of(LENGTH_POLICIES)},
+    labels={"inputs": "Input files", "output": "Output folder", "tokenizer": "Tokenizer"},
+)
+NOT_PARAMETERS = PREPROCESS.not_parameters
+
+
+def parameter_fields(spec: TemplateSpec = PREPROCESS) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(spec.config) if f.name not in spec.not_parameters]
+
+
+def _regexes(f: dataclasses.Field, spec: TemplateSpec) -> list[str]:
+    if f.name in spec.regexes:
+        return spec.regexes[f.name]
     return {"int": [INT], "float": [FLOAT], "bool": [BOOL]}.get(str(f.type), [])
 
 
-def metadata() -> dict[str, Any]:
+def metadata(spec: TemplateSpec = PREPROCESS) -> dict[str, Any]:
     """The Flex Template's metadata.json (the Dataflow API's TemplateMetadata, as JSON)."""
     params = []
-    for f in parameter_fields():
-        required = f.name in ("inputs", "output", "tokenizer")
-        p = {"name": f.name, "label": LABELS.get(f.name, f.name.replace("_", " ").capitalize()),
-             "helpText": help_for(PreprocessConfig, f.name) + (" Comma-separated." if _is_list(f) else "")
-             + ("" if required or f.default in (None, ()) else f" Default: {_text(f.default)}."),
+    for f in parameter_fields(spec):
+        required = f.name in spec.required
+        p = {"name": f.name, "label": spec.labels.get(f.name, f.name.replace("_", " ").capitalize()),
+             "helpText": help_for(spec.config, f.name) + (" Comma-separated." if _is_list(f) else "")
+             + ("" if required or f.default in (None, (), "") else f" Default: {_text(f.default)}."),
              "isOptional": not required}
-        if _regexes(f):
-            p["regexes"] = _regexes(f)
-        if not required and f.default not in (None, ()):
+        if _regexes(f, spec):
+            p["regexes"] = _regexes(f, spec)
+        if not required and f.default not in (None, (), ""):
             p["defaultValue"] = _text(f.default)
         params.append(p)
-    return {"name": "rmflow-preprocess",
-            "description": "rmflow preprocess: raw preference pairs to tokenized ArrayRecord shards plus a manifest "
-                           "(the job publishes the output and writes COMPLETED when it is complete).",
-            "parameters": params}
+    return {"name": spec.name, "description": spec.description, "parameters": params}
 
 
 def _is_list(f: dataclasses.Field) -> bool:
@@ -105,24 +131,41 @@ def expand_date(path: str, now: datetime.datetime | None = None) -> str:
     return path.replace("{date}", now.strftime("%Y-%m-%d")).replace("{datetime}", now.strftime("%Y%m%d-%H%M%S"))
 
 
-def config_from_args(argv: list[str]) -> PreprocessConfig:
-    """Template parameters (``--name=value``) to the config; every other argument is a Beam
-    pipeline option, passed through (the launcher adds the runner, project, region ...)."""
-    parser = argparse.ArgumentParser(prog="rmflow-template", allow_abbrev=False)
-    for f in parameter_fields():
-        parser.add_argument(f"--{f.name}", required=f.name in ("inputs", "output", "tokenizer"))
+def config_from_args(argv: list[str], spec: TemplateSpec = PREPROCESS):
+    """Template parameters (``--name=value``) to the spec's config; every other argument is a
+    Beam pipeline option, passed through (the launcher adds the runner, project, region ...)."""
+    parser = argparse.ArgumentParser(prog=spec.name, allow_abbrev=False)
+    for f in parameter_fields(spec):
+        parser.add_argument(f"--{f.name}", required=f.name in spec.required)
     known, beam_args = parser.parse_known_args(argv)
-    values = {f.name: _parse(f, getattr(known, f.name)) for f in parameter_fields()
+    values = {f.name: _parse(f, getattr(known, f.name)) for f in parameter_fields(spec)
               if getattr(known, f.name) not in (None, "")}
-    values["output"] = expand_date(values["output"])
-    if os.environ.get(WORKER_IMAGE_ENV) and not any(a.startswith("--sdk_container_image") for a in beam_args):
-        beam_args = [*beam_args, f"--sdk_container_image={os.environ[WORKER_IMAGE_ENV]}"]
+    for name in spec.dated:
+        if name in values:
+            values[name] = expand_date(values[name])
+    beam_args = image_options(beam_args)
     runner = next((a.split("=", 1)[1] for a in beam_args if a.startswith("--runner=")), "DataflowRunner")
-    return PreprocessConfig(**values, runner=runner, beam_args=tuple(beam_args))
+    return spec.config(**values, runner=runner, beam_args=tuple(beam_args))
+
+
+def image_options(beam_args: list[str]) -> list[str]:
+    """The Beam options the launcher's image implies, where the launch does not give its own:
+    the workers' image (this one), and in a GPU image their accelerator and machine type."""
+    def given(*names: str) -> bool:
+        return any(a.split("=", 1)[0] in names for a in beam_args)
+
+    out = list(beam_args)
+    if os.environ.get(WORKER_IMAGE_ENV) and not given("--sdk_container_image", "--worker_harness_container_image"):
+        out.append(f"--sdk_container_image={os.environ[WORKER_IMAGE_ENV]}")
+    if os.environ.get(WORKER_ACCELERATOR_ENV) and not any("worker_accelerator=" in a for a in beam_args):
+        out.append(f"--dataflow_service_options=worker_accelerator={os.environ[WORKER_ACCELERATOR_ENV]}")
+    if os.environ.get(WORKER_MACHINE_TYPE_ENV) and not given("--machine_type", "--worker_machine_type"):
+        out.append(f"--machine_type={os.environ[WORKER_MACHINE_TYPE_ENV]}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The template's entry point: build the job and submit it; a local runner runs it here."""
+    """The preprocess template's entry point: build the job and submit it; a local runner runs it here."""
     from rmflow.pipelines.preprocess import LOCAL_RUNNERS, run
 
     cfg = config_from_args(list(sys.argv[1:] if argv is None else argv))
@@ -131,9 +174,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def launch_body(template: str, parameters: dict[str, str], *, job_name: str = "rmflow-preprocess",
                 temp_location: str | None = None, max_workers: int | None = None,
-                service_account: str | None = None, worker_image: str | None = None) -> dict[str, Any]:
-    """The request body of ``POST .../locations/{region}/flexTemplates:launch``."""
-    unknown = set(parameters) - {f.name for f in parameter_fields()}
+                service_account: str | None = None, worker_image: str | None = None,
+                machine_type: str | None = None, experiments: tuple[str, ...] = (),
+                spec: TemplateSpec = PREPROCESS) -> dict[str, Any]:
+    """The request body of ``POST .../locations/{region}/flexTemplates:launch`` (``machine_type``:
+    the workers'; their GPUs come with the image, ``WORKER_ACCELERATOR_ENV``; ``experiments``:
+    Dataflow experiments, e.g. ``no_use_multiple_sdk_containers``: one SDK process, one model,
+    per worker)."""
+    unknown = set(parameters) - {f.name for f in parameter_fields(spec)}
     if unknown:
         raise ValueError(f"not template parameters: {sorted(unknown)}")
     env: dict[str, Any] = {}
@@ -145,31 +193,44 @@ def launch_body(template: str, parameters: dict[str, str], *, job_name: str = "r
         env["serviceAccountEmail"] = service_account
     if worker_image:
         env["sdkContainerImage"] = worker_image
+    if machine_type:
+        env["machineType"] = machine_type
+    if experiments:
+        env["additionalExperiments"] = list(experiments)
     launch = {"jobName": job_name, "containerSpecGcsPath": template, "parameters": dict(parameters)}
     if env:
         launch["environment"] = env
     return {"launchParameter": launch}
 
 
-def _cli(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rmflow.pipelines.template")
+def cli(argv: list[str], spec: TemplateSpec = PREPROCESS, prog: str = "python -m rmflow.pipelines.template") -> None:
+    """``metadata`` (print metadata.json) and ``launch-body`` (print the launch request) for ``spec``."""
+    parser = argparse.ArgumentParser(prog=prog)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("metadata", help="print metadata.json")
     body = sub.add_parser("launch-body", help="print the flexTemplates:launch request body")
     body.add_argument("--template", required=True, help="gs:// path of the template spec (rmflow.json)")
     body.add_argument("--param", action="append", default=[], help="name=value (repeatable)")
-    body.add_argument("--job-name", default="rmflow-preprocess")
+    body.add_argument("--job-name", default=spec.name)
     body.add_argument("--temp-location")
     body.add_argument("--max-workers", type=int)
     body.add_argument("--service-account")
+    body.add_argument("--machine-type", help="worker machine type (g2-standard-4: one NVIDIA L4)")
+    body.add_argument("--experiment", action="append", default=[],
+                      help="a Dataflow experiment, e.g. no_use_multiple_sdk_containers (repeatable)")
     a = parser.parse_args(argv)
     if a.cmd == "metadata":
-        print(json.dumps(metadata(), indent=2))
+        print(json.dumps(metadata(spec), indent=2))
         return
     params = dict(p.split("=", 1) for p in a.param)
     print(json.dumps(launch_body(a.template, params, job_name=a.job_name, temp_location=a.temp_location,
-                                 max_workers=a.max_workers, service_account=a.service_account), indent=2))
+                                 max_workers=a.max_workers, service_account=a.service_account,
+                                 machine_type=a.machine_type, experiments=tuple(a.experiment), spec=spec),
+                     indent=2))
+
+
+_cli = cli
 
 
 if __name__ == "__main__":
-    _cli(sys.argv[1:])
+    cli(sys.argv[1:])

@@ -45,6 +45,8 @@ SCORES_PREFIX = "scores"
 BEST_FILE = "best.jsonl"
 PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = "summary.json"
+PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
+SCORE_FIELDS = (*PAIR_FIELDS, *(f for s in SCORERS.values() for f in s.fields))  # last, in this order
 CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps")  # not echoed back
 
 
@@ -57,7 +59,7 @@ class JobSpec:
     """What the workers and the last step need (picklable)."""
 
     model: str
-    step: int | None
+    step: int | str | None
     staging: str
     output: str
     num_shards: int
@@ -65,6 +67,7 @@ class JobSpec:
     batch_rows: int
     group_by: str | None
     started: float
+    output_format: str = "jsonl"
 
 
 # --------------------------------------------------------------------------- what a record is
@@ -93,7 +96,7 @@ def encode_record(rm: RewardModel, obj: Any, source: str, line: int) -> tuple[st
 def _fields(what: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     if what == "pair":
         c, r = results[0]["score"], results[1]["score"]
-        return {"score_chosen": c, "score_rejected": r, "margin": c - r, "agrees": bool(c > r)}
+        return dict(zip(PAIR_FIELDS, (c, r, c - r, bool(c > r))))
     return results[0]
 
 
@@ -184,33 +187,130 @@ def _shard(key: tuple[str, int], n: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key[0]}\0{key[1]}".encode(), digest_size=8).digest(), "big") % n
 
 
-def _write_shard(item, staging: str, n: int):
+def _shard_name(index: int, n: int, fmt: str) -> str:
+    return f"{SCORES_PREFIX}-{index:05d}-of-{n:05d}.{fmt}"
+
+
+def _sorted_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(({k: v for k, v in r.items() if k != "_raw"} for r in rows if r),
+                  key=lambda r: (r["source"], r["line"]))
+
+
+def _write_jsonl_shard(item, staging: str, n: int):
     index, rows = item
-    rows = sorted(rows, key=lambda r: (r["source"], r["line"]))
-    name = f"{SCORES_PREFIX}-{index:05d}-of-{n:05d}.jsonl"
-    body = "".join(json.dumps({k: v for k, v in r.items() if k != "_raw"}, ensure_ascii=False) + "\n" for r in rows)
-    rio.write_bytes(f"{staging}/{name}", body.encode("utf-8"))
-    yield name, len(rows)
+    rows = _sorted_rows(rows)
+    body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    rio.write_bytes(f"{staging}/{_shard_name(index, n, 'jsonl')}", body.encode("utf-8"))
+    yield _shard_name(index, n, "jsonl"), len(rows)
+
+
+# ---- Parquet: one schema for every shard, agreed before any is written
+
+FIRST_COLUMNS = ("source", "line")
+
+
+def _column_types(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each field of a shard's rows -> its Arrow type, or "json" where the values' types differ
+    (an id that is a number here and a string there): such a field is written as JSON text."""
+    import pyarrow as pa
+
+    names = dict.fromkeys(k for r in rows for k in r)
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            out[name] = pa.array([r.get(name) for r in rows]).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+            out[name] = "json"
+    return out
+
+
+def _merge_types(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    import pyarrow as pa
+
+    out = dict(a)
+    for name, t in b.items():
+        if name not in out or out[name] == t:
+            out[name] = out.get(name, t)
+        elif "json" in (out[name], t):
+            out[name] = "json"
+        else:
+            try:
+                out[name] = pa.unify_schemas([pa.schema([(name, out[name])]), pa.schema([(name, t)])],
+                                             promote_options="permissive").field(name).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                out[name] = "json"
+    return out
+
+
+class MergeTypes(beam.CombineFn):
+    """Every shard's column types -> one schema (types promoted where Arrow can, JSON text where not)."""
+
+    def create_accumulator(self):
+        return {}
+
+    def add_input(self, acc, types):
+        return _merge_types(acc, types)
+
+    def merge_accumulators(self, accs):
+        out: dict[str, Any] = {}
+        for a in accs:
+            out = _merge_types(out, a)
+        return out
+
+    def extract_output(self, acc):
+        return acc
+
+
+def parquet_schema(types: dict[str, Any], score_fields: Sequence[str]):
+    """The output schema: source and line, the input's own fields by name, then the scores in
+    the scorer's order (a fixed order: reruns write the same bytes)."""
+    import pyarrow as pa
+
+    order = [c for c in FIRST_COLUMNS if c in types]
+    order += sorted(c for c in types if c not in FIRST_COLUMNS and c not in score_fields)
+    order += [c for c in score_fields if c in types]
+    return pa.schema([(c, pa.string() if types[c] == "json" else
+                       (pa.string() if pa.types.is_null(types[c]) else types[c])) for c in order],
+                     metadata={"rmflow_json_columns": json.dumps(sorted(c for c in order if types[c] == "json"))})
+
+
+def _write_parquet_shard(item, staging: str, n: int, types: dict[str, Any], score_fields: Sequence[str]):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    index, rows = item
+    rows = _sorted_rows(rows)
+    schema = parquet_schema(types, score_fields)
+    as_json = set(json.loads(schema.metadata[b"rmflow_json_columns"]))
+    columns = {c: [(json.dumps(r[c], ensure_ascii=False, sort_keys=True) if c in as_json and r.get(c) is not None
+                    else r.get(c)) for r in rows] for c in schema.names}
+    table = pa.table(columns, schema=schema)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    rio.write_bytes(f"{staging}/{_shard_name(index, n, 'parquet')}", sink.getvalue().to_pybytes())
+    yield _shard_name(index, n, "parquet"), len(rows)
 
 
 class WriteScores(beam.PTransform):
-    """Rows to ``n`` JSONL shards by a hash of (source, line), each sorted: deterministic files.
-    Every shard is written, empty or not."""
+    """Rows to ``n`` shards (JSONL or Parquet) by a hash of (source, line), each sorted:
+    deterministic files. Every shard is written, empty or not; Parquet shards share one schema."""
 
-    def __init__(self, staging: str, n: int):
+    def __init__(self, staging: str, n: int, fmt: str = "jsonl", score_fields: Sequence[str] = ()):
         super().__init__()
-        self.staging, self.n = staging, n
+        self.staging, self.n, self.fmt, self.score_fields = staging, n, fmt, tuple(score_fields)
 
     def expand(self, rows):
-        n = self.n
+        n, staging = self.n, self.staging
         keyed = rows | "Key" >> beam.Map(lambda r: (_shard((r["source"], r["line"]), n), r))
         empty = rows.pipeline | "AllShards" >> beam.Create([(i, None) for i in range(n)])
-        return (
-            (keyed, empty)
-            | "Both" >> beam.Flatten()
-            | "Group" >> beam.GroupByKey()
-            | "Write" >> beam.FlatMap(lambda kv, s=self.staging: _write_shard((kv[0], [r for r in kv[1] if r]), s, n))
-        )
+        grouped = (keyed, empty) | "Both" >> beam.Flatten() | "Group" >> beam.GroupByKey()
+        if self.fmt == "jsonl":
+            return grouped | "Write" >> beam.FlatMap(_write_jsonl_shard, staging, n)
+        types = (grouped
+                 | "ColumnTypes" >> beam.Map(lambda kv: _column_types(_sorted_rows(kv[1])))
+                 | "OneSchema" >> beam.CombineGlobally(MergeTypes()))
+        return grouped | "Write" >> beam.FlatMap(_write_parquet_shard, staging, n, beam.pvalue.AsSingleton(types),
+                                                 self.score_fields)
 
 
 def _write_sorted(lines: list[str], path: str) -> int:
@@ -304,7 +404,8 @@ def build(p: beam.Pipeline, files: list[str], spec: JobSpec, identity: dict[str,
     examples = read.main | "Spread" >> beam.Reshuffle() | "Example" >> beam.Map(lambda x: (x[0], x[1], x[3]))
     scored = examples | "Score" >> RunInference(RewardModelHandler(spec))
     routed = scored | "Route" >> beam.ParDo(RouteFn()).with_outputs(DEAD, main="rows")
-    shards = routed.rows | "WriteScores" >> WriteScores(spec.staging, spec.num_shards)
+    shards = routed.rows | "WriteScores" >> WriteScores(spec.staging, spec.num_shards, spec.output_format,
+                                                        SCORE_FIELDS)
     dead = (read[DEAD], routed[DEAD]) | "AllErrors" >> beam.Flatten()
     error_lines = dead | "ErrorJson" >> beam.Map(lambda d: json.dumps(d, sort_keys=True) + "\n")
     wrote_errors = (error_lines | "AllErrorLines" >> beam.combiners.ToList()
@@ -350,9 +451,9 @@ def make_pipeline(runner: str, beam_args: Sequence[str]) -> beam.Pipeline:
 
 
 def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "DirectRunner",
-        beam_args: Sequence[str] = (), step: int | None = None, num_shards: int = 0, token_budget: int = 16384,
-        batch_rows: int = 64, group_by: str | None = None, overwrite: bool = False, wait: bool = True
-        ) -> dict[str, Any] | None:
+        beam_args: Sequence[str] = (), step: int | str | None = None, num_shards: int = 0,
+        token_budget: int = 16384, batch_rows: int = 64, group_by: str | None = None, overwrite: bool = False,
+        output_format: str = "jsonl", wait: bool = True) -> dict[str, Any] | None:
     """Score every record of ``inputs`` (JSONL, JSON, Parquet; files, folders, globs) into the
     folder ``output``; returns summary.json's contents (None with ``wait=False``)."""
     from rmflow.pipelines.io import expand_inputs
@@ -370,10 +471,17 @@ def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "Direct
     p = make_pipeline(runner, beam_args)
     spec = JobSpec(model=model, step=step, staging=new_staging(output), output=output,
                    num_shards=num_shards or max(1, size // (256 << 20)), token_budget=token_budget,
-                   batch_rows=batch_rows, group_by=group_by, started=time.time())
+                   batch_rows=batch_rows, group_by=group_by, started=time.time(), output_format=output_format)
     build(p, files, spec, rm.identity())
     result = p.run()
     if not wait:
         return None
     result.wait_until_finish()
     return json.loads(rio.read_bytes(f"{output}/{SUMMARY_FILE}"))
+
+
+def run_config(cfg, *, wait: bool = True) -> dict[str, Any] | None:
+    """``run`` with a ``ScoreConfig`` (`rmflow score --runner ...` and the scoring Flex Template)."""
+    return run(cfg.model, [cfg.input], cfg.output, runner=cfg.runner, beam_args=cfg.beam_args, step=cfg.step,
+               num_shards=cfg.num_shards, token_budget=cfg.token_budget, batch_rows=cfg.batch_size,
+               group_by=cfg.group_by or None, overwrite=cfg.overwrite, output_format=cfg.output_format, wait=wait)

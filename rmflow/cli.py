@@ -418,6 +418,7 @@ def eval_(
 def score(
     ctx: typer.Context,
     model: str = typer.Option(..., help=help_for(ScoreConfig, "model")),
+    step: str | None = _option(ScoreConfig, "step"),
     input: str = typer.Option(..., "--input", "-i", help=help_for(ScoreConfig, "input")),
     output: str = typer.Option(..., "--output", "-o", help=help_for(ScoreConfig, "output")),
     batch_size: int = _option(ScoreConfig, "batch_size"),
@@ -426,18 +427,17 @@ def score(
     token_budget: int = _option(ScoreConfig, "token_budget"),
     group_by: str = _option(ScoreConfig, "group_by"),
     overwrite: bool = _option(ScoreConfig, "overwrite"),
+    output_format: str = _option(ScoreConfig, "output_format"),
 ) -> None:
     """Score conversations with a reward model (or each step of solutions with a process reward model), in
     batches sorted by length; with --runner, as a Beam job (locally or on Dataflow)."""
-    cfg = ScoreConfig(model=model, input=input, output=output, batch_size=batch_size, runner=runner,
+    cfg = ScoreConfig(model=model, step=step, input=input, output=output, batch_size=batch_size, runner=runner,
                       beam_args=tuple(ctx.args), num_shards=num_shards, token_budget=token_budget,
-                      group_by=group_by, overwrite=overwrite)
+                      group_by=group_by, overwrite=overwrite, output_format=output_format)
     if cfg.runner:
-        from rmflow.batch_scoring import run as run_job
+        from rmflow.batch_scoring import run_config
 
-        s = run_job(cfg.model, [cfg.input], cfg.output, runner=cfg.runner, beam_args=cfg.beam_args,
-                    num_shards=cfg.num_shards, token_budget=cfg.token_budget, batch_rows=cfg.batch_size,
-                    group_by=cfg.group_by or None, overwrite=cfg.overwrite)
+        s = run_config(cfg)
         console.print(f"{s['scored']:,} scored, {s['errors']:,} errors (errors.jsonl) of {s['records_read']:,} "
                       f"read: [bold]{cfg.output}[/bold]")
         if s["errors"]:
@@ -452,7 +452,8 @@ def score(
             task = progress.add_task("scoring", total=total)
             return lambda n: progress.advance(task, n)
 
-        counts = score_file(cfg.model, cfg.input, cfg.output, batch_size=cfg.batch_size, progress_factory=factory)
+        counts = score_file(cfg.model, cfg.input, cfg.output, step=cfg.step, batch_size=cfg.batch_size,
+                            progress_factory=factory)
     console.print(f"{counts['scored']:,} scored, {counts['errors']:,} bad lines (with 'error' in the output): "
                   f"[bold]{output}[/bold]")
     if counts["errors"]:

@@ -46,15 +46,15 @@ class ScoreError(RmflowError):
     """A scoring job cannot run; the message says why and what to do."""
 
 
-def score_file(model_path: str, input_path: str, output_path: str, *, batch_size: int = SCORING_BATCH_SIZE,
-               progress_factory=None) -> dict[str, int]:
+def score_file(model_path: str, input_path: str, output_path: str, *, step: int | str | None = None,
+               batch_size: int = SCORING_BATCH_SIZE, progress_factory=None) -> dict[str, int]:
     """Score a JSONL file through the Python API (``rmflow.RewardModel``), one result line per
     input line; a line that cannot be scored keeps its fields and gets ``line`` and ``error``."""
     if os.path.isdir(output_path):
         raise ScoreError(f"--output {output_path} is a folder; give the JSONL file to write")
     if not os.path.isfile(input_path):
         raise ScoreError(f"--input {input_path} is not a file; give a JSONL file of conversations")
-    rm = RewardModel.load(model_path)
+    rm = RewardModel.load(model_path, step)
     scorer = SCORERS[rm.kind]
     rows: list[dict[str, Any]] = []
     seqs, where = [], []

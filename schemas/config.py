@@ -40,6 +40,7 @@ STEP_FORMATS = ("stepwise", "processbench")
 LENGTH_POLICIES = ("drop", "truncate-prompt")
 DECONTAMINATE_METHODS = ("auto", "side-input", "join")
 NEAR_DEDUP = ("off", "prompt", "pair")
+SCORE_OUTPUT_FORMATS = ("jsonl", "parquet")
 STEP_SEPARATOR = "\n"  # the default text after every step of a stepwise solution (process reward models)
 SCORING_BATCH_SIZE = 16  # the default sequences per forward pass when scoring (eval, score, the API)
 
@@ -566,31 +567,41 @@ class ScoreConfig(_Serializable):
     """Everything that determines an `rmflow score` (its CLI options)."""
 
     model: str = _opt("", "A run directory from `rmflow train` or an exported checkpoint folder (local or gs://).")
-    input: str = _opt("", "JSONL of conversations: message lists, or objects with 'messages'; for a process reward "
-                          "model, solutions: objects with 'prompt' and 'completions' (the steps).")
-    output: str = _opt("", "JSONL of the input lines with their 'score' (a process model: 'step_scores', P(step is "
-                           "correct), and 'first_error').")
+    step: int | str | None = _opt(None, "Checkpoint step of a run directory to score with, or best (the run's "
+                                        "metric_for_best ranks it first); default: the newest.")
+    input: str = _opt("", "One JSONL file of conversations (message lists, or objects with 'messages'; for a process "
+                          "reward model, solutions: objects with 'prompt' and 'completions', the steps). With "
+                          "--runner: files, folders or globs (JSONL, JSON, Parquet) of conversations, preference "
+                          "pairs (both sides scored) or solutions.")
+    output: str = _opt("", "One JSONL file: the input lines with their 'score' (a process model: 'step_scores', "
+                           "P(step is correct), and 'first_error'). With --runner: a folder of sorted score shards, "
+                           "errors.jsonl, summary.json and COMPLETED.")
     batch_size: int = _opt(SCORING_BATCH_SIZE, "Conversations per forward pass (sorted by length).")
-    runner: str = _opt("", "Empty: score in this process, --input one JSONL file, --output one JSONL file. A Beam "
-                           "runner (DirectRunner, DataflowRunner ...): a Beam job; --input files, folders or globs "
-                           "(JSONL, JSON, Parquet) of conversations, preference pairs (both sides scored) or "
-                           "solutions, --output a folder of sorted JSONL shards, errors.jsonl, summary.json and "
-                           "COMPLETED. Further Beam options follow the command's own.")
+    runner: str = _opt("", "Empty: score in this process. A Beam runner (DirectRunner, DataflowRunner ...): score as "
+                           "a Beam job; further Beam options follow the command's own.")
     beam_args: tuple[str, ...] = _opt((), "Extra Beam pipeline options, passed through unchanged (with --runner).")
     num_shards: int = _opt(0, "With --runner: output shards; 0 = one per 256 MiB of input.")
     token_budget: int = _opt(16384, "With --runner: tokens per forward pass (rows x padded length).")
     group_by: str = _opt("", "With --runner: a field naming each prompt's group of candidates; writes best.jsonl "
                              "(the highest-scoring candidate of each group) and pairs.jsonl (best against worst).")
     overwrite: bool = _opt(False, "With --runner: replace an earlier scoring job's output folder.")
+    output_format: str = _opt("jsonl", "With --runner: the score shards' format, jsonl or parquet (one schema "
+                                       "for every shard; a field whose types differ between records is JSON "
+                                       "text). best.jsonl, pairs.jsonl and errors.jsonl stay JSONL.")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "beam_args", tuple(self.beam_args))
+        object.__setattr__(self, "step", checkpoint_step(self.step))
         self._check_types()
         _check_int(self.batch_size, "batch_size", 1)
         _check_int(self.num_shards, "num_shards", 0)
         _check_int(self.token_budget, "token_budget", 1)
+        if self.output_format not in SCORE_OUTPUT_FORMATS:
+            raise ConfigError(f"output_format {self.output_format!r}: use one of {', '.join(SCORE_OUTPUT_FORMATS)}")
         if not self.runner:
             used = [n for n in ("beam_args", "num_shards", "group_by", "overwrite") if getattr(self, n)]
+            if self.output_format != "jsonl":
+                used.append("output_format")
             if used:
                 raise ConfigError(f"{', '.join(used)}: only with --runner (a Beam job)")
 

@@ -113,6 +113,9 @@ def test_a_rerun_is_byte_identical_and_an_existing_output_is_refused_unless_told
     r = CliRunner().invoke(app, ["score", "--model", str(base / "run"), "-i", "x.jsonl", "-o", "y.jsonl",
                                  "--group-by", "id"])
     assert r.exit_code == 2 and "only with --runner" in r.output
+    r = CliRunner().invoke(app, ["score", "--model", str(base / "run"), "-i", "x.jsonl", "-o", "y",
+                                 "--runner", "DirectRunner", "--output-format", "csv"])
+    assert r.exit_code == 2 and "jsonl, parquet" in r.output
 
 
 def test_parquet_input_scores_the_same(job, tmp_path):
@@ -151,3 +154,59 @@ def test_a_process_model_job_scores_steps_as_the_core_and_reruns_byte_identical(
         assert by_id[s["id"]]["first_error"] == (int(np.argmax(p < 0.5)) if (p < 0.5).any() else -1)
     for name in ["errors.jsonl", "scores-00000-of-00002.jsonl", "scores-00001-of-00002.jsonl"]:
         assert (outs[1] / name).read_bytes() == (outs[0] / name).read_bytes(), name
+
+
+def test_parquet_output_has_one_schema_and_the_jsonl_rows(job, tmp_path):
+    """--output-format parquet: every shard has one schema (source, line, the input's fields by
+    name, the scores); the rows are the JSONL output's; a field whose types differ between
+    records (an id that is a number here, a string there) is JSON text; a rerun is byte-identical."""
+    base, *_ = job
+    args = ["score", "--model", str(base / "run"), "-i", str(base / "in"), "--runner", "DirectRunner",
+            "--num-shards", "3", "--output-format", "parquet"]
+    for name in ("pq", "pq-again"):
+        r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / name)])
+        assert r.exit_code == 1, r.output  # the input's two bad records
+    shards = sorted((tmp_path / "pq").glob("scores-*-of-00003.parquet"))
+    assert len(shards) == 3 and not list((tmp_path / "pq").glob("scores-*.jsonl"))
+    schemas = {pq.read_schema(p).remove_metadata() for p in shards}
+    assert len(schemas) == 1
+    [schema] = schemas
+    assert schema.names[:2] == ["source", "line"]
+    assert schema.names[-5:] == ["score_chosen", "score_rejected", "margin", "agrees", "score"]
+    assert schema.field("score").type == pa.float64() and schema.field("agrees").type == pa.bool_()
+    rows = [{k: v for k, v in row.items() if v is not None} for p in shards for row in pq.read_table(p).to_pylist()]
+    key = lambda r: (r["source"], r["line"])  # noqa: E731
+    assert sorted(rows, key=key) == sorted(_rows(base / "out"), key=key)
+    for p in shards:
+        assert (tmp_path / "pq-again" / p.name).read_bytes() == p.read_bytes(), p.name
+    summary = json.loads((tmp_path / "pq" / "summary.json").read_text())
+    assert [s["file"] for s in summary["shards"]] == [p.name for p in shards]
+
+    mixed = tmp_path / "mixed.jsonl"
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    mixed.write_text("".join(json.dumps({"id": i if i % 2 else f"x{i}", "messages": conv}) + "\n" for i in range(6)))
+    r = CliRunner().invoke(app, [*args[:3], "-i", str(mixed), *args[5:], "-o", str(tmp_path / "mixed")])
+    assert r.exit_code == 0, r.output
+    tables = [pq.read_table(p) for p in sorted((tmp_path / "mixed").glob("scores-*.parquet"))]
+    assert {t.schema.field("id").type for t in tables} == {pa.string()}
+    assert json.loads(tables[0].schema.metadata[b"rmflow_json_columns"]) == ["id"]
+    ids = sorted((json.loads(v) for t in tables for v in t.column("id").to_pylist()), key=str)
+    assert ids == sorted([1, 3, 5, "x0", "x2", "x4"], key=str)
+
+
+def test_the_scoring_template_entry_point_runs_locally_with_the_launchers_arguments(job, tmp_path):
+    """The scoring Flex Template's entry point, given exactly the launcher's arguments, runs the
+    job on the local runner into a dated folder: the same scores as `rmflow score --runner`."""
+    from rmflow.pipelines.template import launch_body
+
+    from rmflow.score_template import SCORE, main
+
+    base, *_ = job
+    params = {"model": str(base / "run"), "input": str(base / "in"), "output": str(tmp_path / "scores" / "{date}"),
+              "num_shards": "3", "group_by": "prompt_id"}
+    body = launch_body("gs://b/templates/rmflow-score.json", params, spec=SCORE)
+    main([f"--{k}={v}" for k, v in body["launchParameter"]["parameters"].items()] + ["--runner=DirectRunner"])
+    (dated,) = (tmp_path / "scores").iterdir()
+    assert (dated / "COMPLETED").exists()
+    for name in ["errors.jsonl", "best.jsonl", *(f"scores-0000{i}-of-00003.jsonl" for i in range(3))]:
+        assert (dated / name).read_bytes() == (base / "out" / name).read_bytes(), name

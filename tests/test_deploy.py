@@ -18,8 +18,12 @@ DEPLOY = REPO / "deploy"
 def test_committed_metadata_is_generated_from_the_config():
     import json
 
+    from rmflow.score_template import SCORE
+
     assert json.loads((DEPLOY / "dataflow" / "metadata.json").read_text()) == metadata(), \
         "regenerate with: make template-metadata"
+    assert json.loads((DEPLOY / "dataflow" / "score-metadata.json").read_text()) == metadata(SCORE), \
+        "regenerate with: make score-template-metadata"
 
 
 def test_image_beam_version_satisfies_the_dependency():
@@ -31,6 +35,9 @@ def test_image_beam_version_satisfies_the_dependency():
     assert beam.specifier.contains(version)
     assert 'FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main.py' in (DEPLOY / "dataflow" / "Dockerfile").read_text()
     assert "from rmflow.pipelines.template import main" in (DEPLOY / "dataflow" / "main.py").read_text()
+    assert "from rmflow.score_template import main" in (DEPLOY / "dataflow" / "score_main.py").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    assert "TEMPLATE_MAIN=deploy/dataflow/score_main.py" in makefile and "EXTRAS=$(SCORE_EXTRAS)" in makefile
 
 
 def test_airflow_dag_task_graph():
@@ -47,7 +54,14 @@ def test_airflow_dag_task_graph():
     dag = module.dag
     assert dag.dag_id == "rmflow_nightly"
     assert {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks} == {
-        "preprocess": ["train"], "train": ["eval"], "eval": ["export"], "export": []}
+        "preprocess": ["train"], "train": ["eval"], "eval": ["export"], "export": ["score"], "score": []}
+    from rmflow.pipelines.template import PREPROCESS, parameter_fields
+
+    from rmflow.score_template import SCORE
+
+    for task, spec in (("preprocess", PREPROCESS), ("score", SCORE)):  # the DAG launches the templates' parameters
+        given = dag.get_task(task).body["launchParameter"]["parameters"]
+        assert set(spec.required) <= set(given) <= {f.name for f in parameter_fields(spec)}, task
 
 
 @pytest.mark.parametrize("name", ["gpu-1host-8x.yaml", "tpu-v5e-32.yaml"])

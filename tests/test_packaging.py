@@ -115,7 +115,9 @@ def test_a_dataflow_worker_installs_no_jax_and_a_training_host_no_beam():
     assert not _closure(_requirements("preprocess", "gcp")) & jax
     assert not _closure(_requirements("train")) & {"apache-beam"}
     docker = (REPO / "deploy" / "dataflow" / "Dockerfile").read_text()
-    assert "[preprocess,gcp]" in docker, "the template image installs the preprocess stage"
+    assert "ARG EXTRAS=preprocess,gcp\n" in docker, "the preprocess template image installs the preprocess stage"
+    template_image = (REPO / "Makefile").read_text().split("\ntemplate-image:")[1].split("\n\n")[0]
+    assert "EXTRAS" not in template_image, "make template-image builds with the Dockerfile's default extras"
 
 
 def test_the_wheel_installs_one_top_level_name(tmp_path):

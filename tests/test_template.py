@@ -113,3 +113,57 @@ def test_launch_body_command_prints_a_valid_request(capsys):
     body = json.loads(capsys.readouterr().out)
     req = LaunchFlexTemplateRequest.from_json(json.dumps({"projectId": "p", "location": "r", **body}))
     assert req.launch_parameter.environment.temp_location == "gs://b/tmp"
+
+
+# ---------------------------------------------------------------------------- the scoring template
+
+
+def test_the_scoring_template_matches_rmflow_score_one_to_one():
+    from google.cloud.dataflow_v1beta3 import TemplateMetadata
+    from rmflow.schemas.config import ScoreConfig
+
+    from rmflow.score_template import SCORE
+
+    meta = metadata(SCORE)
+    TemplateMetadata.from_json(json.dumps(meta))  # unknown fields would raise
+    params = {p["name"]: p for p in meta["parameters"]}
+    command = typer.main.get_command(app).commands["score"]
+    cli = {p.name: p.help for p in command.params if p.name}
+    assert set(params) == set(cli) - set(SCORE.not_parameters)
+    for name, p in params.items():
+        assert p["helpText"].startswith(cli[name]) and cli[name] == help_for(ScoreConfig, name)
+        assert p["isOptional"] == (name not in ("model", "input", "output"))
+
+    def ok(name, value):
+        return all(re.fullmatch(r, value) for r in params[name].get("regexes", []))
+
+    assert ok("step", "best") and ok("step", "400") and not ok("step", "newest")
+    assert ok("output_format", "parquet") and not ok("output_format", "csv") and ok("overwrite", "true")
+    assert ok("model", "gs://b/export/2026-11-23") and not ok("model", "runs/rm1")
+    cfg = config_from_args(["--model=gs://b/m", "--input=gs://b/c/*.jsonl", "--output=gs://b/s/{date}",
+                            "--step=best", "--output_format=parquet", "--project=p"], SCORE)
+    assert cfg.step == "best" and cfg.output_format == "parquet" and re.fullmatch(r"gs://b/s/\d{4}-\d\d-\d\d", cfg.output)
+    assert cfg.runner == "DataflowRunner" and cfg.beam_args == ("--project=p",)
+
+
+def test_a_gpu_image_gives_its_workers_their_accelerator_unless_the_launch_does(monkeypatch):
+    from rmflow.pipelines.template import image_options
+
+    assert image_options(["--project=p"]) == ["--project=p"]  # a CPU image adds nothing
+    monkeypatch.setenv("RMFLOW_WORKER_IMAGE", "r/score-gpu:1")
+    monkeypatch.setenv("RMFLOW_WORKER_ACCELERATOR", "type:nvidia-l4;count:1;install-nvidia-driver")
+    monkeypatch.setenv("RMFLOW_WORKER_MACHINE_TYPE", "g2-standard-4")
+    assert image_options(["--project=p"]) == [
+        "--project=p", "--sdk_container_image=r/score-gpu:1",
+        "--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver",
+        "--machine_type=g2-standard-4"]
+    own = ["--machine_type=g2-standard-8", "--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:2",
+           "--sdk_container_image=mine"]
+    assert image_options(own) == own
+    body = launch_body("gs://b/t.json", {"inputs": "gs://b/x"}, machine_type="g2-standard-4",
+                       experiments=("no_use_multiple_sdk_containers",))
+    from google.cloud.dataflow_v1beta3 import LaunchFlexTemplateRequest
+
+    req = LaunchFlexTemplateRequest.from_json(json.dumps({"projectId": "p", "location": "r", **body}))
+    assert req.launch_parameter.environment.machine_type == "g2-standard-4"
+    assert list(req.launch_parameter.environment.additional_experiments) == ["no_use_multiple_sdk_containers"]

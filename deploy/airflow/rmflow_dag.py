@@ -1,13 +1,16 @@
 """Airflow DAG: nightly rmflow on new preference data.
 
     preprocess (Dataflow Flex Template) -> train (accelerator host, over SSH) -> eval -> export
+        -> score (Dataflow Flex Template: the day's candidate replies scored by the new export)
 
-Each run writes dated folders (``{{ ds }}``): shards, run, eval report and export of one day never
-touch another day's. The preprocess job publishes its output and ``COMPLETED`` by itself; the
-Dataflow operator waits for the job to finish, so training starts on complete shards only.
-Settings are Airflow Variables (``rmflow_project``, ``rmflow_region``, ``rmflow_bucket``,
-``rmflow_template``, ``rmflow_tokenizer``, ``rmflow_train_config``) and the SSH connection
-``rmflow_accelerator`` to a host with ``rmflow[cuda]`` (or a TPU VM) installed.
+Each run writes dated folders (``{{ ds }}``): shards, run, eval report, export and scores of one day
+never touch another day's. The preprocess and scoring jobs publish their output and ``COMPLETED``
+by themselves; the Dataflow operator waits for each job to finish, so training starts on complete
+shards only. Settings are Airflow Variables (``rmflow_project``, ``rmflow_region``, ``rmflow_bucket``,
+``rmflow_template``, ``rmflow_score_template``, ``rmflow_tokenizer``, ``rmflow_train_config``) and
+the SSH connection ``rmflow_accelerator`` to a host with ``rmflow[cuda]`` (or a TPU VM) installed.
+The candidates to score are ``gs://BUCKET/candidates/DAY/*.jsonl`` (conversations, or pairs);
+the scoring template built with ``GPU=1`` runs its workers on NVIDIA L4s.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ BUCKET = "{{ var.value.rmflow_bucket }}"
 DAY = "{{ ds }}"
 SHARDS = f"gs://{BUCKET}/shards/{DAY}"
 RUN = f"gs://{BUCKET}/runs/{DAY}"
+EXPORT = f"gs://{BUCKET}/export/{DAY}"
 
 with DAG(
     dag_id="rmflow_nightly",
@@ -61,6 +65,20 @@ with DAG(
         task_id="export",
         ssh_conn_id="rmflow_accelerator",
         command=f"rmflow export {RUN} --output /tmp/rmflow-export-{DAY} && "
-                f"gsutil -m cp -r /tmp/rmflow-export-{DAY} gs://{BUCKET}/export/{DAY}",
+                f"gsutil -m cp -r /tmp/rmflow-export-{DAY} {EXPORT}",
     )
-    preprocess >> train >> evaluate >> export
+    score = DataflowStartFlexTemplateOperator(
+        task_id="score",
+        project_id="{{ var.value.rmflow_project }}",
+        location="{{ var.value.rmflow_region }}",
+        wait_until_finished=True,
+        body={"launchParameter": {
+            "jobName": "rmflow-score-{{ ds_nodash }}",
+            "containerSpecGcsPath": "{{ var.value.rmflow_score_template }}",
+            "parameters": {"model": EXPORT, "input": f"gs://{BUCKET}/candidates/{DAY}/*.jsonl",
+                           "output": f"gs://{BUCKET}/scores/{DAY}", "output_format": "parquet",
+                           "group_by": "prompt_id"},
+            "environment": {"tempLocation": f"gs://{BUCKET}/tmp", "maxWorkers": 8},
+        }},
+    )
+    preprocess >> train >> evaluate >> export >> score
