@@ -3,9 +3,12 @@
 Starts `rmflow serve` as a process on a free localhost port and sends the conversations from
 C concurrent clients (one conversation a request: the hardest case, and how verl's reward loop
 calls a server), C = 1, 8, 64; measures sequences/s, real tokens/s and p50 / p99 latency. The
-reference, in the same run: the same conversations scored offline by the same core
-(``SequenceScorer`` over the same batch shapes, already compiled), and one forward pass of a
-single sequence of the median length. Prints the ratios the issue asks for.
+references, in the same run: the same conversations scored offline by the same core over the
+same batch shapes, already compiled, from the conversations (rendered with the chat template,
+tokenized, batched, run: what the server does for each request) and from their token ids (the
+forward passes alone); and one forward pass of a single sequence of the median length. Prints
+the ratios the issue asks for. The clients run on the same machine as the server and take CPU
+from it (on 2 cores, a large share).
 
     .venv/bin/python benchmarks/serve.py [--model RUN_OR_EXPORT] [--n 512] [--max-length 512] [--repeat 3]
 
@@ -121,11 +124,14 @@ def main() -> None:
     shapes = rm.shapes(a.max_batch_rows, a.token_budget, small_batches=True)  # the server's
     scorer = rm.scorer(shapes)
     scorer.warm_up()
-    offline = []
+    offline, forwards = [], []
     for _ in range(a.repeat):
         t = time.perf_counter()
-        reference = scorer.score(encoded)
+        reference = scorer.score([rm.encode(c) for c in convs])
         offline.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        scorer.score(encoded)
+        forwards.append(time.perf_counter() - t)
     median_seq = sorted(encoded, key=len)[len(encoded) // 2]
     single = rm.scorer(rm.shapes(1))  # one sequence, one row: "one forward of that length"
     single.run([median_seq])
@@ -134,12 +140,13 @@ def main() -> None:
         t = time.perf_counter()
         single.run([median_seq])
         one.append(time.perf_counter() - t)
-    off_s = statistics.median(offline)
+    off_s, fwd_s = statistics.median(offline), statistics.median(forwards)
     print(f"{len(convs)} HH-RLHF conversations, {tokens:,} real tokens (median {len(median_seq)}), "
           f"max_length {a.max_length}, token budget {a.token_budget}; model: {rm.description}")
-    print(f"offline core: {len(convs) / off_s:,.1f} seq/s, {tokens / off_s:,.0f} tok/s "
-          f"(median of {a.repeat}: {', '.join(f'{x:.2f}' for x in offline)} s); one forward of "
-          f"{len(median_seq)} tokens: {statistics.median(one) * 1000:.1f} ms")
+    print(f"offline core, from conversations: {len(convs) / off_s:,.1f} seq/s, {tokens / off_s:,.0f} tok/s "
+          f"(median of {a.repeat}: {', '.join(f'{x:.2f}' for x in offline)} s); from token ids (forwards "
+          f"alone): {len(convs) / fwd_s:,.1f} seq/s ({', '.join(f'{x:.2f}' for x in forwards)} s); one forward "
+          f"of {len(median_seq)} tokens: {statistics.median(one) * 1000:.1f} ms")
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rmflow.cli", "serve", model, "--port", str(port),
@@ -167,7 +174,7 @@ def main() -> None:
             lat = sorted(x for _, ls in runs for x in ls)
             p50, p99 = lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
             line = (f"concurrency {c:>3}: {len(convs) / wall:8,.1f} seq/s {tokens / wall:9,.0f} tok/s "
-                    f"({len(convs) / wall / (len(convs) / off_s):.2f}x offline; walls {', '.join(f'{w:.2f}' for w in walls)}"
+                    f"({off_s / wall:.2f}x offline, {fwd_s / wall:.2f}x its forwards alone; walls {', '.join(f'{w:.2f}' for w in walls)}"
                     f" s)  p50 {p50 * 1000:7.1f} ms  p99 {p99 * 1000:7.1f} ms")
             if c == 1:
                 line += f"  (p50 / one forward: {p50 / statistics.median(one):.2f}x)"

@@ -85,6 +85,7 @@ def _modules_with_module_fixtures() -> frozenset[str]:
                      if re.search(r"@pytest\.fixture\(scope=\"module\"", p.read_text()))
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a pytest without xdist (make test-airflow) must still start
 def pytest_xdist_make_scheduler(config, log):
     """``make test`` (``pytest -n 2 --dist loadscope``): the tests of a module that defines a
     module-scoped fixture run on one worker, so the fixture is built once per run, not once per
