@@ -72,3 +72,14 @@ def test_worked_train_configs_are_valid(name):
     raw = yaml.safe_load((DEPLOY / "train" / name).read_text())
     cfg = TrainConfig.from_dict({**raw, "data": "gs://b/shards", "output": "/tmp/run"})
     assert cfg.mesh_fsdp == -1 and cfg.dtype == "bfloat16"
+
+
+def test_the_suite_starts_without_xdist():
+    """`make test-airflow` runs pytest in a virtualenv without pytest-xdist: the conftest must not
+    need it (an xdist hook once made that run fail before collecting anything)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "--collect-only",
+                        "-q", "tests/test_deploy.py"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
