@@ -27,7 +27,7 @@ demo: $(VENV)/.installed-demo
 	$(BIN)/rmflow run rmflow/demo/workflow.yaml
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n 2 --dist loadscope -q --durations=10
+	$(BIN)/python -m pytest -n 2 --dist loadscope -q --durations=30
 
 # The Airflow DAG's test, in its own virtualenv (Airflow's pins would move the main one's).
 test-airflow:
