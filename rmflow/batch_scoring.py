@@ -229,8 +229,8 @@ def _merge_types(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
     out = dict(a)
     for name, t in b.items():
-        if name not in out or out[name] == t:
-            out[name] = out.get(name, t)
+        if out.get(name, t) == t:
+            out[name] = t
         elif "json" in (out[name], t):
             out[name] = "json"
         else:

@@ -27,6 +27,24 @@ SHARDS = f"gs://{BUCKET}/shards/{DAY}"
 RUN = f"gs://{BUCKET}/runs/{DAY}"
 EXPORT = f"gs://{BUCKET}/export/{DAY}"
 
+
+def dataflow_job(task_id: str, template_variable: str, parameters: dict, **environment) -> DataflowStartFlexTemplateOperator:
+    """A Flex Template job of the day (its template's gs:// path in an Airflow Variable); the task
+    waits for the job, which publishes its output and COMPLETED by itself."""
+    return DataflowStartFlexTemplateOperator(
+        task_id=task_id,
+        project_id="{{ var.value.rmflow_project }}",
+        location="{{ var.value.rmflow_region }}",
+        wait_until_finished=True,
+        body={"launchParameter": {
+            "jobName": f"rmflow-{task_id}-{{{{ ds_nodash }}}}",
+            "containerSpecGcsPath": f"{{{{ var.value.{template_variable} }}}}",
+            "parameters": parameters,
+            "environment": {"tempLocation": f"gs://{BUCKET}/tmp", **environment},
+        }},
+    )
+
+
 with DAG(
     dag_id="rmflow_nightly",
     schedule="0 2 * * *",
@@ -36,19 +54,9 @@ with DAG(
     tags=["rmflow"],
     doc_md=__doc__,
 ) as dag:
-    preprocess = DataflowStartFlexTemplateOperator(
-        task_id="preprocess",
-        project_id="{{ var.value.rmflow_project }}",
-        location="{{ var.value.rmflow_region }}",
-        wait_until_finished=True,
-        body={"launchParameter": {
-            "jobName": "rmflow-preprocess-{{ ds_nodash }}",
-            "containerSpecGcsPath": "{{ var.value.rmflow_template }}",
-            "parameters": {"inputs": f"gs://{BUCKET}/raw/{DAY}/*.jsonl.gz", "output": SHARDS,
-                           "tokenizer": "{{ var.value.rmflow_tokenizer }}", "max_length": "2048"},
-            "environment": {"tempLocation": f"gs://{BUCKET}/tmp"},
-        }},
-    )
+    preprocess = dataflow_job("preprocess", "rmflow_template", {
+        "inputs": f"gs://{BUCKET}/raw/{DAY}/*.jsonl.gz", "output": SHARDS,
+        "tokenizer": "{{ var.value.rmflow_tokenizer }}", "max_length": "2048"})
     train = SSHOperator(
         task_id="train",
         ssh_conn_id="rmflow_accelerator",
@@ -67,18 +75,7 @@ with DAG(
         command=f"rmflow export {RUN} --output /tmp/rmflow-export-{DAY} && "
                 f"gsutil -m cp -r /tmp/rmflow-export-{DAY} {EXPORT}",
     )
-    score = DataflowStartFlexTemplateOperator(
-        task_id="score",
-        project_id="{{ var.value.rmflow_project }}",
-        location="{{ var.value.rmflow_region }}",
-        wait_until_finished=True,
-        body={"launchParameter": {
-            "jobName": "rmflow-score-{{ ds_nodash }}",
-            "containerSpecGcsPath": "{{ var.value.rmflow_score_template }}",
-            "parameters": {"model": EXPORT, "input": f"gs://{BUCKET}/candidates/{DAY}/*.jsonl",
-                           "output": f"gs://{BUCKET}/scores/{DAY}", "output_format": "parquet",
-                           "group_by": "prompt_id"},
-            "environment": {"tempLocation": f"gs://{BUCKET}/tmp", "maxWorkers": 8},
-        }},
-    )
+    score = dataflow_job("score", "rmflow_score_template", {
+        "model": EXPORT, "input": f"gs://{BUCKET}/candidates/{DAY}/*.jsonl", "output": f"gs://{BUCKET}/scores/{DAY}",
+        "output_format": "parquet", "group_by": "prompt_id"}, maxWorkers=8)
     preprocess >> train >> evaluate >> export >> score
