@@ -145,17 +145,30 @@ def batches_for(recs, batch_size=4):
     return padded, packed
 
 
-def objective_and_grads(model, batch):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def f(p):
-        rc, rr = pair_rewards(nnx.merge(graphdef, p, rest), {k: jnp.asarray(batch[k]) for k in DEVICE_KEYS})
-        loss, _ = pairwise_loss(rc, rr, jnp.asarray(batch["margin"]), jnp.asarray(batch["weight"]), 0.01)
+@nnx.jit
+def _objective_and_grads(model, batch):
+    def f(m):
+        rc, rr = pair_rewards(m, batch)
+        loss, _ = pairwise_loss(rc, rr, batch["margin"], batch["weight"], 0.01)
         return loss, (rc, rr)
 
-    (loss, (rc, rr)), g = jax.value_and_grad(f, has_aux=True)(params)
+    (loss, (rc, rr)), g = nnx.value_and_grad(f, has_aux=True)(model)
+    # The rewards run the last layer at the reward tokens only: its hidden states there, and the
+    # whole last layer's read at those tokens.
+    args = [batch[k] for k in ("input_ids", "positions", "segment_ids")]
+    index, branches = batch["reward_index"], batch["branch_ids"]
+    full = jnp.take_along_axis(model.model(*args, branches), index[..., None], axis=1)
+    return loss, rc, rr, g, (model.model.hidden_at(*args, index, branches), full)
+
+
+def objective_and_grads(model, batch):
+    """Loss, the real pairs' rewards, the gradients of ``model`` on ``batch``, and the last
+    layer's hidden states at the reward tokens computed both ways: jitted, one compilation per
+    shape (run op by op, a model compiles each of its hundreds of operations per shape)."""
+    loss, rc, rr, g, hidden = _objective_and_grads(
+        model, {k: jnp.asarray(batch[k]) for k in (*DEVICE_KEYS, "margin", "weight")})
     slot = batch["pair_slot"]
-    return float(loss), np.asarray(rc)[slot], np.asarray(rr)[slot], g
+    return float(loss), np.asarray(rc)[slot], np.asarray(rr)[slot], g, hidden
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -168,9 +181,9 @@ def test_packed_batch_equals_padded_batch(arch, tmp_path):
     reference = load_reward_model(str(tmp_path), attention="xla")
     blockwise = load_reward_model(str(tmp_path), attention="blockwise")
     for padded, packed in zip(*batches_for(recs)):
-        loss_a, rc_a, rr_a, g_a = objective_and_grads(reference, padded)
+        loss_a, rc_a, rr_a, g_a, _ = objective_and_grads(reference, padded)
         for model in (reference, blockwise):
-            loss_b, rc_b, rr_b, g_b = objective_and_grads(model, packed)
+            loss_b, rc_b, rr_b, g_b, (at, full) = objective_and_grads(model, packed)
             assert loss_b == pytest.approx(loss_a, abs=1e-5)
             np.testing.assert_allclose(rc_b, rc_a, atol=1e-5, rtol=0)
             np.testing.assert_allclose(rr_b, rr_a, atol=1e-5, rtol=0)
@@ -178,11 +191,7 @@ def test_packed_batch_equals_padded_batch(arch, tmp_path):
                 np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
             # The rewards run the last layer at the reward tokens only: the same hidden states as
             # the whole last layer read at those tokens.
-            args = [jnp.asarray(packed[k]) for k in ("input_ids", "positions", "segment_ids")]
-            index, branches = jnp.asarray(packed["reward_index"]), jnp.asarray(packed["branch_ids"])
-            full = jnp.take_along_axis(model.model(*args, branches), index[..., None], axis=1)
-            np.testing.assert_allclose(np.asarray(model.model.hidden_at(*args, index, branches)), np.asarray(full),
-                                       atol=1e-5, rtol=0)
+            np.testing.assert_allclose(np.asarray(at), np.asarray(full), atol=1e-5, rtol=0)
 
 
 def test_clip_scale_equals_optax_clipping():
