@@ -3,8 +3,10 @@ unchanged, no optimizer state for them), a LoRA run learns the synthetic task, r
 and its merged export loads in transformers with rmflow's rewards."""
 
 import json
+import os
 import pathlib
 import shutil
+import signal
 
 import jax
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from flax import nnx
 from rmflow.schemas.config import ConfigError, TrainConfig
 from rmflow.trainer.checkpoints import load_trained_model
+from rmflow.trainer.errors import Interrupted
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.setup import base_model
 from rmflow.trainer.train import run as train
@@ -30,6 +33,7 @@ def split(model):
     return ad, head, base
 
 
+@pytest.mark.slow
 def test_lora_trains_adapters_and_head_only_and_learns(synthetic, tmp_path):  # noqa: F811
     cfg = config(synthetic, tmp_path / "run", max_steps=150, eval_steps=150, save_steps=50, learning_rate=3e-3,
                  lora=LORA)
@@ -62,6 +66,7 @@ def test_lora_trains_adapters_and_head_only_and_learns(synthetic, tmp_path):  # 
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_merged_export_matches_in_transformers(synthetic, tmp_path):  # noqa: F811
     import torch
     import transformers
@@ -147,6 +152,7 @@ def test_adapter_dropout_is_unbiased_and_only_in_training():
     np.testing.assert_array_equal(lora.delta(linear, x), plain)  # outside training: no dropout
 
 
+@pytest.mark.slow
 def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):  # noqa: F811
     import jax.numpy as jnp
     import torch
@@ -166,12 +172,19 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
     assert all(v.dtype == np.float32 for v in (*ad.values(), *head.values()))
     assert full.trainer.frozen and all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(full.trainer.frozen)
                                        if x.ndim >= 2)
-    # Dropout draws from the run's seed and step: stopped after step 4 and resumed (max_steps 4 -> 8, a
-    # change the resume is told to allow), the run ends with the uninterrupted one's parameters.
-    half = config(synthetic, tmp_path / "resumed", max_steps=4, save_steps=4, logging_steps=2, lora=spec, **flat)
-    train(half)
-    resumed = train(config(synthetic, tmp_path / "resumed", max_steps=8, save_steps=4, logging_steps=2, lora=spec,
-                           **flat), resume=True, allow_config_change=True)
+    # Dropout draws from the run's seed and step: stopped by SIGINT (Ctrl-C) once step 4 is logged,
+    # which stops at that step boundary with its checkpoint, and resumed, the run ends with the
+    # uninterrupted one's parameters, bit for bit. (The same config on both sides: a resume that
+    # changes max_steps runs another compiled program, whose rounding XLA need not keep.)
+    def ctrl_c_at_step_4(record):
+        if record["step"] == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    again = config(synthetic, tmp_path / "resumed", max_steps=8, save_steps=4, logging_steps=2, lora=spec, **flat)
+    with pytest.raises(Interrupted, match="stopped by SIGINT at step 4"):
+        train(again, on_log=ctrl_c_at_step_4)
+    assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()) == ["4"]
+    resumed = train(again, resume=True)
     for a, b in zip(jax.tree.leaves(full.state.params), jax.tree.leaves(resumed.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The merged export holds the bfloat16-rounded base plus the adapters, in float32: transformers
