@@ -130,6 +130,7 @@ def test_parquet_input_scores_the_same(job, tmp_path):
     np.testing.assert_allclose([x["score"] for x in rows], rm.score(convs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_process_model_job_scores_steps_as_the_core_and_reruns_byte_identical(process_run, tmp_path):
     from rmflow import RewardModel
 

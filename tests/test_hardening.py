@@ -333,6 +333,7 @@ def _wait_for(path: pathlib.Path, lines: int, proc, timeout: float = 240) -> Non
     raise AssertionError(f"{path} never had {lines} lines; the process said: {proc.communicate()[0]}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, moment", [(signal.SIGINT, "mid-training"), (signal.SIGTERM, "while compiling")])
 def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(base, tmp_path, signum, moment):
     out = tmp_path / "run"

@@ -122,6 +122,7 @@ def _cli(run_dir, data, **sets_):
             str(run_dir)] + [f"--set={k}={v}" for k, v in args.items()]
 
 
+@pytest.mark.slow
 def test_a_mixture_trains_logs_each_set_and_resumes_exactly_after_kill_9(sets, tmp_path):
     data = f"{sets['a']}=0.75,{sets['b']}=0.25"
     killed = tmp_path / "killed"
@@ -192,6 +193,7 @@ def test_checkpoints_kept_are_the_newest_and_the_best_by_the_metric():
     assert steps_to_keep([2, 8], history, newest=1, metric="eval_accuracy", best=1) == {8}  # 6 is gone
 
 
+@pytest.mark.slow
 def test_named_eval_sets_and_the_best_checkpoint_kept_resumed_and_exported(sets, tmp_path):
     from rmflow.trainer.checkpoints import checkpoint_manager, load_trained_model
     from rmflow.trainer.export import export

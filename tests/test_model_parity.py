@@ -116,6 +116,7 @@ def test_packed_pairs_do_not_see_each_other(tmp_path):
     np.testing.assert_allclose(packed[0], alone[1:], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_and_remat_agree_with_float32(tmp_path):
     build_hf("llama", "ForSequenceClassification", tmp_path)
     ids, mask = batch(4)

@@ -125,6 +125,7 @@ def kill_both_after(procs: list[subprocess.Popen], metrics: pathlib.Path, step: 
     return last
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_and_resume_exactly(demo_shards, tmp_path):
     shards = demo_shards
     run_two_processes(shards, tmp_path / "a", resume=False)

@@ -109,6 +109,7 @@ def run_8_devices(script: str, timeout: int = 600) -> subprocess.CompletedProces
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_meshes_match_one_device_and_shard_as_the_rules_say():
     out = run_8_devices(SCRIPT)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), (out.stdout[-2000:], out.stderr[-4000:])
@@ -158,6 +159,7 @@ RESUME_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_train_on_a_sharded_mesh_and_resume_on_another(tmp_path):
     """`trainer.train.run` end to end: a run on (1, 4, 2), interrupted after a checkpoint, resumed
     on (2, 1, 4), ends with the uninterrupted run's parameters and losses."""

@@ -55,6 +55,7 @@ def logged(run_dir: pathlib.Path):
     return run_id, history, config
 
 
+@pytest.mark.slow
 def test_wandb_gets_the_same_metrics_and_the_config(demo_shards, tmp_path, monkeypatch):
     shards = demo_shards
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -122,6 +122,7 @@ def conversations(shared_data, outcome):
     return [c for c in _conversations(shared_data, 400) if _fits(rm, c)][:200]
 
 
+@pytest.mark.slow
 def test_health_says_loading_until_warm_then_the_model(outcome):
     server, _ = outcome
     assert server.statuses[-1] == 200 and 503 in server.statuses, server.statuses
@@ -273,6 +274,7 @@ def test_sigterm_finishes_what_is_in_flight_then_exits(outcome, conversations):
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_process_model_serves_step_scores_equal_to_the_api(process_run):
     run, records = process_run
     from rmflow import RewardModel

@@ -53,6 +53,7 @@ def config(data, out, **kw):
     return TrainConfig(**base)
 
 
+@pytest.mark.slow
 def test_learning_works_on_a_synthetic_preference(synthetic, tmp_path):
     result = train(config(synthetic, tmp_path / "run", max_steps=150, eval_steps=50, save_steps=150))
     final = result.history[-1]
@@ -69,6 +70,7 @@ def timing_free(history):
     return [{k: v for k, v in h.items() if k != "tokens_per_second"} for h in history]
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_equals_an_uninterrupted_run(synthetic, tmp_path):
     kw = dict(max_steps=60, save_steps=10, eval_steps=30, learning_rate=3e-4)
     run_dir = tmp_path / "killed"
@@ -181,6 +183,7 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
     assert os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_second_run_compiles_nothing_the_first_compiled(synthetic, tmp_path):
     """The persistent compilation cache: a rerun (as a resume or a new run of the same shapes
     is) reads every executable, train and eval steps included, from the cache."""

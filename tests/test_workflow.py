@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from rmflow.workflow import Workflow, run
@@ -27,6 +28,7 @@ def small(tmp_path, **train):
     }
 
 
+@pytest.mark.slow
 def test_skip_resume_and_rerun_from_a_changed_stage(tmp_path):
     spec = small(tmp_path)
     wf = Workflow.from_dict(spec)
@@ -58,6 +60,7 @@ def test_skip_resume_and_rerun_from_a_changed_stage(tmp_path):
     assert kept.name.startswith("run-") and (kept / "checkpoints").is_dir()
 
 
+@pytest.mark.slow
 def test_an_input_changed_in_place_reruns_preprocess(tmp_path):
     """Same path, new content: the stage hash covers each input's size and modification time."""
     spec = small(tmp_path)
@@ -100,6 +103,7 @@ sys.meta_path[:] = [_Hide(f) for f in sys.meta_path]
 """
 
 
+@pytest.mark.slow
 def test_the_embedded_demo_runs_without_torch_and_shows_its_summary(tmp_path):
     """`rmflow run` on the demo, in a fresh process: it completes, prints the preprocess summary
     (nothing dropped silently) and keeps nearly every pair at its max_length; PyTorch is hidden
