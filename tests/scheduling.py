@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 def _is_fixture(decorator: ast.expr) -> tuple[bool, str]:
@@ -58,18 +58,41 @@ class _Groups:
             self.parent[r] = roots[0]
 
 
-def plan_module(source: str) -> tuple[dict[str, str], set[str]]:
+def _fixtures(tree: ast.Module, load: Callable[[str], str | None] | None, seen: set[str]
+              ) -> dict[str, tuple[str, list[str]]]:
+    """``{name: (scope, argument names)}`` of the fixtures a test file defines, and of those it
+    imports from other test modules (``from tests.test_x import data``: pytest then gives the
+    file a module-scoped instance of its own, so it counts as the file's)."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and load and node.module and node.module.startswith("tests.") \
+                and node.module not in seen:
+            source = load(node.module)
+            if source is not None:
+                theirs = _fixtures(ast.parse(source), load, seen | {node.module})
+                imported = {a.asname or a.name: a.name for a in node.names}
+                for local, name in imported.items():
+                    if name in theirs:
+                        out[local] = theirs[name]
+                for name, fixture in theirs.items():  # what an imported fixture itself asks for
+                    out.setdefault(name, fixture)
+    for fn in tree.body:
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for d in fn.decorator_list:
+                is_fixture, scope = _is_fixture(d)
+                if is_fixture:
+                    out[fn.name] = (scope, [a.arg for a in fn.args.args])
+    return out
+
+
+def plan_module(source: str, load: Callable[[str], str | None] | None = None) -> tuple[dict[str, str], set[str]]:
     """For a test file's source: ``{test name: group}`` for the tests that need a module-scoped
     fixture of the file (tests with the same group share one), and the names of the tests
-    marked slow."""
+    marked slow. ``load(module)`` gives another test module's source (``tests.test_x``), for
+    fixtures the file imports."""
     tree = ast.parse(source)
     functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    fixtures: dict[str, tuple[str, list[str]]] = {}
-    for fn in functions:
-        for d in fn.decorator_list:
-            is_fixture, scope = _is_fixture(d)
-            if is_fixture:
-                fixtures[fn.name] = (scope, [a.arg for a in fn.args.args])
+    fixtures = _fixtures(tree, load, set())
 
     def module_fixtures(names: Iterable[str], seen: set[str]) -> set[str]:
         out: set[str] = set()
@@ -106,8 +129,13 @@ class Plan:
     def _module(self, module: str) -> tuple[dict[str, str], set[str]]:
         if module not in self._modules:
             path = self.root / module
-            self._modules[module] = plan_module(path.read_text()) if path.suffix == ".py" and path.exists() else ({}, set())
+            self._modules[module] = (plan_module(path.read_text(), self._source) if path.suffix == ".py" and path.exists()
+                                     else ({}, set()))
         return self._modules[module]
+
+    def _source(self, module: str) -> str | None:
+        path = self.root / (module.replace(".", "/") + ".py")
+        return path.read_text() if path.exists() else None
 
     @staticmethod
     def _split(nodeid: str) -> tuple[str, str]:

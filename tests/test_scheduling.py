@@ -46,6 +46,28 @@ def test_tests_sharing_a_module_fixture_form_one_group_and_slow_tests_are_known(
     assert slow == {"test_alone"}
 
 
+def test_a_module_fixture_imported_from_another_test_file_groups_its_users():
+    other = textwrap.dedent('''
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def shards(tmp_path_factory): ...
+
+        @pytest.fixture(scope="module")
+        def trained(shards): ...
+    ''')
+    source = textwrap.dedent('''
+        from tests.test_other import trained as run  # noqa: F401
+
+        def test_a(run): ...
+        def test_b(run, tmp_path): ...
+        def test_c(tmp_path): ...
+    ''')
+    groups, _ = plan_module(source, {"tests.test_other": other}.get)
+    assert set(groups) == {"test_a", "test_b"} and groups["test_a"] == groups["test_b"]
+    assert plan_module(source)[0] == {}  # unread, the import is invisible: why the loader is passed
+
+
 def test_units_match_the_fixtures_pytest_resolves(request):
     """Every module-scoped fixture that pytest resolves for the collected tests is used by one
     unit only (else two workers could each build it), and a test using none is its own unit."""
