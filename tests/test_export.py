@@ -18,6 +18,7 @@ from rmflow.trainer.train import run as train
 from typer.testing import CliRunner
 
 from rmflow.cli import app
+from tests import forward
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 CONVERSATIONS = [
@@ -48,7 +49,7 @@ def rmflow_rewards(model, ids_list):
         ids[i, : len(x)], seg[i, : len(x)] = x, 1
     pos = np.broadcast_to(np.arange(t, dtype=np.int32), ids.shape)
     last = np.array([len(x) - 1 for x in ids_list], np.int32)
-    return np.asarray(model(jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(last)))
+    return np.asarray(forward.rewards(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(last)))
 
 
 @pytest.mark.parametrize("max_shard_bytes", [2 << 30, 4 << 20])  # single file, then sharded

@@ -8,6 +8,8 @@ import torch
 import transformers
 from rmflow.trainer.modeling.convert import CheckpointError, load_reward_model
 
+from tests import forward
+
 VOCAB, PAD = 97, 0
 LENGTHS = (24, 13, 6)
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -42,8 +44,8 @@ def batch(seed=0):
 def ours(model, ids, mask):
     t = ids.shape[1]
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), ids.shape)
-    return np.asarray(model(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask),
-                            jnp.asarray(np.array(LENGTHS, np.int32) - 1)))
+    return np.asarray(forward.rewards(model, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask),
+                                      jnp.asarray(np.array(LENGTHS, np.int32) - 1)))
 
 
 def build_hf(arch, head, tmp_path, **extra):

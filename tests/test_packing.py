@@ -44,7 +44,8 @@ def assert_attention_equals_reference(impl, window, t, block):
             o = attention(q, k, v, seg, pos, br, implementation=impl, window=window, block=block)
             o = jnp.where(seg[:, :, None, None] > 0, o, 0.0)  # padding queries are never read
             return (o * weights).sum(), o
-        (_, o), g = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, *kv)
+        # jitted: one compilation, not one per operation (the blockwise loops' bodies included)
+        (_, o), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, *kv)
         return o, g
 
     with jax.default_matmul_precision("highest"):  # float32 products on every backend (GPUs default to TF32)

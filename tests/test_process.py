@@ -32,6 +32,7 @@ from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
 from rmflow.trainer.train import run as train
 
 from rmflow.metrics import process_metrics
+from tests import forward
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_labels=2)
@@ -210,8 +211,8 @@ def test_packed_steps_equal_one_solution_a_row():
     assert packed["input_ids"].size < padded["input_ids"].size
 
     def probs(b):
-        out = jax.nn.softmax(model.logits(*(jnp.asarray(b[k]) for k in
-                                            ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids"))), -1)
+        out = jax.nn.softmax(forward.logits(model, *(jnp.asarray(b[k]) for k in (
+            "input_ids", "positions", "segment_ids", "reward_index", "branch_ids"))), -1)
         return record_step_values(np.asarray(out[..., 1]), b["record_steps"])
 
     for a, b, r in zip(probs(padded), probs(packed), recs):
@@ -381,7 +382,7 @@ def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
         ids[i, :len(r.input_ids)], segments[i, :len(r.input_ids)] = r.input_ids, 1
         ends[i, :len(r.step_ends)] = r.step_ends
     positions = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
-    mine_all = np.asarray(ours.logits(*map(jnp.asarray, (ids, positions, segments, ends))))
+    mine_all = np.asarray(forward.logits(ours, *map(jnp.asarray, (ids, positions, segments, ends))))
     for r, mine in zip(records, mine_all):
         with torch.no_grad():
             theirs = hf(torch.tensor(r.input_ids[None].astype(np.int64))).logits[0].numpy()[r.step_ends]
