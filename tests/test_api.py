@@ -60,6 +60,37 @@ def test_scores_equal_the_cli_and_keep_order(workdir, tmp_path):
     np.testing.assert_allclose(rr, scores[1:], atol=1e-6)
 
 
+def test_a_model_loaded_again_scores_with_the_programs_already_compiled(workdir):
+    """The scoring forwards are jitted once per process, the model's structure a static argument
+    and its weights an ordinary one: loading the run again (a Beam worker's next DoFn, a second
+    job in one process, the API after eval) traces and compiles nothing new, for single sequences
+    and for eval's packed pairs, and scores the same."""
+    import grain
+    from rmflow.schemas.manifest import Manifest
+    from rmflow.schemas.record import decode
+    from rmflow.trainer import inference
+
+    from rmflow import RewardModel
+
+    run = str(workdir / "runs" / "rm1")
+    first = RewardModel.load(run).score(CONVS)
+    traced = inference._rewards._cache_size()
+    again = RewardModel.load(run).score(CONVS)
+    assert inference._rewards._cache_size() == traced > 0
+    np.testing.assert_array_equal(again, first)
+
+    shards = workdir / "shards"
+    manifest = Manifest.from_json((shards / "manifest.json").read_text())
+    source = grain.sources.ArrayRecordDataSource([str(shards / s.file) for s in manifest.splits["eval"].shards])
+    records = [decode(source[i]) for i in range(min(len(source), 6))]
+    first = inference.score_pairs(inference.load_model(run).model, records, batch_size=4)
+    traced = inference._packed_pair_rewards._cache_size()
+    again = inference.score_pairs(inference.load_model(run).model, records, batch_size=4)
+    assert inference._packed_pair_rewards._cache_size() == traced > 0
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_conversations_say_which(workdir):
     from rmflow import RewardModel
     from rmflow.api import BadConversation

@@ -12,6 +12,7 @@ imports the training loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -32,11 +33,31 @@ from rmflow.trainer.data.collate import MIN_BUCKET
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
 from rmflow.trainer.modeling.convert import load_reward_model
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.objective import PROCESS
 from rmflow.trainer.rundir import is_run_dir, tokenizer_fingerprint
 from rmflow.trainer.step import DEVICE_KEYS, pair_rewards
 
 NORMALIZATION_FILE = "reward_normalization.json"  # in a model folder: `rmflow eval --normalize`'s mean and std
+
+
+# The scoring forwards, jitted once per process: the model's structure (its nnx GraphDef, hashable and
+# equal for two loads of one architecture) is a static argument and its parameters an ordinary one,
+# so the compiled program holds no weights, and a model loaded again (a Beam worker's next DoFn, a
+# second job in one process, the API after eval) or another checkpoint of the same run reuses
+# every shape already traced and compiled in this process.
+@functools.partial(jax.jit, static_argnums=0)
+def _rewards(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx) -> jax.Array:
+    return nnx.merge(graphdef, state)(ids, pos, seg, idx)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step_probabilities(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx, branches=None) -> jax.Array:
+    logits = nnx.merge(graphdef, state).logits(ids, pos, seg, idx, branches)
+    return jax.nn.softmax(logits, axis=-1)[..., 1]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _packed_pair_rewards(graphdef: nnx.GraphDef, state: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
+    return pair_rewards(nnx.merge(graphdef, state), batch)
 
 
 # A forward pass's fixed cost, in tokens, when ``ScoringShapes.plan`` weighs one batch against two
@@ -232,14 +253,8 @@ class SequenceScorer:
     The parameters are an argument of the compiled function, not constants baked into it."""
 
     def __init__(self, model: RewardTransformer, shapes: ScoringShapes, *, pad_id: int = 0):
-        graphdef, state = nnx.split(model)
-        self.shapes, self.pad_id, self._state = shapes, pad_id, state
-
-        @jax.jit
-        def forward(state, ids, pos, seg, idx):
-            return nnx.merge(graphdef, state)(ids, pos, seg, idx)
-
-        self._forward = forward
+        self._graphdef, self._state = nnx.split(model)
+        self.shapes, self.pad_id = shapes, pad_id
         self.compiled: set[tuple[int, int]] = set()  # shapes run so far
 
     def warm_up(self) -> None:
@@ -251,7 +266,7 @@ class SequenceScorer:
     def _run_padded(self, ids: np.ndarray, seg: np.ndarray, last: np.ndarray) -> np.ndarray:
         self.compiled.add(ids.shape)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-        return np.asarray(self._forward(self._state, ids, pos, seg, last))
+        return np.asarray(_rewards(self._graphdef, self._state, ids, pos, seg, last))
 
     def run(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
         """Rewards of one batch: at most the rows of the length its longest sequence needs."""
@@ -285,14 +300,8 @@ class StepScorer:
     Solutions are (token ids, index of each step's scoring token)."""
 
     def __init__(self, model: RewardTransformer, shapes: ScoringShapes, *, pad_id: int = 0):
-        graphdef, state = nnx.split(model)
-        self.shapes, self.pad_id, self._state = shapes, pad_id, state
-
-        @jax.jit
-        def forward(state, ids, pos, seg, idx):
-            return jax.nn.softmax(nnx.merge(graphdef, state).logits(ids, pos, seg, idx), axis=-1)[..., 1]
-
-        self._forward = forward
+        self._graphdef, self._state = nnx.split(model)
+        self.shapes, self.pad_id = shapes, pad_id
         self.compiled: set[tuple[int, int, int]] = set()  # (rows, length, slots) run so far
 
     @staticmethod
@@ -310,7 +319,7 @@ class StepScorer:
     def _run_padded(self, ids: np.ndarray, seg: np.ndarray, idx: np.ndarray) -> np.ndarray:
         self.compiled.add((*ids.shape, idx.shape[1]))
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-        return np.asarray(self._forward(self._state, ids, pos, seg, idx))
+        return np.asarray(_step_probabilities(self._graphdef, self._state, ids, pos, seg, idx))
 
     def run(self, solutions: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """P(correct) per step of one batch: at most the rows of the length its longest needs."""
@@ -355,12 +364,12 @@ def score_pairs(model: RewardTransformer, records: Sequence[PairRecord], *, batc
     training (``PackCollate``, one row) and scored by the same ``pair_rewards``."""
     longest = max(max(len(r.chosen_ids), len(r.rejected_ids)) for r in records)
     collate = PackCollate(batch_size, max(max_length or 0, longest), pad_id)
-    forward = jax.jit(lambda batch: pair_rewards(model, batch))
+    graphdef, state = nnx.split(model)
     rc, rr = [], []
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
         b = collate(chunk)
-        c, r = (np.asarray(x) for x in forward({k: b[k] for k in DEVICE_KEYS}))
+        c, r = (np.asarray(x) for x in _packed_pair_rewards(graphdef, state, {k: b[k] for k in DEVICE_KEYS}))
         rc.append(c[b["pair_slot"]])
         rr.append(r[b["pair_slot"]])
     return np.concatenate(rc), np.concatenate(rr)
@@ -373,11 +382,11 @@ def score_steps(model: RewardTransformer, records: Sequence[StepRecord], *, batc
     (``StepPackCollate``, one row) and scored by the model's step logits."""
     longest = max(len(r.input_ids) for r in records)
     collate = StepPackCollate(batch_size, max(max_length or 0, longest), pad_id)
-    forward = jax.jit(lambda b: jax.nn.softmax(model.logits(b["input_ids"], b["positions"], b["segment_ids"],
-                                                            b["reward_index"], b["branch_ids"]), axis=-1)[..., 1])
+    graphdef, state = nnx.split(model)
     out: list[np.ndarray] = []
     for i in range(0, len(records), batch_size):
         b = collate(records[i : i + batch_size])
-        p = np.asarray(forward({k: b[k] for k in PROCESS.device_keys}))
+        p = np.asarray(_step_probabilities(graphdef, state, *(b[k] for k in (
+            "input_ids", "positions", "segment_ids", "reward_index", "branch_ids"))))
         out += record_step_values(p, b["record_steps"])
     return out
