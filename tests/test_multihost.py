@@ -69,6 +69,15 @@ REFERENCE = textwrap.dedent('''
     print("REFERENCE OK")
 ''').replace("@STEPS@", str(STEPS))
 
+# The run killed and resumed (argv[3]) ends with the uninterrupted run's (argv[2]) exact parameters.
+RESUMED_EQUALS = textwrap.dedent('''
+    (a, _, sa), (b, _, sb) = load_trained_model(run_dir), load_trained_model(sys.argv[3])
+    assert sa == sb == STEPS
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    print("RESUME OK")
+''')
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -132,29 +141,21 @@ def test_two_processes_equal_one_and_resume_exactly(demo_shards, tmp_path):
     # Both processes saved: one checkpoint, with each process's Grain iterator state.
     data_items = sorted(p.name for p in (tmp_path / "a" / "checkpoints" / str(STEPS) / "data").iterdir())
     assert any("process_0" in n for n in data_items) and any("process_1" in n for n in data_items), data_items
-    ref = subprocess.run([sys.executable, "-c", REFERENCE, str(shards), str(tmp_path / "a")], cwd=REPO,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=DEADLINE)
-    assert ref.returncode == 0 and "REFERENCE OK" in ref.stdout, (ref.stdout[-2000:], ref.stderr[-4000:])
 
-    # Both processes killed (SIGKILL) mid-run, after a checkpoint, then resumed by both: the same
-    # final parameters and losses as the uninterrupted run.
+    # Both processes killed (SIGKILL) mid-run, after a checkpoint, then resumed by both.
     procs = start_two_processes(shards, tmp_path / "b", resume=False)
     last = kill_both_after(procs, tmp_path / "b" / "metrics.jsonl", step=3)
     assert 3 <= last < STEPS, f"the run was not interrupted (last logged step {last})"
     run_two_processes(shards, tmp_path / "b", resume=True)
-    check = textwrap.dedent('''
-        import sys, jax, numpy as np
-        from flax import nnx
-        from rmflow.trainer.checkpoints import load_trained_model
-        (a, _, sa), (b, _, sb) = load_trained_model(sys.argv[1]), load_trained_model(sys.argv[2])
-        assert sa == sb == int(sys.argv[3])
-        for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        print("RESUME OK")
-    ''')
-    res = subprocess.run([sys.executable, "-c", check, str(tmp_path / "a"), str(tmp_path / "b"), str(STEPS)], cwd=REPO,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=DEADLINE)
-    assert res.returncode == 0 and "RESUME OK" in res.stdout, res.stderr[-4000:]
+
+    # One process checks both (one start-up, not two): the uninterrupted two-process run equals one
+    # process fed the same global batches, and the resumed run ends with its exact parameters.
+    ref = subprocess.run([sys.executable, "-c", REFERENCE + RESUMED_EQUALS, str(shards), str(tmp_path / "a"),
+                          str(tmp_path / "b")], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=DEADLINE)
+    assert ref.returncode == 0 and "REFERENCE OK" in ref.stdout, (ref.stdout[-2000:], ref.stderr[-4000:])
+    assert "RESUME OK" in ref.stdout, ref.stderr[-4000:]
+    # ... and the same losses, step by step.
     la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert la == lb and len(la) == STEPS
