@@ -76,12 +76,12 @@ def main() -> None:
     vocab = json.loads((pathlib.Path(shards) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
     model = RewardTransformer(ModelConfig.tiny(vocab_size=vocab), rngs=nnx.Rngs(0), attention=a.attention)
     trainer = Trainer(model, OptimConfig(learning_rate=1e-4, total_steps=1000))
-    compiled = trainer._train_jit.lower(trainer.init_state, batch, trainer.frozen).compile()
+    compiled = trainer.lower(trainer.init_state, batch).compile()
     memory = compiled.memory_analysis()
     state = [trainer.init_state]
 
     def step():
-        state[0], m = compiled(state[0], batch, trainer.frozen)
+        state[0], m = compiled(state[0], batch, trainer.frozen, trainer.others, trainer.hyper)
         return m
 
     step_s = timed(step, a.repeat)

@@ -1,14 +1,24 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from rmflow.schemas.record import PairRecord
+from rmflow.trainer import step as step_module
 from rmflow.trainer.data import Collate
 from rmflow.trainer.loss import pair_metrics_of_sums
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.step import OptimConfig, Trainer, decay_mask, learning_rate_schedule, stack_micro_batches
+from rmflow.trainer.step import (
+    OptimConfig,
+    Trainer,
+    decay_mask,
+    hyperparameters,
+    learning_rate_schedule,
+    make_optimizer,
+    stack_micro_batches,
+)
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -74,6 +84,67 @@ def test_warmup_then_decay_to_end(schedule):
     assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5)
     assert float(s(10)) == pytest.approx(1.0) and float(s(110)) == pytest.approx(0.1, abs=1e-6)
     assert float(s(60)) == pytest.approx(0.55, abs=1e-6)  # halfway: both schedules give the midpoint
+
+
+def _optax_adamw(c: OptimConfig) -> optax.GradientTransformation:
+    """AdamW and the schedule from optax's own functions, the optimizer's numbers Python floats."""
+    decay_steps = max(c.total_steps - c.warmup_steps, 1)
+    decay = (optax.cosine_decay_schedule(c.learning_rate, decay_steps, alpha=c.learning_rate_end / c.learning_rate)
+             if c.lr_schedule == "cosine" else optax.linear_schedule(c.learning_rate, c.learning_rate_end, decay_steps))
+    schedule = optax.join_schedules([optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps), decay],
+                                    [c.warmup_steps]) if c.warmup_steps else decay
+    return optax.chain(optax.identity(), optax.adamw(schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
+                                                     weight_decay=c.weight_decay, mask=decay_mask))
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+@pytest.mark.parametrize("warmup,weight_decay", [(0, 0.0), (3, 0.01)])
+def test_the_optimizer_with_its_numbers_as_arguments_is_optax_s_to_the_bit(schedule, warmup, weight_decay):
+    """The step gets the optimizer's numbers as arrays (one program for every learning rate);
+    its updates and learning rates equal optax's AdamW built from Python floats, bit for bit."""
+    c = OptimConfig(learning_rate=3e-4, learning_rate_end=1e-5, warmup_steps=warmup, lr_schedule=schedule,
+                    weight_decay=weight_decay, adam_eps=1e-6, total_steps=12)
+    params = {"dense": {"kernel": jnp.ones((4, 3))}, "norm": {"weight": jnp.ones(3)}}
+    ours, reference = make_optimizer(c), _optax_adamw(c)
+    state, ref_state = ours.init(params), reference.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(ref_state)  # checkpoints keep their layout
+    update = jax.jit(lambda g, s, p, h: make_optimizer(c, h).update(g, s, p))
+    ref_update = jax.jit(reference.update)
+    hyper, rng, p, ref_p = hyperparameters(c), np.random.default_rng(0), params, params
+    for _ in range(14):  # past the end of the schedule
+        g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+        u, state = update(g, state, p, hyper)
+        ref_u, ref_state = ref_update(g, ref_state, ref_p)
+        p, ref_p = optax.apply_updates(p, u), optax.apply_updates(ref_p, ref_u)
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
+            np.testing.assert_array_equal(a, b)
+    ours_lr = learning_rate_schedule(c)
+    decay_steps = max(c.total_steps - warmup, 1)
+    ref_decay = (optax.cosine_decay_schedule(c.learning_rate, decay_steps, alpha=c.learning_rate_end / c.learning_rate)
+                 if schedule == "cosine" else optax.linear_schedule(c.learning_rate, c.learning_rate_end, decay_steps))
+    ref_lr = optax.join_schedules([optax.linear_schedule(0.0, c.learning_rate, warmup), ref_decay],
+                                  [warmup]) if warmup else ref_decay
+    assert [float(ours_lr(i)) for i in range(16)] == [float(ref_lr(i)) for i in range(16)]
+
+
+def test_runs_that_differ_in_the_optimizer_s_numbers_share_one_compiled_step():
+    """A second Trainer with another learning rate, warmup, planned length, epsilon, clipping norm
+    and centering coefficient traces nothing new, and its numbers take effect."""
+    batch = stack_micro_batches([Collate(4, 64)(records(4))])
+    a = trainer()
+    first, m_a = a.train_step(copy_state(a.init_state), batch)
+    compiled = step_module._TRAIN_JIT._cache_size()
+    b = Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=3e-3, warmup_steps=2, total_steps=50,
+                adam_eps=1e-6, max_grad_norm=0.5), center_coef=0.1)
+    second, m_b = b.train_step(copy_state(b.init_state), batch)
+    assert step_module._TRAIN_JIT._cache_size() == compiled
+    assert float(m_a["learning_rate"]) == pytest.approx(1e-3) and float(m_b["learning_rate"]) == 0.0  # warmup
+    third, m = b.train_step(second, batch)
+    assert float(m["learning_rate"]) == pytest.approx(1.5e-3) and step_module._TRAIN_JIT._cache_size() == compiled
+    mb = {k: v[0] for k, v in batch.items()}  # eval's loss holds each run's own centering term
+    for t, coef in ((a, 0.01), (b, 0.1)):
+        s = {k: float(v) for k, v in t.eval_step(first.params, mb).items()}
+        assert s["loss_sum"] == pytest.approx(s["bt_loss_sum"] + coef * s["center_sum"], rel=1e-5)
 
 
 def test_optimizer_settings_are_the_train_config_s():

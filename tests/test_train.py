@@ -186,7 +186,11 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
 @pytest.mark.slow
 def test_a_second_run_compiles_nothing_the_first_compiled(synthetic, tmp_path):
     """The persistent compilation cache: a rerun (as a resume or a new run of the same shapes
-    is) reads every executable, train and eval steps included, from the cache."""
+    is) reads every executable, train and eval steps included, from the cache, also with other
+    optimizer numbers (they are arguments of the step, not constants compiled into it). In one
+    process a second run compiles and reads nothing at all."""
+    from rmflow.trainer.step import forget_compiled
+
     events = {"executables": 0, "read": 0}  # JAX times a cache read as a backend compile too
 
     def on_duration(event, duration, **kw):
@@ -199,14 +203,27 @@ def test_a_second_run_compiles_nothing_the_first_compiled(synthetic, tmp_path):
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     jax.monitoring.register_event_listener(on_event)
+    other = dict(learning_rate=3e-4, learning_rate_end=1e-5, warmup_steps=2,
+                 center_rewards_coefficient=0.01)  # adam's betas and the schedule's kind are the program's
     try:
         cache = tmp_path / "cache"
-        train(config(synthetic, tmp_path / "a", max_steps=6, logging_steps=3, compilation_cache=str(cache)))
+        forget_compiled()
+        first = train(config(synthetic, tmp_path / "a", max_steps=6, logging_steps=3, compilation_cache=str(cache)))
         assert events["executables"] > events["read"] and os.listdir(cache)
         events.update(executables=0, read=0)
-        train(config(synthetic, tmp_path / "b", max_steps=6, logging_steps=3, compilation_cache=str(cache)))
+        forget_compiled()  # as a new process
+        second = train(config(synthetic, tmp_path / "b", max_steps=6, logging_steps=3, compilation_cache=str(cache),
+                              **other))
         assert events["read"] >= 2 and events["executables"] == events["read"], events  # none compiled
+        lr = [json.loads(x)["learning_rate"] for x in open(tmp_path / "b" / "metrics.jsonl") if "loss" in x]
+        assert lr and lr != [json.loads(x)["learning_rate"] for x in open(tmp_path / "a" / "metrics.jsonl")
+                             if "loss" in x]  # the other numbers took effect
+        assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(first.state.params),
+                                                           jax.tree.leaves(second.state.params)))
         events.update(executables=0, read=0)
+        train(config(synthetic, tmp_path / "b2", max_steps=6, logging_steps=3, compilation_cache=str(cache)))
+        assert events == {"executables": 0, "read": 0}, events  # in the same process: nothing at all
+        forget_compiled()
         train(config(synthetic, tmp_path / "c", max_steps=6, logging_steps=3, compilation_cache="off"))
         assert events["read"] == 0 and events["executables"] > 0
     finally:
