@@ -4,18 +4,16 @@ scores equal `rmflow score` (a thin wrapper over it) and the model's own forward
 import doctest
 import json
 import os
-import pathlib
+import shutil
 
 import numpy as np
 import pytest
-from rmflow.pipelines.preprocess import run as preprocess
-from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.config import TrainConfig
 from rmflow.trainer.train import run as train
 from typer.testing import CliRunner
 
 from rmflow.cli import app
 
-DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 U = lambda c: {"role": "user", "content": c}  # noqa: E731
 A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
 CONVS = [[U("How do I boil an egg?"), A("Eight minutes in boiling water.")],
@@ -24,10 +22,9 @@ CONVS = [[U("How do I boil an egg?"), A("Eight minutes in boiling water.")],
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def workdir(tmp_path_factory, demo_shards):
     base = tmp_path_factory.mktemp("api")
-    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(base / "shards"),
-                                tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
+    shutil.copytree(demo_shards, base / "shards")  # the demo at max_length 128, preprocessed once per worker
     train(TrainConfig(data=str(base / "shards"), model="micro", output=str(base / "runs" / "rm1"), max_steps=2,
                       batch_size=4, learning_rate=1e-3))
     return base

@@ -4,14 +4,14 @@ exported run and gives rmflow's rewards on the same conversations, with pad equa
 import gzip
 import json
 import pathlib
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-from rmflow.pipelines.preprocess import run as preprocess
-from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.config import TrainConfig
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.export import export
 from rmflow.trainer.train import run as train
@@ -32,10 +32,9 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
+def trained_run(tmp_path_factory, demo_shards):
     base = tmp_path_factory.mktemp("export")
-    preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(base / "shards"),
-                                tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
+    shutil.copytree(demo_shards, base / "shards")  # the demo at max_length 128, preprocessed once per worker
     train(TrainConfig(data=str(base / "shards"), model="micro", output=str(base / "run"), max_steps=3,
                       batch_size=4, learning_rate=1e-3, logging_steps=1))
     return base

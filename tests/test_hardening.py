@@ -42,14 +42,13 @@ def one_line_error(result, code=1):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tmp_path_factory, demo_shards):
     """A run trained from relative paths (cwd = base), and a second tokenizer that differs."""
     base = tmp_path_factory.mktemp("hardening")
+    shutil.copytree(demo_shards, base / "shards")  # the demo at max_length 128, preprocessed once per worker
     cwd = os.getcwd()
     os.chdir(base)
     try:
-        preprocess(PreprocessConfig(inputs=(str(DEMO / "hh_rlhf_helpful_sample.jsonl.gz"),), output="shards",
-                                    tokenizer=str(DEMO / "tokenizer"), max_length=128, max_bad_fraction=1.0))
         train(TrainConfig(data="shards", model="micro", output="run", max_steps=2, batch_size=4, logging_steps=1))
     finally:
         os.chdir(cwd)

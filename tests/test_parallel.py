@@ -128,19 +128,15 @@ def test_mesh_shape_resolution():
 RESUME_SCRIPT = textwrap.dedent('''
     import json, shutil, sys, pathlib
     import jax, numpy as np
-    from rmflow.pipelines.preprocess import run as preprocess
-    from rmflow.schemas.config import PreprocessConfig, TrainConfig
+    from rmflow.schemas.config import TrainConfig
     from rmflow.trainer.checkpoints import load_trained_model
     from rmflow.trainer.train import run as train
 
-    base = pathlib.Path(sys.argv[1])
-    demo = pathlib.Path("rmflow/demo")
-    preprocess(PreprocessConfig(inputs=(str(demo / "hh_rlhf_helpful_sample.jsonl.gz"),), output=str(base / "shards"),
-                                tokenizer=str(demo / "tokenizer"), max_length=128, max_bad_fraction=1.0))
+    base, shards = pathlib.Path(sys.argv[1]), sys.argv[2]  # shards: the demo at max_length 128 (read only)
     # adam_eps 1e-6: AdamW divides by sqrt(v), so embedding rows with gradients near 1e-9 turn the
     # summation-order noise of another mesh into updates near lr (one element in 12.6M off by 1.3e-5
     # at eps 1e-8); the larger eps bounds that without changing what is compared.
-    common = dict(data=str(base / "shards"), model="micro", max_steps=4, batch_size=8, save_steps=2,
+    common = dict(data=shards, model="micro", max_steps=4, batch_size=8, save_steps=2,
                   learning_rate=1e-3, adam_eps=1e-6, logging_steps=1, packing="none", save_total_limit=2)
     # The whole run on (1, 4, 2): parameters sharded over fsdp and tensor.
     train(TrainConfig(output=str(base / "a"), mesh_data=1, mesh_fsdp=4, mesh_tensor=2, **common))
@@ -160,8 +156,8 @@ RESUME_SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-def test_train_on_a_sharded_mesh_and_resume_on_another(tmp_path):
+def test_train_on_a_sharded_mesh_and_resume_on_another(tmp_path, demo_shards):
     """`trainer.train.run` end to end: a run on (1, 4, 2), interrupted after a checkpoint, resumed
     on (2, 1, 4), ends with the uninterrupted run's parameters and losses."""
-    out = run_8_devices(RESUME_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path))))
+    out = run_8_devices(RESUME_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path))).replace("sys.argv[2]", repr(str(demo_shards))))
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), (out.stdout[-2000:], out.stderr[-4000:])

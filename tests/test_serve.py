@@ -97,8 +97,9 @@ def _conversations(shared_data, n: int) -> list[list[dict]]:
 def outcome(demo_shards, tmp_path_factory):
     base = tmp_path_factory.mktemp("serve")
     train(TrainConfig(data=str(demo_shards), model="micro", output=str(base / "run"), max_steps=1, batch_size=4))
+    # At most 16 rows a forward: 25 batch shapes to compile at start-up instead of the default's 32.
     server = Server(base / "run", "--max-queue", "256", "--max-request-items", "128", "--token-budget", "4096",
-                    env={"RMFLOW_API_KEY": KEY})
+                    "--max-batch-rows", "16", env={"RMFLOW_API_KEY": KEY})
     from rmflow import RewardModel
 
     rm = RewardModel.load(str(base / "run"))
@@ -130,6 +131,7 @@ def test_health_says_loading_until_warm_then_the_model(outcome):
     assert info["kind"] == "outcome" and info["step"] == 1 and len(info["tokenizer_hash"]) == 64
     assert info["max_length"] == MAX_LENGTH and [n for _, n in info["batch_shapes"]][-1] == MAX_LENGTH
     assert [1, MAX_LENGTH] in info["batch_shapes"]  # a lone sequence runs in a one-row forward
+    assert len(info["batch_shapes"]) == 25 and max(r for r, _ in info["batch_shapes"]) == 16  # --max-batch-rows
 
 
 def test_native_scores_equal_the_api(outcome, conversations):
@@ -282,7 +284,7 @@ def test_a_process_model_serves_step_scores_equal_to_the_api(process_run):
     rm = RewardModel.load(str(run))
     solutions = [{"prompt": r["prompt"], "completions": r["completions"]} for r in records]
     solutions = [s for s in solutions if len(rm.encode_steps(s)[0]) <= MAX_LENGTH][:12]
-    server = Server(run)
+    server = Server(run, "--max-batch-rows", "16")  # 25 batch shapes to compile, not the default's 35
     try:
         r = server.post("/v1/score", {"solutions": solutions})
         assert r.status_code == 200, r.text
