@@ -13,3 +13,8 @@ def rewards(model, input_ids, positions, segment_ids, reward_index):
 @nnx.jit
 def logits(model, input_ids, positions, segment_ids, reward_index, branch_ids=None):
     return model.logits(input_ids, positions, segment_ids, reward_index, branch_ids)
+
+
+@nnx.jit
+def hidden_at(model, input_ids, positions, segment_ids, reward_index, branch_ids=None):
+    return model.hidden_at(input_ids, positions, segment_ids, reward_index, branch_ids)

@@ -98,7 +98,7 @@ def test_causal_lm_checkpoint_gets_a_fresh_seeded_head(tmp_path):
         hidden = hf.model(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long()).last_hidden_state
     idx = np.array(LENGTHS) - 1
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    got = a.hidden_at(jnp.asarray(ids), positions, jnp.asarray(mask), jnp.asarray(idx))
+    got = forward.hidden_at(a, jnp.asarray(ids), positions, jnp.asarray(mask), jnp.asarray(idx))
     np.testing.assert_allclose(np.asarray(got), hidden.numpy()[np.arange(len(idx)), idx], atol=1e-4, rtol=0)
 
 
@@ -113,7 +113,7 @@ def test_packed_pairs_do_not_see_each_other(tmp_path):
     seg = np.concatenate([np.full(len(a), 1), np.full(len(b), 2), np.zeros(5)])[None].astype(np.int32)
     pos = np.concatenate([np.arange(len(a)), np.arange(len(b)), np.zeros(5)])[None].astype(np.int32)
     idx = np.array([[len(a) - 1, len(a) + len(b) - 1]], np.int32)
-    packed = np.asarray(model(jnp.asarray(row), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(idx)))
+    packed = np.asarray(forward.rewards(model, jnp.asarray(row), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(idx)))
     assert packed.shape == (1, 2)
     np.testing.assert_allclose(packed[0], alone[1:], atol=1e-5, rtol=0)
 

@@ -482,8 +482,8 @@ def test_lora_process_model_exports_a_token_classification_adapter(synthetic_ste
     _, records = _read_all(synthetic_steps / "shards")
     r = records[0]
     ids = jnp.asarray(r.input_ids[None])
-    ours = np.asarray(model.logits(ids, jnp.arange(ids.shape[1])[None], jnp.ones_like(ids),
-                                   jnp.asarray(r.step_ends[None])))[0]
+    ours = np.asarray(forward.logits(model, ids, jnp.arange(ids.shape[1])[None], jnp.ones_like(ids),
+                                     jnp.asarray(r.step_ends[None])))[0]
     merged = export(str(run_dir), str(tmp_path / "merged"))
     hf = transformers.AutoModelForTokenClassification.from_pretrained(merged).eval()
     folder = export(str(run_dir), str(tmp_path / "adapter"), adapter=True)
