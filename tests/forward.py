@@ -18,3 +18,8 @@ def logits(model, input_ids, positions, segment_ids, reward_index, branch_ids=No
 @nnx.jit
 def hidden_at(model, input_ids, positions, segment_ids, reward_index, branch_ids=None):
     return model.hidden_at(input_ids, positions, segment_ids, reward_index, branch_ids)
+
+
+@nnx.jit
+def hidden_states(model, input_ids, positions, segment_ids):
+    return model.model.hidden_states(input_ids, positions, segment_ids)

@@ -78,7 +78,7 @@ def test_every_layer_matches(arch, tmp_path):
                              output_hidden_states=True).hidden_states
     model = load_reward_model(str(tmp_path))
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    states = model.model.hidden_states(jnp.asarray(ids), positions, jnp.asarray(mask))
+    states = list(forward.hidden_states(model, jnp.asarray(ids), positions, jnp.asarray(mask)))
     states[-1] = model.model.norm(states[-1])  # transformers' last entry is after the final norm
     assert len(states) == len(hf_states)
     real = mask.astype(bool)
