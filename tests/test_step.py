@@ -86,14 +86,18 @@ def test_warmup_then_decay_to_end(schedule):
     assert float(s(60)) == pytest.approx(0.55, abs=1e-6)  # halfway: both schedules give the midpoint
 
 
-def _optax_adamw(c: OptimConfig) -> optax.GradientTransformation:
-    """AdamW and the schedule from optax's own functions, the optimizer's numbers Python floats."""
+def _optax_schedule(c: OptimConfig) -> optax.Schedule:
+    """The schedule from optax's own functions, its numbers Python floats."""
     decay_steps = max(c.total_steps - c.warmup_steps, 1)
     decay = (optax.cosine_decay_schedule(c.learning_rate, decay_steps, alpha=c.learning_rate_end / c.learning_rate)
              if c.lr_schedule == "cosine" else optax.linear_schedule(c.learning_rate, c.learning_rate_end, decay_steps))
-    schedule = optax.join_schedules([optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps), decay],
-                                    [c.warmup_steps]) if c.warmup_steps else decay
-    return optax.chain(optax.identity(), optax.adamw(schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
+    return optax.join_schedules([optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps), decay],
+                                [c.warmup_steps]) if c.warmup_steps else decay
+
+
+def _optax_adamw(c: OptimConfig) -> optax.GradientTransformation:
+    """AdamW from optax's own functions, the optimizer's numbers Python floats."""
+    return optax.chain(optax.identity(), optax.adamw(_optax_schedule(c), b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
                                                      weight_decay=c.weight_decay, mask=decay_mask))
 
 
@@ -118,12 +122,7 @@ def test_the_optimizer_with_its_numbers_as_arguments_is_optax_s_to_the_bit(sched
         p, ref_p = optax.apply_updates(p, u), optax.apply_updates(ref_p, ref_u)
         for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
             np.testing.assert_array_equal(a, b)
-    ours_lr = learning_rate_schedule(c)
-    decay_steps = max(c.total_steps - warmup, 1)
-    ref_decay = (optax.cosine_decay_schedule(c.learning_rate, decay_steps, alpha=c.learning_rate_end / c.learning_rate)
-                 if schedule == "cosine" else optax.linear_schedule(c.learning_rate, c.learning_rate_end, decay_steps))
-    ref_lr = optax.join_schedules([optax.linear_schedule(0.0, c.learning_rate, warmup), ref_decay],
-                                  [warmup]) if warmup else ref_decay
+    ours_lr, ref_lr = learning_rate_schedule(c), _optax_schedule(c)
     assert [float(ours_lr(i)) for i in range(16)] == [float(ref_lr(i)) for i in range(16)]
 
 

@@ -263,7 +263,6 @@ class Trainer:
                                    optim.adam_b2, bool(optim.weight_decay), bool(optim.max_grad_norm))
         self.hyper = jax.tree.map(jnp.asarray, {**hyperparameters(optim), "center_coef": np.float32(center_coef)})
         self.tx = make_optimizer(optim)
-        self.schedule = learning_rate_schedule(optim)
         self.init_state = TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
             rng=jax.random.key_data(jax.random.key(seed)),
