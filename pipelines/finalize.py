@@ -19,6 +19,7 @@ from typing import Any
 
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.staging import OWNER_FILE
+from rmflow.pipelines.tokenize import TokenizerAssets
 from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME, kind_named
@@ -62,7 +63,6 @@ class Finalization:
     files: tuple[tuple[str, int], ...]
     splits: tuple[str, ...]
     tokenizer: TokenizerInfo
-    tokenizer_files: dict[str, bytes]
     started: float  # epoch seconds, when the job was planned
     skipped: tuple[tuple[str, str], ...] = ()  # (path, why): files the inputs' folders hold that are not inputs
 
@@ -100,8 +100,9 @@ def gather(items: list) -> dict[str, Any]:
     return summary
 
 
-def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
-    """Reconcile, write the manifest and statistics, publish; returns the statistics.
+def finalize(items: list, fin: Finalization, assets: TokenizerAssets, *_after: Any) -> dict[str, Any]:
+    """Reconcile, write the manifest and statistics, publish; returns the statistics. ``assets``:
+    the tokenizer's files (a side input), written with the shards as used (template applied).
     ``_after``: side inputs (the errors file's name) that make this step wait for their writers."""
     out, staging = fin.output.rstrip("/"), fin.staging
     if rio.exists(f"{out}/{COMPLETED_FILE}") and not rio.exists(staging):  # a retry after publishing
@@ -136,7 +137,7 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
     for name, text in ((MANIFEST_FILE, manifest.to_json()), (STATS_FILE, json.dumps(stats, indent=2) + "\n"),
                        (CONFIG_FILE, fin.cfg.to_json())):
         rio.write_bytes(f"{staging}/{name}", text.encode())
-    for name, data in fin.tokenizer_files.items():  # export ships these with the model
+    for name, data in assets.files_as_used().items():  # export ships these with the model
         rio.write_bytes(f"{staging}/{TOKENIZER_DIR}/{name}", data)
     from apache_beam.io.filesystems import FileSystems
 

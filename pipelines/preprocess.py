@@ -42,6 +42,7 @@ from rmflow.pipelines.transforms import (
     ReadPreferenceData,
     SplitTrainEval,
     Tokenize,
+    TokenizerFiles,
     WriteErrors,
     WriteShards,
     shared_record_tokenizer,
@@ -191,8 +192,9 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
         near = pairs | "DropNearDuplicates" >> DropNearDuplicates(cfg.near_dedup, cfg.near_dedup_threshold)
         pairs = near["main"]
         dead.append(near["dead"])
-    rendered = pairs | "ApplyChatTemplate" >> ApplyChatTemplate(plan.assets, cfg.batch_size, cfg.step_separator)
-    tokenized = rendered["main"] | "Tokenize" >> Tokenize(plan.assets, cfg.step_separator)
+    tokenizer = p | "TokenizerFiles" >> TokenizerFiles(plan.assets)
+    rendered = pairs | "ApplyChatTemplate" >> ApplyChatTemplate(tokenizer, cfg.batch_size, cfg.step_separator)
+    tokenized = rendered["main"] | "Tokenize" >> Tokenize(tokenizer, cfg.step_separator)
     fitted = tokenized["main"] | "LengthPolicy" >> ApplyLengthPolicy(cfg.max_length, cfg.length_policy)
     dead += [rendered["dead"], tokenized["dead"], fitted["dead"]]
     shards = (
@@ -208,14 +210,13 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
         listed = marked | "WriteContamination" >> WriteErrors(f"{plan.staging}/{CONTAMINATION_FILE}")
         after = (after, listed) | "Written" >> beam.Flatten()
         marked = (marked, norm["noted"]) | "AllNoted" >> beam.Flatten()
-    (read["files"], all_dead, shards, marked) | "Finalize" >> Finalize(fin, after)
+    (read["files"], all_dead, shards, marked) | "Finalize" >> Finalize(fin, after, tokenizer)
 
 
 def finalization(cfg: PreprocessConfig, plan: Plan, started: float | None = None, tok: Any = None) -> Finalization:
     tok = tok if tok is not None else build_tokenizer(plan.assets)
     return Finalization(cfg=cfg, staging=plan.staging, output=cfg.output.rstrip("/"), files=tuple(plan.files),
                         splits=tuple(plan.shard_counts), tokenizer=tokenizer_info(plan.assets, tok),
-                        tokenizer_files=plan.assets.files_as_used(),
                         started=time.time() if started is None else started, skipped=plan.skipped)
 
 

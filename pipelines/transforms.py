@@ -211,13 +211,42 @@ def shared_record_tokenizer(assets: TokenizerAssets, step_separator: str = STEP_
                                tag=f"{assets.key}:{step_separator!r}")
 
 
-class _TokenizerDoFn(beam.DoFn):
-    def __init__(self, assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR):
-        self.assets, self.step_separator = assets, step_separator
-        self.core: RecordTokenizer | None = None
+class TokenizerFiles(beam.PTransform):
+    """The tokenizer's files as a one-element PCollection, for the steps that read them as a side
+    input. The files travel once, not inside each DoFn that uses them: Beam pickles every DoFn
+    with bz2 at level 9 when the graph is built and again when each bundle processor starts, and
+    a DoFn holding a 1.8 MB tokenizer made those (de)compressions half of a small local job's
+    time (tests/test_pipeline_e2e.py checks that the graph holds the files once)."""
 
-    def setup(self):
-        self.core = shared_record_tokenizer(self.assets, self.step_separator)
+    def __init__(self, assets: TokenizerAssets):
+        super().__init__()
+        self.assets = assets
+
+    def expand(self, pbegin):  # not beam.Create: it would hold the files in three pickled objects
+        return pbegin | "Impulse" >> beam.Impulse() | "Files" >> beam.ParDo(_EmitFn(self.assets))
+
+
+class _EmitFn(beam.DoFn):
+    def __init__(self, item: Any):
+        self.item = item
+
+    def process(self, _):
+        yield self.item
+
+
+class _TokenizerDoFn(beam.DoFn):
+    """Takes the tokenizer's files as a side input (``TokenizerFiles``); the tokenizer built from
+    them is shared by every DoFn of the worker process and built once (``shared_record_tokenizer``)."""
+
+    def __init__(self, step_separator: str = STEP_SEPARATOR):
+        self.step_separator = step_separator
+        self.core: RecordTokenizer | None = None
+        self._key: str | None = None
+
+    def tokenizer(self, assets: TokenizerAssets) -> RecordTokenizer:
+        if self.core is None or self._key != assets.key:
+            self.core, self._key = shared_record_tokenizer(assets, self.step_separator), assets.key
+        return self.core
 
 
 def _per_record(fn, batch: list) -> list:
@@ -238,9 +267,9 @@ def _per_record(fn, batch: list) -> list:
 class RenderFn(_TokenizerDoFn):
     """A batch of canonical pairs to a batch of rendered pairs (template errors dead-lettered)."""
 
-    def process(self, batch: list[CanonicalPair]):
+    def process(self, batch: list[CanonicalPair], assets: TokenizerAssets):
         ok = []
-        for pair, r in zip(batch, _per_record(self.core.render, batch)):
+        for pair, r in zip(batch, _per_record(self.tokenizer(assets).render, batch)):
             if isinstance(r, BadRecord):
                 yield TaggedOutput(DEAD, dead_letter("chat_template", pair.source, pair.line, pair.raw, r))
             else:
@@ -250,12 +279,12 @@ class RenderFn(_TokenizerDoFn):
 
 
 class TokenizeFn(_TokenizerDoFn):
-    def __init__(self, assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR):
-        super().__init__(assets, step_separator)
+    def __init__(self, step_separator: str = STEP_SEPARATOR):
+        super().__init__(step_separator)
         self.tokens = counter("tokens")
 
-    def process(self, batch: list[Rendered]):
-        for r, result in zip(batch, _per_record(self.core.tokenize, batch)):
+    def process(self, batch: list[Rendered], assets: TokenizerAssets):
+        for r, result in zip(batch, _per_record(self.tokenizer(assets).tokenize, batch)):
             if isinstance(result, BadRecord):
                 yield TaggedOutput(DEAD, dead_letter("tokenize", r.canonical.source, r.canonical.line, r.canonical.raw, result))
             else:
@@ -264,29 +293,34 @@ class TokenizeFn(_TokenizerDoFn):
 
 
 class ApplyChatTemplate(beam.PTransform):
-    """Batches pairs (the renderer and the tokenizer both work a batch per call) and renders them."""
+    """Batches pairs (the renderer and the tokenizer both work a batch per call) and renders them.
+    ``tokenizer``: the ``TokenizerFiles`` PCollection."""
 
-    def __init__(self, assets: TokenizerAssets, batch_size: int, step_separator: str = STEP_SEPARATOR):
+    def __init__(self, tokenizer, batch_size: int, step_separator: str = STEP_SEPARATOR):
         super().__init__()
-        self.assets, self.batch_size, self.step_separator = assets, batch_size, step_separator
+        self.tokenizer, self.batch_size, self.step_separator = tokenizer, batch_size, step_separator
 
     def expand(self, pairs):
         return _split_outputs(
             pairs
             | "Batch" >> beam.BatchElements(min_batch_size=min(8, self.batch_size), max_batch_size=self.batch_size)
-            | "Render" >> beam.ParDo(RenderFn(self.assets, self.step_separator)).with_outputs(DEAD, main="main")
+            | "Render" >> beam.ParDo(RenderFn(self.step_separator), beam.pvalue.AsSingleton(self.tokenizer))
+            .with_outputs(DEAD, main="main")
         )
 
 
 class Tokenize(beam.PTransform):
-    def __init__(self, assets: TokenizerAssets, step_separator: str = STEP_SEPARATOR):
+    """Rendered batches to token ids. ``tokenizer``: the ``TokenizerFiles`` PCollection."""
+
+    def __init__(self, tokenizer, step_separator: str = STEP_SEPARATOR):
         super().__init__()
-        self.assets, self.step_separator = assets, step_separator
+        self.tokenizer, self.step_separator = tokenizer, step_separator
 
     def expand(self, rendered_batches):
         return _split_outputs(
             rendered_batches
-            | "Encode" >> beam.ParDo(TokenizeFn(self.assets, self.step_separator)).with_outputs(DEAD, main="main")
+            | "Encode" >> beam.ParDo(TokenizeFn(self.step_separator), beam.pvalue.AsSingleton(self.tokenizer))
+            .with_outputs(DEAD, main="main")
         )
 
 
@@ -438,16 +472,18 @@ class Finalize(beam.PTransform):
     """Exact counts gathered in the pipeline itself (not from metrics), then the job's last step,
     run once: reconcile, write manifest and statistics, publish (``pipelines.finalize``). It waits
     for every shard (its input) and for the errors file (``after``, a side input). Its inputs:
-    (files, dead letters, shards, records marked but written)."""
+    (files, dead letters, shards, records marked but written). ``tokenizer``: the
+    ``TokenizerFiles`` PCollection (its files are written beside the shards)."""
 
-    def __init__(self, fin, after):
+    def __init__(self, fin, after, tokenizer):
         super().__init__()
-        self.fin, self.after = fin, after
+        self.fin, self.after, self.tokenizer = fin, after, tokenizer
 
     def expand(self, inputs):
         return (
             _summary_items(*inputs)
             | "Gather" >> beam.Flatten()
             | "ToList" >> beam.combiners.ToList()
-            | "Publish" >> beam.Map(finalize, self.fin, beam.pvalue.AsList(self.after))
+            | "Publish" >> beam.Map(finalize, self.fin, beam.pvalue.AsSingleton(self.tokenizer),
+                                    beam.pvalue.AsList(self.after))
         )

@@ -1,8 +1,11 @@
 """The remote code paths, offline: every read and write through a non-local Beam filesystem
 with object-store semantics, and the graph as it would be submitted to Dataflow."""
 
+import base64
+import bz2
 import os
 import pathlib
+import pickle
 import shutil
 
 import pytest
@@ -75,6 +78,11 @@ def test_graph_builds_for_dataflow(tokenizer_dir, monkeypatch):
     for step in ("Read", "NormalizePairs", "ApplyChatTemplate", "Tokenize", "LengthPolicy", "Split",
                  "WriteShards", "WriteErrors", "Finalize"):
         assert step in labels
+    # The tokenizer's files travel in the graph once (a side input), not in every DoFn that uses
+    # them: each copy is bz2-(de)compressed at submission and again as each bundle processor starts.
+    packed = len(base64.b64encode(bz2.compress(pickle.dumps(plan.assets.files))))
+    holders = sorted(t.unique_name for t in proto.components.transforms.values() if len(t.spec.payload) > packed // 2)
+    assert holders == ["TokenizerFiles/Files"], holders
 
 
 def test_remote_runner_without_rmflow_code_is_refused(tokenizer_dir):
