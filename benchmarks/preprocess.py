@@ -6,6 +6,10 @@ tokenizer. The pipeline additionally validates, splits, writes shards, errors an
 Both run over all of ../shared/data with the SmolLM2 tokenizer; the ratio is printed.
 
     .venv/bin/python benchmarks/preprocess.py [--repeat 2] [--workers 1 2] [--scale 8]
+    .venv/bin/python benchmarks/preprocess.py --demo --repeat 5 --workers 1   # a small job
+
+``--demo`` times the demo's 500 pairs instead: a job that small is mostly Beam's fixed cost per
+job (building and submitting the graph, starting bundle processors), which the ratio shows.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from rmflow.pipelines.tokenize import build_tokenizer, load_tokenizer_assets  # 
 from rmflow.schemas.config import PreprocessConfig  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
+DEMO = REPO / "rmflow" / "demo" / "hh_rlhf_helpful_sample.jsonl.gz"
 TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"
 BATCH = 128
 
@@ -85,11 +90,12 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=1,
                     help="process the shared data this many times (copies as separate files), so that "
                          "fixed start-up costs weigh less")
+    ap.add_argument("--demo", action="store_true", help="the demo's 500 pairs instead: a small job")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     data = pathlib.Path(tmp.name)
     for k in range(args.scale):
-        for f in sorted(DATA.glob("hh_*.jsonl.gz")):  # the HH-RLHF pairs; the folder holds other sets too
+        for f in [DEMO] if args.demo else sorted(DATA.glob("hh_*.jsonl.gz")):  # HH-RLHF pairs only
             shutil.copy(f, data / f"{k:03d}-{f.name}")
     files = sorted(data.glob("*.jsonl.gz"))
     rows = [("plain loop (ceiling)", [plain_loop(files) for _ in range(args.repeat)])]
@@ -98,7 +104,8 @@ def main() -> None:
                      [pipeline(data, w) for _ in range(args.repeat)]))
     base_s = statistics.median(r[0] for r in rows[0][1])
     base_pairs = rows[0][1][0][1]
-    print(f"\n{len(files)} files ({args.scale}x the shared data), {base_pairs} pairs, {os.cpu_count()} CPUs, "
+    what = "the demo's pairs" if args.demo else "the shared data"
+    print(f"\n{len(files)} files ({args.scale}x {what}), {base_pairs} pairs, {os.cpu_count()} CPUs, "
           f"median of {args.repeat}\n")
     print(f"{'':38} {'seconds':>8} {'pairs/s':>9} {'tokens/s':>10} {'vs plain':>9}")
     for name, runs in rows:

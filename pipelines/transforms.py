@@ -216,7 +216,7 @@ class TokenizerFiles(beam.PTransform):
     input. The files travel once, not inside each DoFn that uses them: Beam pickles every DoFn
     with bz2 at level 9 when the graph is built and again when each bundle processor starts, and
     a DoFn holding a 1.8 MB tokenizer made those (de)compressions half of a small local job's
-    time (tests/test_pipeline_e2e.py checks that the graph holds the files once)."""
+    time (tests/test_remote.py checks that the graph holds the files once)."""
 
     def __init__(self, assets: TokenizerAssets):
         super().__init__()
@@ -236,16 +236,17 @@ class _EmitFn(beam.DoFn):
 
 class _TokenizerDoFn(beam.DoFn):
     """Takes the tokenizer's files as a side input (``TokenizerFiles``); the tokenizer built from
-    them is shared by every DoFn of the worker process and built once (``shared_record_tokenizer``)."""
+    them is shared by every DoFn of the worker process and built once (``shared_record_tokenizer``).
+    A DoFn serves one step, whose side input is always the same files: it looks them up once, on
+    its first batch (``setup`` cannot read side inputs), not per batch (their key hashes 1.8 MB)."""
 
     def __init__(self, step_separator: str = STEP_SEPARATOR):
         self.step_separator = step_separator
         self.core: RecordTokenizer | None = None
-        self._key: str | None = None
 
     def tokenizer(self, assets: TokenizerAssets) -> RecordTokenizer:
-        if self.core is None or self._key != assets.key:
-            self.core, self._key = shared_record_tokenizer(assets, self.step_separator), assets.key
+        if self.core is None:
+            self.core = shared_record_tokenizer(assets, self.step_separator)
         return self.core
 
 
