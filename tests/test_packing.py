@@ -17,7 +17,8 @@ import optax
 import pytest
 from flax import nnx
 from rmflow.schemas.record import PairRecord, encode
-from rmflow.trainer.data import Collate, PackCollate, fine_length, make_loader
+from rmflow.trainer.data import Collate, PackCollate, fine_length, lengths_per_doubling, make_loader
+from rmflow.trainer.data.loader import collate_fn
 from rmflow.trainer.data.packing import assign_rows, pack_unit
 from rmflow.trainer.loss import pairwise_loss
 from rmflow.trainer.modeling.attention import attention
@@ -138,6 +139,30 @@ def test_fine_lengths_waste_at_most_an_eighth_from_a_small_set():
     for n in range(17, 8193):
         assert n <= fine_length(n) <= n * 9 / 8
     assert [fine_length(n) for n in (1, 16, 17, 100, 129, 257, 2049)] == [16, 16, 18, 104, 144, 288, 2304]
+
+
+@pytest.mark.parametrize("per_doubling", [1, 2, 4, 8])
+def test_coarser_lengths_are_a_subset_wasting_at_most_one_over_their_count(per_doubling):
+    sizes = {fine_length(n, per_doubling) for n in range(1, 8193)}
+    assert len(sizes) <= per_doubling * 9 + 1
+    assert sizes <= {fine_length(n) for n in range(1, 8193)}  # every coarse length is a fine one
+    for n in range(17, 8193):
+        assert n <= fine_length(n, per_doubling) <= n * (1 + 1 / per_doubling)
+    if per_doubling == 1:  # the next power of two
+        assert [fine_length(n, 1) for n in (17, 100, 129, 2049, 4096)] == [32, 128, 256, 4096, 4096]
+
+
+def test_rows_are_rounded_as_finely_as_the_batches_repay():
+    """The rounding grows as the square root of the batches run: a short run compiles few
+    shapes (the demo's 40 steps), a long one pads little."""
+    got = [lengths_per_doubling(n) for n in (0, 1, 40, 63, 64, 255, 256, 1023, 1024, 10**6)]
+    assert got == [1, 1, 1, 1, 2, 2, 4, 4, 8, 8]
+    for mode in ("pack", "bucket"):  # the loader's collation takes it
+        c = collate_fn(mode, batch_size=4, max_length=4096, pad_id=0, rows=1, per_doubling=2)
+        assert c.per_doubling == 2
+    recs = [rec(i, 40, 50 + 3 * i, 40 + 2 * i) for i in range(8)]  # 1,180 tokens packed
+    lengths = {g: PackCollate(8, 256, per_doubling=g)(recs)["input_ids"].shape[1] for g in (1, 2, 8)}
+    assert lengths == {1: 2048, 2: 1536, 8: 1280}
 
 
 def batches_for(recs, batch_size=4):

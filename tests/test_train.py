@@ -53,6 +53,28 @@ def config(data, out, **kw):
     return TrainConfig(**base)
 
 
+def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
+    """``lengths_per_doubling`` decides each loader's rounding: a short run's rows are powers of
+    two (few programs to compile: what made the demo compile 15 shapes for 40 steps), a long
+    run's one of 8 lengths per doubling (little padding); an eval set's, its batches times the
+    run's evaluations."""
+    from rmflow.trainer.train import Run
+
+    def lengths(run, in_training):
+        it = iter(run.loader(run.train_sets[0] if in_training else run.eval_sets[""], train=in_training))
+        return [b["input_ids"].shape[1] for b in (next(it) for _ in range(5))]  # the eval set is 5 batches
+
+    def pow2(n):
+        return n & (n - 1) == 0
+
+    short = Run(config(synthetic, tmp_path / "s", max_steps=6, eval_steps=3))
+    assert all(pow2(n) for n in lengths(short, True) + lengths(short, False))
+    long = Run(config(synthetic, tmp_path / "l", max_steps=2000, eval_steps=5))  # 400 evaluations of 5 batches
+    for in_training in (True, False):
+        got = lengths(long, in_training)
+        assert not all(pow2(n) for n in got) and all(n % 16 == 0 for n in got), got  # 8 per doubling of 128
+
+
 @pytest.mark.slow
 def test_learning_works_on_a_synthetic_preference(synthetic, tmp_path):
     result = train(config(synthetic, tmp_path / "run", max_steps=150, eval_steps=50, save_steps=150))

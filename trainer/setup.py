@@ -152,6 +152,12 @@ def plan_steps(cfg: TrainConfig, train_pairs: int) -> int:
     return max(micro // cfg.grad_accum, 1)
 
 
+def plan_evaluations(cfg: TrainConfig, total_steps: int) -> int:
+    """How many times a run of ``total_steps`` steps evaluates: every ``eval_steps`` and at its end."""
+    every = cfg.eval_steps or total_steps
+    return -(-total_steps // every)
+
+
 def make_trainer(cfg: TrainConfig, model: RewardTransformer, total_steps: int, objective: Objective | None = None
                  ) -> Trainer:
     return Trainer(model, OptimConfig.of(cfg, total_steps), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,

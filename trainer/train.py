@@ -35,7 +35,7 @@ from rmflow.schemas.sources import DataSource, canonical_data, with_paths
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, prune, reading_checkpoint
 from rmflow.trainer.compilation import use_compilation_cache
-from rmflow.trainer.data import make_loader, resolve_packing
+from rmflow.trainer.data import count_records, lengths_per_doubling, make_loader, resolve_packing
 from rmflow.trainer.data.lookahead import Lookahead
 from rmflow.trainer.errors import Interrupted, TrainError
 from rmflow.trainer.loggers import Reporters, check_available
@@ -60,6 +60,7 @@ from rmflow.trainer.setup import (
     check_output,
     check_same_preprocessing,
     make_trainer,
+    plan_evaluations,
     plan_steps,
     read_manifest,
     shard_paths,
@@ -194,10 +195,15 @@ class Run:
         return self.loader(self.train_sets if self.mixture else self.train_sets[0], train=True, weights=weights)
 
     def loader(self, paths, *, train: bool, weights=None):
+        if train:  # rows rounded as finely as the run's steps repay the compilations (lengths_per_doubling)
+            per_doubling = lengths_per_doubling(self.total_steps)
+        else:  # this process's batches of the set, run at every evaluation
+            batches = -(-(count_records(paths) // jax.process_count()) // self.local_batch)
+            per_doubling = lengths_per_doubling(batches * plan_evaluations(self.cfg, self.total_steps))
         return make_loader(paths, batch_size=self.local_batch, max_length=self.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.loader_workers,
                            pad_id=self.pad_id, packing=self.packing, rows=self.rows, kind=self.objective.kind.name,
-                           weights=weights)
+                           weights=weights, per_doubling=per_doubling)
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         """Each process's micro-batches become its slice of the global batch (rows split over

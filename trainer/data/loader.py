@@ -26,7 +26,7 @@ from rmflow.schemas.config import PACKING
 from rmflow.schemas.kinds import OUTCOME, PROCESS
 from rmflow.schemas.record import PairRecord, StepRecord, decode
 from rmflow.trainer.data.bucketing import LengthBucketSampler
-from rmflow.trainer.data.collate import Collate
+from rmflow.trainer.data.collate import FINEST, Collate
 from rmflow.trainer.data.mixture import Labelled, LabelledBatch, MixtureSampler
 from rmflow.trainer.data.packing import PackCollate
 from rmflow.trainer.data.steps import StepCollate, StepPackCollate
@@ -63,14 +63,22 @@ def resolve_packing(packing: str, backend: str) -> str:
 COLLATES = {OUTCOME.name: (Collate, PackCollate), PROCESS.name: (StepCollate, StepPackCollate)}
 
 
-def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int, kind: str = OUTCOME.name):
-    """The collation of a packing mode for the records of a reward model kind (``schemas.kinds``)."""
+def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int, kind: str = OUTCOME.name,
+               per_doubling: int = FINEST):
+    """The collation of a packing mode for the records of a reward model kind (``schemas.kinds``);
+    ``per_doubling``: how finely ``pack`` and ``bucket`` round row lengths (``fine_length``)."""
     padded, packed = COLLATES[kind]
     if packing == "pack":
-        return packed(batch_size, max_length, pad_id, rows)
+        return packed(batch_size, max_length, pad_id, rows, per_doubling=per_doubling)
     if packing in ("none", "bucket"):
-        return padded(batch_size, max_length, pad_id, lengths="pow2" if packing == "none" else "fine")
+        return padded(batch_size, max_length, pad_id, lengths="pow2" if packing == "none" else "fine",
+                      per_doubling=per_doubling)
     raise ValueError(f"packing {packing!r}: use one of {PACKING}")
+
+
+def count_records(paths: Sequence[str]) -> int:
+    """How many records the shards hold (read from their indexes, not decoded)."""
+    return len(grain.sources.ArrayRecordDataSource(list(paths)))
 
 
 def make_loader(
@@ -89,6 +97,7 @@ def make_loader(
     shard: tuple[int, int] | None = None,
     kind: str = OUTCOME.name,
     weights: Sequence[float] | None = None,
+    per_doubling: int = FINEST,
 ) -> grain.DataLoader:
     """A Grain DataLoader over the shards: seeded global shuffle, epochs, one shard of the data
     per JAX process, decoding in ``worker_count`` processes (0: in this process). ``rows``:
@@ -102,7 +111,8 @@ def make_loader(
 
         if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we do not run under absl.app
             flags.FLAGS.mark_as_parsed()
-    collate = collate_fn(packing, batch_size=batch_size, max_length=max_length, pad_id=pad_id, rows=rows, kind=kind)
+    collate = collate_fn(packing, batch_size=batch_size, max_length=max_length, pad_id=pad_id, rows=rows, kind=kind,
+                         per_doubling=per_doubling)
     sets = [list(p) for p in shard_paths] if weights is not None else [list(shard_paths)]
     source = grain.sources.ArrayRecordDataSource([p for paths in sets for p in paths])
     if shard is not None:  # an explicit (index, count): what process ``index`` of ``count`` would read

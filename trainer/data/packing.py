@@ -9,9 +9,10 @@ with the same ``prompt_len`` tokens is packed with no shared prefix (both sequen
 
 Units go to ``rows`` rows (one per data-parallel device, so a pair never spans devices),
 longest first to the least-filled row, which balances the rows. The row length is the
-fullest row's, rounded up by ``fine_length`` (at most 1/8 wasted), so jit sees a handful of
-shapes. The batch always holds exactly the micro-batch's pairs: ``batch_size`` keeps its
-meaning (pairs per micro-batch) in every packing mode.
+fullest row's, rounded up by ``fine_length`` (``per_doubling`` lengths per doubling: at most
+1/8 wasted in a long run, coarser in a short one), so jit sees a handful of shapes. The
+batch always holds exactly the micro-batch's pairs: ``batch_size`` keeps its meaning (pairs
+per micro-batch) in every packing mode.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from rmflow.schemas.record import PairRecord
-from rmflow.trainer.data.collate import check_fits, fine_length, pair_arrays
+from rmflow.trainer.data.collate import FINEST, check_fits, fine_length, pair_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +71,14 @@ class PackCollate:
     max_length: int
     pad_id: int = 0
     rows: int = 1
+    per_doubling: int = FINEST
 
     def __call__(self, records: Sequence[PairRecord]) -> dict[str, np.ndarray]:
         for r in records:
             check_fits(max(len(r.chosen_ids), len(r.rejected_ids)), self.max_length)
         units = [pack_unit(r) for r in records]
         placement = assign_rows([len(u.ids) for u in units], self.rows)
-        length = fine_length(max(sum(len(units[i].ids) for i in row) for row in placement))
+        length = fine_length(max(sum(len(units[i].ids) for i in row) for row in placement), self.per_doubling)
         k = self.batch_size
         ids = np.full((self.rows, length), self.pad_id, np.int32)
         pos = np.zeros((self.rows, length), np.int32)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from rmflow.schemas.record import StepRecord
-from rmflow.trainer.data.collate import bucket_length, check_fits, fine_length
+from rmflow.trainer.data.collate import FINEST, bucket_length, check_fits, fine_length
 from rmflow.trainer.data.packing import assign_rows
 
 MIN_STEP_SLOTS = 8
@@ -60,18 +60,20 @@ def _place(b: dict[str, np.ndarray], row: int, start: int, first_slot: int, segm
 
 @dataclasses.dataclass(frozen=True)
 class StepCollate:
-    """One solution a row, right-padded to one length (``lengths``: "pow2" or "fine", as ``Collate``)."""
+    """One solution a row, right-padded to one length (``lengths``: "pow2" or "fine", and
+    ``per_doubling``, as ``Collate``)."""
 
     batch_size: int
     max_length: int
     pad_id: int = 0
     lengths: str = "pow2"
+    per_doubling: int = FINEST
 
     def __call__(self, records: Sequence[StepRecord]) -> dict[str, np.ndarray]:
         longest = max(len(r.input_ids) for r in records)
         check_fits(longest, self.max_length)
         length = bucket_length(longest, self.max_length) if self.lengths == "pow2" \
-            else min(fine_length(longest), self.max_length)
+            else min(fine_length(longest, self.per_doubling), self.max_length)
         b = _arrays(self.batch_size, length, step_slots(max(len(r.step_ends) for r in records)), self.pad_id)
         for i, r in enumerate(records):
             _place(b, i, 0, 0, 1, r)
@@ -89,12 +91,13 @@ class StepPackCollate:
     max_length: int
     pad_id: int = 0
     rows: int = 1
+    per_doubling: int = FINEST
 
     def __call__(self, records: Sequence[StepRecord]) -> dict[str, np.ndarray]:
         for r in records:
             check_fits(len(r.input_ids), self.max_length)
         placement = assign_rows([len(r.input_ids) for r in records], self.rows)
-        length = fine_length(max(sum(len(records[i].input_ids) for i in row) for row in placement))
+        length = fine_length(max(sum(len(records[i].input_ids) for i in row) for row in placement), self.per_doubling)
         slots = step_slots(max(sum(len(records[i].step_ends) for i in row) for row in placement))
         b = _arrays(self.rows, length, slots, self.pad_id)
         record_steps = np.zeros((len(records), 3), np.int32)
