@@ -41,6 +41,17 @@ def _fast_compile_flags() -> None:
 _fast_compile_flags()
 
 
+def xla_defaults_env() -> dict[str, str]:
+    """This process's environment with XLA's own optimisation back (the fast-compile flags above
+    removed, any other flag kept): for a test process that runs long programs many times, like
+    the demo's 40 steps on rows of 2,000+ tokens, where level 0's slower code costs more than its
+    faster compiles save (the demo alone: 189 s at the tests' flags, 121 s at XLA's defaults),
+    and which should run what a user runs."""
+    fast = {f.split("=")[0] for f in FAST_COMPILE_FLAGS}
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in fast]
+    return {**os.environ, "XLA_FLAGS": " ".join(kept)}
+
+
 def pytest_configure(config):
     """One persistent compilation cache for the whole run, never the user's ~/.cache: a fresh
     folder the xdist workers and every process a test starts share (they inherit the variable),

@@ -3,7 +3,6 @@ stopped, rerun from a changed stage onwards; and the embedded demo runs end to e
 
 import gzip
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from rmflow.workflow import Workflow, run
+from tests.conftest import xla_defaults_env
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
 
@@ -108,7 +108,8 @@ def test_the_embedded_demo_runs_without_torch_and_shows_its_summary(tmp_path):
     """`rmflow run` on the demo, in a fresh process: it completes, prints the preprocess summary
     (nothing dropped silently) and keeps nearly every pair at its max_length; PyTorch is hidden
     from the process, as in the demo's install (tests/test_packaging.py checks that install has
-    neither PyTorch nor the Google Cloud extras)."""
+    neither PyTorch nor the Google Cloud extras), and with XLA's default optimisation, as `make
+    demo` runs (tests/conftest.py: xla_defaults_env)."""
     spec = yaml.safe_load((DEMO / "workflow.yaml").read_text())
     spec["output"] = str(tmp_path / "demo")
     spec["preprocess"]["inputs"] = [str(DEMO / p) for p in spec["preprocess"]["inputs"]]
@@ -117,12 +118,14 @@ def test_the_embedded_demo_runs_without_torch_and_shows_its_summary(tmp_path):
     code = HIDE_TORCH + (
         "import json\nfrom rmflow.cli import app\n"
         "try:\n    app(['run', sys.argv[1]], standalone_mode=False)\n"
-        "finally:\n    print('MODULES', json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
+        "finally:\n    print('MODULES', json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))\n"
+        "    import os; print('XLA_FLAGS', repr(os.environ.get('XLA_FLAGS', '')))")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "workflow.yaml")], capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "COLUMNS": "200"})
+                          text=True, timeout=900, env={**xla_defaults_env(), "COLUMNS": "200"})  # as `make demo`
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "MODULES []" in out
+    assert "XLA_FLAGS" in out and "optimization_level" not in out  # XLA's own optimisation, as users run it
     assert "500 records read, 477 pairs written" in out  # the summary; max_length 512 keeps 95% of pairs
     assert "not written: 22 longer than max_length 512 (4.4%)" in out and "not written: 1 errors" in out
     report = json.loads((tmp_path / "demo" / "eval" / "eval.json").read_text())["metrics"]
