@@ -61,7 +61,7 @@ def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
     from rmflow.trainer.train import Run
 
     def lengths(run, in_training):
-        it = iter(run.loader(run.train_sets[0] if in_training else run.eval_sets[""], train=in_training))
+        it = iter(run.train_loader() if in_training else run.eval_loader(""))
         return [b["input_ids"].shape[1] for b in (next(it) for _ in range(5))]  # the eval set is 5 batches
 
     def pow2(n):

@@ -152,10 +152,9 @@ def plan_steps(cfg: TrainConfig, train_pairs: int) -> int:
     return max(micro // cfg.grad_accum, 1)
 
 
-def plan_evaluations(cfg: TrainConfig, total_steps: int) -> int:
-    """How many times a run of ``total_steps`` steps evaluates: every ``eval_steps`` and at its end."""
-    every = cfg.eval_steps or total_steps
-    return -(-total_steps // every)
+def evaluates_at(cfg: TrainConfig, step: int, total_steps: int) -> bool:
+    """Whether a run of ``total_steps`` steps evaluates after ``step``: every ``eval_steps`` and at its end."""
+    return bool(cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps
 
 
 def make_trainer(cfg: TrainConfig, model: RewardTransformer, total_steps: int, objective: Objective | None = None

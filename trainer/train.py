@@ -59,8 +59,8 @@ from rmflow.trainer.setup import (
     build_model,
     check_output,
     check_same_preprocessing,
+    evaluates_at,
     make_trainer,
-    plan_evaluations,
     plan_steps,
     read_manifest,
     shard_paths,
@@ -151,6 +151,14 @@ class Run:
         if cfg.warmup_steps >= self.total_steps:
             raise TrainError(f"warmup_steps {cfg.warmup_steps} >= the run's {self.total_steps} steps: the learning "
                              "rate would never reach its peak; use fewer warmup steps")
+        # How finely each loader rounds its rows (lengths_per_doubling), by the batches its shapes serve:
+        # the run's steps; an eval set's batches on this process times the run's evaluations
+        self.train_rounding = lengths_per_doubling(self.total_steps)
+        evaluations = sum(evaluates_at(cfg, step, self.total_steps) for step in range(1, self.total_steps + 1))
+        self.eval_rounding = {}
+        for name, paths in self.eval_sets.items():
+            batches = -(-(count_records(paths) // procs) // self.local_batch)
+            self.eval_rounding[name] = lengths_per_doubling(batches * evaluations)
         model = build_model(cfg, self.manifest)
         self.pad_id = self.manifest.tokenizer.pad_token_id or 0
         self.trainer = make_trainer(cfg, model, self.total_steps, self.objective)
@@ -192,14 +200,13 @@ class Run:
 
     def train_loader(self):
         weights = [s.weight for s in self.sources] if self.mixture else None
-        return self.loader(self.train_sets if self.mixture else self.train_sets[0], train=True, weights=weights)
+        return self.loader(self.train_sets if self.mixture else self.train_sets[0], train=True,
+                           per_doubling=self.train_rounding, weights=weights)
 
-    def loader(self, paths, *, train: bool, weights=None):
-        if train:  # rows rounded as finely as the run's steps repay the compilations (lengths_per_doubling)
-            per_doubling = lengths_per_doubling(self.total_steps)
-        else:  # this process's batches of the set, run at every evaluation
-            batches = -(-(count_records(paths) // jax.process_count()) // self.local_batch)
-            per_doubling = lengths_per_doubling(batches * plan_evaluations(self.cfg, self.total_steps))
+    def eval_loader(self, name: str):
+        return self.loader(self.eval_sets[name], train=False, per_doubling=self.eval_rounding[name])
+
+    def loader(self, paths, *, train: bool, per_doubling: int, weights=None):
         return make_loader(paths, batch_size=self.local_batch, max_length=self.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.loader_workers,
                            pad_id=self.pad_id, packing=self.packing, rows=self.rows, kind=self.objective.kind.name,
@@ -225,9 +232,9 @@ class Run:
         for i in range(0, min(len(coming) // accum, steps_left) * accum, accum):
             self.trainer.compile_ahead(stack_micro_batches(coming[i : i + accum], self.objective))
 
-    def eval_sums(self, params, paths) -> dict[str, float]:
+    def eval_sums(self, params, name: str) -> dict[str, float]:
         sums = dict.fromkeys(self.objective.sum_keys, 0.0)
-        for b in self.loader(paths, train=False):
+        for b in self.eval_loader(name):
             s = self.trainer.eval_step(params, {k: v[0] for k, v in self.to_device([b]).items()})
             for k in sums:
                 sums[k] += float(s[k])
@@ -237,8 +244,8 @@ class Run:
         """Metrics of every eval set: ``eval_*`` for the data's eval split (of all sets of a
         mixture together, from the summed counts), ``eval/NAME/*`` for each named set."""
         out, total = {}, dict.fromkeys(self.objective.sum_keys, 0.0)
-        for name, paths in self.eval_sets.items():
-            sums = self.eval_sums(params, paths)
+        for name in self.eval_sets:
+            sums = self.eval_sums(params, name)
             if name:
                 out.update({f"eval/{name}/{k}": v for k, v in self.objective.metrics(sums).items()})
             if name in self.data_evals:
@@ -391,7 +398,7 @@ def _loop(cfg, r, state, step, iterator, ahead, manager, writer, window, history
         saving = (cfg.save_steps and step % cfg.save_steps == 0) or step == r.total_steps
         if step % cfg.logging_steps == 0 or saving:  # windows end at saves: resumed runs log alike
             record = {"step": step, **window.finish()}
-        if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == r.total_steps:
+        if evaluates_at(cfg, step, r.total_steps):
             record = {**(record or {"step": step}), **r.evaluate(state.params)}
         if record:
             history.append(record)

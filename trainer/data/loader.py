@@ -129,7 +129,7 @@ def make_loader(
     else:
         if num_epochs is not None or not shuffle:
             raise ValueError("a mixture is drawn endlessly and shuffled (num_epochs=None, shuffle=True)")
-        sizes = [len(grain.sources.ArrayRecordDataSource(paths)) for paths in sets]
+        sizes = [count_records(paths) for paths in sets]
         sampler = MixtureSampler(sizes, weights, shard_options=sharding, seed=seed)
         reads, decode_op = Labelled(source, sampler.offsets), DecodeLabelled()
         collate = LabelledBatch(collate, len(sizes))
