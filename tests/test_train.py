@@ -77,15 +77,17 @@ def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
 
 @pytest.mark.slow
 def test_learning_works_on_a_synthetic_preference(synthetic, tmp_path):
-    result = train(config(synthetic, tmp_path / "run", max_steps=150, eval_steps=50, save_steps=150))
+    # Eval accuracy is 1.0 from about step 20 on: 60 steps leave a wide margin (150 did too, at 2.5x the time).
+    result = train(config(synthetic, tmp_path / "run", max_steps=60, eval_steps=20, save_steps=60))
     final = result.history[-1]
-    assert final["step"] == 150 and final["eval_pairs"] > 40
+    assert final["step"] == 60 and final["eval_pairs"] > 40
     assert final["eval_accuracy"] > 0.95, final
     assert result.history[0]["loss"] > final["loss"]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [10 * i for i in range(1, 16)]
+    assert [json.loads(x)["step"] for x in lines] == [10 * i for i in range(1, 7)]
+    assert [json.loads(x)["step"] for x in lines if "eval_accuracy" in x] == [20, 40, 60]
     assert os.listdir(tmp_path / "run" / "tensorboard")
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["max_steps"] == 150
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["max_steps"] == 60
 
 
 def timing_free(history):
