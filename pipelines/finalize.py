@@ -19,7 +19,6 @@ from typing import Any
 
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.staging import OWNER_FILE
-from rmflow.pipelines.tokenize import TokenizerAssets
 from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME, kind_named
@@ -29,7 +28,6 @@ from rmflow.schemas.manifest import (
     ERRORS_FILE,
     MANIFEST_FILE,
     STATS_FILE,
-    TOKENIZER_DIR,
     InputFile,
     Manifest,
     ShardInfo,
@@ -100,10 +98,10 @@ def gather(items: list) -> dict[str, Any]:
     return summary
 
 
-def finalize(items: list, fin: Finalization, assets: TokenizerAssets, *_after: Any) -> dict[str, Any]:
-    """Reconcile, write the manifest and statistics, publish; returns the statistics. ``assets``:
-    the tokenizer's files (a side input), written with the shards as used (template applied).
-    ``_after``: side inputs (the errors file's name) that make this step wait for their writers."""
+def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
+    """Reconcile, write the manifest and statistics, publish (with the tokenizer's files as used,
+    which the launcher staged: ``make_plan``); returns the statistics. ``_after``: side inputs (the
+    errors file's name) that make this step wait for their writers."""
     out, staging = fin.output.rstrip("/"), fin.staging
     if rio.exists(f"{out}/{COMPLETED_FILE}") and not rio.exists(staging):  # a retry after publishing
         return json.loads(rio.read_bytes(f"{out}/{STATS_FILE}"))
@@ -137,8 +135,6 @@ def finalize(items: list, fin: Finalization, assets: TokenizerAssets, *_after: A
     for name, text in ((MANIFEST_FILE, manifest.to_json()), (STATS_FILE, json.dumps(stats, indent=2) + "\n"),
                        (CONFIG_FILE, fin.cfg.to_json())):
         rio.write_bytes(f"{staging}/{name}", text.encode())
-    for name, data in assets.files_as_used().items():  # export ships these with the model
-        rio.write_bytes(f"{staging}/{TOKENIZER_DIR}/{name}", data)
     from apache_beam.io.filesystems import FileSystems
 
     FileSystems.delete([f"{staging}/{SUMMARY_FILE}", f"{staging}/{OWNER_FILE}"])

@@ -31,7 +31,13 @@ from rmflow.pipelines.finalize import (
 )
 from rmflow.pipelines.near_dedup import DropNearDuplicates
 from rmflow.pipelines.staging import clean_leftovers, new_staging
-from rmflow.pipelines.tokenize import TokenizerAssets, build_tokenizer, load_tokenizer_assets, tokenizer_info
+from rmflow.pipelines.tokenize import (
+    TokenizerAssets,
+    build_tokenizer,
+    load_tokenizer_assets,
+    tokenizer_info,
+    write_tokenizer_files,
+)
 from rmflow.pipelines.transforms import (
     NAMESPACE,
     ApplyChatTemplate,
@@ -54,6 +60,7 @@ from rmflow.schemas.manifest import (
     ERRORS_FILE,
     MANIFEST_FILE,
     STATS_FILE,
+    TOKENIZER_DIR,
     Manifest,
 )
 from rmflow.schemas.outputs import output_lock
@@ -111,7 +118,10 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
                               "text: pass one with --chat-template FILE (a Jinja template; pre-tokenized data "
                               "needs none: --format tokenized)")
     report_leftovers(out)
-    return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), new_staging(out), tuple(skipped),
+    staging = new_staging(out)
+    # The tokenizer as used, where the workers read it (TokenizerFiles) and export finds it with the shards.
+    write_tokenizer_files(assets, f"{staging}/{TOKENIZER_DIR}")
+    return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), staging, tuple(skipped),
                 tuple(f for f, _ in eval_listed), use_join(cfg.decontaminate_method, eval_listed))
 
 
@@ -192,7 +202,7 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
         near = pairs | "DropNearDuplicates" >> DropNearDuplicates(cfg.near_dedup, cfg.near_dedup_threshold)
         pairs = near["main"]
         dead.append(near["dead"])
-    tokenizer = p | "TokenizerFiles" >> TokenizerFiles(plan.assets)
+    tokenizer = p | "TokenizerFiles" >> TokenizerFiles(f"{plan.staging}/{TOKENIZER_DIR}", plan.assets.name)
     rendered = pairs | "ApplyChatTemplate" >> ApplyChatTemplate(tokenizer, cfg.batch_size, cfg.step_separator)
     tokenized = rendered["main"] | "Tokenize" >> Tokenize(tokenizer, cfg.step_separator)
     fitted = tokenized["main"] | "LengthPolicy" >> ApplyLengthPolicy(cfg.max_length, cfg.length_policy)
@@ -210,7 +220,7 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
         listed = marked | "WriteContamination" >> WriteErrors(f"{plan.staging}/{CONTAMINATION_FILE}")
         after = (after, listed) | "Written" >> beam.Flatten()
         marked = (marked, norm["noted"]) | "AllNoted" >> beam.Flatten()
-    (read["files"], all_dead, shards, marked) | "Finalize" >> Finalize(fin, after, tokenizer)
+    (read["files"], all_dead, shards, marked) | "Finalize" >> Finalize(fin, after)
 
 
 def finalization(cfg: PreprocessConfig, plan: Plan, started: float | None = None, tok: Any = None) -> Finalization:

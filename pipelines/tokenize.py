@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from rmflow.pipelines import io as rio
 from rmflow.pipelines.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
 from rmflow.pipelines.length import apply_length_policy, apply_length_policy_steps
 from rmflow.schemas.config import STEP_SEPARATOR
@@ -125,6 +126,19 @@ def load_tokenizer_assets(name_or_path: str, chat_template_file: str | None = No
         with FileSystems.open(chat_template_file, compression_type="uncompressed") as f:
             template = f.read().decode("utf-8")
     return TokenizerAssets(name_or_path, files, template)
+
+
+def write_tokenizer_files(assets: TokenizerAssets, folder: str) -> None:
+    """Write the tokenizer's files as used (the chat template override applied) into ``folder``
+    (local or any Beam filesystem)."""
+    for name, data in assets.files_as_used().items():
+        rio.write_bytes(f"{folder.rstrip('/')}/{name}", data)
+
+
+def read_tokenizer_files(folder: str, name: str) -> TokenizerAssets:
+    """The assets ``write_tokenizer_files`` wrote, named ``name`` again: the same tokenizer, the
+    same identity (``key``, ``sha256``), as the template is in the files."""
+    return dataclasses.replace(load_tokenizer_assets(folder), name=name)
 
 
 def build_tokenizer(assets: TokenizerAssets) -> Any:

@@ -29,7 +29,13 @@ from rmflow.pipelines.formats import (
 )
 from rmflow.pipelines.io import iter_records, write_array_record_shard
 from rmflow.pipelines.length import assign_shard, assign_split
-from rmflow.pipelines.tokenize import RecordTokenizer, Rendered, TokenizerAssets, build_tokenizer
+from rmflow.pipelines.tokenize import (
+    RecordTokenizer,
+    Rendered,
+    TokenizerAssets,
+    build_tokenizer,
+    read_tokenizer_files,
+)
 from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import shard_name
@@ -213,25 +219,23 @@ def shared_record_tokenizer(assets: TokenizerAssets, step_separator: str = STEP_
 
 class TokenizerFiles(beam.PTransform):
     """The tokenizer's files as a one-element PCollection, for the steps that read them as a side
-    input. The files travel once, not inside each DoFn that uses them: Beam pickles every DoFn
-    with bz2 at level 9 when the graph is built and again when each bundle processor starts, and
-    a DoFn holding a 1.8 MB tokenizer made those (de)compressions half of a small local job's
-    time (tests/test_remote.py checks that the graph holds the files once)."""
+    input. The graph holds only their folder's name: the launcher wrote them, as used, into the
+    job's staging folder (``make_plan``), where the workers read them and whence they are published
+    with the shards. Beam bz2-pickles every DoFn at level 9 when the graph is built and again as
+    each bundle processor starts: a DoFn holding the 1.8 MB tokenizer cost a small local job about
+    half a second of (de)compression, and every Dataflow job that much more graph to submit
+    (tests/test_remote.py checks that no transform holds the files)."""
 
-    def __init__(self, assets: TokenizerAssets):
+    def __init__(self, folder: str, name: str):
         super().__init__()
-        self.assets = assets
+        self.folder, self.name = folder, name
 
-    def expand(self, pbegin):  # not beam.Create: it would hold the files in three pickled objects
-        return pbegin | "Impulse" >> beam.Impulse() | "Files" >> beam.ParDo(_EmitFn(self.assets))
+    def expand(self, pbegin):
+        return pbegin | "Impulse" >> beam.Impulse() | "Files" >> beam.Map(_staged_tokenizer, self.folder, self.name)
 
 
-class _EmitFn(beam.DoFn):
-    def __init__(self, item: Any):
-        self.item = item
-
-    def process(self, _):
-        yield self.item
+def _staged_tokenizer(_: Any, folder: str, name: str) -> TokenizerAssets:
+    return read_tokenizer_files(folder, name)
 
 
 class _TokenizerDoFn(beam.DoFn):
@@ -473,18 +477,17 @@ class Finalize(beam.PTransform):
     """Exact counts gathered in the pipeline itself (not from metrics), then the job's last step,
     run once: reconcile, write manifest and statistics, publish (``pipelines.finalize``). It waits
     for every shard (its input) and for the errors file (``after``, a side input). Its inputs:
-    (files, dead letters, shards, records marked but written). ``tokenizer``: the
-    ``TokenizerFiles`` PCollection (its files are written beside the shards)."""
+    (files, dead letters, shards, records marked but written). The tokenizer's files are in the
+    staging folder already (``TokenizerFiles``), published with the rest."""
 
-    def __init__(self, fin, after, tokenizer):
+    def __init__(self, fin, after):
         super().__init__()
-        self.fin, self.after, self.tokenizer = fin, after, tokenizer
+        self.fin, self.after = fin, after
 
     def expand(self, inputs):
         return (
             _summary_items(*inputs)
             | "Gather" >> beam.Flatten()
             | "ToList" >> beam.combiners.ToList()
-            | "Publish" >> beam.Map(finalize, self.fin, beam.pvalue.AsSingleton(self.tokenizer),
-                                    beam.pvalue.AsList(self.after))
+            | "Publish" >> beam.Map(finalize, self.fin, beam.pvalue.AsList(self.after))
         )
