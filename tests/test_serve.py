@@ -284,7 +284,9 @@ def test_a_process_model_serves_step_scores_equal_to_the_api(process_run):
     rm = RewardModel.load(str(run))
     solutions = [{"prompt": r["prompt"], "completions": r["completions"]} for r in records]
     solutions = [s for s in solutions if len(rm.encode_steps(s)[0]) <= MAX_LENGTH][:12]
-    server = Server(run, "--max-batch-rows", "16")  # 25 batch shapes to compile, not the default's 35
+    # At most 4 solutions a forward: 15 batch shapes to compile (16 rows: 25; the default: 35), and
+    # the 12 solutions still share forwards.
+    server = Server(run, "--max-batch-rows", "4")
     try:
         r = server.post("/v1/score", {"solutions": solutions})
         assert r.status_code == 200, r.text
