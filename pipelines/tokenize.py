@@ -2,8 +2,10 @@
 
 ``TokenizerAssets`` holds the tokenizer's files as bytes. It is read once where the job
 is launched (from a local folder, any Beam filesystem path such as gs://, or the Hugging
-Face Hub) and travels inside the pipeline, so Dataflow workers need no access to where
-the tokenizer came from. ``RecordTokenizer`` is the pure core the Beam step wraps.
+Face Hub) and written, as used, into the job's staging folder, where the workers read it,
+so Dataflow workers need no access to where the tokenizer came from. ``RecordTokenizer`` is
+the pure core the Beam step wraps; importing this module loads no Beam (the API's and the
+server's scoring use it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from rmflow.pipelines import io as rio
 from rmflow.pipelines.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
 from rmflow.pipelines.length import apply_length_policy, apply_length_policy_steps
 from rmflow.schemas.config import STEP_SEPARATOR
@@ -131,6 +132,9 @@ def load_tokenizer_assets(name_or_path: str, chat_template_file: str | None = No
 def write_tokenizer_files(assets: TokenizerAssets, folder: str) -> None:
     """Write the tokenizer's files as used (the chat template override applied) into ``folder``
     (local or any Beam filesystem)."""
+    # Beam's filesystems, imported here: scoring, which uses only RecordTokenizer, loads no Beam.
+    from rmflow.pipelines import io as rio
+
     for name, data in assets.files_as_used().items():
         rio.write_bytes(f"{folder.rstrip('/')}/{name}", data)
 

@@ -76,6 +76,18 @@ def test_transitive_imports_respect_the_boundary(package):
     assert len(modules) > 3
 
 
+def test_scoring_through_the_api_loads_no_beam():
+    """A reward model loaded to score (the API, ``rmflow serve``, an RL loop) imports the
+    tokenizing core from pipelines/, never Beam: a training host installs no Beam."""
+    modules = ["rmflow.api", "rmflow.pipelines.tokenize", "rmflow.pipelines.formats", "rmflow.trainer.inference"]
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam')[:3])\n"
+            "sys.exit(int('apache_beam' in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, f"scoring's modules load Beam: {r.stdout.strip()} {r.stderr[-2000:]}"
+
+
 def _import_graph() -> dict[str, set[str]]:
     """Each of rmflow's own modules -> the own modules it imports, counting imports deferred into
     functions."""
