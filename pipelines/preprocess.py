@@ -30,6 +30,7 @@ from rmflow.pipelines.finalize import (
     PreprocessError,
 )
 from rmflow.pipelines.near_dedup import DropNearDuplicates
+from rmflow.pipelines.runner import is_local, launched, new_pipeline
 from rmflow.pipelines.staging import clean_leftovers, new_staging
 from rmflow.pipelines.tokenize import (
     TokenizerAssets,
@@ -146,14 +147,13 @@ def report_leftovers(output: str) -> None:
 
 # Ways to give remote workers the rmflow code; one is needed on any non-local runner.
 CODE_STAGING_OPTIONS = ("extra_packages", "setup_file", "requirements_file", "sdk_container_image")
-LOCAL_RUNNERS = ("directrunner", "direct", "fnapirunner")
 
 
 def pipeline_options(cfg: PreprocessConfig) -> PipelineOptions:
     opts = PipelineOptions(list(cfg.beam_args))
     std = opts.view_as(StandardOptions)
     std.runner = std.runner or cfg.runner
-    if std.runner.lower() not in LOCAL_RUNNERS and not any(opts.get_all_options().get(k) for k in CODE_STAGING_OPTIONS):
+    if not is_local(std.runner) and not any(opts.get_all_options().get(k) for k in CODE_STAGING_OPTIONS):
         raise PreprocessError(
             f"runner {std.runner} runs on remote workers, which need rmflow installed: build a wheel with "
             "`pip wheel --no-deps -w dist .` and pass `--extra_package dist/rmflow-<version>-py3-none-any.whl` "
@@ -167,15 +167,8 @@ def pipeline_options(cfg: PreprocessConfig) -> PipelineOptions:
 
 
 def make_pipeline(cfg: PreprocessConfig) -> beam.Pipeline:
-    """A pipeline for the configured runner. "DirectRunner" runs Beam's portable FnApiRunner
-    directly: Beam's DirectRunner would first try Prism, which downloads a binary."""
-    opts = pipeline_options(cfg)
-    runner = opts.view_as(StandardOptions).runner
-    if runner.lower() in LOCAL_RUNNERS:
-        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-
-        return beam.Pipeline(runner=FnApiRunner(), options=opts)
-    return beam.Pipeline(options=opts)
+    """A pipeline for the configured runner (``pipelines.runner.new_pipeline``)."""
+    return new_pipeline(pipeline_options(cfg))
 
 
 def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization | None = None) -> None:
@@ -239,7 +232,7 @@ def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None, *, wait: b
     cfg = cfg.with_absolute_paths()  # the config written with the shards names the same files from anywhere
     p = pipeline if pipeline is not None else make_pipeline(cfg)  # validates the runner options first
     # A local output is locked while the launcher waits for the job (a detached or remote job: not).
-    with output_lock(cfg.output, "rmflow preprocess") if wait else contextlib.nullcontext():
+    with launched(p), output_lock(cfg.output, "rmflow preprocess") if wait else contextlib.nullcontext():
         return _run(cfg, p, started, wait)
 
 

@@ -166,10 +166,11 @@ def image_options(beam_args: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """The preprocess template's entry point: build the job and submit it; a local runner runs it here."""
-    from rmflow.pipelines.preprocess import LOCAL_RUNNERS, run
+    from rmflow.pipelines.preprocess import run
+    from rmflow.pipelines.runner import is_local
 
     cfg = config_from_args(list(sys.argv[1:] if argv is None else argv))
-    run(cfg, wait=cfg.runner.lower() in LOCAL_RUNNERS)
+    run(cfg, wait=is_local(cfg.runner))
 
 
 def launch_body(template: str, parameters: dict[str, str], *, job_name: str = "rmflow-preprocess",

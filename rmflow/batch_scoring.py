@@ -33,6 +33,7 @@ from apache_beam.pvalue import TaggedOutput
 from rmflow.api import BadConversation, RewardModel
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.formats import BadRecord, detect_format, normalize
+from rmflow.pipelines.runner import launched, new_pipeline
 from rmflow.pipelines.staging import OWNER_FILE, new_staging
 from rmflow.pipelines.tokenize import message_dict
 from rmflow.pipelines.transforms import DEAD, FILES, ReadRecordsFn, as_bad_record, dead_letter
@@ -434,20 +435,13 @@ def _finalize_after(items, spec, identity, _errors_written):
 # --------------------------------------------------------------------------- the job
 
 
-LOCAL_RUNNERS = ("directrunner", "direct", "fnapirunner")
-
-
 def make_pipeline(runner: str, beam_args: Sequence[str]) -> beam.Pipeline:
     from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
     opts = PipelineOptions(list(beam_args))
     std = opts.view_as(StandardOptions)
     std.runner = std.runner or runner
-    if std.runner.lower() in LOCAL_RUNNERS:
-        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-
-        return beam.Pipeline(runner=FnApiRunner(), options=opts)
-    return beam.Pipeline(options=opts)
+    return new_pipeline(opts)
 
 
 def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "DirectRunner",
@@ -468,12 +462,12 @@ def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "Direct
     rm = RewardModel.load(model, step)  # fails here, in one line, before any worker starts
     if group_by and not kind_named(rm.kind).pairwise:
         raise BatchScoreError("--group-by picks the best of each group by score: an outcome reward model's")
-    p = make_pipeline(runner, beam_args)
-    spec = JobSpec(model=model, step=step, staging=new_staging(output), output=output,
-                   num_shards=num_shards or max(1, size // (256 << 20)), token_budget=token_budget,
-                   batch_rows=batch_rows, group_by=group_by, started=time.time(), output_format=output_format)
-    build(p, files, spec, rm.identity())
-    result = p.run()
+    with launched(make_pipeline(runner, beam_args)) as p:
+        spec = JobSpec(model=model, step=step, staging=new_staging(output), output=output,
+                       num_shards=num_shards or max(1, size // (256 << 20)), token_budget=token_budget,
+                       batch_rows=batch_rows, group_by=group_by, started=time.time(), output_format=output_format)
+        build(p, files, spec, rm.identity())
+        result = p.run()
     if not wait:
         return None
     result.wait_until_finish()

@@ -34,10 +34,11 @@ SCORE = TemplateSpec(
 
 def main(argv: list[str] | None = None) -> None:
     """The scoring template's entry point: build the job and submit it; a local runner runs it here."""
-    from rmflow.batch_scoring import LOCAL_RUNNERS, run_config
+    from rmflow.batch_scoring import run_config
+    from rmflow.pipelines.runner import is_local
 
     cfg = config_from_args(list(sys.argv[1:] if argv is None else argv), SCORE)
-    run_config(cfg, wait=cfg.runner.lower() in LOCAL_RUNNERS)
+    run_config(cfg, wait=is_local(cfg.runner))
 
 
 if __name__ == "__main__":

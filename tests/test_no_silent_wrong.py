@@ -11,6 +11,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pyarrow as pa
@@ -150,6 +151,20 @@ def test_folders_yield_their_inputs_only(tmp_path):
     (tmp_path / "export.dat").write_bytes(gzip.compress(row.encode()))
     [(path, _, _)] = list_inputs((str(tmp_path / "export.dat"),))
     assert [json.loads(r)["chosen"] for _, r, _ in iter_records(path)] == ["c"]
+
+
+def test_a_job_refused_before_it_starts_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Beam makes a temporary folder with each pipeline and removes it only when the pipeline
+    runs: a job refused first (here its input is missing) removes it too (pipelines/runner.py)."""
+    system_tmp = tmp_path / "tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))  # where Beam's tempfile.mkdtemp writes
+    cfg = PreprocessConfig(inputs=(str(tmp_path / "missing.jsonl"),), tokenizer=str(DEMO / "tokenizer"),
+                           output=str(tmp_path / "out"))
+    for _ in range(2):
+        with pytest.raises(PreprocessError, match="matches no data files"):
+            preprocess(cfg)
+    assert list(system_tmp.iterdir()) == [] and not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------- 10. values

@@ -69,6 +69,7 @@ def test_graph_builds_for_dataflow(tokenizer_dir, monkeypatch):
     assert opts.view_as(StandardOptions).runner == "DataflowRunner"
     assert opts.view_as(GoogleCloudOptions).project == "my-proj"
     p = make_pipeline(cfg)
+    shutil.rmtree(p.local_tempdir)  # Beam's local temporary folder: this graph is built, never run
     assert type(p.runner).__name__ == "DataflowRunner"
     plan = Plan([("gs://my-bucket/in/a.jsonl", 1000)], load_tokenizer_assets(tokenizer_dir),
                 {"train": 2, "eval": 1}, "gs://my-bucket/out.tmp-test")
