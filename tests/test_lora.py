@@ -26,7 +26,7 @@ LORA = {"rank": 8, "alpha": 16, "target_modules": "all-linear"}
 
 def split(model):
     """(adapters, score head, base) flat parameter dicts."""
-    flat = {".".join(map(str, p)): np.asarray(v.value) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    flat = {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     ad = {k: v for k, v in flat.items() if "lora_" in k}
     head = {k: v for k, v in flat.items() if k.startswith("score")}
     base = {k: v for k, v in flat.items() if k not in ad and k not in head}

@@ -70,7 +70,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 def test_no_weight_decay_on_norms_and_biases():
     params = nnx.state(RewardTransformer(CFG.__class__(**{**CFG.__dict__, "qkv_bias": True}), rngs=nnx.Rngs(0)), nnx.Param)
-    flat = {".".join(map(str, p)): v.value for p, v in nnx.to_flat_state(decay_mask(params))}
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(decay_mask(params))}
     assert flat["model.layers.0.self_attn.q_proj.kernel"] is True
     assert flat["model.layers.0.self_attn.q_proj.bias"] is False
     assert flat["model.layers.0.input_layernorm.weight"] is False and flat["model.norm.weight"] is False

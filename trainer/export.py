@@ -57,7 +57,7 @@ def state_dict(model: RewardTransformer) -> dict[str, np.ndarray]:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = hf_name(path)
-        value = np.asarray(var.value, np.float32)
+        value = np.asarray(var[...], np.float32)
         out[name] = np.ascontiguousarray(value.T if transpose else value)
     return out
 
@@ -181,9 +181,9 @@ def write_adapter(model: RewardTransformer, folder: str, cfg, base_path: str) ->
     for name, (a, b) in lora.adapters(model).items():
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(a, np.float32).T)
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(b, np.float32).T)
-    tensors[f"{PEFT_PREFIX}score.weight"] = np.ascontiguousarray(np.asarray(model.score.kernel.value, np.float32).T)
+    tensors[f"{PEFT_PREFIX}score.weight"] = np.ascontiguousarray(np.asarray(model.score.kernel[...], np.float32).T)
     if model.score.bias is not None:
-        tensors[f"{PEFT_PREFIX}score.bias"] = np.asarray(model.score.bias.value, np.float32)
+        tensors[f"{PEFT_PREFIX}score.bias"] = np.asarray(model.score.bias[...], np.float32)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
     task = kind_of_head(model.config.num_labels).peft_task
     config = {"peft_type": "LORA", "task_type": task, "r": cfg.rank, "lora_alpha": cfg.alpha,

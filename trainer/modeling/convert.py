@@ -108,17 +108,17 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
         name, transpose = hf_name(path)
         if name.startswith("score.") and not is_classifier:
             if name == "score.bias":
-                var.value = jnp.zeros_like(var.value)
+                var[...] = jnp.zeros_like(var[...])
             continue  # fresh head, seeded (bias 0)
         if name not in tensors:
             missing.append(name)
             continue
         value = tensors[name].T if transpose else tensors[name]
-        if value.shape != var.value.shape:
+        if value.shape != var[...].shape:
             bad_shape.append(f"{name}: checkpoint {tensors[name].shape}, model expects "
-                             f"{var.value.T.shape if transpose else var.value.shape}")
+                             f"{var[...].T.shape if transpose else var[...].shape}")
             continue
-        var.value = jnp.asarray(value, jnp.float32)
+        var[...] = jnp.asarray(value, jnp.float32)
         used.add(name)
     unexpected = sorted(set(tensors) - used - set(IGNORED)
                         - {n for n in tensors if n.endswith(IGNORED_SUFFIXES)})

@@ -204,7 +204,7 @@ class DecoderModel(nnx.Module):
         """Embeddings, RoPE tables and the attention context (with the dense mask, built once,
         when ``full_layers`` layers run over every token with a mask-taking implementation)."""
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq.value, self.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq[...], self.dtype)
         if branch_ids is None:
             branch_ids = jnp.zeros_like(segment_ids)
         ctx = AttentionContext(segment_ids, positions, branch_ids, self.attention, self.sliding_window)

@@ -44,9 +44,15 @@ def dropout_key(key):
         _DROPOUT_KEYS.pop()
 
 
+def modules(model: nnx.Module):
+    """(path, module) of every module in ``model``, itself last (``nnx.iter_modules``, which not
+    every Flax release this project supports has; ``Module.iter_modules`` is deprecated)."""
+    return ((path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module))
+
+
 def lora_linears(model: nnx.Module, targets: tuple[str, ...]):
     """(name, module) of every targeted projection."""
-    for path, module in model.iter_modules():
+    for path, module in modules(model):
         if path and str(path[-1]) in targets and isinstance(module, nnx.Linear):
             yield ".".join(map(str, path)), module
 
@@ -56,7 +62,7 @@ def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
     key = jax.random.key(seed + 7919)
     n = 0
     for _, linear in lora_linears(model, cfg.target_modules):
-        n_in, n_out = linear.kernel.value.shape
+        n_in, n_out = linear.kernel[...].shape
         key, sub = jax.random.split(key)
         bound = 1.0 / math.sqrt(n_in)  # Kaiming-uniform with a=sqrt(5), as PEFT's nn.Linear init
         linear.lora_A = nnx.LoRAParam(jax.random.uniform(sub, (n_in, cfg.rank), jnp.float32, -bound, bound))
@@ -72,7 +78,7 @@ def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
 
 def _frozen_to_bfloat16(model: nnx.Module) -> None:
     """The frozen matrices (kernels, embeddings) in bfloat16; norms, adapters and the score head stay float32."""
-    for path, module in model.iter_modules():
+    for path, module in modules(model):
         if path and str(path[0]) == "score":
             continue
         for name, var in list(vars(module).items()):
@@ -84,8 +90,8 @@ def delta(linear: nnx.Linear, x: jax.Array) -> jax.Array:
     """The adapter's contribution to a projection's output, or 0 without adapters."""
     if not hasattr(linear, "lora_A"):
         return 0.0
-    a = linear.lora_A.value.astype(x.dtype)
-    b = linear.lora_B.value.astype(x.dtype)
+    a = linear.lora_A[...].astype(x.dtype)
+    b = linear.lora_B[...].astype(x.dtype)
     rate = getattr(linear, "lora_dropout", 0.0)
     key = _DROPOUT_KEYS[-1] if _DROPOUT_KEYS else None
     if rate and key is not None:
@@ -106,7 +112,7 @@ def merge(model: nnx.Module) -> int:
     n = 0
     for _, linear in lora_linears(model, TARGETS):
         if hasattr(linear, "lora_A"):
-            w = linear.kernel.value.astype(jnp.float32) + (linear.lora_A.value @ linear.lora_B.value) * linear.lora_scale
+            w = linear.kernel[...].astype(jnp.float32) + (linear.lora_A[...] @ linear.lora_B[...]) * linear.lora_scale
             linear.kernel = nnx.Param(w)  # float32, whatever the frozen base was kept in
             del linear.lora_A, linear.lora_B, linear.lora_scale, linear.lora_dropout, linear.lora_index
             n += 1
@@ -125,5 +131,5 @@ def strip(model: nnx.Module) -> int:
 
 def adapters(model: nnx.Module) -> dict[str, tuple[jax.Array, jax.Array]]:
     """name -> (A, B) of every adapter."""
-    return {name: (lin.lora_A.value, lin.lora_B.value) for name, lin in lora_linears(model, TARGETS)
+    return {name: (lin.lora_A[...], lin.lora_B[...]) for name, lin in lora_linears(model, TARGETS)
             if hasattr(lin, "lora_A")}
