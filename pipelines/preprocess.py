@@ -30,7 +30,7 @@ from rmflow.pipelines.finalize import (
     PreprocessError,
 )
 from rmflow.pipelines.near_dedup import DropNearDuplicates
-from rmflow.pipelines.runner import is_local, launched, new_pipeline
+from rmflow.pipelines.runner import is_local, launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import clean_leftovers, new_staging
 from rmflow.pipelines.tokenize import (
     TokenizerAssets,
@@ -150,9 +150,8 @@ CODE_STAGING_OPTIONS = ("extra_packages", "setup_file", "requirements_file", "sd
 
 
 def pipeline_options(cfg: PreprocessConfig) -> PipelineOptions:
-    opts = PipelineOptions(list(cfg.beam_args))
+    opts = runner_options(cfg.beam_args, cfg.runner)
     std = opts.view_as(StandardOptions)
-    std.runner = std.runner or cfg.runner
     if not is_local(std.runner) and not any(opts.get_all_options().get(k) for k in CODE_STAGING_OPTIONS):
         raise PreprocessError(
             f"runner {std.runner} runs on remote workers, which need rmflow installed: build a wheel with "

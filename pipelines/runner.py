@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
@@ -25,9 +25,17 @@ def is_local(runner: str) -> bool:
     return runner.lower() in LOCAL_RUNNERS
 
 
+def runner_options(beam_args: Sequence[str], runner: str) -> PipelineOptions:
+    """Beam's options from ``beam_args``, with ``runner`` where they name none."""
+    opts = PipelineOptions(list(beam_args))
+    std = opts.view_as(StandardOptions)
+    std.runner = std.runner or runner
+    return opts
+
+
 def new_pipeline(opts: PipelineOptions) -> beam.Pipeline:
-    """A pipeline for the runner ``opts`` name."""
-    if is_local(opts.view_as(StandardOptions).runner or "DirectRunner"):
+    """A pipeline for the runner ``opts`` name (``runner_options``)."""
+    if is_local(opts.view_as(StandardOptions).runner):
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
         return beam.Pipeline(runner=FnApiRunner(), options=opts)

@@ -33,7 +33,7 @@ from apache_beam.pvalue import TaggedOutput
 from rmflow.api import BadConversation, RewardModel
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.formats import BadRecord, detect_format, normalize
-from rmflow.pipelines.runner import launched, new_pipeline
+from rmflow.pipelines.runner import launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import OWNER_FILE, new_staging
 from rmflow.pipelines.tokenize import message_dict
 from rmflow.pipelines.transforms import DEAD, FILES, ReadRecordsFn, as_bad_record, dead_letter
@@ -436,12 +436,7 @@ def _finalize_after(items, spec, identity, _errors_written):
 
 
 def make_pipeline(runner: str, beam_args: Sequence[str]) -> beam.Pipeline:
-    from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
-
-    opts = PipelineOptions(list(beam_args))
-    std = opts.view_as(StandardOptions)
-    std.runner = std.runner or runner
-    return new_pipeline(opts)
+    return new_pipeline(runner_options(beam_args, runner))
 
 
 def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "DirectRunner",

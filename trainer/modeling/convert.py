@@ -114,9 +114,10 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
             missing.append(name)
             continue
         value = tensors[name].T if transpose else tensors[name]
-        if value.shape != var[...].shape:
+        expected = var[...].shape
+        if value.shape != expected:
             bad_shape.append(f"{name}: checkpoint {tensors[name].shape}, model expects "
-                             f"{var[...].T.shape if transpose else var[...].shape}")
+                             f"{expected[::-1] if transpose else expected}")
             continue
         var[...] = jnp.asarray(value, jnp.float32)
         used.add(name)
