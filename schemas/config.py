@@ -331,6 +331,9 @@ class TrainConfig(_Serializable):
     max_length: int = _opt(0, "Longest sequence; 0 = the shards' max_length.")
     dtype: str = _opt("float32", "Compute dtype: float32 or bfloat16 (parameters and loss stay float32).")
     gradient_checkpointing: bool = _opt(False, "Recompute each layer's activations in the backward pass.")
+    scan_layers: bool = _opt(True, "Run the decoder layers as one scanned layer, so a deep model compiles in "
+                                   "about the time of one layer; false unrolls them (one copy per layer in the "
+                                   "compiled program).")
     packing: str = _opt("auto", "How pairs become rows: pack (each pair's prompt once and both replies, packed into "
                                 "one row per device, no padding between pairs), bucket (one sequence a row, pairs "
                                 "of similar length batched together), none (one sequence a row, shuffled, padded "

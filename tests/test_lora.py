@@ -153,6 +153,20 @@ def test_adapter_dropout_is_unbiased_and_only_in_training():
     np.testing.assert_array_equal(lora.delta(linear, x), plain)  # outside training: no dropout
 
 
+@pytest.mark.parametrize("rate", [0.05, 0.5])
+def test_dropout_masks_drop_at_the_rate_with_any_width(rate):
+    """Two 16-bit draws a random word: the rate is met to 1/65536, odd widths included, every
+    element drawn independently (no two halves of a word alike), and the scale is unbiased."""
+    keep, scale = lora.keep_mask(jax.random.key(0), (64, 1001), rate)
+    assert keep.shape == (64, 1001)
+    kept = float(keep.mean())
+    assert abs(kept - (1 - rate)) < 4 * (rate * (1 - rate) / keep.size) ** 0.5 + 1e-4
+    assert abs(scale * (1 - rate) - 1) < 1e-4
+    pairs = np.asarray(keep[:, :1000]).reshape(64, 500, 2)  # the two halves of each word
+    both = float((pairs[..., 0] & pairs[..., 1]).mean())
+    assert abs(both - (1 - rate) ** 2) < 0.02
+
+
 @pytest.mark.slow
 def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):  # noqa: F811
     import jax.numpy as jnp

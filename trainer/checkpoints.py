@@ -112,7 +112,8 @@ def load_trained_model(run_dir: str, step: int | str | None = None) -> tuple[Rew
         model = base_model(dataclasses.replace(run.config, dtype="float32", gradient_checkpointing=False),
                            run.model_config, num_labels=run.model_config.num_labels)
     else:
-        model = RewardTransformer(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention)
+        model = RewardTransformer(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention,
+                                  scan_layers=run.config.scan_layers)
     trainer = make_trainer(run.config, model, 1, objective_for(run.manifest.kind))
     manager = checkpoint_manager(run_dir)
     step = latest if step is None else best_step(run_dir, run, manager.all_steps()) if step == "best" else step

@@ -53,7 +53,7 @@ RESUME_FREE_KEYS = frozenset({
     "output", "data", "logging_steps", "eval_steps", "save_steps", "save_total_limit", "loader_workers",
     "eval_data", "metric_for_best", "keep_best",
     "compile_ahead", "compilation_cache", "report_to", "wandb_project", "distributed", "coordinator_address",
-    "num_processes", "mesh_data", "mesh_fsdp", "mesh_tensor", "attention", "gradient_checkpointing",
+    "num_processes", "mesh_data", "mesh_fsdp", "mesh_tensor", "attention", "gradient_checkpointing", "scan_layers",
 })
 # Keys whose change gives the parameters other shapes: a checkpoint cannot continue under them.
 RESUME_SHAPE_KEYS = frozenset({"model", "lora"})

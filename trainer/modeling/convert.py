@@ -85,7 +85,8 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
 
 
 def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False, seed: int = 0,
-                      attention: str = "auto", num_labels: int | None = None) -> RewardTransformer:
+                      attention: str = "auto", num_labels: int | None = None, scan_layers: bool = True
+                      ) -> RewardTransformer:
     """Build the reward model a checkpoint describes and load its weights. ``num_labels``: the
     head the caller needs (1: reward, 2: process model); None takes the checkpoint's."""
     folder = resolve(checkpoint)
@@ -101,7 +102,8 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
                               f"{kind_of_head(num_labels).description}: start from its base model instead")
     if num_labels is not None:
         cfg = dataclasses.replace(cfg, num_labels=num_labels)
-    model = RewardTransformer(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention)
+    model = RewardTransformer(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention,
+                              scan_layers=scan_layers)
     state = nnx.state(model, nnx.Param)
     missing, bad_shape, used = [], [], set()
     for path, var in nnx.to_flat_state(state):

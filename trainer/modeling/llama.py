@@ -182,10 +182,63 @@ def _layer_at(layer: DecoderLayer, x, index, cos, sin, ctx):
     return layer.at(x, index, cos, sin, ctx)
 
 
-class DecoderModel(nnx.Module):
-    """The transformer body (Hugging Face's ``model.`` prefix)."""
+def _apply_layer(graphdef, x, index, state, fn, key, *args):
+    """``fn`` on the layer ``(graphdef, state)`` as layer number ``index``, its adapter dropout
+    (if ``key``) drawn from ``lora.layer_key(key, index)``."""
+    with lora.dropout_key(lora.layer_key(key, index)):
+        return fn(nnx.merge(graphdef, state), x, *args)
 
-    def __init__(self, cfg: ModelConfig, *, dtype, remat: bool = False, rngs: nnx.Rngs, attention: str = "auto"):
+
+# Recomputed in the backward pass. The dropout key is an argument: jax.checkpoint (and nnx.remat)
+# reuse a function's trace across calls, so a key read from the context inside would be stale.
+_apply_layer_remat = jax.checkpoint(_apply_layer, static_argnums=(0, 4), prevent_cse=False)
+
+
+def apply_layer(layer, index, fn, x, *args, remat: bool):
+    """``fn(layer, x, *args)`` as layer number ``index``; ``remat``: recomputed in the backward pass."""
+    graphdef, state = nnx.split(layer)
+    call = _apply_layer_remat if remat else _apply_layer
+    return call(graphdef, x, index, state, fn, lora.current_key(), *args)
+
+
+def run_layers(layers, fn, x, *args, scan: bool, remat: bool, collect: bool = False):
+    """``x`` through ``layers`` in order, ``fn(layer, x, *args)`` each; with ``collect``, also
+    every layer's output, stacked (L, ...).
+
+    ``scan``: one ``jax.lax.scan`` over the layers' parameters, stacked at call time, so the
+    compiled program holds the layer once and a deep model compiles in about the time of a
+    shallow one. The parameters stay one module per layer (conversion, export, LoRA, sharding
+    rules and checkpoints see no stacked axis); stacking costs one copy of the layers' weights a
+    forward pass. Layers of different structure (graphdefs) run in a Python loop instead, as
+    does everything with ``scan=False``. ``remat``: each layer's activations are recomputed in
+    the backward pass. LoRA's adapter dropout draws per layer from the layer's number
+    (``lora.layer_key``), so both paths draw the same masks."""
+    layers = list(layers)
+    graphdef = nnx.graphdef(layers[0]) if layers else None
+    if not (scan and len(layers) > 1 and all(nnx.graphdef(layer) == graphdef for layer in layers[1:])):
+        outs = []
+        for i, layer in enumerate(layers):
+            x = apply_layer(layer, i, fn, x, *args, remat=remat)
+            outs.append(x)
+        return (x, jnp.stack(outs)) if collect else x
+    call, key = (_apply_layer_remat if remat else _apply_layer), lora.current_key()
+
+    def body(h, xs):
+        i, state = xs
+        h = call(graphdef, h, i, state, fn, key, *args)
+        return h, (h if collect else None)
+
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[nnx.state(layer) for layer in layers])
+    x, outs = jax.lax.scan(body, x, (jnp.arange(len(layers), dtype=jnp.int32), stacked))
+    return (x, outs) if collect else x
+
+
+class DecoderModel(nnx.Module):
+    """The transformer body (Hugging Face's ``model.`` prefix). ``scan_layers``: the layers run
+    as one scanned layer (``run_layers``)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, remat: bool = False, rngs: nnx.Rngs, attention: str = "auto",
+                 scan_layers: bool = True):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=jnp.float32,
                                       embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
@@ -193,12 +246,15 @@ class DecoderModel(nnx.Module):
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # a constant, not a parameter
         self.sliding_window, self.dtype = cfg.sliding_window, dtype
         self.attention = resolve_attention(attention, dtype)
-        self._forward = nnx.remat(_layer_forward) if remat else _layer_forward
-        self._forward_at = nnx.remat(_layer_at) if remat else _layer_at
+        self.remat, self.scan_layers = remat, scan_layers
 
     def __call__(self, input_ids, positions, segment_ids, branch_ids=None):
         """Hidden states before the final norm, (B, T, H)."""
-        return self.hidden_states(input_ids, positions, segment_ids, branch_ids)[-1]
+        x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers))
+        return self._run(self.layers, _layer_forward, x, cos, sin, ctx)
+
+    def _run(self, layers, fn, x, *args, collect: bool = False):
+        return run_layers(layers, fn, x, *args, scan=self.scan_layers, remat=self.remat, collect=collect)
 
     def _inputs(self, input_ids, positions, segment_ids, branch_ids, full_layers: int):
         """Embeddings, RoPE tables and the attention context (with the dense mask, built once,
@@ -215,20 +271,16 @@ class DecoderModel(nnx.Module):
     def hidden_states(self, input_ids, positions, segment_ids, branch_ids=None) -> list[jax.Array]:
         """The embeddings and each layer's output (for per-layer parity checks)."""
         x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers))
-        out = [x]
-        for layer in self.layers:
-            x = self._forward(layer, x, cos, sin, ctx)
-            out.append(x)
-        return out
+        _, outs = self._run(self.layers, _layer_forward, x, cos, sin, ctx, collect=True)
+        return [x, *outs]
 
     def hidden_at(self, input_ids, positions, segment_ids, index, branch_ids=None) -> jax.Array:
         """Hidden states before the final norm at the tokens ``index`` (B, S), (B, S, H). Every
         layer but the last runs over all tokens; the last one only at ``index`` (its outputs
         elsewhere feed nothing), which gives the same values for a fraction of its work."""
         x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers) - 1)
-        for layer in self.layers[:-1]:
-            x = self._forward(layer, x, cos, sin, ctx)
-        return self._forward_at(self.layers[-1], x, index, cos, sin, ctx)
+        x = self._run(self.layers[:-1], _layer_forward, x, cos, sin, ctx)
+        return apply_layer(self.layers[-1], len(self.layers) - 1, _layer_at, x, index, cos, sin, ctx, remat=self.remat)
 
 
 class RewardTransformer(nnx.Module):
@@ -240,13 +292,15 @@ class RewardTransformer(nnx.Module):
     ``reward_index`` holds the explicit index of each sequence's reward token (each step's end),
     (B,) or (B, K) for K per row; scores come back in float32 with the same shape: the reward,
     or for a process model the log-odds that the step is correct (logit 1 - logit 0).
-    ``attention`` picks the implementation (``trainer.modeling.attention.ATTENTION``).
+    ``attention`` picks the implementation (``trainer.modeling.attention.ATTENTION``);
+    ``scan_layers`` runs the layer stack as one scanned layer (``run_layers``).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, remat: bool = False, rngs: nnx.Rngs,
-                 score_init_std: float | None = None, attention: str = "auto"):
+                 score_init_std: float | None = None, attention: str = "auto", scan_layers: bool = True):
         self.config = cfg
-        self.model = DecoderModel(cfg, dtype=dtype, remat=remat, rngs=rngs, attention=attention)
+        self.model = DecoderModel(cfg, dtype=dtype, remat=remat, rngs=rngs, attention=attention,
+                                  scan_layers=scan_layers)
         std = score_init_std if score_init_std is not None else 1.0 / math.sqrt(cfg.hidden_size + 1)
         self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=kind_of_head(cfg.num_labels).head_bias, dtype=dtype,
                                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
