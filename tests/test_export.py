@@ -107,6 +107,31 @@ def test_eval_on_shards_raw_files_and_exported_model(trained_run, tmp_path):
     assert 0.0 <= m["accuracy"] <= 1.0 and "length_bias" in m
 
 
+def test_a_base_model_is_evaluated_as_it_is(tmp_path):
+    """A bare checkpoint (a causal LM, no score head) is evaluated directly: a fresh score head
+    seeded with 0, the same scores every time, and the report says it is untrained."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=2)
+    base = tmp_path / "base"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(base)
+    for f in (DEMO / "tokenizer").iterdir():
+        shutil.copy(f, base / f.name)
+    lines = gzip.open(DEMO / "hh_rlhf_helpful_sample.jsonl.gz", "rt").read().splitlines()[:12]
+    (tmp_path / "raw.jsonl").write_text("\n".join(lines) + "\n")
+    reports = []
+    for out in ("e1", "e2"):
+        result = CliRunner().invoke(app, ["eval", "--model", str(base), "--data", str(tmp_path / "raw.jsonl"),
+                                          "--output", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+        reports.append(json.loads((tmp_path / out / "eval.json").read_text()))
+    m = reports[0]["metrics"]
+    assert m["pairs"] == 12 and m == reports[1]["metrics"]  # seeded: the same untrained baseline each time
+    assert m["reward_chosen_std"] > 0  # a real head, not zeros
+    assert "fresh score head, seeded with 0: untrained" in reports[0]["config"]["model_description"]
+    assert "untrained" in (tmp_path / "e1" / "report.md").read_text()
+
+
 def test_score_command_matches_the_model_and_keeps_order(trained_run, tmp_path):
     lines = [json.dumps({"id": i, "messages": c}) for i, c in enumerate(CONVERSATIONS)]
     lines.insert(1, json.dumps({"id": "bad", "messages": "not a list"}))

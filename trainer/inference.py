@@ -31,6 +31,7 @@ from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.data import PackCollate, StepPackCollate, bucket_length
 from rmflow.trainer.data.collate import MIN_BUCKET
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
+from rmflow.trainer.modeling.config import head_kind
 from rmflow.trainer.modeling.convert import load_reward_model
 from rmflow.trainer.modeling.llama import RewardTransformer
 from rmflow.trainer.rundir import is_run_dir, tokenizer_fingerprint
@@ -102,9 +103,14 @@ class LoadedModel:
 
 
 
+BARE_HEAD_SEED = 0  # a base model's fresh score head (``load_reward_model``'s default seed)
+
+
 def load_model(path: str, step: int | str | None = None) -> LoadedModel:
-    """A run directory (its newest checkpoint, or ``step``) or an exported checkpoint folder, local
-    or remote (copied down first)."""
+    """A run directory (its newest checkpoint, or ``step``) or a checkpoint folder, local or
+    remote (copied down first): an export, any ``*ForSequenceClassification`` reward model, or a
+    base model (a causal LM), which gets a fresh score head seeded with ``BARE_HEAD_SEED``, so
+    the untrained baseline is scored, evaluated and served like any model."""
     path = storage.stage_run(path)
     if is_run_dir(path):
         model, run, step = load_trained_model(path, step)
@@ -116,10 +122,13 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
                              "exported checkpoint folder")
     if step is not None:
         raise ModelLoadError(f"{path} is an exported checkpoint (one set of weights): --step applies to run directories")
-    model = load_reward_model(path)
+    model = load_reward_model(path, seed=BARE_HEAD_SEED)
     with open(os.path.join(path, "config.json")) as f:
-        pad = json.load(f).get("pad_token_id") or 0
+        raw = json.load(f)
+    pad = raw.get("pad_token_id") or 0
     description = f"checkpoint {os.path.abspath(path)}"
+    if head_kind(raw) is None:  # a base model, scored as it is: the untrained baseline
+        description += f" (a base model with a fresh score head, seeded with {BARE_HEAD_SEED}: untrained)"
     info = os.path.join(path, EXPORT_INFO)
     separator, exported = STEP_SEPARATOR, {}
     if os.path.exists(info):
