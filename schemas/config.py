@@ -297,6 +297,7 @@ LORA_KEYS = tuple(f.name for f in dataclasses.fields(LoraConfig))  # the keys of
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
 PACKING = ("auto", "none", "bucket", "pack")
+SCAN_LAYERS = ("auto", "on", "off")
 ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas")
 DISTRIBUTED = ("auto", "on", "off")
 REPORT_TO = ("tensorboard", "wandb")
@@ -331,9 +332,11 @@ class TrainConfig(_Serializable):
     max_length: int = _opt(0, "Longest sequence; 0 = the shards' max_length.")
     dtype: str = _opt("float32", "Compute dtype: float32 or bfloat16 (parameters and loss stay float32).")
     gradient_checkpointing: bool = _opt(False, "Recompute each layer's activations in the backward pass.")
-    scan_layers: bool = _opt(True, "Run the decoder layers as one scanned layer, so a deep model compiles in "
-                                   "about the time of one layer; false unrolls them (one copy per layer in the "
-                                   "compiled program).")
+    scan_layers: str = _opt("auto", "Decoder layers: on (one scanned layer: the layers' weights stacked at "
+                                    "call time, one layer in the compiled program), off (unrolled: a copy per "
+                                    "layer), or auto: on with LoRA and for eval, scoring and serving, off for full "
+                                    "fine-tuning (where the stacking's extra weight and gradient copies cost more "
+                                    "than the scan saves, measured on CPU).")
     packing: str = _opt("auto", "How pairs become rows: pack (each pair's prompt once and both replies, packed into "
                                 "one row per device, no padding between pairs), bucket (one sequence a row, pairs "
                                 "of similar length batched together), none (one sequence a row, shuffled, padded "
@@ -422,6 +425,8 @@ class TrainConfig(_Serializable):
             raise ConfigError(f"packing {self.packing!r}: use one of {PACKING}")
         if self.attention not in ATTENTION:
             raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION}")
+        if self.scan_layers not in SCAN_LAYERS:
+            raise ConfigError(f"scan_layers {self.scan_layers!r}: use one of {SCAN_LAYERS}")
         reporters = (self.report_to,) if isinstance(self.report_to, str) else tuple(self.report_to or ())
         object.__setattr__(self, "report_to", tuple(r for r in reporters if r != "none"))
         bad = [r for r in self.report_to if r not in REPORT_TO]
@@ -456,6 +461,13 @@ class TrainConfig(_Serializable):
     @property
     def lora_config(self) -> LoraConfig | None:
         return self._lora
+
+    def scans_layers(self, training: bool = True) -> bool:
+        """Whether the decoder layers run as one scanned layer (``scan_layers``), in training or,
+        with ``training=False``, when the run's model scores (eval, score, serve)."""
+        if self.scan_layers != "auto":
+            return self.scan_layers == "on"
+        return not training or self._lora is not None
 
     @property
     def sources(self) -> tuple[DataSource, ...]:

@@ -1,5 +1,5 @@
-"""The decoder's layer stack: one scanned layer (``scan_layers``, the default) against the layers
-unrolled, and what runs inside a layer (remat, LoRA's adapter dropout) under both."""
+"""The decoder's layer stack: one scanned layer (``scan_layers: on``) against the layers unrolled,
+what runs inside a layer (remat, LoRA's adapter dropout) under both, and what ``auto`` picks."""
 
 import dataclasses
 
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from rmflow.schemas.config import ConfigError, TrainConfig
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
@@ -127,3 +128,14 @@ def test_adapter_dropout_keeps_no_extra_activations():
     memory than full fine-tuning)."""
     with_dropout, without = _temp_bytes(0.1), _temp_bytes(0.0)
     assert with_dropout < 1.25 * without, (with_dropout, without)
+
+
+def test_auto_scans_with_lora_and_for_scoring_and_unrolls_full_fine_tuning():
+    base = {"data": "shards", "model": "tiny", "output": "run"}
+    full, adapters = TrainConfig(**base), TrainConfig(**base, lora={"rank": 4})
+    assert not full.scans_layers() and full.scans_layers(training=False)
+    assert adapters.scans_layers() and adapters.scans_layers(training=False)
+    assert TrainConfig(**base, scan_layers="on").scans_layers()
+    assert not TrainConfig(**base, lora={"rank": 4}, scan_layers="off").scans_layers(training=False)
+    with pytest.raises(ConfigError, match="scan_layers 'yes': use one of"):
+        TrainConfig(**base, scan_layers="yes")

@@ -113,7 +113,7 @@ def load_trained_model(run_dir: str, step: int | str | None = None) -> tuple[Rew
                            run.model_config, num_labels=run.model_config.num_labels)
     else:
         model = RewardTransformer(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention,
-                                  scan_layers=run.config.scan_layers)
+                                  scan_layers=run.config.scans_layers(training=False))
     trainer = make_trainer(run.config, model, 1, objective_for(run.manifest.kind))
     manager = checkpoint_manager(run_dir)
     step = latest if step is None else best_step(run_dir, run, manager.all_steps()) if step == "best" else step

@@ -93,11 +93,11 @@ def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, num_l
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     if is_preset(cfg.model):
         model = RewardTransformer(preset_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
-                                  attention=cfg.attention, scan_layers=cfg.scan_layers)
+                                  attention=cfg.attention, scan_layers=cfg.scans_layers())
     else:
         model = load_reward_model(resolve(cfg.model), dtype=dtype, remat=cfg.gradient_checkpointing,
                                   seed=cfg.seed, attention=cfg.attention, num_labels=num_labels,
-                                  scan_layers=cfg.scan_layers)
+                                  scan_layers=cfg.scans_layers())
     if cfg.lora_config is not None:
         lora.apply(model, cfg.lora_config, seed=cfg.seed)
     return model
