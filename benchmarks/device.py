@@ -49,17 +49,27 @@ CONFIGS = {
 }
 
 
-def check_parity() -> None:
+PARITY_CASES = (("blockwise", "float32", None), ("blockwise", "float32", 300), ("cudnn", "bfloat16", None),
+                ("pallas", "float32", None), ("pallas", "float32", 300), ("pallas", "bfloat16", None),
+                ("blockwise", "bfloat16", None))
+
+
+def check_parity(t: int = 2048, cases=PARITY_CASES, longest: int = 300) -> list[dict]:
+    """Each (implementation, dtype, window) against the dense reference on packed rows of ``t``
+    tokens (units of 16 to ``longest`` tokens): the largest output difference and the largest
+    gradient difference relative to the reference's largest gradient (q, k, v). One row each;
+    ``error`` where the device does not support it."""
     jax.config.update("jax_default_matmul_precision", "highest")  # float32 means float32 (GPUs default to TF32)
     rng = np.random.default_rng(0)
-    b, t, n, k, d = 2, 2048, 8, 2, 64
-    seg, pos, br = packed_layout(rng, b, t, (16, 300))
+    b, n, k, d = 2, 8, 2, 64
+    seg, pos, br = packed_layout(rng, b, t, (16, longest))
     q = rng.normal(size=(b, t, n, d)).astype(np.float32)
     kv = [rng.normal(size=(b, t, k, d)).astype(np.float32) for _ in range(2)]
     real = seg[:, :, None, None] > 0
-    for impl, dtype, window in (("blockwise", jnp.float32, None), ("blockwise", jnp.float32, 300),
-                                ("cudnn", jnp.bfloat16, None), ("pallas", jnp.float32, None),
-                                ("pallas", jnp.float32, 300), ("pallas", jnp.bfloat16, None)):
+    rows = []
+    for impl, dtype_name, window in cases:
+        dtype = jnp.dtype(dtype_name)
+        window = min(window, longest) if window else None
         args = [jnp.asarray(x, dtype) for x in (q, *kv)]
 
         def loss(q, k, v, impl=impl, window=window):
@@ -73,6 +83,8 @@ def check_parity() -> None:
             (_, o), g = f(*args)
         except Exception as e:  # noqa: BLE001 - report what the device does not support
             print(f"parity {impl} {jnp.dtype(dtype).name}: not available here: {type(e).__name__}: {str(e)[:300]}")
+            rows.append({"attention": impl, "dtype": dtype_name, "window": window,
+                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
         (_, o_ref), g_ref = ref(*args)
         diff = lambda a, r: float(jnp.max(jnp.abs(jnp.where(real, a, 0).astype(jnp.float32)  # noqa: E731
@@ -81,7 +93,10 @@ def check_parity() -> None:
                        / jnp.max(jnp.abs(r.astype(jnp.float32)))) for a, r in zip(g, g_ref)]
         print(f"parity {impl:9s} {jnp.dtype(dtype).name:8s} window={window}: max |out - ref| {diff(o, o_ref):.2e}, "
               f"max |grad - ref| / max |ref| (q, k, v) {', '.join(f'{x:.2e}' for x in grads)}")
+        rows.append({"attention": impl, "dtype": dtype_name, "window": window, "out_max_abs": diff(o, o_ref),
+                     "grad_max_rel": max(grads)})
     jax.config.update("jax_default_matmul_precision", None)
+    return rows
 
 
 def load_records(shards: pathlib.Path):
@@ -105,8 +120,10 @@ def attended_pairs(batch) -> int:
 
 
 def throughput(name: str, records, packing: str, batch_size: int, steps: int, peak: float, block: int,
-               packed_attention: str = "blockwise") -> None:
-    cfg = ModelConfig(**CONFIGS[name])
+               packed_attention: str = "blockwise", max_length: int = 2048, config: dict | None = None) -> dict:
+    """Steady-state training throughput of one configuration (every shape compiled first); one
+    row: real tokens/s, padding, model TFLOP/s, MFU over ``peak`` TFLOP/s, compilations."""
+    cfg = ModelConfig(**(config or CONFIGS[name]))
     impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
     model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl)
     if impl in ("blockwise", "pallas") and block:
@@ -117,11 +134,11 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     body = params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     trainer = Trainer(model, OptimConfig(learning_rate=1e-5, total_steps=1000))
-    collate = (PackCollate(batch_size, 2048, 0) if packing == "pack"
-               else Collate(batch_size, 2048, 0, lengths="pow2" if packing == "none" else "fine"))
+    collate = (PackCollate(batch_size, max_length, 0) if packing == "pack"
+               else Collate(batch_size, max_length, 0, lengths="pow2" if packing == "none" else "fine"))
     if packing == "bucket":  # as the bucket sampler does: sorted by length within a window of 32 batches
         window = sorted(records[: 32 * batch_size], key=lambda r: max(len(r.chosen_ids), len(r.rejected_ids)))
-        every = 32 // steps  # the timed batches spread over the window's lengths
+        every = max(len(window) // batch_size // steps, 1)  # the timed batches spread over the window's lengths
         records = [r for i in range(steps) for r in window[i * every * batch_size :][:batch_size]]
     batches = [collate(records[i * batch_size : (i + 1) * batch_size]) for i in range(steps)]
     state = trainer.init_state
@@ -144,9 +161,14 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
     slots = sum(b["input_ids"].size for b in batches)
     pairs = sum(attended_pairs(b) for b in batches)
     flops = 6 * body * computed + 12 * cfg.num_hidden_layers * pairs * cfg.num_attention_heads * cfg.head_dim
-    print(f"| {name} | {packing} | {impl}{f' (block {block})' if impl in ('blockwise', 'pallas') else ''} | {batch_size} "
+    row = {"model": name, "packing": packing, "attention": impl, "block": block if impl in ("blockwise", "pallas") else None,
+           "pairs_per_step": batch_size, "real_tokens_per_s": real / seconds, "padding": 1 - computed / slots,
+           "model_tflops": flops / seconds / 1e12, "mfu": flops / seconds / 1e12 / peak, "shapes": len(shapes),
+           "compile_s": compile_s}
+    print(f"| {name} | {packing} | {impl}{f' (block {block})' if row['block'] else ''} | {batch_size} "
           f"| {real / seconds:,.0f} | {1 - computed / slots:.3f} | {flops / seconds / 1e12:,.1f} "
           f"| {flops / seconds / 1e12 / peak:.1%} | {len(shapes)} in {compile_s:.0f} s |", flush=True)
+    return row
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ tokens) and ``bpe8k`` (an 8,192-token byte-level BPE trained on the same HH-RLHF
 ``--steps 0`` runs one full epoch of the train split.
 
     .venv/bin/python benchmarks/vs_trl.py [--vocab smollm2,bpe8k] [--steps 40 | --steps 0] [--batch-size 8]
-        [--max-length 512] [--modes pack] [--warm] [--repeat 1]
+        [--max-length 512] [--modes pack] [--warm] [--repeat 1] [--trl-order same|own]
 
 Needs the `bench` extra (`pip install -e '.[bench]'`: trl, torch CPU).
 """
@@ -59,10 +59,11 @@ TINY = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_att
 
 
 def records(shards: pathlib.Path, split: str):
+    """The records of a shard folder's split (``all``: every split)."""
     import grain
     from rmflow.schemas.record import decode
 
-    paths = sorted(str(p) for p in shards.glob(f"{split}-*.array_record"))
+    paths = sorted(str(p) for p in shards.glob(f"{'*' if split == 'all' else split}-*.array_record"))
     source = grain.sources.ArrayRecordDataSource(paths)
     return [decode(source[i]) for i in range(len(source))]
 
@@ -112,11 +113,19 @@ def child_trl(args: dict) -> dict:
 
     shards = pathlib.Path(args["shards"])
     train = records(shards, "train")
-    order = rmflow_order(len(train), args["steps"] * args["batch"])  # the pairs in rmflow's order, read in sequence
+    if args["trl_order"] == "same":  # the pairs in rmflow's order, read in sequence
+        order = rmflow_order(len(train), args["steps"] * args["batch"])
+    else:  # every train pair, in the split's order: TRL's own seeded sampler shuffles them
+        order = list(range(len(train)))
     ds = Dataset.from_dict({"chosen_ids": [train[i].chosen_ids.tolist() for i in order],
                             "rejected_ids": [train[i].rejected_ids.tolist() for i in order]})
     tokenizer = AutoTokenizer.from_pretrained(args["model"])
-    model = AutoModelForSequenceClassification.from_pretrained(args["model"], dtype=torch.float32)
+    gpu, bf16 = args.get("device", "cpu") == "gpu", bool(args.get("bf16"))
+    extra = {"attn_implementation": args["attn"]} if args.get("attn") else {}
+    model = AutoModelForSequenceClassification.from_pretrained(args["model"], dtype=torch.float32, num_labels=1,
+                                                               **extra)
+    if model.config.pad_token_id is None:  # a causal LM's config may name none: the tokenizer's, as TRL pads
+        model.config.pad_token_id = tokenizer.pad_token_id
     steps: list[dict] = []
 
     class Collator(DataCollatorForPreference):  # records each batch's real and padded token counts
@@ -144,27 +153,38 @@ def child_trl(args: dict) -> dict:
         def _get_train_sampler(self, *a, **kw):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
+    # transformers renamed the option (the old name still works there, with a FutureWarning)
+    CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in RewardConfig.__dataclass_fields__
+                     else "gradient_checkpointing")
     cfg = RewardConfig(output_dir=args["work"] + "/trl", max_steps=args["steps"], per_device_train_batch_size=args["batch"],
                        learning_rate=args["lr"], lr_scheduler_type="linear", warmup_steps=args["warmup"],
                        weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
                        center_rewards_coefficient=args["center"], max_length=args["max_length"], logging_steps=1,
-                       save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
-                       disable_tqdm=True, bf16=False, fp16=False)
-    trainer = SameOrder(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer,
+                       save_strategy="no", report_to=[], use_cpu=not gpu, seed=0, dataloader_num_workers=0,
+                       disable_tqdm=True, bf16=bf16, fp16=False, **{CHECKPOINTING: bool(args.get("grad_ckpt"))})
+    trainer_cls = SameOrder if args["trl_order"] == "same" else RewardTrainer
+    trainer = trainer_cls(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer,
                             data_collator=Collator(pad_token_id=tokenizer.pad_token_id), callbacks=[Clock(), Losses()])
     start = time.perf_counter()
     trainer.train()
     wall, ended = time.perf_counter() - start, time.time()
+    peak_device = torch.cuda.max_memory_allocated() / 2**20 if gpu else None
     model.eval()
-    correct = 0
+
+    def accuracy(evals) -> float:
+        correct = 0
+        with torch.no_grad(), torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
+            for r in evals:
+                rc = model(input_ids=torch.tensor([r.chosen_ids.tolist()], device=model.device)).logits[0, 0]
+                rr = model(input_ids=torch.tensor([r.rejected_ids.tolist()], device=model.device)).logits[0, 0]
+                correct += bool(rc > rr)
+        return correct / len(evals)
+
     evals = records(shards, "eval")
-    with torch.no_grad():
-        for r in evals:
-            rc = model(input_ids=torch.tensor([r.chosen_ids.tolist()])).logits[0, 0]
-            rr = model(input_ids=torch.tensor([r.rejected_ids.tolist()])).logits[0, 0]
-            correct += bool(rc > rr)
+    sets = {name: accuracy(records(pathlib.Path(folder), "all")) for name, folder in args.get("eval_sets", {}).items()}
     return {"steps": steps[: args["steps"]], "compiles": [], "wall": wall, "ended": ended, "losses": losses,
-            "eval_accuracy": correct / len(evals), "eval_pairs": len(evals)}
+            "eval_accuracy": accuracy(evals), "eval_pairs": len(evals), "eval_sets": sets,
+            "peak_device_mib": peak_device}
 
 
 def child_rmflow(args: dict) -> dict:
@@ -213,7 +233,8 @@ def child_rmflow(args: dict) -> dict:
                       max_steps=args["steps"], batch_size=args["batch"], learning_rate=args["lr"],
                       warmup_steps=args["warmup"], lr_schedule="linear", max_grad_norm=1.0,
                       center_rewards_coefficient=args["center"], logging_steps=1, seed=0, packing=args["mode"],
-                      report_to=(), compilation_cache=args["cache"])
+                      report_to=(), compilation_cache=args["cache"], dtype=args.get("dtype", "float32"),
+                      gradient_checkpointing=bool(args.get("grad_ckpt")), eval_data=args.get("eval_sets") or None)
     start = time.perf_counter()
     result = run(cfg, on_log=on_log)
     wall, ended = time.perf_counter() - start - eval_seconds[0], time.time() - eval_seconds[0]
@@ -225,9 +246,12 @@ def child_rmflow(args: dict) -> dict:
         steps.append({"real": rec["real_tokens"], "padding": rec["padding_fraction"], "seconds": seconds, "compiles": n_compiles,
                       "computed_fraction": rec.get("computed_fraction", 1.0)})
     final = result.history[-1]
+    stats = jax.devices()[0].memory_stats() or {}
     return {"steps": steps, "compiles": [d for _, d in compiles], "reads": [d for _, d in reads], "wall": wall, "ended": ended,
             "losses": [h["loss"] for h in history], "eval_accuracy": final["eval_accuracy"],
-            "eval_pairs": final["eval_pairs"]}
+            "eval_pairs": final["eval_pairs"], "run": cfg.output,
+            "eval_sets": {name: final[f"eval/{name}/accuracy"] for name in (args.get("eval_sets") or {})},
+            "peak_device_mib": stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None}
 
 
 # --------------------------------------------------------------------------- parent
@@ -249,6 +273,7 @@ def summarize(name: str, out: dict, skip: int, launched: float) -> dict:
             "compiles": len(out["compiles"]), "compile_s": sum(out["compiles"]), "reads": len(out.get("reads", [])),
             "loss": statistics.fmean(out["losses"][-10:]), "eval_accuracy": out["eval_accuracy"],
             "eval_pairs": out["eval_pairs"], "losses": out["losses"], "steps_run": len(steps),
+            "eval_sets": out.get("eval_sets", {}), "peak_device_mib": out.get("peak_device_mib"), "run": out.get("run"),
             "computed": statistics.fmean(s.get("computed_fraction", 1.0) for s in steps)}
 
 
@@ -262,7 +287,7 @@ def launch(kind: str, args: dict) -> tuple[dict, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), launched
 
 
-def table(runs: dict[str, list[dict]], title: str) -> None:
+def table(runs: dict[str, list[dict]], title: str, same_order: bool = True) -> None:
     print(f"\n{title}")
     trl = runs["TRL RewardTrainer"]
     ref = {k: statistics.median(r[k] for r in trl) for k in ("tokens_per_s", "peak_mib", "e2e")}
@@ -270,7 +295,8 @@ def table(runs: dict[str, list[dict]], title: str) -> None:
             "computed/real", "peak MiB", "vs TRL", "compiles (s)", "from cache", "loss (last 10)", "eval acc")
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for name, rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("name", "losses")}
+        med = {k: statistics.median(r[k] for r in rs) for k, v in rs[0].items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
         lo, hi = min(r["tokens_per_s"] for r in rs), max(r["tokens_per_s"] for r in rs)
         elo, ehi = min(r["e2e"] for r in rs), max(r["e2e"] for r in rs)
         print(f"| {name} | {med['e2e']:,.0f} | {elo:,.0f}..{ehi:,.0f} | {ref['e2e'] / med['e2e']:.2f}x "
@@ -278,6 +304,17 @@ def table(runs: dict[str, list[dict]], title: str) -> None:
               f"| {med['padding']:.3f} | {med['computed']:.2f} | {med['peak_mib']:,.0f} "
               f"| {med['peak_mib'] / ref['peak_mib']:.2f}x | {med['compiles']:.0f} ({med['compile_s']:.1f}) "
               f"| {med['reads']:.0f} | {med['loss']:.4f} | {med['eval_accuracy']:.3f} ({rs[0]['eval_pairs']}) |")
+    for name, rs in runs.items():  # the goals: end to end >= 2x TRL, steady >= 2.5x, peak memory <= TRL's
+        if name.startswith("rmflow"):
+            med = {k: statistics.median(r[k] for r in rs) for k in ("e2e", "tokens_per_s", "peak_mib")}
+            e2e, steady, peak = (ref["e2e"] / med["e2e"], med["tokens_per_s"] / ref["tokens_per_s"],
+                                 med["peak_mib"] / ref["peak_mib"])
+            verdict = lambda ok: "met" if ok else "MISSED"  # noqa: E731
+            print(f"{name}: end to end {e2e:.2f}x TRL ({verdict(e2e >= 2.0)}: goal >= 2x); steady {steady:.2f}x "
+                  f"({verdict(steady >= 2.5)}: goal >= 2.5x); peak memory {peak:.2f}x ({verdict(peak <= 1.0)}: "
+                  "goal <= 1x)")
+    if not same_order:
+        return
     trl_losses = trl[0]["losses"]
     for name, rs in runs.items():
         if "packing=none" in name or "packing=pack" in name:  # the same batches as TRL, step for step
@@ -297,7 +334,11 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=3, help="first steps left out of the steady state")
     ap.add_argument("--modes", default=",".join(MODES), help="rmflow packing modes to run")
     ap.add_argument("--warm", action="store_true", help="also rerun each rmflow mode on the cache its first run filled")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each trainer, alternating which goes first "
+                    "(TRL, rmflow, rmflow, TRL, ...), so that a slow hour favours neither; medians and spread")
+    ap.add_argument("--trl-order", choices=("same", "own"), default="same",
+                    help="same: TRL reads rmflow's batches, pair for pair (the losses compare step by step); own: "
+                    "TRL shuffles the train split with its own seeded sampler")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -319,10 +360,12 @@ def main() -> None:
             runs: dict[str, list[dict]] = {}
             for rep in range(a.repeat):
                 cache = f"{tmp}/jax-cache-{rep}"  # empty at each repeat's first rmflow run: a cold start
-                jobs = [("trl", "TRL RewardTrainer")] + [(m, f"rmflow packing={m}") for m in modes]
+                jobs = [(m, f"rmflow packing={m}") for m in modes]
                 jobs += [(m, f"rmflow packing={m}, warm cache") for m in modes] if a.warm else []
+                # the trainers alternate, neither always first: TRL, rmflow..., then rmflow..., TRL
+                jobs = [("trl", "TRL RewardTrainer")] + jobs if rep % 2 == 0 else jobs + [("trl", "TRL RewardTrainer")]
                 for kind, name in jobs:
-                    args = {**base, "mode": kind, "work": f"{tmp}/r{rep}-{len(runs.get(name, []))}-{name[-4:]}",
+                    args = {**base, "mode": kind, "trl_order": a.trl_order, "work": f"{tmp}/r{rep}-{len(runs.get(name, []))}-{name[-4:]}",
                             "cache": cache}
                     out, launched = launch("trl" if kind == "trl" else "rmflow", args)
                     runs.setdefault(name, []).append(summarize(name, out, a.skip, launched))
@@ -333,7 +376,8 @@ def main() -> None:
             table(runs, f"{vocab} ({vocab_size:,} tokens): {steps} steps of {a.batch_size} pairs"
                         f"{' (one epoch)' if not a.steps else ''}, max_length {a.max_length}, tiny Llama (hidden "
                         f"256, 4 layers), float32, CPU ({os.cpu_count()} cores); median of {a.repeat} run(s), "
-                        "spread = min..max; end to end = process launch to the last training step")
+                        "spread = min..max; end to end = process launch to the last training step"
+                        + ("" if a.trl_order == "same" else "; TRL in its own random order"), a.trl_order == "same")
 
 
 if __name__ == "__main__":
