@@ -63,6 +63,8 @@ SIZES = {
             "lr": 1e-5},
     "rehearse": {"max_length": 256, "speed_models": ("toy",), "speed_batch": 4, "speed_steps": 2, "blocks": (64,),
                  "packed_attention": ("blockwise",), "parity_t": 256, "trl_steps": 6, "trl_batch": 2,
+                 "parity_cases": (("blockwise", "float32", None), ("cudnn", "bfloat16", None),
+                                  ("pallas", "float32", 100)),
                  "checkpointing": (True,),
                  "real_batch": 4, "real_steps": 3, "lr": 1e-4},
 }
@@ -141,7 +143,8 @@ def install_wheels(folder: pathlib.Path) -> list[str]:
 def part_parity(size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: str | None) -> list[dict]:
     import device
 
-    return device.check_parity(t=size["parity_t"], longest=min(300, size["parity_t"] // 2))
+    return device.check_parity(t=size["parity_t"], cases=size.get("parity_cases", device.PARITY_CASES),
+                               longest=min(300, size["parity_t"] // 2))
 
 
 def part_speed(size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: str | None) -> list[dict]:
