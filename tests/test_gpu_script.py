@@ -13,6 +13,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared (the real data the check reads)")
 def test_the_gpu_check_rehearses_every_part(tmp_path):
     out = tmp_path / "out"
