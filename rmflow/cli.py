@@ -86,6 +86,14 @@ def command(name: str | None = None, **kwargs):
                     stopped = getattr(e, "exit_code", None)  # a run a signal stopped at a step boundary
                     console.print(f"[red]{verb} {'stopped' if stopped else 'failed'}:[/red] {_escape(str(e))}")
                     raise typer.Exit(stopped or 1) from e
+                except ModuleNotFoundError as e:  # an extra not installed: say which (anything else is a bug)
+                    extra = extra_providing(e.name or "", COMMAND_EXTRA.get(verb))
+                    if extra is None:
+                        raise
+                    console.print(f"[red]{verb} failed:[/red] " + _escape(
+                        f"it needs {e.name.split('.')[0]}, which rmflow's {extra} extra installs: "
+                        f"pip install 'rmflow[{extra}]'"))
+                    raise typer.Exit(1) from e
                 except OSError as e:  # a path the user gave: missing, a folder, not writable ...
                     where = f": {e.filename}" if e.filename else ""
                     console.print(f"[red]{verb} failed:[/red] {_escape((e.strerror or str(e)) + where)}")
@@ -94,6 +102,51 @@ def command(name: str | None = None, **kwargs):
         return app.command(name=name, **kwargs)(wrapper)
 
     return register
+
+
+# Import names whose distribution is named otherwise (the rest: '_' read as '-').
+DISTRIBUTION_OF = {"yaml": "pyyaml", "orbax": "orbax-checkpoint", "google": "apache-beam"}
+# The extra each command runs under (pyproject.toml's optional dependencies).
+COMMAND_EXTRA = {"preprocess": "preprocess", "train": "train", "eval": "train", "export": "train", "score": "train",
+                 "serve": "serve", "run": "all"}
+STAGE_EXTRAS = ("preprocess", "train", "serve", "all")
+
+
+def extra_providing(module: str, preferred: str | None = None) -> str | None:
+    """Which of rmflow's extras (read from its installed metadata) installs the distribution
+    ``module`` comes from: ``preferred`` (the command's own) when it does, else the first stage
+    extra that does, else the smallest other; None when none does (the missing module is a bug)."""
+    import importlib.metadata
+    import re
+
+    top = module.split(".")[0]
+    wanted = re.sub(r"[-_.]+", "-", DISTRIBUTION_OF.get(top, top)).lower()
+    try:
+        requires = importlib.metadata.requires("rmflow") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    direct: dict[str, set[str]] = {}  # extra -> distributions (and rmflow[...] extras) it names
+    for line in requires:
+        extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", line)
+        if not extra:
+            continue
+        name = re.match(r"\s*([A-Za-z0-9._-]+)(\[[^]]*\])?", line)
+        deps = direct.setdefault(extra.group(1), set())
+        if name.group(1).lower() == "rmflow":
+            deps |= {f"rmflow[{x.strip()}]" for x in (name.group(2) or "[]")[1:-1].split(",") if x.strip()}
+        else:
+            deps.add(re.sub(r"[-_.]+", "-", name.group(1)).lower())
+
+    def installs(extra: str, seen=()) -> set[str]:
+        out = set()
+        for dep in direct.get(extra, ()):
+            inner = dep[7:-1] if dep.startswith("rmflow[") else None
+            out |= installs(inner, (*seen, extra)) if inner and inner not in seen else {dep}
+        return out
+
+    offering = [e for e in (preferred, *STAGE_EXTRAS) if e in direct and wanted in installs(e)]
+    others = sorted((len(installs(e)), e) for e in direct if wanted in installs(e))
+    return offering[0] if offering else others[0][1] if others else None
 
 
 @contextlib.contextmanager
@@ -485,10 +538,8 @@ def serve(
     solutions), /get_reward (OpenRLHF's --remote_rm_url), /classify (vLLM's pooling API, as verl calls it);
     GET /health, /metrics (Prometheus), /v1/model. Needs rmflow's serve extra (Starlette, uvicorn)."""
     cfg = ServeConfig(**{k: v for k, v in locals().items()})
-    try:
-        from rmflow.server.app import serve as run_server
-    except ImportError as e:
-        raise RmflowError(f"rmflow serve needs the serve extra: pip install 'rmflow[serve]' ({e})") from e
+    from rmflow.server.app import serve as run_server
+
     raise typer.Exit(run_server(cfg))
 
 

@@ -1,0 +1,1 @@
+"""`rmflow serve`: the reward server (HTTP app, dynamic batcher, request protocols, metrics)."""
