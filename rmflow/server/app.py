@@ -27,13 +27,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from rmflow.schemas.config import ServeConfig
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rmflow.schemas.config import ServeConfig
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
 from rmflow.server.metrics import ServerMetrics
 from rmflow.server.protocol import NATIVE, Parsed, RequestError, read_classify, read_get_reward, read_native

@@ -15,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rmflow.schemas.kinds import OUTCOME, PROCESS, kind_named
-
 from rmflow.api import BadConversation, RewardModel
+from rmflow.schemas.kinds import OUTCOME, PROCESS, kind_named
 from rmflow.scoring import SCORERS
 
 
