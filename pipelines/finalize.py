@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import time
 from typing import Any
 
@@ -83,7 +84,11 @@ def gather(items: list) -> dict[str, Any]:
     for kind, value in items:
         if kind == "file":
             summary["files"][value[0]] = value[1]
-        elif kind in ("dead", "marked"):
+        elif kind == "dead":
+            (category, code), (n, (source, line, reason)) = value
+            summary[kind].append({"category": category, "code": code, "count": n,
+                                  "example": {"source": source, "line": line, "reason": reason}})
+        elif kind == "marked":
             (category, code), n = value
             summary[kind].append({"category": category, "code": code, "count": n})
         elif kind == "dead_by_file":
@@ -254,6 +259,14 @@ def length_stats(hist: collections.Counter, max_length: int) -> dict[str, Any]:
     return out
 
 
+def _example(letter: dict[str, Any]) -> str:
+    """The first record of a reason, quoted: its message says what to do (--format, --max-length ...)."""
+    ex = letter.get("example")
+    if not ex:
+        return ""
+    return f"the first {letter['code']}, {os.path.basename(ex['source'])} line {ex['line']}: {ex['reason']}"
+
+
 def check_quality(stats: dict[str, Any], cfg: PreprocessConfig, staging: str) -> None:
     counts = stats["counts"]
     read, errors = counts["records_read"], counts["errors"]
@@ -266,11 +279,11 @@ def check_quality(stats: dict[str, Any], cfg: PreprocessConfig, staging: str) ->
                      key=lambda d: -d["count"])[:5]
         reasons = ", ".join(f"{d['code']} x{d['count']}" for d in top)
         reason = (f"{errors} of {read} records ({errors / read:.1%}) are bad, more than --max-bad-fraction "
-                  f"{cfg.max_bad_fraction:.1%} (top reasons: {reasons})")
+                  f"{cfg.max_bad_fraction:.1%} (top reasons: {reasons}; {_example(top[0])})")
         raise PreprocessError(f"{reason}. Nothing was published; every bad record and its reason is in {errors_file}",
                               reason=reason, errors_file=errors_file)
     if counts["pairs_written"] == 0:
         top = sorted(stats["dead_letters"], key=lambda d: -d["count"])[:5]
         reason = f"no pair survived preprocessing (of {read} records: " + \
-            ", ".join(f"{d['code']} x{d['count']}" for d in top) + ")"
+            ", ".join(f"{d['code']} x{d['count']}" for d in top) + (f"; {_example(top[0])})" if top else ")")
         raise PreprocessError(f"{reason}; see {errors_file}", reason=reason, errors_file=errors_file)

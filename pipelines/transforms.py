@@ -456,11 +456,32 @@ class WriteErrors(beam.PTransform):
 def _summary_items(files, dead, shards, marked) -> Iterable:
     return (
         files | "FileCounts" >> beam.Map(lambda f: ("file", f)),
-        _counts_by_reason(dead, "Dead", "dead"),
+        dead
+        | "DeadKey" >> beam.Map(lambda d: ((d["category"], d["code"]), (1, (d["source"] or "", d["line"] or 0, str(d["reason"])))))
+        | "CountDead" >> beam.CombinePerKey(CountWithExample())
+        | "DeadItems" >> beam.Map(lambda kv: ("dead", kv)),
         _counts_by_reason(dead, "DeadByFile", "dead_by_file", key=("source", "category")),
         shards | "ShardItems" >> beam.Map(lambda s: ("shard", s)),
         _counts_by_reason(marked, "Marked", "marked"),
     )
+
+
+class CountWithExample(beam.CombineFn):
+    """(count, example) of one reason: how many records, and the first of them by file and line
+    (source, line, message), whose message says what to do (the one-line error quotes it)."""
+
+    def create_accumulator(self):
+        return 0, None
+
+    def add_input(self, acc, value):
+        return self.merge_accumulators([acc, value])
+
+    def merge_accumulators(self, accs):
+        examples = [a[1] for a in accs if a[1] is not None]
+        return sum(a[0] for a in accs), min(examples) if examples else None
+
+    def extract_output(self, acc):
+        return acc
 
 
 def _counts_by_reason(letters, label: str, kind: str, key: tuple[str, str] = ("category", "code")):

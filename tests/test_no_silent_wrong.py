@@ -55,8 +55,10 @@ def test_a_file_of_ambiguous_records_is_not_guessed_at(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = PreprocessConfig(inputs=(str(tmp_path / "a.jsonl"),), output=str(tmp_path / "o1"),
                            tokenizer=str(DEMO / "tokenizer"), max_length=256, eval_fraction=0.0)
-    with pytest.raises(PreprocessError, match="ambiguous_layout x6"):
+    with pytest.raises(PreprocessError, match="ambiguous_layout x6") as e:
         preprocess(cfg)
+    # the one-line error says what to do, as the errors file does: the candidate layouts, --format
+    assert all(w in str(e.value) for w in ("a.jsonl line 1", "(text, hh-rlhf)", "--format hh-rlhf")), str(e.value)
     result = preprocess(PreprocessConfig(**{**cfg.to_dict(), "output": str(tmp_path / "o2"), "format": "hh-rlhf"}))
     assert result.stats["counts"]["pairs_written"] == 6  # read as transcripts: a user turn, then the reply
 
