@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import re
 import unicodedata
 from collections.abc import Iterable, Iterator
@@ -45,6 +44,7 @@ from rmflow.pipelines.formats import (
 )
 from rmflow.pipelines.io import iter_records
 from rmflow.pipelines.transforms import DEAD, dead_letter
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import DECONTAMINATE_METHODS
 
 CONTAMINATED = "contaminated"
@@ -128,6 +128,13 @@ class EvalIndex:
         return None
 
 
+def _json_string(text: str, path: str, line: int) -> Any:
+    try:
+        return jsontext.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise BadRecord("bad_eval_file", f"{path}:{line}: not valid JSON text: {e}") from e
+
+
 def index_file(path: str, n: int) -> EvalIndex:
     """The n-grams of one evaluation file's prompts. An item whose prompt cannot be found fails
     the job with its file and line: a decontamination that silently skipped items would be wrong."""
@@ -137,7 +144,7 @@ def index_file(path: str, n: int) -> EvalIndex:
             raise BadRecord("bad_eval_file", f"{path}:{line}: {problem}")
         text = raw.strip()  # a JSON object, a JSON string, or a plain line of a prompt list
         record: Any = parse_json_object(text) if text.startswith("{") else (
-            json.loads(text) if text.startswith('"') else text)
+            _json_string(text, path, line) if text.startswith('"') else text)
         index.add(prompt_text(record, path, line), path, line)
     return index
 

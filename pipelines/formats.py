@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import FORMATS, STEP_FORMATS
 
 Message = tuple[str, ...]  # (role, content), or (role, content, tool calls as canonical JSON)
@@ -120,9 +121,11 @@ class CanonicalSteps:
 
 def parse_json_object(raw: str) -> dict[str, Any]:
     try:
-        obj = json.loads(raw)
+        obj = jsontext.loads(raw)
     except json.JSONDecodeError as e:
         raise BadRecord("bad_json", f"malformed JSON: {e}") from e
+    except jsontext.NotJsonText as e:
+        raise BadRecord("bad_text", str(e)) from e
     except RecursionError as e:  # thousands of nested brackets: no preference record looks like this
         raise BadRecord("too_deeply_nested", "JSON nested deeper than the parser's recursion limit") from e
     if not isinstance(obj, dict):

@@ -137,8 +137,9 @@ class RewardModel:
                 return ids[-self.max_length:]
             raise BadConversation(f"the reply alone has {reply} tokens, more than the model's {self.max_length} "
                                   "positions: left truncation cannot keep it whole")
-        raise BadConversation(f"{len(ids)} tokens, more than the model's {self.max_length} positions (ask for left "
-                              "truncation to drop the earliest tokens)")
+        raise BadConversation(f"{len(ids)} tokens, more than the model's {self.max_length} positions (left truncation "
+                              "drops the earliest tokens: `rmflow score --truncate left`, the server's "
+                              "\"truncate\": \"left\", RewardModel.encode(..., truncate=\"left\"))")
 
     def encode_text(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
         """Token ids of a text already rendered with a chat template (special-token strings are

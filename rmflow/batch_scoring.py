@@ -37,17 +37,21 @@ from rmflow.pipelines.runner import launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import OWNER_FILE, new_staging
 from rmflow.pipelines.tokenize import message_dict
 from rmflow.pipelines.transforms import DEAD, FILES, ReadRecordsFn, as_bad_record, dead_letter
+from rmflow.schemas import jsontext
+from rmflow.schemas.config import MAX_BAD_FRACTION
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
-from rmflow.scoring import SCORERS
+from rmflow.scoring import SCORERS, echoed
 
 SCORES_PREFIX = "scores"
 BEST_FILE = "best.jsonl"
 PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = "summary.json"
+FAILED_FILE = "_FAILED.json"  # in the staging folder: why the last step refused to publish
 PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
 SCORE_FIELDS = (*PAIR_FIELDS, *(f for s in SCORERS.values() for f in s.fields))  # last, in this order
+JOB_FIELDS = frozenset({"source", "line", "error", *SCORE_FIELDS})  # rmflow's: a record's own is input_<name>
 CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps")  # not echoed back
 
 
@@ -69,6 +73,8 @@ class JobSpec:
     group_by: str | None
     started: float
     output_format: str = "jsonl"
+    max_bad_fraction: float = MAX_BAD_FRACTION
+    truncate: str = "error"
 
 
 # --------------------------------------------------------------------------- what a record is
@@ -81,17 +87,17 @@ def _pair_conversations(obj: dict[str, Any], source: str, line: int) -> tuple[li
     return list(pair.prompt + pair.chosen), list(pair.prompt + pair.rejected)
 
 
-def encode_record(rm: RewardModel, obj: Any, source: str, line: int) -> tuple[str, list]:
+def encode_record(rm: RewardModel, obj: Any, source: str, line: int, truncate: str = "error") -> tuple[str, list]:
     """(what the record is, its encoded sequences): a conversation (one), a preference pair
     (chosen and rejected, each with the prompt), or, for a process model, a solution (one).
     Raises BadConversation or BadRecord."""
     scorer = SCORERS[rm.kind]
     if not kind_named(rm.kind).pairwise:
-        return "solution", [scorer.encode(rm, obj)]
+        return "solution", [scorer.encode(rm, obj, truncate=truncate)]
     if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj:
         chosen, rejected = _pair_conversations(obj, source, line)
-        return "pair", [scorer.encode(rm, [message_dict(m) for m in c]) for c in (chosen, rejected)]
-    return "conversation", [scorer.encode(rm, obj)]
+        return "pair", [scorer.encode(rm, [message_dict(m) for m in c], truncate=truncate) for c in (chosen, rejected)]
+    return "conversation", [scorer.encode(rm, obj, truncate=truncate)]
 
 
 def _fields(what: str, results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -104,9 +110,11 @@ def _fields(what: str, results: list[dict[str, Any]]) -> dict[str, Any]:
 def _parse(raw: str) -> Any:
     """A record's JSON: an object, or a bare list of messages (a conversation); raises BadRecord."""
     try:
-        return json.loads(raw)
+        return jsontext.loads(raw, allow_nan=False)
     except json.JSONDecodeError as e:
         raise BadRecord("bad_json", f"malformed JSON: {e}") from e
+    except jsontext.NotJsonText as e:
+        raise BadRecord("bad_text", str(e)) from e
     except RecursionError as e:
         raise BadRecord("too_deeply_nested", "JSON nested deeper than the parser's recursion limit") from e
 
@@ -139,7 +147,7 @@ class RewardModelHandler(ModelHandler):
         flat, owner, kinds = [], [], {}
         for i, (source, line, raw) in enumerate(batch):
             try:
-                what, seqs = encode_record(model, _parse(raw), source, line)
+                what, seqs = encode_record(model, _parse(raw), source, line, self.spec.truncate)
             except BadConversation as e:
                 out[i] = {"error": str(e), "code": "bad_conversation"}
                 continue
@@ -170,8 +178,9 @@ class RewardModelHandler(ModelHandler):
 
 
 class RouteFn(beam.DoFn):
-    """A scored example to an output row (its own fields, minus the content, plus the scores),
-    or to the dead letters."""
+    """A scored example to an output row (the job's source and line, the record's own fields minus
+    the content, the scores), or to the dead letters. A record's field named like one of the
+    job's is kept as ``input_<name>`` (``scoring.echoed``): the job's never lose to it."""
 
     def process(self, result: PredictionResult):
         source, line, raw = result.example
@@ -181,7 +190,7 @@ class RouteFn(beam.DoFn):
             return
         obj = _parse(raw)
         kept = {k: v for k, v in obj.items() if k not in CONTENT_FIELDS} if isinstance(obj, dict) else {}
-        yield {"source": source, "line": line, **kept, **r["fields"], "_raw": raw}
+        yield {**echoed(kept, JOB_FIELDS | {"_raw"}), "source": source, "line": line, **r["fields"], "_raw": raw}
 
 
 def _shard(key: tuple[str, int], n: int) -> int:
@@ -385,9 +394,18 @@ def finalize(items: list, spec: JobSpec, identity: dict[str, Any]) -> dict[str, 
                "shards": [{"file": f, "records": n} for f, n in shards], **({"best_of_n": best} if best else {}),
                "seconds": round(time.time() - spec.started, 3)}
     if read != scored + bad:
-        rio.write_bytes(f"{staging}/_FAILED.json", json.dumps(summary).encode())
+        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps({**summary, "error": (
+            f"counts do not reconcile: {read} read, {scored} scored, {bad} errors; nothing published "
+            f"(staging left at {staging})")}).encode())
         raise BatchScoreError(f"counts do not reconcile: {read} read, {scored} scored, {bad} errors; nothing "
                               f"published (staging left at {staging})")
+    if read and bad / read > spec.max_bad_fraction:
+        top = ", ".join(f"{code} x{n}" for code, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5])
+        message = (f"{bad} of {read} records ({bad / read:.1%}) cannot be scored, more than --max-bad-fraction "
+                   f"{spec.max_bad_fraction:.1%} (top reasons: {top}). Nothing was published; every bad record and "
+                   f"its reason is in {staging}/{ERRORS_FILE}")
+        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps({**summary, "error": message}).encode())
+        raise BatchScoreError(message)
     rio.write_bytes(f"{staging}/{SUMMARY_FILE}", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
     from apache_beam.io.filesystems import FileSystems
 
@@ -442,7 +460,8 @@ def make_pipeline(runner: str, beam_args: Sequence[str]) -> beam.Pipeline:
 def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "DirectRunner",
         beam_args: Sequence[str] = (), step: int | str | None = None, num_shards: int = 0,
         token_budget: int = 16384, batch_rows: int = 64, group_by: str | None = None, overwrite: bool = False,
-        output_format: str = "jsonl", wait: bool = True) -> dict[str, Any] | None:
+        output_format: str = "jsonl", wait: bool = True, max_bad_fraction: float = MAX_BAD_FRACTION,
+        truncate: str = "error") -> dict[str, Any] | None:
     """Score every record of ``inputs`` (JSONL, JSON, Parquet; files, folders, globs) into the
     folder ``output``; returns summary.json's contents (None with ``wait=False``)."""
     from rmflow.pipelines.io import expand_inputs
@@ -450,22 +469,34 @@ def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "Direct
     output = output.rstrip("/") if "://" in output else os.path.abspath(output)
     if rio.exists(f"{output}/{COMPLETED_FILE}") and not overwrite:
         raise BatchScoreError(f"{output} already holds a scoring job's output: give --overwrite to replace it")
-    if rio.exists(output) and not rio.exists(f"{output}/{COMPLETED_FILE}"):
+    empty = "://" not in output and os.path.isdir(output) and not os.listdir(output)
+    if rio.exists(output) and not empty and not rio.exists(f"{output}/{COMPLETED_FILE}"):
         raise BatchScoreError(f"{output} exists and is not a scoring job's output: give an empty or new folder")
     listed = expand_inputs(tuple(inputs))
     files, size = [path for path, _ in listed], sum(n for _, n in listed)
+    inside = [f for f in files if f.startswith(output + "/")]
+    if inside:
+        raise BatchScoreError(f"input {inside[0]} is inside --output {output}, which the job replaces: give an "
+                              "output folder apart from the inputs")
     rm = RewardModel.load(model, step)  # fails here, in one line, before any worker starts
     if group_by and not kind_named(rm.kind).pairwise:
         raise BatchScoreError("--group-by picks the best of each group by score: an outcome reward model's")
     with launched(make_pipeline(runner, beam_args)) as p:
         spec = JobSpec(model=model, step=step, staging=new_staging(output), output=output,
                        num_shards=num_shards or max(1, size // (256 << 20)), token_budget=token_budget,
-                       batch_rows=batch_rows, group_by=group_by, started=time.time(), output_format=output_format)
+                       batch_rows=batch_rows, group_by=group_by, started=time.time(), output_format=output_format,
+                       max_bad_fraction=max_bad_fraction, truncate=truncate)
         build(p, files, spec, rm.identity())
         result = p.run()
     if not wait:
         return None
-    result.wait_until_finish()
+    try:
+        result.wait_until_finish()
+    except Exception as e:  # noqa: BLE001 - the job's own reason when its last step refused, else the job's
+        failed = f"{spec.staging}/{FAILED_FILE}"
+        if isinstance(e, BatchScoreError) or not rio.exists(failed):
+            raise
+        raise BatchScoreError(json.loads(rio.read_bytes(failed))["error"]) from e
     return json.loads(rio.read_bytes(f"{output}/{SUMMARY_FILE}"))
 
 
@@ -473,4 +504,5 @@ def run_config(cfg, *, wait: bool = True) -> dict[str, Any] | None:
     """``run`` with a ``ScoreConfig`` (`rmflow score --runner ...` and the scoring Flex Template)."""
     return run(cfg.model, [cfg.input], cfg.output, runner=cfg.runner, beam_args=cfg.beam_args, step=cfg.step,
                num_shards=cfg.num_shards, token_budget=cfg.token_budget, batch_rows=cfg.batch_size,
-               group_by=cfg.group_by or None, overwrite=cfg.overwrite, output_format=cfg.output_format, wait=wait)
+               group_by=cfg.group_by or None, overwrite=cfg.overwrite, output_format=cfg.output_format, wait=wait,
+               max_bad_fraction=cfg.max_bad_fraction, truncate=cfg.truncate)

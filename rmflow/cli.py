@@ -481,20 +481,21 @@ def score(
     group_by: str = _option(ScoreConfig, "group_by"),
     overwrite: bool = _option(ScoreConfig, "overwrite"),
     output_format: str = _option(ScoreConfig, "output_format"),
+    max_bad_fraction: float = _option(ScoreConfig, "max_bad_fraction"),
+    truncate: str = _option(ScoreConfig, "truncate"),
 ) -> None:
     """Score conversations with a reward model (or each step of solutions with a process reward model), in
     batches sorted by length; with --runner, as a Beam job (locally or on Dataflow)."""
     cfg = ScoreConfig(model=model, step=step, input=input, output=output, batch_size=batch_size, runner=runner,
                       beam_args=tuple(ctx.args), num_shards=num_shards, token_budget=token_budget,
-                      group_by=group_by, overwrite=overwrite, output_format=output_format)
+                      group_by=group_by, overwrite=overwrite, output_format=output_format,
+                      max_bad_fraction=max_bad_fraction, truncate=truncate)
     if cfg.runner:
         from rmflow.batch_scoring import run_config
 
-        s = run_config(cfg)
+        s = run_config(cfg)  # above --max-bad-fraction: refused (BatchScoreError), nothing published
         console.print(f"{s['scored']:,} scored, {s['errors']:,} errors (errors.jsonl) of {s['records_read']:,} "
                       f"read: [bold]{cfg.output}[/bold]")
-        if s["errors"]:
-            raise typer.Exit(1)
         return
     from rich.progress import Progress
 
@@ -506,11 +507,16 @@ def score(
             return lambda n: progress.advance(task, n)
 
         counts = score_file(cfg.model, cfg.input, cfg.output, step=cfg.step, batch_size=cfg.batch_size,
-                            progress_factory=factory)
+                            truncate=cfg.truncate, progress_factory=factory)
+    total = counts["scored"] + counts["errors"]
+    if total and counts["errors"] / total > cfg.max_bad_fraction:  # the file is written either way
+        console.print(f"[red]score failed:[/red] {counts['errors']:,} of {total:,} lines "
+                      f"({counts['errors'] / total:.1%}) cannot be scored, more than --max-bad-fraction "
+                      f"{cfg.max_bad_fraction:.1%}; {_escape(output)} has the {counts['scored']:,} scores and each "
+                      "bad line with its 'error'")
+        raise typer.Exit(1)
     console.print(f"{counts['scored']:,} scored, {counts['errors']:,} bad lines (with 'error' in the output): "
                   f"[bold]{output}[/bold]")
-    if counts["errors"]:
-        raise typer.Exit(1)
 
 
 def _S(name: str, *flags: str):

@@ -22,6 +22,7 @@ import numpy as np
 from rmflow.metrics import pair_metrics, process_metrics
 from rmflow.reports import rewardbench_v2_markdown, write_eval, write_process_report, write_report
 from rmflow.rewardbench import TIES, best_of_n_credit, ties_score, v1_scores, v2_scores
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME, PROCESS, kind_of_record
@@ -223,7 +224,10 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
     seqs, examples, ties = [], [], []  # examples: (first sequence, completions, subset); ties: (id, correct, ...)
     for path, _ in expand_inputs(tuple(data)):
         for line, raw, problem in iter_records(path):
-            rec = json.loads(raw) if not problem else None
+            try:
+                rec = jsontext.loads(raw) if not problem else None
+            except (ValueError, RecursionError) as e:
+                raise EvalError(f"{path}:{line}: not valid JSON text: {e}") from e
             if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) \
                     or not _text_list(rec.get("chosen")) or not _text_list(rec.get("rejected")):
                 raise EvalError(f"{path}:{line}: not a RewardBench 2 record (prompt, chosen list, rejected list, "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from rmflow.pipelines.template import GCS, TemplateSpec, cli, config_from_args, one_of
-from rmflow.schemas.config import SCORE_OUTPUT_FORMATS, ScoreConfig
+from rmflow.schemas.config import SCORE_OUTPUT_FORMATS, SCORE_TRUNCATE, ScoreConfig
 
 SCORE = TemplateSpec(
     name="rmflow-score",
@@ -27,7 +27,7 @@ SCORE = TemplateSpec(
     config=ScoreConfig,
     required=("model", "input", "output"),
     regexes={"model": [GCS], "input": [GCS], "output": [GCS], "step": [r"^([0-9]+|best)$"],
-             "output_format": one_of(SCORE_OUTPUT_FORMATS)},
+             "output_format": one_of(SCORE_OUTPUT_FORMATS), "truncate": one_of(SCORE_TRUNCATE)},
     labels={"model": "Reward model", "input": "Input files", "output": "Output folder"},
 )
 

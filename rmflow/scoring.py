@@ -5,7 +5,10 @@ object with ``messages`` (other fields are kept in the output), ending with the 
 to score. Output JSONL, in input order: the line's fields plus ``score`` (and
 ``score_normalized`` when the model carries reward_normalization.json from
 `rmflow eval --normalize`), or, for a line that cannot be scored, its fields plus ``line`` and
-``error`` (bad JSON, invalid UTF-8, no final assistant message, too long ...).
+``error`` (bad JSON, invalid UTF-8 or Unicode, NaN, no final assistant message, too long ...).
+A line's own field named like one of rmflow's (``score``, ``line``, ``error`` ...) is kept as
+``input_<name>``. `rmflow score` exits 1 when more than ``--max-bad-fraction`` of the lines
+are bad (the file is written either way).
 
 A process reward model scores steps: each input line is a solution, ``{"prompt": ...,
 "completions": [step, ...]}`` (TRL's stepwise layout; labels, if present, are kept and ignored),
@@ -24,6 +27,7 @@ from typing import Any
 
 from rmflow.api import BadConversation, RewardModel
 from rmflow.metrics import STEP_THRESHOLD, first_error
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME, PROCESS
@@ -46,14 +50,34 @@ class ScoreError(RmflowError):
     """A scoring job cannot run; the message says why and what to do."""
 
 
+def echoed(fields: dict[str, Any], reserved: frozenset[str] | set[str]) -> dict[str, Any]:
+    """A record's own fields, to write beside rmflow's (``reserved``: the scores, the job's
+    ``source`` and ``line``, ``error``): a field named like one of those keeps its value under
+    ``input_<name>`` (prefixed again while that name is taken too), so neither overwrites the other."""
+    out = {}
+    for key, value in fields.items():
+        name = key
+        while name in reserved or (name != key and name in fields) or name in out:
+            name = f"input_{name}"
+        out[name] = value
+    return out
+
+
+LINE_FIELDS = frozenset({"line", "error"})  # what a line that cannot be scored gets
+
+
 def score_file(model_path: str, input_path: str, output_path: str, *, step: int | str | None = None,
-               batch_size: int = SCORING_BATCH_SIZE, progress_factory=None) -> dict[str, int]:
+               batch_size: int = SCORING_BATCH_SIZE, truncate: str = "error", progress_factory=None) -> dict[str, int]:
     """Score a JSONL file through the Python API (``rmflow.RewardModel``), one result line per
-    input line; a line that cannot be scored keeps its fields and gets ``line`` and ``error``."""
+    input line; a line that cannot be scored keeps its fields and gets ``line`` and ``error``.
+    ``truncate="left"``: a conversation longer than the model's positions loses its earliest tokens."""
     if os.path.isdir(output_path):
         raise ScoreError(f"--output {output_path} is a folder; give the JSONL file to write")
     if not os.path.isfile(input_path):
         raise ScoreError(f"--input {input_path} is not a file; give a JSONL file of conversations")
+    if os.path.exists(output_path) and os.path.samefile(input_path, output_path):
+        raise ScoreError(f"--output {output_path} is the input file: give another path (the scores are written "
+                         "beside, then renamed over it)")
     rm = RewardModel.load(model_path, step)
     scorer = SCORERS[rm.kind]
     rows: list[dict[str, Any]] = []
@@ -64,16 +88,16 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
             if problem:
                 raise BadConversation(problem)
             try:
-                obj = json.loads(text)
-            except (ValueError, RecursionError) as e:
-                raise BadConversation(f"not valid JSON: {e}") from e
-            ids = scorer.encode(rm, obj)
-            rows.append({**(obj if isinstance(obj, dict) else {"messages": obj})})
+                obj = jsontext.loads(text, allow_nan=False)
+            except (ValueError, RecursionError) as e:  # NotJsonText is a ValueError
+                raise BadConversation(f"not valid JSON text: {e}") from e
+            ids = scorer.encode(rm, obj, truncate=truncate)
+            rows.append(echoed(obj if isinstance(obj, dict) else {"messages": obj}, OUTPUT_FIELDS | LINE_FIELDS))
             seqs.append(ids)
             where.append(len(rows) - 1)
         except Exception as e:  # noqa: BLE001 - every bad line is reported, none is lost
             reason = str(e) if isinstance(e, BadConversation) else f"{type(e).__name__}: {e}"
-            kept = {k: v for k, v in obj.items() if k not in OUTPUT_FIELDS} \
+            kept = echoed(obj, OUTPUT_FIELDS | LINE_FIELDS) \
                 if isinstance(obj, dict) else {}  # the user's own fields (an id ...), to join results back
             rows.append({**kept, "line": line_no, "error": reason})
     progress = progress_factory(len(seqs)) if progress_factory and seqs else None
@@ -111,7 +135,8 @@ def _step_slots(solution) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Scorer:
-    encode: Callable[[RewardModel, Any], Any]  # one input object -> what ``run`` takes; raises BadConversation
+    # one input object (and truncate=: error or left) -> what ``run`` takes; raises BadConversation
+    encode: Callable[..., Any]
     size: Callable[[Any], int]  # an encoded input's tokens (how batches are cut)
     # one batch that fits a shape of the ScoringShapes -> the fields each input gets
     run: Callable[[RewardModel, list, Any], list[dict[str, Any]]]
@@ -127,7 +152,7 @@ SCORERS = {
     PROCESS.name: Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
                          _warm, _step_slots),
 }
-OUTPUT_FIELDS = frozenset(f for s in SCORERS.values() for f in s.fields)  # a failed line drops these
+OUTPUT_FIELDS = frozenset(f for s in SCORERS.values() for f in s.fields)  # rmflow's: never a record's own
 
 
 def _write(path: str, rows: list[dict[str, Any]]) -> None:

@@ -38,6 +38,8 @@ FORMATS = (
 )
 STEP_FORMATS = ("stepwise", "processbench")
 LENGTH_POLICIES = ("drop", "truncate-prompt")
+MAX_BAD_FRACTION = 0.05  # preprocess and score: the share of bad records a job accepts (counted, written aside)
+SCORE_TRUNCATE = ("error", "left")  # a conversation longer than the model's positions: refused, or its start cut
 DECONTAMINATE_METHODS = ("auto", "side-input", "join")
 NEAR_DEDUP = ("off", "prompt", "pair")
 SCORE_OUTPUT_FORMATS = ("jsonl", "parquet")
@@ -164,7 +166,7 @@ class PreprocessConfig(_Serializable):
         False, "Layouts with scores: drop pairs whose chosen and rejected scores are equal (reason: tie); without "
         "it they are kept and counted (stats: score_ties_kept).")
     max_bad_fraction: float = _opt(
-        0.05, "Fail the job (publish nothing) when more than this fraction of records are malformed."
+        MAX_BAD_FRACTION, "Fail the job (publish nothing) when more than this fraction of records are malformed."
     )
     num_shards: int = _opt(0, "Train shards (eval gets a proportional count); 0 = one per 256 MiB of input.")
     overwrite: bool = _opt(False, "Replace an existing output directory.")
@@ -603,6 +605,12 @@ class ScoreConfig(_Serializable):
     output_format: str = _opt("jsonl", "With --runner: the score shards' format, jsonl or parquet (one schema "
                                        "for every shard; a field whose types differ between records is JSON "
                                        "text). best.jsonl, pairs.jsonl and errors.jsonl stay JSONL.")
+    max_bad_fraction: float = _opt(MAX_BAD_FRACTION, "Exit 1 when more than this fraction of records cannot be "
+                                                     "scored (at or under it: exit 0, each bad record counted and "
+                                                     "written with its reason). With --runner, above it nothing is "
+                                                     "published.")
+    truncate: str = _opt("error", "A conversation longer than the model's positions: error (reported as a bad "
+                                  "record) or left (its earliest tokens dropped, the reply scored kept whole).")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "beam_args", tuple(self.beam_args))
@@ -613,6 +621,10 @@ class ScoreConfig(_Serializable):
         _check_int(self.token_budget, "token_budget", 1)
         if self.output_format not in SCORE_OUTPUT_FORMATS:
             raise ConfigError(f"output_format {self.output_format!r}: use one of {', '.join(SCORE_OUTPUT_FORMATS)}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ConfigError(f"max_bad_fraction {self.max_bad_fraction}: must be in [0, 1]")
+        if self.truncate not in SCORE_TRUNCATE:
+            raise ConfigError(f"truncate {self.truncate!r}: use one of {', '.join(SCORE_TRUNCATE)}")
         if not self.runner:
             used = [n for n in ("beam_args", "num_shards", "group_by", "overwrite") if getattr(self, n)]
             if self.output_format != "jsonl":

@@ -59,7 +59,7 @@ def _rows(folder):
 
 def test_scores_equal_the_in_process_core_and_counts_reconcile(job):
     base, rm, convs, pairs, r = job
-    assert r.exit_code == 1, r.output  # bad records: exit 1, as the in-process `rmflow score`
+    assert r.exit_code == 0, r.output  # 2 bad records of 43: under --max-bad-fraction (5%), counted and written
     out = base / "out"
     assert (out / "COMPLETED").exists() and len(list(out.glob("scores-*-of-00003.jsonl"))) == 3
     rows = _rows(out)
@@ -85,6 +85,33 @@ def test_scores_equal_the_in_process_core_and_counts_reconcile(job):
                                                                {"role": "assistant", "content": "fine"}]])[0]) < 1e-5
 
 
+def test_a_record_s_own_fields_never_overwrite_the_job_s_and_bad_text_is_a_counted_error(job, tmp_path):
+    """A record's ``source`` / ``line`` / ``score`` are kept as ``input_<name>``; a lone surrogate or a
+    NaN is a bad record (the job publishes the rest); an empty output folder is taken; above
+    --max-bad-fraction the job publishes nothing and says why in one line."""
+    base, rm, convs, _, _ = job
+    rows = [{"id": "sharegpt", "source": "sharegpt", "line": 7, "score": 0.5, "messages": convs[0]},
+            {"id": "null", "source": None, "messages": convs[1]},
+            {"id": "surrogate", "note": "hi \ud800 there", "messages": convs[2]}]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"id": NaN, "messages": ' + json.dumps(convs[3]) + '}\n'
+    (tmp_path / "in.jsonl").write_text(text)  # json.dumps wrote the surrogate as the escape \\ud800, as JSON allows
+    (tmp_path / "out").mkdir()  # empty: taken
+    args = ["score", "--model", str(base / "run"), "-i", str(tmp_path / "in.jsonl"), "--runner", "DirectRunner"]
+    r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "out"), "--max-bad-fraction", "0.5"])
+    assert r.exit_code == 0, r.output
+    by_id = {row["id"]: row for row in _rows(tmp_path / "out")}
+    assert set(by_id) == {"sharegpt", "null"}
+    assert by_id["sharegpt"]["source"] == by_id["null"]["source"] == str(tmp_path / "in.jsonl")
+    assert (by_id["sharegpt"]["input_source"], by_id["sharegpt"]["input_line"], by_id["sharegpt"]["input_score"]) \
+        == ("sharegpt", 7, 0.5) and by_id["null"]["input_source"] is None and by_id["sharegpt"]["line"] == 1
+    np.testing.assert_allclose(by_id["sharegpt"]["score"], rm.score([convs[0]])[0], atol=1e-5)
+    errors = {e["line"]: e for e in map(json.loads, (tmp_path / "out" / "errors.jsonl").read_text().splitlines())}
+    assert errors[3]["code"] == "bad_text" and "note" in errors[3]["reason"] and "NaN" in errors[4]["reason"]
+    r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "strict"), "--max-bad-fraction", "0.1"])
+    assert r.exit_code == 1 and "2 of 4 records (50.0%) cannot be scored" in r.output, r.output
+    assert not (tmp_path / "strict").exists() and len(r.output.strip().splitlines()) == 1, r.output
+
+
 def test_best_of_n_picks_each_group_s_highest(job):
     base, rm, convs, _, _ = job
     rows = [r for r in _rows(base / "out") if "prompt_id" in r]
@@ -105,11 +132,11 @@ def test_a_rerun_is_byte_identical_and_an_existing_output_is_refused_unless_told
     r = CliRunner().invoke(app, [*args, "-o", str(base / "out")])
     assert r.exit_code == 1 and "--overwrite" in r.output
     r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "again")])
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 0, r.output
     for name in ["errors.jsonl", "best.jsonl", "pairs.jsonl", *(f"scores-0000{i}-of-00003.jsonl" for i in range(3))]:
         assert (tmp_path / "again" / name).read_bytes() == (base / "out" / name).read_bytes(), name
     r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "again"), "--overwrite"])
-    assert r.exit_code == 1 and (tmp_path / "again" / "COMPLETED").exists()
+    assert r.exit_code == 0 and (tmp_path / "again" / "COMPLETED").exists()
     r = CliRunner().invoke(app, ["score", "--model", str(base / "run"), "-i", "x.jsonl", "-o", "y.jsonl",
                                  "--group-by", "id"])
     assert r.exit_code == 2 and "only with --runner" in r.output
@@ -148,7 +175,7 @@ def test_a_process_model_job_scores_steps_as_the_core_and_reruns_byte_identical(
     for name in ("a", "b"):
         r = CliRunner().invoke(app, ["score", "--model", str(run), "-i", str(tmp_path / "in.jsonl"), "-o",
                                      str(tmp_path / name), "--runner", "DirectRunner", "--num-shards", "2"])
-        assert r.exit_code == 1, r.output  # the empty solution is an error, counted
+        assert r.exit_code == 0, r.output  # the empty solution is an error, counted (1 of 22: under 5%)
         outs.append(tmp_path / name)
     summary = json.loads((outs[0] / "summary.json").read_text())
     assert summary["scored"] == len(solutions) and summary["errors"] == 1 and summary["model"]["kind"] == "process"
@@ -170,7 +197,7 @@ def test_parquet_output_has_one_schema_and_the_jsonl_rows(job, tmp_path):
             "--num-shards", "3", "--output-format", "parquet"]
     for name in ("pq", "pq-again"):
         r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / name)])
-        assert r.exit_code == 1, r.output  # the input's two bad records
+        assert r.exit_code == 0, r.output  # the input's two bad records: under --max-bad-fraction
     shards = sorted((tmp_path / "pq").glob("scores-*-of-00003.parquet"))
     assert len(shards) == 3 and not list((tmp_path / "pq").glob("scores-*.jsonl"))
     schemas = {pq.read_schema(p).remove_metadata() for p in shards}

@@ -149,7 +149,7 @@ def test_score_reports_bad_lines_and_keeps_the_users_fields(base, tmp_path):
              json.dumps(CONV).encode()]
     (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     r = cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl")
-    assert r.exit_code == 1 and "2 scored, 4 bad lines" in r.output, r.output
+    assert r.exit_code == 1 and "4 of 6 lines (66.7%) cannot be scored" in r.output, r.output
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [o.get("id") for o in out] == ["ok", None, "user-last", "system-only", "shape", None]
     assert "score" in out[0] and "score" in out[5]
@@ -157,6 +157,41 @@ def test_score_reports_bad_lines_and_keeps_the_users_fields(base, tmp_path):
     assert "last message is the user's" in out[2]["error"]
     assert "last message is the system's" in out[3]["error"]
     assert all("score" not in o for o in out[1:5])
+
+
+def test_score_s_bad_fraction_bad_text_own_fields_and_truncation(base, tmp_path):
+    """Under --max-bad-fraction: exit 0 with each bad line written; a lone surrogate or a NaN is a
+    bad line (the good lines are still scored); a line's own ``score`` / ``line`` are kept as
+    ``input_<name>``; the input is never the output; --truncate left scores what is too long."""
+    from rmflow import RewardModel
+
+    long = [{"role": "user", "content": "word " * 5000}, CONV[1]]  # more than micro's 4,096 positions
+    lines = [json.dumps({"id": "own", "score": 3, "line": "x", "messages": CONV}),
+             json.dumps({"id": "surrogate", "note": "hi \ud800", "messages": CONV}),
+             '{"id": NaN, "messages": ' + json.dumps(CONV) + "}",
+             json.dumps({"id": "long", "messages": long})] + [json.dumps({"id": i, "messages": CONV}) for i in range(8)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    r = cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl",
+            "--max-bad-fraction", "0.25")
+    assert r.exit_code == 0 and "9 scored, 3 bad lines" in r.output, r.output
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert (out[0]["input_score"], out[0]["input_line"], "line" not in out[0]) == (3, "x", True)
+    assert "note holds a lone surrogate" in out[1]["error"] and "NaN is not JSON" in out[2]["error"]
+    assert "--truncate left" in out[3]["error"] and out[3]["id"] == "long"
+    rm = RewardModel.load(str(base / "run"))
+    assert abs(out[0]["score"] - rm.score([CONV])[0]) < 1e-5
+    r = cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "strict.jsonl")
+    msg = r.output.strip().splitlines()[-1]  # after the progress bar; default --max-bad-fraction: 5%
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "3 of 12 lines (25.0%) cannot be scored, more than --max-bad-fraction 5.0%" in msg, msg
+    assert len((tmp_path / "strict.jsonl").read_text().splitlines()) == 12  # written either way
+    r = cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "left.jsonl",
+            "--truncate", "left", "--max-bad-fraction", "0.25")
+    assert r.exit_code == 0 and "10 scored, 2 bad lines" in r.output, r.output
+    before = (tmp_path / "in.jsonl").read_bytes()
+    assert "is the input file" in one_line_error(cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl",
+                                                     "-o", tmp_path / "in.jsonl"))
+    assert (tmp_path / "in.jsonl").read_bytes() == before
 
 
 # --------------------------------------------------------------------------- lost work

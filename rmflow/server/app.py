@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import math
 import signal
@@ -33,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import ServeConfig
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
 from rmflow.server.metrics import ServerMetrics
@@ -114,7 +114,9 @@ def create_app(service: Service) -> Starlette:
         except UnicodeDecodeError as e:
             raise RequestError(400, f"the body is not valid UTF-8 ({e})", reason="bad_json") from e
         try:
-            return json.loads(text)
+            return jsontext.loads(text, allow_nan=False)
+        except jsontext.NotJsonText as e:
+            raise RequestError(400, f"the body is not JSON text: {e}", reason="bad_json") from e
         except (ValueError, RecursionError) as e:
             raise RequestError(400, f"the body is not valid JSON: {e}", reason="bad_json") from e
 

@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from rmflow.api import BadConversation, RewardModel
+from rmflow.schemas.config import SCORE_TRUNCATE
 from rmflow.schemas.kinds import OUTCOME, PROCESS, kind_named
 from rmflow.scoring import SCORERS
 
@@ -31,7 +32,7 @@ class RequestError(Exception):
         return {"error": self.message, **({"items": self.items} if self.items else {})}
 
 
-TRUNCATE = ("error", "left")
+
 
 
 @dataclasses.dataclass
@@ -124,8 +125,8 @@ def read_native(body: Any, rm: RewardModel, max_items: int) -> Parsed:
         raise RequestError(400, "'normalized': this model has no reward_normalization.json (run `rmflow eval "
                                 "--normalize` on it first)")
     truncate = body.get("truncate", "error")
-    if truncate not in TRUNCATE:
-        raise RequestError(400, f"'truncate' must be one of {', '.join(map(repr, TRUNCATE))}, got {truncate!r}")
+    if truncate not in SCORE_TRUNCATE:
+        raise RequestError(400, f"'truncate' must be one of {', '.join(map(repr, SCORE_TRUNCATE))}, got {truncate!r}")
     encoded = _encode_all(items, lambda x: SCORERS[rm.kind].encode(rm, x, truncate=truncate), native.what)
     return Parsed(encoded, [SCORERS[rm.kind].size(x) for x in encoded], {"normalized": normalized})
 

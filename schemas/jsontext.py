@@ -1,0 +1,59 @@
+"""JSON text read as every stage reads it: ``loads`` parses one document and refuses what is not
+text, a lone surrogate (a ``\\ud800`` escape, valid JSON but no character: it cannot be encoded,
+tokenized or written back as UTF-8) anywhere in it, keys included, and, with
+``allow_nan=False``, the constants ``NaN`` and ``Infinity`` (not JSON: a reader that echoes a
+field back would write a file other tools cannot read). Preprocessing reads NaN so that the
+value checks name the field (a NaN margin is a ``bad_value``); scoring and serving refuse it."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class NotJsonText(ValueError):
+    """A JSON document that cannot be read as text; the message says where and why."""
+
+
+def _refuse_constant(name: str):
+    raise NotJsonText(f"{name} is not JSON (RFC 8259 has no {name}): write null, a number or a string")
+
+
+def loads(text: str, *, allow_nan: bool = True) -> Any:
+    """``json.loads(text)``; raises ``json.JSONDecodeError`` on malformed JSON, ``RecursionError``
+    on absurd nesting, ``NotJsonText`` on a lone surrogate (naming its place) or a refused constant."""
+    obj = json.loads(text, parse_constant=None if allow_nan else _refuse_constant)
+    if _SURROGATE_ESCAPE.search(text):  # only escapes make surrogates: decoded UTF-8 has none
+        where = _first_surrogate(obj, "")
+        if where is not None:
+            raise NotJsonText(f"{where or 'the value'} holds a lone surrogate (a \\ud800-\\udfff escape "
+                              "without its pair): not a character; fix the text that wrote it")
+    return obj
+
+
+def _first_surrogate(obj: Any, path: str) -> str | None:
+    stack = [(obj, path)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                return where
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not _encodable(k):
+                    return f"a key of {where or 'the object'}"
+                stack.append((v, f"{where}.{k}" if where else str(k)))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
