@@ -272,12 +272,17 @@ def _reply(value: Any, name: str) -> tuple[Message, ...]:
     return _check_reply(_messages(value, name), name)
 
 
+def is_empty_reply(message: Message) -> bool:
+    """A reply with no text and no tool calls: nothing to score or to learn from."""
+    return not message[1].strip() and len(message) < 3
+
+
 def _check_reply(msgs: tuple[Message, ...], name: str) -> tuple[Message, ...]:
     if not msgs:
         raise BadRecord("empty_reply", f"'{name}' has no messages")
     if msgs[0][0] != "assistant":
         raise BadRecord("bad_role", f"'{name}' must start with an assistant message, got {msgs[0][0]!r}")
-    if not msgs[-1][1].strip() and len(msgs[-1]) < 3:
+    if is_empty_reply(msgs[-1]):
         raise BadRecord("empty_reply", f"'{name}' ends with an empty reply")
     return msgs
 

@@ -50,7 +50,7 @@ def conversation_messages(obj: Any) -> tuple[tuple[str, ...], ...]:
     """The messages of a conversation (a list of ``{role, content}``, or an object with ``messages``),
     read by the preprocessing code itself (roles, text parts, tool calls), ending with an assistant
     message."""
-    from rmflow.pipelines.formats import BadRecord, read_messages
+    from rmflow.pipelines.formats import BadRecord, is_empty_reply, read_messages
 
     msgs = obj.get("messages") if isinstance(obj, dict) else obj
     if not isinstance(msgs, (list, tuple)) or not msgs:
@@ -62,6 +62,8 @@ def conversation_messages(obj: Any) -> tuple[tuple[str, ...], ...]:
     if messages[-1][0] != "assistant":  # a reward model scores a reply, not a question
         raise BadConversation(f"the last message is the {messages[-1][0]}'s; a reward model scores an assistant "
                               "reply: end the conversation with the assistant message to score")
+    if is_empty_reply(messages[-1]):
+        raise BadConversation("the reply to score is empty (preprocessing refuses empty replies too: empty_reply)")
     return messages
 
 
@@ -84,6 +86,8 @@ class RewardModel:
         self.tokenizer = tokenizer
         self.normalization = normalization
         self.max_length = loaded.model.config.max_position_embeddings
+        # the length it was trained at (its data's max_length), when the run or export records it
+        self.trained_max_length = loaded.trained_max_length
         self.description = loaded.description
         self.kind = loaded.kind.name  # schemas.kinds: "outcome" (a score per conversation), "process" (per step)
         self.step_separator = loaded.step_separator
@@ -125,6 +129,8 @@ class RewardModel:
         from rmflow.pipelines.formats import BadRecord
 
         messages = conversation_messages(conversation)
+        if truncate != "left":
+            self.check_chars(sum(len(m[1]) for m in messages))
         try:
             ids = np.asarray(self._record_tokenizer().encode_conversation(messages), np.int32)
         except BadRecord as e:
@@ -150,10 +156,35 @@ class RewardModel:
     def assistant_marker(self) -> str:
         """What this model's chat template puts before an assistant reply (after the user's
         turn): a rendered text without it was not made with this template."""
-        if not hasattr(self, "_marker"):
+        return self._template_parts()[0]
+
+    @property
+    def turn_end(self) -> str:
+        """What this model's chat template puts after the last assistant reply (SmolLM2's:
+        ``<|im_end|>\\n``): a rendered conversation of its training data ends with it."""
+        return self._template_parts()[1]
+
+    def _template_parts(self) -> tuple[str, str]:
+        if not hasattr(self, "_parts"):
             rendered = self._record_tokenizer().render_text((("user", "\x00U\x00"), ("assistant", "\x00A\x00")))
-            self._marker = rendered[rendered.index("\x00U\x00") + 3 : rendered.index("\x00A\x00")].strip()
-        return self._marker
+            reply = rendered.index("\x00A\x00")
+            self._parts = (rendered[rendered.index("\x00U\x00") + 3 : reply].strip(), rendered[reply + 3:])
+        return self._parts
+
+    @property
+    def max_chars(self) -> int:
+        """More characters than any text of ``max_length`` tokens holds (no token of the vocabulary
+        is longer than its longest entry): a longer text is refused before it is tokenized."""
+        if not hasattr(self, "_longest_token"):
+            self._longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
+        return self.max_length * self._longest_token
+
+    def check_chars(self, n: int) -> None:
+        """Raise BadConversation when ``n`` characters cannot fit ``max_length`` tokens."""
+        if n > self.max_chars:
+            raise BadConversation(f"{n:,} characters, more than {self.max_length:,} tokens ever hold (the longest "
+                                  f"token has {self._longest_token} characters): refused before tokenizing; "
+                                  "shorten or split it")
 
     def shapes(self, batch_size: int = SCORING_BATCH_SIZE, token_budget: int | None = None,
                small_batches: bool = False):
@@ -212,7 +243,9 @@ class RewardModel:
 
         self._require(PROCESS, "encode_steps")
         try:
-            [out] = self._record_tokenizer()([solution_to_score(solution)])
+            canonical = solution_to_score(solution)
+            self.check_chars(sum(len(m[1]) for m in canonical.prompt) + sum(map(len, canonical.steps)))
+            [out] = self._record_tokenizer()([canonical])
         except BadRecord as e:
             raise BadConversation(e.message) from e
         if isinstance(out, BadRecord):

@@ -535,6 +535,7 @@ def serve(
     max_batch_rows: int = _S("max_batch_rows"),
     max_wait_ms: float = _S("max_wait_ms"),
     max_queue: int = _S("max_queue"),
+    max_queue_wait_s: float = _S("max_queue_wait_s"),
     max_request_items: int = _S("max_request_items"),
     max_body_mb: float = _S("max_body_mb"),
     shutdown_timeout_s: float = _S("shutdown_timeout_s"),

@@ -647,14 +647,20 @@ class ServeConfig(_Serializable):
     port: int = _opt(8000, "Port to listen on (0: any free port; the chosen one is printed).")
     api_key: str = _opt("", f"Bearer token every request must carry (Authorization: Bearer ...); default: the "
                             f"{SERVE_API_KEY_ENV} environment variable; none: no authentication.")
-    max_length: int = _opt(0, "Longest sequence scored, in tokens; 0 = the model's positions. Fewer tokens, fewer "
-                              "batch shapes to compile at start-up.")
+    max_length: int = _opt(0, "Longest sequence scored, in tokens; 0 = the length the model was trained at (its "
+                              "training data's max_length, recorded in the run and its export), else the model's "
+                              "positions. Every batch shape up to it compiles at start-up: fewer tokens, a faster "
+                              "start.")
     token_budget: int = _opt(16384, "Tokens per forward pass (rows x padded length): the dynamic batcher fills "
                                     "up to this, and each batch shape holds about this many.")
     max_batch_rows: int = _opt(64, "Sequences per forward pass at most.")
     max_wait_ms: float = _opt(5.0, "How long the batcher waits for more requests before running a batch that is "
                                    "not full.")
     max_queue: int = _opt(8192, "Sequences waiting at most; beyond it requests get 503 with Retry-After.")
+    max_queue_wait_s: float = _opt(10.0, "Refuse a request (503 with Retry-After) when the work queued ahead of it "
+                                         "would take longer than this at the throughput measured, so that clients "
+                                         "retry rather than time out (RL clients often wait 30 s); 0: no bound "
+                                         "but --max-queue.")
     max_request_items: int = _opt(2048, "Sequences (conversations, queries, solutions) in one request at most.")
     max_body_mb: float = _opt(64.0, "Largest request body, in MiB.")
     shutdown_timeout_s: float = _opt(30.0, "On SIGTERM: stop accepting, then wait at most this long for the "
@@ -673,7 +679,7 @@ class ServeConfig(_Serializable):
             _check_int(getattr(self, name), name, minimum)
         if self.port > 65535:
             raise ConfigError(f"port {self.port}: at most 65535")
-        for name in ("max_wait_ms", "max_body_mb", "shutdown_timeout_s"):
+        for name in ("max_wait_ms", "max_body_mb", "shutdown_timeout_s", "max_queue_wait_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} {getattr(self, name)}: must be >= 0")
         if self.max_request_items > self.max_queue:

@@ -40,12 +40,14 @@ class Server:
     """`rmflow serve` in a subprocess; ``url`` once /health said ready (the statuses seen
     before that are kept: 503 while the model loads)."""
 
-    def __init__(self, model, *args: str, env: dict | None = None, deadline: float = 240):
+    def __init__(self, model, *args: str, env: dict | None = None, deadline: float = 240,
+                 max_length: int | None = MAX_LENGTH):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(pathlib.Path(str(model)).parent / f"serve-{self.port}.log", "w+")
+        length = ["--max-length", str(max_length)] if max_length else []
         self.proc = subprocess.Popen([sys.executable, "-m", "rmflow.cli", "serve", str(model), "--port",
-                                      str(self.port), "--max-length", str(MAX_LENGTH), *args], cwd=REPO,
+                                      str(self.port), *length, *args], cwd=REPO,
                                      env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.statuses = []
@@ -229,6 +231,80 @@ def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, c
     assert r.status_code == 200 and requests.get(server.url + "/health", headers=AUTH, timeout=5).status_code == 200
 
 
+def test_padding_and_bad_text_never_change_a_reward_or_reach_a_500(outcome, conversations):
+    """However an RL batch padded a response (pad = eos, SmolLM2's), it gets one reward; a lone
+    surrogate is a 400 on every endpoint, an empty reply a 422, a huge text refused before
+    tokenizing, ``"activation": null`` read as unset; no traceback, no internal error."""
+    server, rm = outcome
+    renderer = rm._record_tokenizer()
+    rendered = renderer.render_text(tuple((m["role"], m["content"]) for m in conversations[0]))
+    eos, end = rm.tokenizer.eos_token, rm.turn_end
+    t = rendered[: -len(end)]  # the reply's text, without the template's turn end
+    variants = [t, t + eos, t + eos * 5, eos * 5 + t, rendered, rendered + eos * 3, eos + rendered + eos]
+    r = server.post("/get_reward", {"query": variants})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["rewards"], rm.score(conversations[:1])[0], atol=1e-5, rtol=0)
+    r = server.post("/classify", {"input": variants[:4], "activation": None, "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose([d["probs"][0] for d in r.json()["data"]],
+                               1 / (1 + np.exp(-rm.score(conversations[:1])[0])), atol=1e-5)
+    surrogate = '"hi \\ud800 there"'
+    for path, body in (("/get_reward", '{"query": [%s]}'), ("/classify", '{"input": %s}'),
+                       ("/v1/score", '{"conversations": [[{"role": "user", "content": "q"}, '
+                                     '{"role": "assistant", "content": %s}]]}')):
+        r = server.post(path, body % surrogate)
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"], (path, r.text)
+    empty = renderer.render_text((("user", "Hi"), ("assistant", "")))
+    assert server.post("/get_reward", {"query": [empty + eos * 3]}).status_code == 422
+    r = server.post("/v1/score", {"conversations": [[{"role": "user", "content": "Hi"},
+                                                     {"role": "assistant", "content": "  "}]]})
+    assert r.status_code == 422 and "empty" in r.json()["error"]
+    start = time.monotonic()
+    r = server.post("/get_reward", {"query": ["x" * 20_000_000]})
+    assert r.status_code == 422 and "refused before tokenizing" in r.json()["error"]
+    assert time.monotonic() - start < 20  # tokenizing 20 MB would take about a minute
+    metrics = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    assert 'reason="internal"' not in metrics and "Traceback" not in server.output()
+
+
+def test_an_abandoned_request_is_cancelled_and_small_requests_pass_big_ones(outcome, conversations):
+    """A client that gives up (its timeout) takes its waiting items with it; a client that
+    disconnects mid-upload is counted, not a traceback; a second server on the port says so in one line."""
+    server, rm = outcome
+    big = {"conversations": (conversations * 2)[:128]}
+
+    def scored() -> float:
+        text = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+        return float(next(x.split()[-1] for x in text.splitlines() if x.startswith("rmflow_sequences_scored_total")))
+
+    before = scored()
+    for _ in range(3):  # queued behind each other: far more work than the client waits for
+        with pytest.raises(requests.exceptions.Timeout):
+            server.post("/v1/score", big, timeout=0.3)
+    start = time.monotonic()
+    r = server.post("/v1/score", {"conversations": conversations[:2]})
+    assert r.status_code == 200 and time.monotonic() - start < 10, time.monotonic() - start
+    end = time.monotonic() + 30
+    while time.monotonic() < end and requests.get(server.url + "/health", headers=AUTH, timeout=5).json()[
+            "queue_depth"]:
+        time.sleep(0.1)
+    assert requests.get(server.url + "/health", headers=AUTH, timeout=5).json()["queue_depth"] == 0
+    time.sleep(1)  # the batch on the device when they were cancelled finishes
+    assert scored() - before < 2 + 128, (before, scored())  # of 3 x 128 + 2: most were never scored
+    with socket.create_connection(("127.0.0.1", server.port)) as s:  # gone mid-upload
+        s.sendall(f"POST /v1/score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{\"conv".encode())
+    time.sleep(0.5)
+    metrics = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    assert 'reason="client_disconnected"' in metrics and 'reason="internal"' not in metrics
+    assert "Traceback" not in server.output()
+    second = subprocess.run([sys.executable, "-m", "rmflow.cli", "serve", str(rm._loaded.folder), "--port",
+                             str(server.port)], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert second.returncode == 1 and "in use" in second.stderr and len(second.stderr.strip().splitlines()) == 1, \
+        second.stderr
+
+
 def test_a_full_queue_answers_503_with_retry_after(outcome, conversations):
     server, _ = outcome
     body = {"conversations": (conversations * 2)[:128]}
@@ -272,6 +348,36 @@ def test_sigterm_finishes_what_is_in_flight_then_exits(outcome, conversations):
         np.testing.assert_allclose(result["scores"], rm.score(conversations[:128]), atol=1e-5, rtol=0)
         with pytest.raises(requests.ConnectionError):
             requests.get(server.url + "/health", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_training_data_s(outcome, conversations):
+    """Served without --max-length, a model trained on the demo's 128-token shards compiles shapes
+    up to 128 (not its 4,096 positions). A SIGTERM that finds more work than --shutdown-timeout-s
+    allows answers what has not run with 503 JSON and Retry-After, says so, and exits 0."""
+    _, rm = outcome
+    server = Server(rm._loaded.folder, "--token-budget", "256", "--max-batch-rows", "2", "--shutdown-timeout-s",
+                    "0.5", max_length=None)
+    try:
+        info = requests.get(server.url + "/v1/model", timeout=10).json()
+        assert info["max_length"] == 128 and max(n for _, n in info["batch_shapes"]) == 128, info
+        assert "up to 128 tokens: the training data's max_length" in server.output()
+        short = [c for c in conversations if len(rm.encode(c)) <= 128][:64]
+        result = {}
+
+        def client():
+            r = server.post("/v1/score", {"conversations": (short * 32)[:2048]})  # 1,024 forward passes
+            result["status"], result["body"], result["retry"] = r.status_code, r.json(), r.headers.get("Retry-After")
+
+        t = threading.Thread(target=client)
+        t.start()
+        time.sleep(1.0)  # queued and scoring
+        server.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert server.proc.wait(60) == 0, server.output()
+        assert result["status"] == 503 and result["retry"] and "shutting down" in result["body"]["error"], result
+        assert "requests cut at --shutdown-timeout-s 0.5 s" in server.output(), server.output()
     finally:
         server.stop()
 
@@ -383,6 +489,44 @@ def test_the_batcher_gives_each_item_its_own_result_and_drains_on_close():
     with pytest.raises(RuntimeError, match="device lost"):
         b.submit([1], [1])[0].result(10)
     b.close()
+
+
+def test_the_batcher_is_fair_cancellable_and_bounded_by_the_estimated_wait():
+    """A small request submitted behind a big one is done long before it; a cancelled request's
+    waiting items never run; once the throughput is measured, a request that would wait longer
+    than max_queue_wait_s is refused with a Retry-After, while an empty queue takes anything;
+    ``cut`` fails what is waiting with Closed."""
+    from rmflow.trainer.inference import ScoringShapes
+
+    from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
+
+    shapes = ScoringShapes(64, max_rows=4, token_budget=256)
+    ran = []
+
+    def run(batch):
+        time.sleep(0.01)
+        ran.extend(batch)
+        return batch
+
+    b = DynamicBatcher(run, shapes.plan, token_budget=256, max_wait_s=0.001, max_queue=10_000, max_queue_wait_s=0.5)
+    big = b.submit([("big", i) for i in range(400)], [64] * 400)  # 100 batches, about 1 s
+    small = b.submit([("small", 0), ("small", 1)], [64, 64])
+    assert [f.result(10) for f in small] == [("small", 0), ("small", 1)]
+    assert sum(f.done() for f in big) < 100  # the small request did not wait for the big one
+    assert b.cancel(big) > 200 and b.depth == 0
+    time.sleep(0.2)
+    assert sum(1 for x in ran if x[0] == "big") < 100 and b.tokens_per_second > 0
+    lone = b.submit([("lone", i) for i in range(400)], [64] * 400)  # an empty queue takes anything (1 s of work)
+    with pytest.raises(QueueFull, match="--max-queue-wait-s") as e:
+        b.submit([("late", 0)], [64])
+    assert e.value.retry_after >= 1
+    assert b.cut("stopping") > 0
+    with pytest.raises(Closed, match="stopping"):
+        for f in lone:
+            f.result(10)
+    with pytest.raises(Closed):
+        b.submit([1], [1])
+    b.close(10)
 
 
 def test_the_plan_pads_the_fewest_tokens():

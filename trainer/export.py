@@ -157,7 +157,8 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
             json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
                        "data": run.config.data, "tokenizer_sha256": run.manifest.tokenizer.sha256,
                        "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.kind,
-                       "step_separator": run.manifest.config.get("step_separator", STEP_SEPARATOR)}, f, indent=2)
+                       "step_separator": run.manifest.config.get("step_separator", STEP_SEPARATOR),
+                       "max_length": run.manifest.max_length}, f, indent=2)
     return output
 
 

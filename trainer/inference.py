@@ -80,6 +80,7 @@ class LoadedModel:
     step_separator: str = STEP_SEPARATOR  # a process model's: the text after every step, as in its training data
     step: int | None = None  # the checkpoint step (a run's, or the one an export was made from)
     run: str | None = None  # the run directory the weights come from, when known
+    trained_max_length: int | None = None  # its training data's max_length, when known (a run, an export)
 
     def identity(self) -> dict[str, Any]:
         """What a scorer reports with its scores: the weights (run and step), the kind and the
@@ -116,7 +117,8 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
         model, run, step = load_trained_model(path, step)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
-                           run.manifest.config.get("step_separator", STEP_SEPARATOR), step, os.path.abspath(path))
+                           run.manifest.config.get("step_separator", STEP_SEPARATOR), step, os.path.abspath(path),
+                           run.manifest.max_length)
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an "
                              "exported checkpoint folder")
@@ -137,7 +139,7 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
         description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
         separator = exported.get("step_separator", separator)
     return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator,
-                       exported.get("step"), exported.get("run"))
+                       exported.get("step"), exported.get("run"), exported.get("max_length"))
 
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import math
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,18 +30,27 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import ServeConfig
+from rmflow.schemas.errors import RmflowError
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
 from rmflow.server.metrics import ServerMetrics
 from rmflow.server.protocol import NATIVE, Parsed, RequestError, read_classify, read_get_reward, read_native
 
 log = logging.getLogger("rmflow.serve")
 RETRY_AFTER_S = 1
+SHUTDOWN_GRACE_S = 5.0
+CLIENT_GONE = 499  # the status logged for a request whose client went away (nginx's convention; never sent)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (after its body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class Service:
@@ -52,6 +63,10 @@ class Service:
         self.shapes = None
         self.error: str | None = None
         self.ready = threading.Event()
+        self.max_length_source = ""
+        self.cut_items = 0  # items a shutdown out of time failed
+        self.cut_requests = 0  # requests answered 503 for it
+        self.disconnected = 0  # requests whose client went away before the answer (their items cancelled)
         self.metrics = ServerMetrics(lambda: self.batcher.depth if self.batcher else 0)
 
     def load(self) -> None:
@@ -60,8 +75,10 @@ class Service:
 
         cfg = self.cfg
         rm = RewardModel.load(cfg.model, cfg.step)
-        if cfg.max_length:
-            rm.max_length = min(cfg.max_length, rm.max_length)
+        # By default the length it was trained at: each batch shape up to it compiles before serving
+        self.max_length_source = "--max-length" if cfg.max_length else \
+            "the training data's max_length" if rm.trained_max_length else "the model's positions"
+        rm.max_length = min(cfg.max_length or rm.trained_max_length or rm.max_length, rm.max_length)
         if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
             raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
                                     "--normalize` on it first")
@@ -72,13 +89,20 @@ class Service:
         self.rm, self.shapes = rm, shapes
         self.batcher = DynamicBatcher(lambda batch: scorer.run(rm, batch, shapes), shapes.plan,
                                       token_budget=cfg.token_budget, max_wait_s=cfg.max_wait_ms / 1000,
-                                      max_queue=cfg.max_queue, on_batch=self.metrics.batch)
+                                      max_queue=cfg.max_queue, max_queue_wait_s=cfg.max_queue_wait_s or None,
+                                      on_batch=self.metrics.batch)
         self.metrics.ready.set(1)
         self.ready.set()
 
     def close(self) -> None:
         if self.batcher is not None:
             self.batcher.close(self.cfg.shutdown_timeout_s)
+
+    def cut(self) -> None:
+        """The shutdown ran out of time: fail what has not reached the device (answered 503)."""
+        if self.batcher is not None:
+            self.cut_items += self.batcher.cut(f"the server stopped before scoring it (SIGTERM, "
+                                               f"--shutdown-timeout-s {self.cfg.shutdown_timeout_s:g} s passed)")
 
 
 def _sigmoid(x: float) -> float:
@@ -102,12 +126,16 @@ def create_app(service: Service) -> Starlette:
             raise RequestError(413, f"the body has {int(declared):,} bytes, at most {max_body:,} (--max-body-mb)",
                                reason="too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise RequestError(413, f"the body is larger than {max_body:,} bytes (--max-body-mb)",
-                                   reason="too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body:
+                    raise RequestError(413, f"the body is larger than {max_body:,} bytes (--max-body-mb)",
+                                       reason="too_large")
+                chunks.append(chunk)
+        except ClientDisconnect as e:  # nobody to answer: counted, not logged as a failure
+            raise RequestError(CLIENT_GONE, "the client disconnected while sending its body",
+                               reason="client_disconnected") from e
         raw = b"".join(chunks)
         try:
             text = raw.decode("utf-8")
@@ -134,15 +162,20 @@ def create_app(service: Service) -> Starlette:
                 parsed = await run_in_threadpool(reader, body, service.rm, cfg.max_request_items)
                 metrics.template_mismatches.inc(parsed.options.get("template_mismatches", 0))
                 try:
-                    futures = service.batcher.submit(parsed.encoded, parsed.sizes)
-                except (QueueFull, Closed) as e:
-                    headers["Retry-After"] = str(RETRY_AFTER_S)
-                    raise RequestError(503, f"overloaded: {e}; retry after {RETRY_AFTER_S} s",
-                                       reason="queue_full" if isinstance(e, QueueFull) else "shutting_down") from e
-                results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+                    submitted = service.batcher.submit(parsed.encoded, parsed.sizes)
+                except QueueFull as e:
+                    headers["Retry-After"] = str(math.ceil(e.retry_after))
+                    raise RequestError(503, f"overloaded: {e}; retry after {headers['Retry-After']} s",
+                                       reason="queue_full") from e
+                results = await _results(request, submitted)
                 payload, status = respond(parsed, results), 200
                 if parsed.warnings:
                     payload["warnings"] = parsed.warnings
+            except Closed as e:  # shutting down: before the request was queued, or cut from the queue
+                headers["Retry-After"] = str(RETRY_AFTER_S)
+                payload, status = {"error": f"shutting down: {e}; retry on another replica or after a restart"}, 503
+                metrics.errors.labels(name, "shutting_down").inc()
+                service.cut_requests += bool(service.batcher and service.batcher.cut_reason)
             except RequestError as e:
                 payload, status = e.body(), e.status
                 metrics.errors.labels(name, e.reason).inc()
@@ -155,6 +188,25 @@ def create_app(service: Service) -> Starlette:
             return JSONResponse(payload, status, headers=headers)
 
         return handler
+
+    async def _results(request: Request, submitted) -> list:
+        """The request's results once all are scored; when its client disconnects first, its
+        items still waiting are cancelled (they would hold the queue for nobody)."""
+        gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in submitted)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((gathered, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not gathered.done():
+            service.batcher.cancel(submitted)
+            gathered.cancel()
+            with contextlib.suppress(BaseException):
+                await gathered
+            service.disconnected += 1
+            raise RequestError(CLIENT_GONE, "the client disconnected before its scores were ready",
+                               reason="client_disconnected")
+        return gathered.result()
 
     def identity() -> dict[str, Any]:
         return service.rm.identity()
@@ -221,13 +273,42 @@ def create_app(service: Service) -> Starlette:
     return Starlette(routes=routes)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything loads: a port in use is one line and exit 1."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts reuse the port
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "it is in use (another server there? stop it or choose another --port)" \
+            if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        raise RmflowError(f"cannot listen on {host}:{port}: {why}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(cfg: ServeConfig) -> int:
-    """Run until SIGTERM / SIGINT (then: stop accepting, finish what is in flight, exit 0), or
-    until the model fails to load (exit 1, the reason on stderr)."""
+    """Run until SIGTERM / SIGINT (then: stop accepting, finish what is in flight within
+    --shutdown-timeout-s, answer what is left 503, exit 0), or until the model fails to load
+    (exit 1, the reason on stderr)."""
     import uvicorn
+
+    sock = listen(cfg.host, cfg.port)
 
     class Server(uvicorn.Server):
         stopped_by: list[int] = []
+
+        async def shutdown(self, sockets=None) -> None:
+            """uvicorn's graceful stop, with the deadline rmflow's: at --shutdown-timeout-s, what has
+            not reached the device is answered 503 (JSON, Retry-After) before uvicorn would cancel."""
+            deadline = asyncio.get_running_loop().call_later(cfg.shutdown_timeout_s, service.cut)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -240,8 +321,10 @@ def serve(cfg: ServeConfig) -> int:
 
     service = Service(cfg)
     app = create_app(service)
+    # uvicorn cancels what is still running SHUTDOWN_GRACE_S after rmflow's own deadline (the
+    # batch on the device then, at worst): those requests get its plain 500
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout_s, lifespan="off")
+                            timeout_graceful_shutdown=cfg.shutdown_timeout_s + SHUTDOWN_GRACE_S, lifespan="off")
     server = Server(config)
 
     def load() -> None:
@@ -254,17 +337,20 @@ def serve(cfg: ServeConfig) -> int:
             return
         while not server.started and not server.should_exit:
             time.sleep(0.01)
-        ports = [s.getsockname()[1] for srv in server.servers for s in srv.sockets] or [cfg.port]
-        print(f"rmflow serve: ready on http://{cfg.host}:{ports[0]} ({service.rm.description}, "
-              f"{service.rm.kind} reward model, {len(service.shapes.shapes)} batch shapes compiled)", flush=True)
+        print(f"rmflow serve: ready on http://{cfg.host}:{sock.getsockname()[1]} ({service.rm.description}, "
+              f"{service.rm.kind} reward model, up to {service.rm.max_length:,} tokens: "
+              f"{service.max_length_source}; {len(service.shapes.shapes)} batch shapes compiled)", flush=True)
 
     threading.Thread(target=load, name="rmflow-load", daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         with contextlib.suppress(Exception):
             service.close()
+        sock.close()
     if server.stopped_by:
-        print(f"rmflow serve: stopped by {signal.Signals(server.stopped_by[0]).name} (requests in flight finished)",
-              flush=True)
+        how = (f"{service.cut_requests} requests cut at --shutdown-timeout-s {cfg.shutdown_timeout_s:g} s "
+               f"({service.cut_items} sequences not scored; answered 503 with Retry-After)"
+               if service.cut_items else "requests in flight finished")
+        print(f"rmflow serve: stopped by {signal.Signals(server.stopped_by[0]).name} ({how})", flush=True)
     return 1 if service.error else 0

@@ -1,12 +1,20 @@
 """Dynamic batching for the reward server: requests from many clients share forward passes.
 
-Handlers ``submit`` encoded items (token ids, with their size in tokens) and await one future
-per item; a single device thread takes what is queued once a token budget's worth is there or
-``max_wait`` after the oldest item came (at most a few budgets' worth), cuts it into batches of the model's fixed shapes
-(shortest first) and runs them one after another, resolving each item's future with its own
-result. The HTTP event loop never touches the device. A bounded queue refuses new work when
-full (the server answers 503 with Retry-After) instead of growing without limit; ``close``
-stops taking new items and finishes every queued one before the thread ends.
+Handlers ``submit`` a request's encoded items (token ids, with their size in tokens) and await
+one future per item; a single device thread takes what is queued once a token budget's worth is
+there or ``max_wait`` after the oldest item came (at most a few budgets' worth), cuts it into
+batches of the model's fixed shapes (shortest first) and runs them one after another, resolving
+each item's future with its own result. The HTTP event loop never touches the device.
+
+* Fair: the queue keeps each request's items apart and a take draws from the waiting requests in
+  turn, one item each, so a small request never waits behind all of a big one's.
+* Bounded: a new request is refused (``QueueFull``: the server answers 503 with Retry-After) when
+  the queue holds ``max_queue`` items, or when the work ahead of it would take longer than
+  ``max_queue_wait_s`` at the throughput the forward passes have measured; an empty queue always
+  takes a request. Clients that would time out waiting get an answer they can retry instead.
+* Cancellable: ``cancel`` drops a request's waiting items (its client went away).
+* ``close`` stops taking new items and finishes every queued one; ``cut`` fails the waiting ones
+  with ``Closed`` (a shutdown out of time): the batch on the device still finishes.
 """
 
 from __future__ import annotations
@@ -23,11 +31,15 @@ TAKE_BUDGETS = 4  # token budgets taken from the queue at once, at most
 
 
 class QueueFull(Exception):
-    """The queue holds ``max_queue`` items already: try again shortly."""
+    """The queue is full (items, or estimated wait): try again after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Closed(Exception):
-    """The batcher is shutting down and takes no new items."""
+    """The batcher is shutting down and takes no new items (or cut the waiting ones)."""
 
 
 @dataclasses.dataclass
@@ -36,6 +48,12 @@ class _Item:
     size: int
     future: concurrent.futures.Future
     queued_at: float
+
+
+class Submitted(list):
+    """A request's futures, one per item in order; ``request`` names it for ``cancel``."""
+
+    request: int
 
 
 @dataclasses.dataclass
@@ -48,40 +66,77 @@ class BatchStats:
     waited: float  # the oldest item's time in the queue before its batch ran
 
 
+RATE_SMOOTHING = 0.3  # weight of the newest take in the measured throughput (tokens per second)
+
+
 class DynamicBatcher:
     """``run(payloads) -> results`` scores one batch; ``plan(sizes) -> [index arrays]`` cuts a
     list of item sizes into batches that ``run`` accepts (``ScoringShapes.plan``)."""
 
     def __init__(self, run: Callable[[list], Sequence[Any]], plan: Callable[[list[int]], list], *,
                  token_budget: int, max_wait_s: float = 0.005, max_queue: int = 4096,
-                 on_batch: Callable[[BatchStats], None] | None = None):
+                 max_queue_wait_s: float | None = None, on_batch: Callable[[BatchStats], None] | None = None):
         self._run, self._plan, self._on_batch = run, plan, on_batch
         self.token_budget, self.max_wait_s, self.max_queue = token_budget, max_wait_s, max_queue
-        self._queue: collections.deque[_Item] = collections.deque()
-        self._queued_tokens = 0
+        self.max_queue_wait_s = max_queue_wait_s
+        self._requests: collections.OrderedDict[int, collections.deque[_Item]] = collections.OrderedDict()
+        self._next_request = 0
+        self._queued_items = self._queued_tokens = self._running_tokens = 0
+        self.tokens_per_second: float | None = None  # measured on the forward passes; None until one ran
+        self._measured_full = False
         self._cond = threading.Condition()
         self._closing = False
+        self._cut: str | None = None
         self._thread = threading.Thread(target=self._loop, name="rmflow-batcher", daemon=True)
         self._thread.start()
 
     @property
+    def cut_reason(self) -> str | None:
+        """Why ``cut`` failed the waiting items; None while it has not."""
+        return self._cut
+
+    @property
     def depth(self) -> int:
         """Items waiting for a forward pass."""
-        return len(self._queue)
+        return self._queued_items
 
-    def submit(self, payloads: Sequence[Any], sizes: Sequence[int]) -> list[concurrent.futures.Future]:
+    def estimated_wait(self, extra_tokens: int = 0) -> float | None:
+        """Seconds until the queued work (and ``extra_tokens`` more) is done, at the measured rate."""
+        rate = self.tokens_per_second
+        return None if not rate else (self._queued_tokens + self._running_tokens + extra_tokens) / rate
+
+    def submit(self, payloads: Sequence[Any], sizes: Sequence[int]) -> Submitted:
         """Queue a request's items together (all or none); one future per item, in order."""
         now = time.monotonic()
         items = [_Item(p, int(n), concurrent.futures.Future(), now) for p, n in zip(payloads, sizes)]
+        tokens = sum(i.size for i in items)
         with self._cond:
             if self._closing:
-                raise Closed("the server is shutting down")
-            if len(self._queue) + len(items) > self.max_queue:
-                raise QueueFull(f"{len(self._queue)} items queued, at most {self.max_queue}")
-            self._queue.extend(items)
-            self._queued_tokens += sum(i.size for i in items)
+                raise Closed(self._cut or "the server is shutting down")
+            if self._queued_items + len(items) > self.max_queue:
+                raise QueueFull(f"{self._queued_items} items queued, at most {self.max_queue}")
+            wait = self.estimated_wait(tokens)
+            if self.max_queue_wait_s and self._queued_items and wait is not None and wait > self.max_queue_wait_s:
+                ahead = self.estimated_wait()
+                raise QueueFull(f"about {ahead:.1f} s of work queued ahead of this request, at most "
+                                f"{self.max_queue_wait_s:g} s (--max-queue-wait-s)",
+                                retry_after=max(1.0, ahead - self.max_queue_wait_s / 2))
+            out = Submitted(i.future for i in items)
+            out.request = self._next_request
+            self._next_request += 1
+            self._requests[out.request] = collections.deque(items)
+            self._queued_items += len(items)
+            self._queued_tokens += tokens
             self._cond.notify()
-        return [i.future for i in items]
+        return out
+
+    def cancel(self, submitted: Submitted) -> int:
+        """Drop a request's items that have not run (its client went away); how many were dropped."""
+        with self._cond:
+            waiting = self._requests.pop(submitted.request, collections.deque())
+            self._queued_items -= len(waiting)
+            self._queued_tokens -= sum(i.size for i in waiting)
+        return sum(f.cancel() for f in submitted)  # taken but not yet run: skipped by the loop
 
     def close(self, timeout: float | None = None) -> None:
         """Take no new items; return once every queued item has its result (or ``timeout``)."""
@@ -90,33 +145,68 @@ class DynamicBatcher:
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _take(self) -> list[_Item] | None:
-        """Block until there is work; then wait for a full budget or the oldest item's deadline."""
+    def cut(self, reason: str) -> int:
+        """Take no new items and fail every item not yet on the device with ``Closed(reason)``
+        (the batch running finishes); how many were failed here (the loop fails the rest of its take)."""
         with self._cond:
-            while not self._queue:
+            self._closing, self._cut = True, reason
+            waiting = [i for q in self._requests.values() for i in q]
+            self._requests.clear()
+            self._queued_items = self._queued_tokens = 0
+            self._cond.notify()
+        for i in waiting:
+            if i.future.set_running_or_notify_cancel():
+                i.future.set_exception(Closed(reason))
+        return len(waiting)
+
+    def _take(self) -> list[_Item] | None:
+        """Block until there is work; then wait for a full budget or the oldest item's deadline,
+        and take up to a few budgets' worth, one item from each waiting request in turn."""
+        with self._cond:
+            while not self._requests:
                 if self._closing:
                     return None
                 self._cond.wait()
-            deadline = self._queue[0].queued_at + self.max_wait_s
+            deadline = min(q[0].queued_at for q in self._requests.values()) + self.max_wait_s
             while self._queued_tokens < self.token_budget and not self._closing:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
+                if not self._requests:  # cancelled or cut while waiting
+                    return []
             # Up to a few budgets' worth: sorted together by length, they cut into fuller batches
             # of like lengths than one budget's worth would (the batches still run one by one).
-            taken, tokens = [], 0
-            while self._queue and (not taken or tokens + self._queue[0].size <= TAKE_BUDGETS * self.token_budget):
-                item = self._queue.popleft()
-                taken.append(item)
-                tokens += item.size
+            taken, tokens, cap = [], 0, TAKE_BUDGETS * self.token_budget
+            while self._requests:
+                took = False
+                for request in list(self._requests):
+                    waiting = self._requests[request]
+                    if taken and tokens + waiting[0].size > cap:
+                        continue
+                    item = waiting.popleft()
+                    taken.append(item)
+                    tokens += item.size
+                    took = True
+                    if not waiting:
+                        del self._requests[request]
+                if not took:
+                    break
+            self._queued_items -= len(taken)
             self._queued_tokens -= tokens
+            self._running_tokens = tokens
             return taken
 
     def _loop(self) -> None:
         while (taken := self._take()) is not None:
+            started, done_tokens = time.monotonic(), 0
             for batch in self._plan([i.size for i in taken]):
                 items = [taken[k] for k in batch]
+                if self._cut is not None:  # a shutdown out of time: nothing more goes to the device
+                    for i in items:
+                        if i.future.set_running_or_notify_cancel():
+                            i.future.set_exception(Closed(self._cut))
+                    continue
                 live = [i for i in items if i.future.set_running_or_notify_cancel()]
                 if not live:
                     continue
@@ -129,6 +219,23 @@ class DynamicBatcher:
                     continue
                 for i, r in zip(live, results):
                     i.future.set_result(r)
+                done_tokens += sum(i.size for i in live)
                 if self._on_batch:
                     self._on_batch(BatchStats(len(live), sum(i.size for i in live), time.monotonic() - start,
                                               start - min(i.queued_at for i in live)))
+            elapsed = time.monotonic() - started
+            with self._cond:
+                self._running_tokens = 0
+                if done_tokens and elapsed > 0:
+                    self._measure(done_tokens / elapsed, full=done_tokens >= self.token_budget)
+
+    def _measure(self, rate: float, full: bool) -> None:
+        """The throughput a backlog runs at: takes of a full budget or more (what a queue is worked
+        off in) are averaged; smaller ones, which underrate it, only count until a full one ran."""
+        old = self.tokens_per_second
+        if full:
+            self.tokens_per_second = rate if not self._measured_full else \
+                (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
+            self._measured_full = True
+        elif not self._measured_full:
+            self.tokens_per_second = rate if old is None else max(old, rate)

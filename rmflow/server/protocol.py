@@ -66,7 +66,10 @@ def _list(body: dict[str, Any], key: str, limit: int, *, also: str = "") -> list
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key, default)
+    """A true/false option; absent or null: ``default`` (as vLLM reads an unset option)."""
+    value = body.get(key)
+    if value is None:
+        return default
     if not isinstance(value, bool):
         raise RequestError(400, f"'{key}' must be true or false, got {value!r}")
     return value
@@ -132,11 +135,19 @@ def read_native(body: Any, rm: RewardModel, max_items: int) -> Parsed:
 
 
 def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: bool) -> list[Any]:
+    """Rendered conversations, each as the reward model's training data ends one (``unpadded``),
+    checked (not empty, a reply, not too long: by characters before tokenizing) and tokenized."""
     def encode(text: Any):
         if not isinstance(text, str):
             raise BadConversation(f"must be a string (a rendered conversation), got {type(text).__name__}")
-        if not text.strip():
+        rm.check_chars(len(text))
+        text = unpadded(text, rm)
+        if not text[: len(text) - len(rm.turn_end)].strip():
             raise BadConversation("is empty")
+        marker = rm.assistant_marker
+        if marker and marker in text and not text[text.rindex(marker) + len(marker): len(text) - len(rm.turn_end)
+                                                  ].strip():
+            raise BadConversation("ends with an empty reply (preprocessing refuses empty replies too: empty_reply)")
         ids = rm.encode_text(text, add_special_tokens=add_special_tokens)
         if len(ids) > rm.max_length:
             raise BadConversation(f"{len(ids)} tokens, more than the server's {rm.max_length} (--max-length)")
@@ -147,15 +158,26 @@ def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: 
     return _encode_all(values, encode, key)
 
 
-def _strip_padding(text: str, rm: RewardModel) -> str:
-    """A policy batch's padding, as OpenRLHF's own server strips it."""
-    pad = rm.tokenizer.pad_token
-    if pad and pad != rm.tokenizer.eos_token:
-        while text.endswith(pad):
-            text = text[: -len(pad)]
-        while text.startswith(pad):
-            text = text[len(pad):]
-    return text
+def unpadded(text: str, rm: RewardModel) -> str:
+    """A rendered conversation as the model's training data ends one, however a policy batch
+    padded it: runs of pad and eos stripped from both ends (and a trailing copy of the template's
+    turn end, SmolLM2's ``<|im_end|>\\n``), then the turn end appended once. OpenRLHF's own server
+    strips pad and eos runs and appends one eos; appending the template's turn end instead gives
+    the text the exact ending the model was trained on, so ``t``, ``t + eos``, ``t + eos * 5``
+    and ``eos * 5 + t`` get one reward."""
+    tok, end = rm.tokenizer, rm.turn_end
+    fillers = [x for x in dict.fromkeys((tok.pad_token, tok.eos_token)) if x]
+    ends = [x for x in dict.fromkeys((end, end.strip(), *fillers)) if x]
+    changed = True
+    while changed:
+        changed = False
+        for x in fillers:
+            while text.startswith(x):
+                text, changed = text[len(x):], True
+        for x in ends:
+            while text.endswith(x):
+                text, changed = text[: -len(x)], True
+    return text + end
 
 
 def read_get_reward(body: Any, rm: RewardModel, max_items: int) -> Parsed:
@@ -167,7 +189,6 @@ def read_get_reward(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     for key in ("prompts", "labels"):
         if body.get(key) is not None and (not isinstance(body[key], list) or len(body[key]) != len(queries)):
             raise RequestError(400, f"'{key}' must be a list as long as 'query' ({len(queries)})")
-    queries = [_strip_padding(q, rm) if isinstance(q, str) else q for q in queries]
     encoded = _texts(queries, "query", rm, add_special_tokens=False)
     marker = rm.assistant_marker
     missing = [i for i, q in enumerate(queries) if marker and marker not in q]
