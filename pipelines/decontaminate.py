@@ -135,18 +135,44 @@ def _json_string(text: str, path: str, line: int) -> Any:
         raise BadRecord("bad_eval_file", f"{path}:{line}: not valid JSON text: {e}") from e
 
 
-def index_file(path: str, n: int) -> EvalIndex:
-    """The n-grams of one evaluation file's prompts. An item whose prompt cannot be found fails
-    the job with its file and line: a decontamination that silently skipped items would be wrong."""
-    index = EvalIndex(n)
+def eval_prompts(path: str) -> Iterator[tuple[int, str]]:
+    """(line, prompt text) of each item of one evaluation file. An item that cannot be read, or
+    whose prompt cannot be found, raises BadRecord naming the file and line: a decontamination
+    that silently skipped items would be wrong."""
     for line, raw, problem in iter_records(path):
         if problem:
             raise BadRecord("bad_eval_file", f"{path}:{line}: {problem}")
         text = raw.strip()  # a JSON object, a JSON string, or a plain line of a prompt list
-        record: Any = parse_json_object(text) if text.startswith("{") else (
-            _json_string(text, path, line) if text.startswith('"') else text)
-        index.add(prompt_text(record, path, line), path, line)
+        try:
+            record: Any = parse_json_object(text) if text.startswith("{") else (
+                _json_string(text, path, line) if text.startswith('"') else text)
+        except BadRecord as e:
+            raise BadRecord("bad_eval_file", e.message if e.message.startswith(f"{path}:") else
+                            f"{path}:{line}: {e.message}") from None
+        yield line, prompt_text(record, path, line)
+
+
+def index_file(path: str, n: int) -> EvalIndex:
+    """The n-grams of one evaluation file's prompts (``eval_prompts``)."""
+    index = EvalIndex(n)
+    for line, text in eval_prompts(path):
+        index.add(text, path, line)
     return index
+
+
+def eval_file_counts(path: str, n: int) -> dict[str, int]:
+    """What one evaluation file gives the index: its items and their n-grams (distinct within
+    each item), read as the pipeline reads it. The launcher counts them before the job starts,
+    so that a malformed file fails there, naming file and line, and an empty one is refused:
+    decontaminating against nothing would pass silently."""
+    items = grams = 0
+    for _, text in eval_prompts(path):
+        items += 1
+        grams += len({h for h, _ in ngrams(words(text), n)})
+    if not items:
+        raise BadRecord("empty_eval_file", f"{path} holds no evaluation items: nothing to decontaminate against "
+                                           "(give the benchmark's file of prompts)")
+    return {"items": items, "ngrams": grams}
 
 
 def record_texts(pair: CanonicalPair | CanonicalSteps, replies: bool) -> list[str]:

@@ -64,6 +64,7 @@ class Finalization:
     tokenizer: TokenizerInfo
     started: float  # epoch seconds, when the job was planned
     skipped: tuple[tuple[str, str], ...] = ()  # (path, why): files the inputs' folders hold that are not inputs
+    eval_counts: tuple[tuple[str, dict[str, int]], ...] = ()  # --decontaminate: each file's items and n-grams
 
 
 # Why a read record was not written: (stats count, dead-letter category, what it means). Every read
@@ -116,6 +117,8 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
     try:
         stats = summarize(summary, fin.cfg, time.time() - fin.started)
         stats["skipped_inputs"] = [{"path": path, "why": why} for path, why in fin.skipped]
+        if fin.eval_counts:  # what the records were checked against
+            stats["decontaminated_against"] = {path: dict(c) for path, c in fin.eval_counts}
         check_quality(stats, fin.cfg, staging)
     except PreprocessError as e:
         failure = {"error": str(e), "reason": e.reason, "errors_file": e.errors_file,

@@ -164,6 +164,9 @@ def candidate_formats(record: Mapping[str, Any]) -> list[str]:
     return [fmt for fmt in FORMATS if _SIGNATURES[fmt](record, keys)]
 
 
+SCORED_LAYOUTS = ("ultrafeedback",)  # layouts whose records carry score_chosen / score_rejected
+
+
 def detect_format(record: Mapping[str, Any]) -> str:
     """The layout of one record, from its keys and value types. Raises BadRecord when none fits
     (``unknown_layout``) or when more than one does (``ambiguous_layout``: pass --format)."""

@@ -22,13 +22,15 @@ import apache_beam as beam
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 from rmflow.pipelines import io as rio
-from rmflow.pipelines.decontaminate import CONTAMINATION_FILE, Decontaminate, use_join
+from rmflow.pipelines.decontaminate import CONTAMINATION_FILE, Decontaminate, eval_file_counts, use_join
 from rmflow.pipelines.finalize import (
     FAILED_FILE,
     SUMMARY_FILE,
     Finalization,
     PreprocessError,
 )
+from rmflow.pipelines.formats import SCORED_LAYOUTS, BadRecord, detect_format, parse_json_object
+from rmflow.pipelines.io import iter_records
 from rmflow.pipelines.near_dedup import DropNearDuplicates
 from rmflow.pipelines.runner import is_local, launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import clean_leftovers, new_staging
@@ -54,7 +56,7 @@ from rmflow.pipelines.transforms import (
     WriteShards,
     shared_record_tokenizer,
 )
-from rmflow.schemas.config import NORMALIZE_OPTIONS, PreprocessConfig
+from rmflow.schemas.config import NORMALIZE_OPTIONS, SCORE_OPTIONS, PreprocessConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import (
     COMPLETED_FILE,
@@ -85,6 +87,7 @@ class Plan:
     skipped: tuple[tuple[str, str], ...] = ()  # (path, why) of files in the input folders that are not inputs
     eval_files: tuple[str, ...] = ()  # the evaluation files to decontaminate against
     decontaminate_join: bool = False  # find overlaps by a join, not a side input (decontaminate.use_join)
+    eval_counts: tuple[tuple[str, dict[str, int]], ...] = ()  # each evaluation file's items and n-grams
 
 
 def plan_shards(cfg: PreprocessConfig, input_bytes: int) -> dict[str, int]:
@@ -111,8 +114,12 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
         raise PreprocessError(str(e)) from e
     try:
         eval_listed = sorted(set(rio.expand_inputs(cfg.decontaminate)))
+        eval_counts = tuple((path, eval_file_counts(path, cfg.decontaminate_ngram)) for path, _ in eval_listed)
     except rio.InputError as e:
         raise PreprocessError(f"--decontaminate: {e}") from e
+    except BadRecord as e:
+        raise PreprocessError(f"--decontaminate: {e.message}") from e
+    check_score_options(cfg, [path for path, _ in files])
     assets = load_tokenizer_assets(cfg.tokenizer, cfg.chat_template)
     if not assets.has_chat_template and cfg.format != "tokenized":  # now, not after every record failed
         raise PreprocessError(f"tokenizer {cfg.tokenizer} has no chat template, which renders conversations into "
@@ -123,7 +130,41 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
     # The tokenizer as used, where the workers read it (TokenizerFiles) and export finds it with the shards.
     write_tokenizer_files(assets, f"{staging}/{TOKENIZER_DIR}")
     return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), staging, tuple(skipped),
-                tuple(f for f, _ in eval_listed), use_join(cfg.decontaminate_method, eval_listed))
+                tuple(f for f, _ in eval_listed), use_join(cfg.decontaminate_method, eval_listed), eval_counts)
+
+
+LAYOUT_SAMPLE_FILES = 64  # input files whose layout the plan reads (its first records) for check_score_options
+
+
+def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
+    """Refuse the options that act on scores (--min-score-gap, --drop-score-ties,
+    --margin-from-scores) when no input's layout carries scores: they would do nothing, silently.
+    The layouts are read as the job reads them: forced by --format, else each file's first
+    record that fits one (the first LAYOUT_SAMPLE_FILES files)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    asked = [name for name in SCORE_OPTIONS if getattr(cfg, name) != defaults[name]]
+    if not asked:
+        return
+    layouts = {cfg.format} if cfg.format != "auto" else {_first_layout(p) for p in files[:LAYOUT_SAMPLE_FILES]}
+    layouts.discard(None)
+    if layouts and not layouts & set(SCORED_LAYOUTS):
+        flags = ", ".join("--" + name.replace("_", "-") for name in asked)
+        raise PreprocessError(f"{flags}: acts on layouts with scores ({', '.join(SCORED_LAYOUTS)}: score_chosen and "
+                              f"score_rejected), and the inputs are {', '.join(sorted(layouts))}: it would do "
+                              "nothing; drop it, or give scored data")
+
+
+def _first_layout(path: str, records: int = 100) -> str | None:
+    for n, (_, raw, problem) in enumerate(iter_records(path)):
+        if n >= records:
+            return None
+        if problem:
+            continue
+        try:
+            return detect_format(parse_json_object(raw))
+        except BadRecord:
+            continue
+    return None
 
 
 def _is_shard_folder(path: str) -> bool:
@@ -219,7 +260,8 @@ def finalization(cfg: PreprocessConfig, plan: Plan, started: float | None = None
     tok = tok if tok is not None else build_tokenizer(plan.assets)
     return Finalization(cfg=cfg, staging=plan.staging, output=cfg.output.rstrip("/"), files=tuple(plan.files),
                         splits=tuple(plan.shard_counts), tokenizer=tokenizer_info(plan.assets, tok),
-                        started=time.time() if started is None else started, skipped=plan.skipped)
+                        started=time.time() if started is None else started, skipped=plan.skipped,
+                        eval_counts=plan.eval_counts)
 
 
 def run(cfg: PreprocessConfig, pipeline: beam.Pipeline | None = None, *, wait: bool = True) -> PreprocessResult | None:

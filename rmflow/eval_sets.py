@@ -2,16 +2,26 @@
 run, into ``RUN/eval_data/NAME`` with the training data's own tokenizer (its chat template as
 used), max_length, length policy and step separator, all in one split; shard folders are used
 as they are. `rmflow train` and `rmflow run` call this; the trainer reads only shard folders.
+
+Bad records are handled as `rmflow eval` handles them in raw files: each is set aside with its
+reason in the set's errors file (``RUN/eval_data/NAME/errors.jsonl``), said in a warning, and
+the set is evaluated on the rest; a set with nothing usable stops the run before it starts, its
+reasons kept beside it (``RUN/eval_data/NAME.errors.jsonl``), no staging folder left behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
+import shutil
+import warnings
 
 from rmflow.schemas.config import STEP_SEPARATOR, PreprocessConfig, TrainConfig
-from rmflow.schemas.manifest import TOKENIZER_DIR
+from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.manifest import ERRORS_FILE, TOKENIZER_DIR
 from rmflow.trainer import storage
+from rmflow.trainer.errors import TrainError
 from rmflow.trainer.rundir import EVAL_DATA
 from rmflow.trainer.setup import read_manifest
 
@@ -23,7 +33,9 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
     raw = {name: paths for name, paths in (cfg.eval_data or {}).items() if not storage.is_shard_folder(paths)}
     if not raw:
         return cfg
+    from rmflow.pipelines.preprocess import PreprocessError
     from rmflow.pipelines.preprocess import run as preprocess
+    from rmflow.pipelines.staging import SUFFIX as STAGING_SUFFIX
 
     data = storage.stage_shards(cfg.sources[0].path)
     manifest = read_manifest(data)
@@ -32,10 +44,24 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
     evals = dict(cfg.eval_data)
     for name, paths in raw.items():
         folder = os.path.join(root, name)
-        preprocess(PreprocessConfig(
-            inputs=tuple(paths), output=folder, tokenizer=os.path.join(data, TOKENIZER_DIR),
-            max_length=cfg.max_length or manifest.max_length, length_policy=manifest.length_policy,
-            step_separator=manifest.config.get("step_separator", STEP_SEPARATOR), eval_fraction=0.0,
-            overwrite=True))
+        try:
+            result = preprocess(PreprocessConfig(
+                inputs=tuple(paths), output=folder, tokenizer=os.path.join(data, TOKENIZER_DIR),
+                max_length=cfg.max_length or manifest.max_length, length_policy=manifest.length_policy,
+                step_separator=manifest.config.get("step_separator", STEP_SEPARATOR), eval_fraction=0.0,
+                max_bad_fraction=1.0, overwrite=True))
+        except PreprocessError as e:
+            kept = folder + "." + ERRORS_FILE
+            for staging in glob.glob(folder + STAGING_SUFFIX + "*"):
+                if os.path.exists(os.path.join(staging, ERRORS_FILE)):
+                    shutil.copy(os.path.join(staging, ERRORS_FILE), kept)
+                shutil.rmtree(staging, ignore_errors=True)
+            where = f"; every record and its reason: {kept}" if os.path.exists(kept) else ""
+            raise TrainError(f"eval_data {name!r} ({', '.join(paths)}): {e.reason or e}{where}") from e
+        counts = result.stats["counts"]
+        if counts["errors"]:
+            warnings.warn(f"eval_data {name!r}: {counts['errors']} of {counts['records_read']} records cannot be "
+                          f"used (each with its reason in {os.path.join(folder, ERRORS_FILE)}); evaluating on the "
+                          f"{counts['pairs_written']} others", RmflowWarning, stacklevel=2)
         evals[name] = [folder]
     return dataclasses.replace(cfg, eval_data=evals)

@@ -43,6 +43,14 @@ KNOWN_KEYS = {"output", *STAGES}
 EVAL_KEYS = {f.name for f in dataclasses.fields(EvalConfig)} - {"model", "output"}
 
 
+def _a(value: Any) -> str:
+    """A YAML value's type, in words: 'a list [1, 2]'."""
+    kind = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+        type(value), type(value).__name__)
+    shown = repr(value)
+    return f"{kind} {shown if len(shown) <= 40 else shown[:37] + '...'}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Workflow:
     output: str
@@ -56,14 +64,15 @@ class Workflow:
         unknown = sorted(set(d) - KNOWN_KEYS)
         if unknown:
             raise ConfigError(f"unknown workflow keys {unknown}; known: {sorted(KNOWN_KEYS)}")
-        for key in ("output", "preprocess", "train"):
-            if key not in d:
-                raise ConfigError(f"workflow needs '{key}'")
+        problems = []  # every one at once, what is there before what is missing
         for key in ("preprocess", "train", "eval"):
             if d.get(key) is not None and not isinstance(d[key], dict):
-                raise ConfigError(f"workflow '{key}' must be a mapping of option: value")
-        if not isinstance(d["output"], str):
-            raise ConfigError("workflow 'output' must be a folder path")
+                problems.append(f"'{key}' must be a mapping of option: value, not {_a(d[key])}")
+        if "output" in d and not isinstance(d["output"], str):
+            problems.append(f"'output' must be a folder path, not {_a(d['output'])}")
+        problems += [f"it needs '{key}'" for key in ("output", "preprocess", "train") if key not in d]
+        if problems:
+            raise ConfigError("workflow: " + "; ".join(problems))
         out = _path(d["output"], base_dir)
         pre = dict(d["preprocess"])
         pre["inputs"] = tuple(_path(p, base_dir) for p in ([pre["inputs"]] if isinstance(pre.get("inputs"), str)

@@ -42,6 +42,16 @@ MAX_BAD_FRACTION = 0.05  # preprocess and score: the share of bad records a job 
 SCORE_TRUNCATE = ("error", "left")  # a conversation longer than the model's positions: refused, or its start cut
 DECONTAMINATE_METHODS = ("auto", "side-input", "join")
 NEAR_DEDUP = ("off", "prompt", "pair")
+# Preprocess options that act only with another: (option, what it needs, whether a config has it).
+# Set without it, an option would pass silently and do nothing: refused instead.
+PREPROCESS_NEEDS = (
+    ("near_dedup_threshold", "--near-dedup prompt or pair", lambda c: c.near_dedup != "off"),
+    ("decontaminate_ngram", "--decontaminate FILES", lambda c: bool(c.decontaminate)),
+    ("decontaminate_replies", "--decontaminate FILES", lambda c: bool(c.decontaminate)),
+    ("decontaminate_mark_only", "--decontaminate FILES", lambda c: bool(c.decontaminate)),
+    ("decontaminate_method", "--decontaminate FILES", lambda c: bool(c.decontaminate)),
+)
+SCORE_OPTIONS = ("min_score_gap", "drop_score_ties", "margin_from_scores")  # act on layouts with scores only
 SCORE_OUTPUT_FORMATS = ("jsonl", "parquet")
 STEP_SEPARATOR = "\n"  # the default text after every step of a stepwise solution (process reward models)
 SCORING_BATCH_SIZE = 16  # the default sequences per forward pass when scoring (eval, score, the API)
@@ -213,6 +223,10 @@ class PreprocessConfig(_Serializable):
         if self.decontaminate_method not in DECONTAMINATE_METHODS:
             raise ConfigError(f"decontaminate_method {self.decontaminate_method!r}: use one of "
                               f"{', '.join(DECONTAMINATE_METHODS)}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, needs, active in PREPROCESS_NEEDS:
+            if getattr(self, name) != defaults[name] and not active(self):
+                raise ConfigError(f"{name}: does nothing without {needs}; add it, or drop {name}")
         _check_int(self.num_workers, "num_workers", 1)
         _check_int(self.batch_size, "batch_size", 1)
         _check_int(self.split_seed, "split_seed", 0)

@@ -176,10 +176,32 @@ def staged_output(output: str) -> Iterator[str]:
     os.makedirs(staging)  # created per the umask (tempfile.mkdtemp would make it 0700)
     try:
         yield staging
+        follow_umask(staging)
         swap_in(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def umask() -> int:
+    """The process's umask (read by setting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: str) -> None:
+    """Every file and folder under ``folder`` with the mode the umask gives a new one: a library
+    that writes through a private temporary file (safetensors' 0600 weights) does not decide
+    who can read an output."""
+    mask = umask()
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def swap_in(staging: str, output: str) -> None:

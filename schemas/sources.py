@@ -24,7 +24,6 @@ from typing import Any
 from rmflow.schemas.errors import RmflowError
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_WEIGHTED = re.compile(r"^(?P<path>.+)=(?P<weight>[0-9.eE+-]+)$")
 
 
 class SourceError(RmflowError, ValueError):
@@ -64,15 +63,22 @@ def parse_data(value: Any) -> tuple[DataSource, ...]:
     if isinstance(value, str):
         if not value:
             raise SourceError("data: required (--data): a shard folder, or a mixture folder=weight,...")
-        matches = [_WEIGHTED.match(p.strip()) for p in value.split(",")]
-        if not all(matches):  # one folder (a folder named like x=1 needs the mapping form)
+        parts = [p.strip() for p in value.split(",")]
+        weighted = [_is_weighted(p) for p in parts]
+        if not any(weighted):  # one folder (a folder whose last part is like x=1 needs the mapping form)
             return (DataSource(name_of(value), value),)
-        weights = {}
-        for m in matches:
+        weights: dict[str, float] = {}
+        for part, is_weighted in zip(parts, weighted):
+            path, _, weight = part.rpartition("=")
+            if not is_weighted or not path:
+                raise SourceError(f"data {value!r}: {part!r} is not folder=weight; write every set of a mixture as "
+                                  "folder=weight, separated by commas")
+            if path in weights:
+                raise SourceError(f"data {value!r}: {path} is given twice; give each set once, with its weight")
             try:
-                weights[m["path"]] = float(m["weight"])
+                weights[path] = float(weight)
             except ValueError:
-                raise SourceError(f"data: {m.group(0)!r}: write folder=weight with a number as the weight") from None
+                raise SourceError(f"data: {part!r}: write folder=weight with a number as the weight") from None
         value = weights
     if not isinstance(value, Mapping) or not value:
         raise SourceError(f"data {value!r}: give a shard folder, or a mixture {{folder: weight, ...}} or "
@@ -90,6 +96,11 @@ def parse_data(value: Any) -> tuple[DataSource, ...]:
             sources.append(DataSource(_check_name(name_of(key), "data"), key, _weight(spec, key)))
     _unique([s.name for s in sources], "data")
     return tuple(sources)
+
+
+def _is_weighted(part: str) -> bool:
+    """``folder=weight``: an '=' whose right side is no path part (``gs://b/date=2026-11-25/hh`` is a folder)."""
+    return "=" in part and "/" not in part.rpartition("=")[2]
 
 
 def canonical_data(sources: tuple[DataSource, ...]) -> str | dict[str, dict[str, Any]]:

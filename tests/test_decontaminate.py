@@ -103,6 +103,8 @@ def test_preprocess_drops_planted_contamination_and_counts_it_per_eval_file(tmp_
     assert counts["contaminated"] == len(expected)
     assert counts["records_read"] == counts["pairs_written"] + sum(
         counts[k] for k in ("dropped_too_long", "ties", "duplicates", "contaminated", "errors"))
+    assert stats["decontaminated_against"][str(tmp_path / "list.txt")] == {"items": 2, "ngrams": 3 + 2}  # 15 and 14 words
+    assert stats["decontaminated_against"][str(tmp_path / "rb.jsonl")]["items"] == 3
     by_file = stats["contaminated_by_eval_file"]
     assert sum(by_file.values()) == len(expected) and set(by_file) == {str(tmp_path / "rb.jsonl"),
                                                                         str(tmp_path / "list.txt")}
@@ -175,6 +177,21 @@ def test_bad_decontaminate_options_are_refused(tmp_path):
     with pytest.raises(PreprocessError, match="^--decontaminate: input .*missing.* matches no data files"):
         run(PreprocessConfig(inputs=(str(train),), output=str(tmp_path / "o"), tokenizer=TOKENIZER,
                              decontaminate=(str(tmp_path / "missing*.jsonl"),)))
+    # an evaluation file with no items, or a malformed one: refused before the job, naming file and line
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "fine"}) + "\n{broken\n")
+    for name, words_ in (("empty.jsonl", "holds no evaluation items"), ("bad.jsonl", "bad.jsonl:2: malformed JSON")):
+        with pytest.raises(PreprocessError, match=words_):
+            run(PreprocessConfig(inputs=(str(train),), output=str(tmp_path / "o"), tokenizer=TOKENIZER,
+                                 decontaminate=(str(tmp_path / name),)))
+    assert not (tmp_path / "o").exists()
+    # options that do nothing without the one they modify are refused, not ignored
+    for option in (dict(near_dedup_threshold=0.9), dict(decontaminate_ngram=8), dict(decontaminate_replies=True)):
+        with pytest.raises(ConfigError, match=f"{next(iter(option))}: does nothing without"):
+            PreprocessConfig(inputs=("x",), output="o", tokenizer="t", **option)
+    for option in (dict(drop_score_ties=True), dict(min_score_gap=1.0)):  # HH-RLHF-style data has no scores
+        with pytest.raises(PreprocessError, match="acts on layouts with scores .* and the inputs are text"):
+            run(PreprocessConfig(inputs=(str(train),), output=str(tmp_path / "o"), tokenizer=TOKENIZER, **option))
 
 
 def test_a_solution_is_checked_by_its_problem_and_with_replies_by_its_steps():

@@ -3,6 +3,7 @@ exported run and gives rmflow's rewards on the same conversations, with pad equa
 
 import gzip
 import json
+import os
 import pathlib
 import shutil
 
@@ -74,6 +75,10 @@ def test_export_command(trained_run, tmp_path):
     result = CliRunner().invoke(app, ["export", str(trained_run / "run"), "--output", str(tmp_path / "cli")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "cli" / "model.safetensors").exists()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "cli").iterdir() if p.is_file()}
+    assert set(modes.values()) == {0o666 & ~mask}, modes  # the weights too (safetensors writes them 0600)
     bad = CliRunner().invoke(app, ["export", str(tmp_path / "nothing"), "--output", str(tmp_path / "x")])
     assert bad.exit_code == 1 and "nothing does not exist: give a run directory" in " ".join(bad.output.split())
 

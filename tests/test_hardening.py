@@ -5,6 +5,8 @@ Every command's errors are one line (exit 1, no traceback); checks run before an
 written; nothing is silently wrong or silently skipped.
 """
 
+import dataclasses
+import gzip
 import json
 import os
 import pathlib
@@ -192,6 +194,30 @@ def test_score_s_bad_fraction_bad_text_own_fields_and_truncation(base, tmp_path)
     assert "is the input file" in one_line_error(cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl",
                                                      "-o", tmp_path / "in.jsonl"))
     assert (tmp_path / "in.jsonl").read_bytes() == before
+
+
+def test_a_raw_eval_set_s_bad_records_are_set_aside_not_fatal(base, tmp_path):
+    """eval_data given as raw files: bad records are counted in the set's errors file and warned
+    about, the set evaluated on the rest; a set with nothing usable stops the run in one message
+    naming the set and where its reasons are, and leaves no staging folder."""
+    from rmflow.trainer.errors import TrainError
+
+    from rmflow.eval_sets import preprocess_eval_sets
+
+    rows = [json.loads(x) for x in gzip.open(DEMO / "hh_rlhf_helpful_sample.jsonl.gz", "rt").read().splitlines()[:31]]
+    (tmp_path / "rb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{broken\n" +
+                                       json.dumps({"chosen": "", "rejected": ""}) + "\n")
+    (tmp_path / "bad.jsonl").write_text("{broken\n{also broken\n")
+    cfg = TrainConfig(data=str(base / "shards"), model="micro", output=str(tmp_path / "run"),
+                      eval_data={"rb": [str(tmp_path / "rb.jsonl")]})
+    with pytest.warns(RmflowWarning, match="eval_data 'rb': 2 of 33 records cannot be used"):
+        done = preprocess_eval_sets(cfg)
+    assert done.eval_data["rb"] == [str(tmp_path / "run" / "eval_data" / "rb")]
+    bad = dataclasses.replace(cfg, eval_data={"bad": [str(tmp_path / "bad.jsonl")]})
+    with pytest.raises(TrainError, match="eval_data 'bad' .*every record and its reason: .*bad.errors.jsonl"):
+        preprocess_eval_sets(bad)
+    assert len((tmp_path / "run" / "eval_data" / "bad.errors.jsonl").read_text().splitlines()) == 2
+    assert sorted(os.listdir(tmp_path / "run" / "eval_data")) == ["bad.errors.jsonl", "rb"]
 
 
 # --------------------------------------------------------------------------- lost work

@@ -66,9 +66,18 @@ def test_data_spellings_read_as_the_same_sets():
     assert TrainConfig(data="x", model="micro", output="o").with_overrides(["data=p/a=1,p/b=3"]).sources[1].weight == 3
     for bad, words in (("a=0,b=1", "positive number"), ({"x/a": 1, "y/a": 2}, "two sets are named"),
                        ({"a b": {"path": "p", "weight": 1}}, "name 'a b'"), ({"a": {"weight": 1}}, "path"),
-                       ("", "required")):
+                       ("", "required"), ("hh=1,uf=nan", "'uf' is nan"), ("hh=1,uf=inf", "'uf' is inf"),
+                       ("hh=1,uf=", "'uf=': write folder=weight"), ("hh=1,hh=2", "hh is given twice"),
+                       ("hh,uf=1", "'hh' is not folder=weight")):
         with pytest.raises(ConfigError, match=words):
             TrainConfig(data=bad, model="micro", output="o")
+    from rmflow.trainer.errors import TrainError
+    from rmflow.trainer.setup import read_manifest
+
+    with pytest.raises(TrainError, match="does not exist: give a shard folder"):  # not "no COMPLETED marker"
+        read_manifest("/nonexistent/shards/uf")
+    hive = TrainConfig(data="gs://b/date=2026-11-25/hh", model="micro", output="o")  # '=' inside a folder's path
+    assert hive.sources == (DataSource("hh", "gs://b/date=2026-11-25/hh", 1.0),)
     assert parse_eval_data("hh=s/hh,rb=x.jsonl,rb=y.jsonl") == {"hh": ("s/hh",), "rb": ("x.jsonl", "y.jsonl")}
 
 

@@ -208,6 +208,10 @@ def test_workflow_values_are_checked_where_defined(tmp_path):
     assert wf.eval["data"] == [str(tmp_path / "heldout.jsonl")] and wf.eval["mode"] == "rewardbench-v1"
     with pytest.raises(ConfigError, match="split 'dev'"):
         EvalConfig(model="m", data=("d",), output="o", split="dev")
+    # a value of the wrong type is named before (and with) what is missing
+    with pytest.raises(ConfigError, match=r"'preprocess' must be a mapping of option: value, not a list \[1, 2\]; "
+                                          r"it needs 'train'"):
+        Workflow.from_dict({"output": "o", "preprocess": [1, 2]})
 
 
 def test_workflow_lists_only_real_config_changes(tmp_path):

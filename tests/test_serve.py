@@ -278,9 +278,9 @@ def test_an_abandoned_request_is_cancelled_and_small_requests_pass_big_ones(outc
         return float(next(x.split()[-1] for x in text.splitlines() if x.startswith("rmflow_sequences_scored_total")))
 
     before = scored()
-    for _ in range(3):  # queued behind each other: far more work than the client waits for
+    for _ in range(5):  # queued behind each other: far more work than the client waits for
         with pytest.raises(requests.exceptions.Timeout):
-            server.post("/v1/score", big, timeout=0.3)
+            server.post("/v1/score", big, timeout=0.2)
     start = time.monotonic()
     r = server.post("/v1/score", {"conversations": conversations[:2]})
     assert r.status_code == 200 and time.monotonic() - start < 10, time.monotonic() - start
@@ -290,7 +290,7 @@ def test_an_abandoned_request_is_cancelled_and_small_requests_pass_big_ones(outc
         time.sleep(0.1)
     assert requests.get(server.url + "/health", headers=AUTH, timeout=5).json()["queue_depth"] == 0
     time.sleep(1)  # the batch on the device when they were cancelled finishes
-    assert scored() - before < 2 + 128, (before, scored())  # of 3 x 128 + 2: most were never scored
+    assert scored() - before < 2 + 2 * 128, (before, scored())  # of 5 x 128 + 2: most were never scored
     with socket.create_connection(("127.0.0.1", server.port)) as s:  # gone mid-upload
         s.sendall(f"POST /v1/score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                   "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{\"conv".encode())
@@ -372,7 +372,9 @@ def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_training_
 
         t = threading.Thread(target=client)
         t.start()
-        time.sleep(1.0)  # queued and scoring
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not requests.get(server.url + "/health", timeout=5).json()["queue_depth"]:
+            time.sleep(0.01)  # until its items are queued
         server.proc.send_signal(signal.SIGTERM)
         t.join(60)
         assert server.proc.wait(60) == 0, server.output()

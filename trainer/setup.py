@@ -38,6 +38,8 @@ def check_output(output: str, resume: bool) -> None:
 
 
 def read_manifest(data: str) -> Manifest:
+    if not os.path.exists(data):
+        raise TrainError(f"{data} does not exist: give a shard folder written by `rmflow preprocess`")
     if not os.path.exists(os.path.join(data, COMPLETED_FILE)):
         raise TrainError(f"{data} has no COMPLETED marker: `rmflow preprocess` did not finish writing it")
     try:

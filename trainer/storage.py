@@ -77,6 +77,8 @@ def stage_shards(url: str) -> str:
     fs, root = _fs(url)
     root = root.rstrip("/")
     if not fs.exists(f"{root}/{COMPLETED_FILE}"):
+        if not fs.exists(root):
+            raise StorageError(f"{url} does not exist: give a shard folder written by `rmflow preprocess`")
         raise StorageError(f"{url} has no COMPLETED marker: `rmflow preprocess` did not finish writing it")
     local = cache_dir(url, "shards")
     manifest = fs.cat_file(f"{root}/{MANIFEST_FILE}")

@@ -350,7 +350,7 @@ def serve(cfg: ServeConfig) -> int:
         sock.close()
     if server.stopped_by:
         how = (f"{service.cut_requests} requests cut at --shutdown-timeout-s {cfg.shutdown_timeout_s:g} s "
-               f"({service.cut_items} sequences not scored; answered 503 with Retry-After)"
-               if service.cut_items else "requests in flight finished")
+               f"({service.cut_items} queued sequences not scored; answered 503 with Retry-After)"
+               if service.cut_requests or service.cut_items else "requests in flight finished")
         print(f"rmflow serve: stopped by {signal.Signals(server.stopped_by[0]).name} ({how})", flush=True)
     return 1 if service.error else 0
