@@ -192,6 +192,16 @@ def _is_parquet(path: str) -> bool:
         return f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC
 
 
+def streams_records(path: str) -> bool:
+    """Whether ``iter_records`` reads the file a record at a time (JSON Lines), not whole (a JSON
+    array, Parquet): a plan may then read its first records cheaply."""
+    if _is_parquet(path):
+        return False
+    with _open_text_source(path) as f:
+        first = f.readline()
+    return _is_jsonl(path) or first.lstrip(UTF8_BOM).lstrip()[:1] != b"["
+
+
 def _is_jsonl(path: str) -> bool:
     return ".jsonl" in path.lower() or ".ndjson" in path.lower()
 

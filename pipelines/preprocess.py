@@ -30,7 +30,7 @@ from rmflow.pipelines.finalize import (
     PreprocessError,
 )
 from rmflow.pipelines.formats import SCORED_LAYOUTS, BadRecord, detect_format, parse_json_object
-from rmflow.pipelines.io import iter_records
+from rmflow.pipelines.io import iter_records, streams_records
 from rmflow.pipelines.near_dedup import DropNearDuplicates
 from rmflow.pipelines.runner import is_local, launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import clean_leftovers, new_staging
@@ -133,21 +133,27 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
                 tuple(f for f, _ in eval_listed), use_join(cfg.decontaminate_method, eval_listed), eval_counts)
 
 
-LAYOUT_SAMPLE_FILES = 64  # input files whose layout the plan reads (its first records) for check_score_options
+LAYOUT_SAMPLE_FILES = 64  # at most this many input files' layouts are read at plan time (check_score_options)
 
 
 def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
     """Refuse the options that act on scores (--min-score-gap, --drop-score-ties,
     --margin-from-scores) when no input's layout carries scores: they would do nothing, silently.
     The layouts are read as the job reads them: forced by --format, else each file's first
-    record that fits one (the first LAYOUT_SAMPLE_FILES files)."""
+    record that fits one. Only when every file's layout is known is anything refused: more than
+    LAYOUT_SAMPLE_FILES files, or files read whole to reach a record (JSON arrays, Parquet),
+    are not probed, and pass."""
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     asked = [name for name in SCORE_OPTIONS if getattr(cfg, name) != defaults[name]]
     if not asked:
         return
-    layouts = {cfg.format} if cfg.format != "auto" else {_first_layout(p) for p in files[:LAYOUT_SAMPLE_FILES]}
-    layouts.discard(None)
-    if layouts and not layouts & set(SCORED_LAYOUTS):
+    if cfg.format != "auto":
+        layouts = {cfg.format}
+    elif len(files) <= LAYOUT_SAMPLE_FILES:
+        layouts = {_first_layout(p) for p in files}
+    else:
+        return
+    if None not in layouts and not layouts & set(SCORED_LAYOUTS):
         flags = ", ".join("--" + name.replace("_", "-") for name in asked)
         raise PreprocessError(f"{flags}: acts on layouts with scores ({', '.join(SCORED_LAYOUTS)}: score_chosen and "
                               f"score_rejected), and the inputs are {', '.join(sorted(layouts))}: it would do "
@@ -155,6 +161,10 @@ def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
 
 
 def _first_layout(path: str, records: int = 100) -> str | None:
+    """The layout of a JSON Lines file's first record that fits one (of its first ``records``);
+    None for other files (read whole to reach a record: ``streams_records``) or when none fits."""
+    if not streams_records(path):
+        return None
     for n, (_, raw, problem) in enumerate(iter_records(path)):
         if n >= records:
             return None

@@ -474,7 +474,8 @@ def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "Direct
         raise BatchScoreError(f"{output} exists and is not a scoring job's output: give an empty or new folder")
     listed = expand_inputs(tuple(inputs))
     files, size = [path for path, _ in listed], sum(n for _, n in listed)
-    inside = [f for f in files if f.startswith(output + "/")]
+    local = os.path.realpath(output) + "/" if "://" not in output else output + "/"
+    inside = [f for f in files if (os.path.realpath(f) if "://" not in f else f).startswith(local)]
     if inside:
         raise BatchScoreError(f"input {inside[0]} is inside --output {output}, which the job replaces: give an "
                               "output folder apart from the inputs")
@@ -487,16 +488,17 @@ def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "Direct
                        batch_rows=batch_rows, group_by=group_by, started=time.time(), output_format=output_format,
                        max_bad_fraction=max_bad_fraction, truncate=truncate)
         build(p, files, spec, rm.identity())
-        result = p.run()
+        try:  # a local runner raises from run(), a remote job from wait_until_finish()
+            result = p.run()
+            if wait:
+                result.wait_until_finish()
+        except Exception as e:  # noqa: BLE001 - the job's own reason when its last step refused, else the job's
+            failed = f"{spec.staging}/{FAILED_FILE}"
+            if isinstance(e, BatchScoreError) or not rio.exists(failed):
+                raise
+            raise BatchScoreError(json.loads(rio.read_bytes(failed))["error"]) from e
     if not wait:
         return None
-    try:
-        result.wait_until_finish()
-    except Exception as e:  # noqa: BLE001 - the job's own reason when its last step refused, else the job's
-        failed = f"{spec.staging}/{FAILED_FILE}"
-        if isinstance(e, BatchScoreError) or not rio.exists(failed):
-            raise
-        raise BatchScoreError(json.loads(rio.read_bytes(failed))["error"]) from e
     return json.loads(rio.read_bytes(f"{output}/{SUMMARY_FILE}"))
 
 

@@ -44,6 +44,9 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
     evals = dict(cfg.eval_data)
     for name, paths in raw.items():
         folder = os.path.join(root, name)
+        kept = folder + "." + ERRORS_FILE  # a failed set's reasons (an earlier run's are stale now)
+        if os.path.exists(kept):
+            os.remove(kept)
         try:
             result = preprocess(PreprocessConfig(
                 inputs=tuple(paths), output=folder, tokenizer=os.path.join(data, TOKENIZER_DIR),
@@ -51,8 +54,7 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
                 step_separator=manifest.config.get("step_separator", STEP_SEPARATOR), eval_fraction=0.0,
                 max_bad_fraction=1.0, overwrite=True))
         except PreprocessError as e:
-            kept = folder + "." + ERRORS_FILE
-            for staging in glob.glob(folder + STAGING_SUFFIX + "*"):
+            for staging in glob.glob(glob.escape(folder) + STAGING_SUFFIX + "*"):
                 if os.path.exists(os.path.join(staging, ERRORS_FILE)):
                     shutil.copy(os.path.join(staging, ERRORS_FILE), kept)
                 shutil.rmtree(staging, ignore_errors=True)

@@ -22,11 +22,20 @@ def _refuse_constant(name: str):
     raise NotJsonText(f"{name} is not JSON (RFC 8259 has no {name}): write null, a number or a string")
 
 
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if value in (float("inf"), float("-inf")):  # 1e999: no constant, yet Infinity once written back
+        raise NotJsonText(f"{literal} is out of a float's range (it reads as infinity): write a smaller number")
+    return value
+
+
 def loads(text: str, *, allow_nan: bool = True) -> Any:
     """``json.loads(text)``; raises ``json.JSONDecodeError`` on malformed JSON, ``RecursionError``
     on absurd nesting, ``NotJsonText`` on a lone surrogate (naming its place) or a refused constant."""
-    obj = json.loads(text, parse_constant=None if allow_nan else _refuse_constant)
-    if _SURROGATE_ESCAPE.search(text):  # only escapes make surrogates: decoded UTF-8 has none
+    obj = json.loads(text, parse_constant=None if allow_nan else _refuse_constant,
+                     parse_float=None if allow_nan else _finite)
+    # Escapes make surrogates (decoded UTF-8 has none), or a text re-serialised with them raw
+    if _SURROGATE_ESCAPE.search(text) or not _encodable(text):
         where = _first_surrogate(obj, "")
         if where is not None:
             raise NotJsonText(f"{where or 'the value'} holds a lone surrogate (a \\ud800-\\udfff escape "

@@ -196,8 +196,9 @@ def follow_umask(folder: str) -> None:
     who can read an output."""
     mask = umask()
     for root, dirs, files in os.walk(folder):
-        for name in dirs:
-            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in dirs:  # os.walk does not enter a linked folder; its target is not ours to change
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o777 & ~mask)
         for name in files:
             path = os.path.join(root, name)
             if not os.path.islink(path):

@@ -72,13 +72,10 @@ def parse_data(value: Any) -> tuple[DataSource, ...]:
             path, _, weight = part.rpartition("=")
             if not is_weighted or not path:
                 raise SourceError(f"data {value!r}: {part!r} is not folder=weight; write every set of a mixture as "
-                                  "folder=weight, separated by commas")
+                                  "folder=weight (a positive number), separated by commas")
             if path in weights:
                 raise SourceError(f"data {value!r}: {path} is given twice; give each set once, with its weight")
-            try:
-                weights[path] = float(weight)
-            except ValueError:
-                raise SourceError(f"data: {part!r}: write folder=weight with a number as the weight") from None
+            weights[path] = float(weight)
         value = weights
     if not isinstance(value, Mapping) or not value:
         raise SourceError(f"data {value!r}: give a shard folder, or a mixture {{folder: weight, ...}} or "
@@ -99,8 +96,15 @@ def parse_data(value: Any) -> tuple[DataSource, ...]:
 
 
 def _is_weighted(part: str) -> bool:
-    """``folder=weight``: an '=' whose right side is no path part (``gs://b/date=2026-11-25/hh`` is a folder)."""
-    return "=" in part and "/" not in part.rpartition("=")[2]
+    """``folder=weight``: an '=' whose right side reads as a number (``nan`` and ``inf`` too, refused
+    later by name); ``gs://b/date=2026-11-25/hh`` and ``data/lang=en`` are folders."""
+    if "=" not in part:
+        return False
+    try:
+        float(part.rpartition("=")[2])
+    except ValueError:
+        return False
+    return True
 
 
 def canonical_data(sources: tuple[DataSource, ...]) -> str | dict[str, dict[str, Any]]:

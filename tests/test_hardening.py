@@ -174,22 +174,20 @@ def test_score_s_bad_fraction_bad_text_own_fields_and_truncation(base, tmp_path)
              json.dumps({"id": "long", "messages": long})] + [json.dumps({"id": i, "messages": CONV}) for i in range(8)]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     r = cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl",
-            "--max-bad-fraction", "0.25")
-    assert r.exit_code == 0 and "9 scored, 3 bad lines" in r.output, r.output
+            "--max-bad-fraction", "0.25", "--truncate", "left")
+    assert r.exit_code == 0 and "10 scored, 2 bad lines" in r.output, r.output
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert (out[0]["input_score"], out[0]["input_line"], "line" not in out[0]) == (3, "x", True)
     assert "note holds a lone surrogate" in out[1]["error"] and "NaN is not JSON" in out[2]["error"]
-    assert "--truncate left" in out[3]["error"] and out[3]["id"] == "long"
+    assert "score" in out[3] and out[3]["id"] == "long"  # left-truncated
     rm = RewardModel.load(str(base / "run"))
     assert abs(out[0]["score"] - rm.score([CONV])[0]) < 1e-5
     r = cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "strict.jsonl")
     msg = r.output.strip().splitlines()[-1]  # after the progress bar; default --max-bad-fraction: 5%
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     assert "3 of 12 lines (25.0%) cannot be scored, more than --max-bad-fraction 5.0%" in msg, msg
-    assert len((tmp_path / "strict.jsonl").read_text().splitlines()) == 12  # written either way
-    r = cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "left.jsonl",
-            "--truncate", "left", "--max-bad-fraction", "0.25")
-    assert r.exit_code == 0 and "10 scored, 2 bad lines" in r.output, r.output
+    strict = [json.loads(x) for x in (tmp_path / "strict.jsonl").read_text().splitlines()]
+    assert len(strict) == 12 and "--truncate left" in strict[3]["error"]  # written either way; names the fix
     before = (tmp_path / "in.jsonl").read_bytes()
     assert "is the input file" in one_line_error(cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl",
                                                      "-o", tmp_path / "in.jsonl"))

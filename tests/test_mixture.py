@@ -67,7 +67,7 @@ def test_data_spellings_read_as_the_same_sets():
     for bad, words in (("a=0,b=1", "positive number"), ({"x/a": 1, "y/a": 2}, "two sets are named"),
                        ({"a b": {"path": "p", "weight": 1}}, "name 'a b'"), ({"a": {"weight": 1}}, "path"),
                        ("", "required"), ("hh=1,uf=nan", "'uf' is nan"), ("hh=1,uf=inf", "'uf' is inf"),
-                       ("hh=1,uf=", "'uf=': write folder=weight"), ("hh=1,hh=2", "hh is given twice"),
+                       ("hh=1,uf=", "'uf=' is not folder=weight"), ("hh=1,uf=lots", "'uf=lots' is not folder=weight"), ("hh=1,hh=2", "hh is given twice"),
                        ("hh,uf=1", "'hh' is not folder=weight")):
         with pytest.raises(ConfigError, match=words):
             TrainConfig(data=bad, model="micro", output="o")
@@ -78,6 +78,7 @@ def test_data_spellings_read_as_the_same_sets():
         read_manifest("/nonexistent/shards/uf")
     hive = TrainConfig(data="gs://b/date=2026-11-25/hh", model="micro", output="o")  # '=' inside a folder's path
     assert hive.sources == (DataSource("hh", "gs://b/date=2026-11-25/hh", 1.0),)
+    assert TrainConfig(data="data/lang=en", model="micro", output="o").sources[0].path == "data/lang=en"
     assert parse_eval_data("hh=s/hh,rb=x.jsonl,rb=y.jsonl") == {"hh": ("s/hh",), "rb": ("x.jsonl", "y.jsonl")}
 
 

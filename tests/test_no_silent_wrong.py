@@ -427,3 +427,21 @@ def test_nothing_is_published_once_a_stop_was_asked_for(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["staged"]
     publish(str(tmp_path / "staged"), str(tmp_path / "out"))  # no stop: published
     assert (tmp_path / "out").is_dir()
+
+
+def test_json_that_is_not_text_is_refused_wherever_it_hides():
+    """One loader for every stage: a lone surrogate, as an escape or raw (a file re-serialised
+    with it), in a value or a key; for scoring and serving, NaN, Infinity and 1e999 too."""
+    from rmflow.schemas.jsontext import NotJsonText, loads
+
+    for text in ('{"a": "x\\ud800"}', '{"a\\udfff": 1}', '{"a": ["ok", "\ud800"]}', '["\\ud800"]'):
+        with pytest.raises(NotJsonText, match="lone surrogate"):
+            loads(text)
+    assert loads('{"a": "\\ud83d\\ude00"}') == {"a": "\U0001F600"}  # a pair is a character
+    assert loads('{"m": NaN}')["m"] != loads('{"m": NaN}')["m"]  # preprocessing reads it (a bad_value there)
+    for text, words in (('{"m": NaN}', "NaN is not JSON"), ('{"m": -Infinity}', "-Infinity is not JSON"),
+                        ('{"m": 1e999}', "out of a float's range")):
+        with pytest.raises(NotJsonText, match=words):
+            loads(text, allow_nan=False)
+    assert loads('{"m": 1.5e3}', allow_nan=False) == {"m": 1500.0}
+

@@ -531,6 +531,37 @@ def test_the_batcher_is_fair_cancellable_and_bounded_by_the_estimated_wait():
     b.close(10)
 
 
+def test_the_batcher_survives_an_empty_request_and_a_failing_plan():
+    from rmflow.server.batcher import DynamicBatcher
+
+    calls = []
+
+    def plan(sizes):
+        calls.append(len(sizes))
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the plan")
+        return [list(range(len(sizes)))]
+
+    b = DynamicBatcher(lambda batch: batch, plan, token_budget=8, max_wait_s=0.0)
+    assert list(b.submit([], [])) == []
+    with pytest.raises(RuntimeError, match="a bug in the plan"):
+        b.submit(["a"], [1])[0].result(10)
+    assert b.submit(["b"], [1])[0].result(10) == "b"  # the device thread went on
+    b.close(10)
+
+
+def test_unpadded_strips_runs_in_linear_time():
+    from types import SimpleNamespace
+
+    from rmflow.server.protocol import unpadded
+
+    rm = SimpleNamespace(tokenizer=SimpleNamespace(pad_token="<pad>", eos_token="<e>"), turn_end="<e>\n")
+    assert unpadded("<pad><e>hi<e>\n<e><pad>", rm) == unpadded("hi", rm) == "hi<e>\n"
+    start = time.monotonic()
+    assert unpadded("<pad>" * 200_000 + "hi" + "<e>" * 200_000, rm) == "hi<e>\n"
+    assert time.monotonic() - start < 2  # slicing per token was quadratic: minutes
+
+
 def test_the_plan_pads_the_fewest_tokens():
     """``ScoringShapes.plan`` cuts sorted inputs into the batches that cost the fewest padded
     tokens (plus a fixed cost a batch): checked against every way to cut small random lists, and

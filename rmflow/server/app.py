@@ -64,8 +64,7 @@ class Service:
         self.error: str | None = None
         self.ready = threading.Event()
         self.max_length_source = ""
-        self.cut_items = 0  # items a shutdown out of time failed
-        self.cut_requests = 0  # requests answered 503 for it
+        self.cut_requests = 0  # requests answered 503 once a shutdown ran out of time
         self.disconnected = 0  # requests whose client went away before the answer (their items cancelled)
         self.metrics = ServerMetrics(lambda: self.batcher.depth if self.batcher else 0)
 
@@ -101,8 +100,8 @@ class Service:
     def cut(self) -> None:
         """The shutdown ran out of time: fail what has not reached the device (answered 503)."""
         if self.batcher is not None:
-            self.cut_items += self.batcher.cut(f"the server stopped before scoring it (SIGTERM, "
-                                               f"--shutdown-timeout-s {self.cfg.shutdown_timeout_s:g} s passed)")
+            self.batcher.cut(f"the server stopped before scoring it (SIGTERM, --shutdown-timeout-s "
+                             f"{self.cfg.shutdown_timeout_s:g} s passed)")
 
 
 def _sigmoid(x: float) -> float:
@@ -349,8 +348,9 @@ def serve(cfg: ServeConfig) -> int:
             service.close()
         sock.close()
     if server.stopped_by:
+        cut = service.batcher.cut_items if service.batcher else 0
         how = (f"{service.cut_requests} requests cut at --shutdown-timeout-s {cfg.shutdown_timeout_s:g} s "
-               f"({service.cut_items} queued sequences not scored; answered 503 with Retry-After)"
-               if service.cut_requests or service.cut_items else "requests in flight finished")
+               f"({cut} sequences not scored; answered 503 with Retry-After)"
+               if service.cut_requests or cut else "requests in flight finished")
         print(f"rmflow serve: stopped by {signal.Signals(server.stopped_by[0]).name} ({how})", flush=True)
     return 1 if service.error else 0

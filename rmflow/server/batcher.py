@@ -87,6 +87,7 @@ class DynamicBatcher:
         self._cond = threading.Condition()
         self._closing = False
         self._cut: str | None = None
+        self.cut_items = 0  # items ``cut`` failed, from the queue and from the take in hand
         self._thread = threading.Thread(target=self._loop, name="rmflow-batcher", daemon=True)
         self._thread.start()
 
@@ -115,15 +116,16 @@ class DynamicBatcher:
                 raise Closed(self._cut or "the server is shutting down")
             if self._queued_items + len(items) > self.max_queue:
                 raise QueueFull(f"{self._queued_items} items queued, at most {self.max_queue}")
-            wait = self.estimated_wait(tokens)
-            if self.max_queue_wait_s and self._queued_items and wait is not None and wait > self.max_queue_wait_s:
-                ahead = self.estimated_wait()
+            ahead = self.estimated_wait()  # the work before this request's own (however big it is)
+            if self.max_queue_wait_s and self._queued_items and ahead is not None and ahead > self.max_queue_wait_s:
                 raise QueueFull(f"about {ahead:.1f} s of work queued ahead of this request, at most "
                                 f"{self.max_queue_wait_s:g} s (--max-queue-wait-s)",
                                 retry_after=max(1.0, ahead - self.max_queue_wait_s / 2))
             out = Submitted(i.future for i in items)
             out.request = self._next_request
             self._next_request += 1
+            if not items:
+                return out
             self._requests[out.request] = collections.deque(items)
             self._queued_items += len(items)
             self._queued_tokens += tokens
@@ -157,6 +159,7 @@ class DynamicBatcher:
         for i in waiting:
             if i.future.set_running_or_notify_cancel():
                 i.future.set_exception(Closed(reason))
+        self.cut_items += len(waiting)
         return len(waiting)
 
     def _take(self) -> list[_Item] | None:
@@ -199,35 +202,47 @@ class DynamicBatcher:
 
     def _loop(self) -> None:
         while (taken := self._take()) is not None:
-            started, done_tokens = time.monotonic(), 0
-            for batch in self._plan([i.size for i in taken]):
-                items = [taken[k] for k in batch]
-                if self._cut is not None:  # a shutdown out of time: nothing more goes to the device
-                    for i in items:
-                        if i.future.set_running_or_notify_cancel():
-                            i.future.set_exception(Closed(self._cut))
-                    continue
-                live = [i for i in items if i.future.set_running_or_notify_cancel()]
-                if not live:
-                    continue
-                start = time.monotonic()
-                try:
-                    results = self._run([i.payload for i in live])
-                except Exception as e:  # noqa: BLE001 - the batch's clients get the error; the server stays up
-                    for i in live:
-                        i.future.set_exception(e)
-                    continue
-                for i, r in zip(live, results):
-                    i.future.set_result(r)
-                done_tokens += sum(i.size for i in live)
-                if self._on_batch:
-                    self._on_batch(BatchStats(len(live), sum(i.size for i in live), time.monotonic() - start,
-                                              start - min(i.queued_at for i in live)))
-            elapsed = time.monotonic() - started
+            try:
+                self._run_take(taken)
+            except Exception as e:  # noqa: BLE001 - a bug in planning or metrics: this take's clients get it
+                for i in taken:  # those still without a result; the thread goes on serving
+                    f = i.future
+                    if not f.done() and (f.running() or f.set_running_or_notify_cancel()):
+                        f.set_exception(e)
             with self._cond:
                 self._running_tokens = 0
-                if done_tokens and elapsed > 0:
-                    self._measure(done_tokens / elapsed, full=done_tokens >= self.token_budget)
+
+    def _run_take(self, taken: list[_Item]) -> None:
+        """One take's batches, one after another; then the throughput they ran at."""
+        started, done_tokens = time.monotonic(), 0
+        for batch in self._plan([i.size for i in taken]):
+            items = [taken[k] for k in batch]
+            if self._cut is not None:  # a shutdown out of time: nothing more goes to the device
+                for i in items:
+                    if i.future.set_running_or_notify_cancel():
+                        i.future.set_exception(Closed(self._cut))
+                        self.cut_items += 1
+                continue
+            live = [i for i in items if i.future.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            start = time.monotonic()
+            try:
+                results = self._run([i.payload for i in live])
+            except Exception as e:  # noqa: BLE001 - the batch's clients get the error; the server stays up
+                for i in live:
+                    i.future.set_exception(e)
+                continue
+            for i, r in zip(live, results):
+                i.future.set_result(r)
+            done_tokens += sum(i.size for i in live)
+            if self._on_batch:
+                self._on_batch(BatchStats(len(live), sum(i.size for i in live), time.monotonic() - start,
+                                          start - min(i.queued_at for i in live)))
+        elapsed = time.monotonic() - started
+        with self._cond:
+            if done_tokens and elapsed > 0:
+                self._measure(done_tokens / elapsed, full=done_tokens >= self.token_budget)
 
     def _measure(self, rate: float, full: bool) -> None:
         """The throughput a backlog runs at: takes of a full budget or more (what a queue is worked

@@ -140,8 +140,8 @@ def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: 
     def encode(text: Any):
         if not isinstance(text, str):
             raise BadConversation(f"must be a string (a rendered conversation), got {type(text).__name__}")
-        rm.check_chars(len(text))
         text = unpadded(text, rm)
+        rm.check_chars(len(text))
         if not text[: len(text) - len(rm.turn_end)].strip():
             raise BadConversation("is empty")
         marker = rm.assistant_marker
@@ -168,16 +168,17 @@ def unpadded(text: str, rm: RewardModel) -> str:
     tok, end = rm.tokenizer, rm.turn_end
     fillers = [x for x in dict.fromkeys((tok.pad_token, tok.eos_token)) if x]
     ends = [x for x in dict.fromkeys((end, end.strip(), *fillers)) if x]
+    start, stop = 0, len(text)  # moved over the runs, the text sliced once: linear in its length
     changed = True
     while changed:
         changed = False
         for x in fillers:
-            while text.startswith(x):
-                text, changed = text[len(x):], True
+            while text.startswith(x, start, stop):
+                start, changed = start + len(x), True
         for x in ends:
-            while text.endswith(x):
-                text, changed = text[: -len(x)], True
-    return text + end
+            while stop - start >= len(x) and text.endswith(x, start, stop):
+                stop, changed = stop - len(x), True
+    return text[start:stop] + end
 
 
 def read_get_reward(body: Any, rm: RewardModel, max_items: int) -> Parsed:
