@@ -11,6 +11,13 @@ the ratios the issue asks for. The clients run on the same machine as the server
 from it (on 2 cores, a large share).
 
     .venv/bin/python benchmarks/serve.py [--model RUN_OR_EXPORT] [--n 512] [--max-length 512] [--repeat 3]
+    .venv/bin/python benchmarks/serve.py --overload 200 --concurrency ''   # overload only
+
+``--overload C``: C clients each send requests of ``--overload-items`` conversations for
+``--overload-seconds``, waiting at most 30 s for an answer (an RL client's timeout) and, on a
+503, ``Retry-After`` seconds before the next; once with the queue bounded by its estimated wait
+(``--max-queue-wait-s 10``, the default) and once without (``0``: only the item bound), each on
+a fresh server. Prints answers, 503s, timeouts and the latency of the answered requests.
 
 Without --model it trains the tiny preset for 2 steps on the demo data first (a model's
 weights do not change its speed).
@@ -29,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -102,6 +110,69 @@ def clients(url: str, convs: list, concurrency: int) -> tuple[float, list[float]
     return time.perf_counter() - start, lat
 
 
+def overload(url: str, convs: list, n_clients: int, seconds: float, items: int,
+             timeout: float = 30.0) -> dict[str, float]:
+    """C clients sending ``items`` conversations a request for ``seconds``: what they got."""
+    stop = time.monotonic() + seconds
+    counts = {"answered": 0, "503": 0, "timeouts": 0, "other": 0}
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def count(what: str, latency: float | None = None) -> None:
+        with lock:
+            counts[what] += 1
+            if latency is not None:
+                latencies.append(latency)
+
+    def client(k: int) -> None:
+        session, i = requests.Session(), k
+        while time.monotonic() < stop:
+            body = {"conversations": [convs[(i + j) % len(convs)] for j in range(items)]}
+            i += items
+            t = time.perf_counter()
+            try:
+                r = session.post(url + "/v1/score", json=body, timeout=timeout)
+            except requests.exceptions.Timeout:
+                count("timeouts")
+                session.close()  # the abandoned connection is closed: the server cancels its items
+                session = requests.Session()
+                continue
+            if r.status_code == 200:
+                count("answered", time.perf_counter() - t)
+            elif r.status_code == 503:
+                count("503")
+                time.sleep(float(r.headers.get("Retry-After", 1)))
+            else:
+                count("other")
+
+    with concurrent.futures.ThreadPoolExecutor(n_clients) as pool:
+        list(pool.map(client, range(n_clients)))
+    lat = sorted(latencies) or [float("nan")]
+    return {**counts, "p50": lat[len(lat) // 2], "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+            "max": lat[-1]}
+
+
+def start_server(model: str, a, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rmflow.cli", "serve", model, "--port", str(port),
+                             "--max-length", str(a.max_length), "--token-budget", str(a.token_budget),
+                             "--max-batch-rows", str(a.max_batch_rows), *extra], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 600
+    while time.monotonic() < end:
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(proc.stdout.read())
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("the server was not ready within 600 s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a run directory or an export; default: the tiny preset, trained 2 steps")
@@ -111,6 +182,9 @@ def main() -> None:
     ap.add_argument("--max-batch-rows", type=int, default=64)
     ap.add_argument("--concurrency", default="1,8,64")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--overload", type=int, default=0, help="clients of the overload run (0: none)")
+    ap.add_argument("--overload-seconds", type=float, default=60)
+    ap.add_argument("--overload-items", type=int, default=16)
     a = ap.parse_args()
     from rmflow import RewardModel
 
@@ -148,26 +222,11 @@ def main() -> None:
           f"alone): {len(convs) / fwd_s:,.1f} seq/s ({', '.join(f'{x:.2f}' for x in forwards)} s); one forward "
           f"of {len(median_seq)} tokens: {statistics.median(one) * 1000:.1f} ms")
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rmflow.cli", "serve", model, "--port", str(port),
-                             "--max-length", str(a.max_length), "--token-budget", str(a.token_budget),
-                             "--max-batch-rows", str(a.max_batch_rows)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(model, a)
     try:
-        end = time.monotonic() + 600
-        while time.monotonic() < end:
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit(proc.stdout.read())
-            time.sleep(0.1)
         got = requests.post(url + "/v1/score", json={"conversations": convs}, timeout=600).json()["scores"]
         print(f"server scores vs offline: max |diff| {np.max(np.abs(np.asarray(got) - reference)):.2e}")
-        for c in map(int, a.concurrency.split(",")):
+        for c in map(int, filter(None, a.concurrency.split(","))):
             runs = [clients(url, convs, c) for _ in range(a.repeat)]
             walls = [w for w, _ in runs]
             wall = statistics.median(walls)
@@ -182,6 +241,17 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
+    for bound in ("10", "0") if a.overload else ():
+        proc, url = start_server(model, a, "--max-queue-wait-s", bound)
+        try:
+            r = overload(url, convs, a.overload, a.overload_seconds, a.overload_items)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        print(f"overload, {a.overload} clients x {a.overload_items} conversations a request, "
+              f"{a.overload_seconds:g} s, --max-queue-wait-s {bound}: {r['answered']} answered, {r['503']} 503s, "
+              f"{r['timeouts']} timeouts (30 s), {r['other']} other; answered p50 {r['p50']:.1f} s, "
+              f"p99 {r['p99']:.1f} s, max {r['max']:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ batches of the model's fixed shapes (shortest first) and runs them one after ano
 each item's future with its own result. The HTTP event loop never touches the device.
 
 * Fair: the queue keeps each request's items apart and a take draws from the waiting requests in
-  turn, one item each, so a small request never waits behind all of a big one's.
+  arrival order, at most one token budget from each a pass: requests finish in the order they
+  came, yet a small request never waits behind all of a big one's.
 * Bounded: a new request is refused (``QueueFull``: the server answers 503 with Retry-After) when
   the queue holds ``max_queue`` items, or when the work ahead of it would take longer than
   ``max_queue_wait_s`` at the throughput the forward passes have measured; an empty queue always
@@ -164,7 +165,7 @@ class DynamicBatcher:
 
     def _take(self) -> list[_Item] | None:
         """Block until there is work; then wait for a full budget or the oldest item's deadline,
-        and take up to a few budgets' worth, one item from each waiting request in turn."""
+        and take up to a few budgets' worth, at most a budget from each waiting request a pass."""
         with self._cond:
             while not self._requests:
                 if self._closing:
@@ -180,19 +181,24 @@ class DynamicBatcher:
                     return []
             # Up to a few budgets' worth: sorted together by length, they cut into fuller batches
             # of like lengths than one budget's worth would (the batches still run one by one).
+            # Requests in arrival order, at most one budget from each a pass: requests finish in
+            # the order they came (as they would first come, first served), yet one big request
+            # never holds the device while the small ones behind it wait.
             taken, tokens, cap = [], 0, TAKE_BUDGETS * self.token_budget
-            while self._requests:
+            while self._requests and tokens < cap:
                 took = False
                 for request in list(self._requests):
-                    waiting = self._requests[request]
-                    if taken and tokens + waiting[0].size > cap:
-                        continue
-                    item = waiting.popleft()
-                    taken.append(item)
-                    tokens += item.size
-                    took = True
+                    waiting, mine = self._requests[request], 0
+                    while waiting and mine < self.token_budget and (not taken or tokens + waiting[0].size <= cap):
+                        item = waiting.popleft()
+                        taken.append(item)
+                        tokens += item.size
+                        mine += item.size
+                        took = True
                     if not waiting:
                         del self._requests[request]
+                    if tokens >= cap:
+                        break
                 if not took:
                     break
             self._queued_items -= len(taken)
