@@ -298,13 +298,12 @@ def test_an_abandoned_request_is_cancelled_and_small_requests_pass_big_ones(outc
     start = time.monotonic()
     r = server.post("/v1/score", {"conversations": conversations[:2]})
     assert r.status_code == 200 and time.monotonic() - start < 10, time.monotonic() - start
+    # each client that gave up was seen to go and its waiting items cancelled (what the cancelling
+    # does to the queue is tested on the batcher itself, without HTTP's timing)
     end = time.monotonic() + 30
-    while time.monotonic() < end and requests.get(server.url + "/health", headers=AUTH, timeout=5).json()[
-            "queue_depth"]:
+    while time.monotonic() < end and gone() - gone_before < gave_up:
         time.sleep(0.1)
-    assert requests.get(server.url + "/health", headers=AUTH, timeout=5).json()["queue_depth"] == 0
-    time.sleep(1)  # the batch on the device when they were cancelled finishes
-    assert gone() - gone_before == gave_up  # each client that gave up was seen to go, its items cancelled
+    assert gone() - gone_before == gave_up, (gave_up, requests.get(server.url + "/metrics", headers=AUTH).text)
     assert scored() - before < 2 + 2 * 128, (before, scored())  # some of them never ran
     with socket.create_connection(("127.0.0.1", server.port)) as s:  # gone mid-upload
         s.sendall(f"POST /v1/score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
