@@ -174,7 +174,7 @@ def test_score_s_bad_fraction_bad_text_own_fields_and_truncation(base, tmp_path)
              json.dumps({"id": "long", "messages": long})] + [json.dumps({"id": i, "messages": CONV}) for i in range(8)]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     r = cli("score", "--model", base / "run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl",
-            "--max-bad-fraction", "0.25", "--truncate", "left")
+            "--max-bad-fraction", "0.25", "--truncate", "left", "--batch-size", "2")  # small shapes: one at 4,096
     assert r.exit_code == 0 and "10 scored, 2 bad lines" in r.output, r.output
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert (out[0]["input_score"], out[0]["input_line"], "line" not in out[0]) == (3, "x", True)

@@ -191,7 +191,7 @@ def test_the_train_extra_alone_then_serve(venvs, demo_shards, tmp_path):
         port = s.getsockname()[1]
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([str(served / "bin" / "rmflow"), "serve", str(tmp_path / "export"), "--port", str(port),
-                             "--max-length", "64", "--max-batch-rows", "1", "--token-budget", "64"],
+                             "--max-length", "32", "--max-batch-rows", "1", "--token-budget", "32"],
                             cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
