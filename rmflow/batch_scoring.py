@@ -32,6 +32,7 @@ from apache_beam.pvalue import TaggedOutput
 
 from rmflow.api import BadConversation, RewardModel
 from rmflow.pipelines import io as rio
+from rmflow.pipelines.finalize import FAILED_FILE  # in the staging folder: why the last step refused
 from rmflow.pipelines.formats import BadRecord, detect_format, normalize
 from rmflow.pipelines.runner import launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import OWNER_FILE, new_staging
@@ -48,7 +49,6 @@ SCORES_PREFIX = "scores"
 BEST_FILE = "best.jsonl"
 PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = "summary.json"
-FAILED_FILE = "_FAILED.json"  # in the staging folder: why the last step refused to publish
 PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
 SCORE_FIELDS = (*PAIR_FIELDS, *(f for s in SCORERS.values() for f in s.fields))  # last, in this order
 JOB_FIELDS = frozenset({"source", "line", "error", *SCORE_FIELDS})  # rmflow's: a record's own is input_<name>
@@ -393,19 +393,18 @@ def finalize(items: list, spec: JobSpec, identity: dict[str, Any]) -> dict[str, 
                "errors_by_reason": dict(sorted(errors.items())), "files": files,
                "shards": [{"file": f, "records": n} for f, n in shards], **({"best_of_n": best} if best else {}),
                "seconds": round(time.time() - spec.started, 3)}
+    refusal = None
     if read != scored + bad:
-        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps({**summary, "error": (
-            f"counts do not reconcile: {read} read, {scored} scored, {bad} errors; nothing published "
-            f"(staging left at {staging})")}).encode())
-        raise BatchScoreError(f"counts do not reconcile: {read} read, {scored} scored, {bad} errors; nothing "
-                              f"published (staging left at {staging})")
-    if read and bad / read > spec.max_bad_fraction:
+        refusal = (f"counts do not reconcile: {read} read, {scored} scored, {bad} errors; nothing published "
+                   f"(staging left at {staging})")
+    elif read and bad / read > spec.max_bad_fraction:
         top = ", ".join(f"{code} x{n}" for code, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5])
-        message = (f"{bad} of {read} records ({bad / read:.1%}) cannot be scored, more than --max-bad-fraction "
+        refusal = (f"{bad} of {read} records ({bad / read:.1%}) cannot be scored, more than --max-bad-fraction "
                    f"{spec.max_bad_fraction:.1%} (top reasons: {top}). Nothing was published; every bad record and "
                    f"its reason is in {staging}/{ERRORS_FILE}")
-        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps({**summary, "error": message}).encode())
-        raise BatchScoreError(message)
+    if refusal:
+        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps({**summary, "error": refusal}).encode())
+        raise BatchScoreError(refusal)
     rio.write_bytes(f"{staging}/{SUMMARY_FILE}", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
     from apache_beam.io.filesystems import FileSystems
 
