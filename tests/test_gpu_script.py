@@ -1,6 +1,7 @@
 """The GPU check's script (benchmarks/gpu.py) rehearsed on CPU at toy sizes, every part, so that
 a GPU session spends its time measuring, not debugging the script."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -24,7 +25,15 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     errors = {p: rows["error"][-1500:] for p, rows in report["parts"].items() if isinstance(rows, dict)}
     assert proc.returncode == 0 and not errors, (errors, proc.stdout[-2000:], proc.stderr[-2000:])
     parts = report["parts"]
-    assert set(parts) == {"parity", "speed", "trl", "real"} and report["rehearse"]
+    assert set(parts) == {"parity", "kernel", "speed", "trl", "real"} and report["rehearse"]
+    # rmflow as the GPU machine runs it: its wheel, built from this checkout and installed apart
+    assert "/site/rmflow/trainer/" in report["rmflow"] and any(w.startswith("rmflow-") for w in report["wheels"])
+    # kernel: each packed-row kernel timed alone; the fastest setting goes on to speed
+    kernels = [r for r in parts["kernel"] if "ms" in r and "summary" not in r]
+    assert {r["attention"] for r in kernels} == {"pallas", "blockwise"} and all(r["ms"] > 0 for r in kernels)
+    (plan,) = [r for r in parts["speed"] if r.get("summary") == "plan"]
+    assert plan["packing"] in ("pack", "bucket") and plan["scan_layers"] in ("on", "off")
+    assert report["plan"]["packing"] == plan["packing"]
     # parity: blockwise and pallas (interpret mode) measured against the dense reference; cudnn not on CPU
     measured = {(r["attention"], r["dtype"]): r for r in parts["parity"] if "error" not in r}
     assert measured[("blockwise", "float32")]["out_max_abs"] < 1e-5
@@ -33,6 +42,7 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     # speed: pack against bucket, with a ratio
     (summary,) = [r for r in parts["speed"] if r.get("summary") == "pack / bucket"]
     assert summary["ratio"] > 0 and {r.get("packing") for r in parts["speed"]} >= {"pack", "bucket"}
+    assert all(r["attention_share"] > 0 for r in parts["speed"] if "attention_share" in r)
     # trl: both trainers measured, the ratios computed
     trainers = [r for r in parts["trl"] if "trainer" in r]
     assert {r["trainer"] for r in trainers} == {"TRL RewardTrainer", "rmflow"}
@@ -45,3 +55,43 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     assert rows["export in transformers"]["max_abs_diff"] < rows["export in transformers"]["limit"]
     md = (out / "gpu.md").read_text()
     assert "## parity" in md and "## real" in md and "| rmflow |" in md
+
+
+def _gpu_script():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_real_checkpoints_source_travels_in_pieces_that_join_back(tmp_path):
+    """A device call carries at most 64 MiB: the 98 MB GGUF goes in pieces, the first one smaller
+    (its call also carries the inputs); joined in order they are the file again."""
+    gpu = _gpu_script()
+    source = tmp_path / "model.gguf"
+    source.write_bytes(os.urandom(10_001))
+    pieces = gpu.split_gguf(source, [tmp_path / "a", tmp_path / "b", tmp_path / "c"], first_mb=0.002)
+    assert [p.stat().st_size for p in pieces] == [2000, 4001, 4000]
+    assert b"".join(p.read_bytes() for p in pieces) == source.read_bytes()
+
+
+def test_a_later_call_runs_on_the_plan_an_earlier_call_measured(tmp_path):
+    """The GPU is lent in short calls: a call's report is kept on the machine and the next one
+    merges it, taking the fastest kernel setting and the packing the speed part measured, also
+    from a part that ran out of time after measuring them."""
+    gpu = _gpu_script()
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    earlier = {"parts": {
+        "kernel": [{"attention": "pallas", "block": 64, "num_warps": 4, "num_stages": 3, "ms": 0.3},
+                   {"attention": "cudnn", "block": None, "num_warps": None, "num_stages": None, "ms": 4.5},
+                   {"summary": "fastest pallas", "block": 64, "num_warps": 4, "num_stages": 3, "ms": 0.3}],
+        "speed": {"error": "speed stopped at the budget's end", "rows": [
+            {"summary": "plan", "packing": "pack", "attention": "pallas", "scan_layers": "off"}]}},
+        "seconds": {"kernel": 17.0, "speed": 180.0}, "calls": [{"parts": ["kernel", "speed"]}]}
+    (keep / "gpu.json").write_text(json.dumps(earlier))
+    report = gpu.run(tmp_path / "inputs", tmp_path / "out", [], None, rehearse=True, keep=keep)
+    assert report["plan"] == {"block": 64, "num_warps": 4, "num_stages": 3, "packed_attention": "pallas",
+                              "packing": "pack", "attention": "pallas", "scan_layers": "off"}
+    assert len(report["calls"]) == 2 and set(report["parts"]) == {"kernel", "speed"}
+    assert "stopped at the budget's end" in (tmp_path / "out" / "gpu.md").read_text()

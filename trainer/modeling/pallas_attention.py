@@ -28,13 +28,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from rmflow.trainer.modeling.masking import allowed
 
+# The block size and Triton's launch settings (warps per program, software-pipelining depth) for
+# every kernel: the fastest combination ``benchmarks/gpu.py``'s kernel part measured on Hopper
+# (README, Benchmarks); blocks of 128 need more registers for their accumulators than a program has.
 BLOCK = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
 _NEG = -1e30
 
 
 def pallas_attention(q, k, v, segment_ids, positions, branch_ids, *, window: int | None = None,
-                     block: int = BLOCK, interpret: bool | None = None) -> jax.Array:
-    """q (B, T, N, D), k/v (B, T, K, D) -> (B, T, N, D); ``interpret``: None = on CPU only."""
+                     block: int = BLOCK, interpret: bool | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> jax.Array:
+    """q (B, T, N, D), k/v (B, T, K, D) -> (B, T, N, D); ``interpret``: None = on CPU only;
+    ``num_warps`` and ``num_stages``: Triton's settings (None: ``NUM_WARPS``, ``NUM_STAGES``)."""
     b, t, n, d = q.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -44,7 +51,8 @@ def pallas_attention(q, k, v, segment_ids, positions, branch_ids, *, window: int
         widen = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
         q, k, v, segment_ids, positions, branch_ids = map(widen, (q, k, v, segment_ids, positions, branch_ids))
     meta = tuple(a.astype(jnp.int32) for a in (segment_ids, positions, branch_ids))
-    out = _attention(q, k, v, *meta, window, block, interpret)
+    launch = (num_warps or NUM_WARPS, num_stages or NUM_STAGES)
+    out = _attention(q, k, v, *meta, window, block, interpret, launch)
     return out[:, :t]
 
 
@@ -162,17 +170,17 @@ def _specs(t, d, block, groups):
     }
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret):
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, launch):
     extra = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
-        extra["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+        extra["compiler_params"] = plgpu.CompilerParams(num_warps=launch[0], num_stages=launch[1])
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           interpret=interpret, **extra)
 
 
-def _forward(q, k, v, seg, pos, br, window, block, interpret):
+def _forward(q, k, v, seg, pos, br, window, block, interpret, launch):
     b, t, n, d = q.shape
     sp = _specs(t, d, block, n // k.shape[2])
     first, _ = segment_bounds(seg)
@@ -182,22 +190,22 @@ def _forward(q, k, v, seg, pos, br, window, block, interpret):
         [sp["block"], sp["kv_row"], sp["kv_row"], sp["meta_block"], sp["meta_block"], sp["meta_block"],
          sp["meta_block"], sp["meta_row"], sp["meta_row"], sp["meta_row"]],
         [sp["block"], sp["stat_block"]],
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)], interpret,
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)], interpret, launch,
     )(q, k, v, seg, pos, br, first, seg, pos, br)
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _attention(q, k, v, seg, pos, br, window, block, interpret):
-    return _forward(q, k, v, seg, pos, br, window, block, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention(q, k, v, seg, pos, br, window, block, interpret, launch):
+    return _forward(q, k, v, seg, pos, br, window, block, interpret, launch)[0]
 
 
-def _attention_fwd(q, k, v, seg, pos, br, window, block, interpret):
-    out, lse = _forward(q, k, v, seg, pos, br, window, block, interpret)
+def _attention_fwd(q, k, v, seg, pos, br, window, block, interpret, launch):
+    out, lse = _forward(q, k, v, seg, pos, br, window, block, interpret, launch)
     return out, (q, k, v, seg, pos, br, out, lse)
 
 
-def _attention_bwd(window, block, interpret, res, dout):
+def _attention_bwd(window, block, interpret, launch, res, dout):
     q, k, v, seg, pos, br, out, lse = res
     b, t, n, d = q.shape
     kh = k.shape[2]
@@ -213,14 +221,14 @@ def _attention_bwd(window, block, interpret, res, dout):
         [sp["row"], sp["row"], sp["stat_row"], sp["stat_row"], sp["meta_row"], sp["meta_row"], sp["meta_row"],
          sp["kv_block"], sp["kv_block"], sp["meta_block"], sp["meta_block"], sp["meta_block"], sp["meta_block"]],
         [sp["block"], sp["block"]],
-        [jax.ShapeDtypeStruct((b, t, n, d), jnp.float32)] * 2, interpret,
+        [jax.ShapeDtypeStruct((b, t, n, d), jnp.float32)] * 2, interpret, launch,
     )(q, dout, lse, delta, seg, pos, br, k, v, seg, pos, br, last)
     dq = _call(
         functools.partial(_dq_kernel, **kw), (b, n, t // block),
         [sp["block"], sp["block"], sp["stat_block"], sp["stat_block"], sp["meta_block"], sp["meta_block"],
          sp["meta_block"], sp["meta_block"], sp["kv_row"], sp["kv_row"], sp["meta_row"], sp["meta_row"],
          sp["meta_row"]],
-        sp["block"], jax.ShapeDtypeStruct(q.shape, q.dtype), interpret,
+        sp["block"], jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, launch,
     )(q, dout, lse, delta, seg, pos, br, first, k, v, seg, pos, br)
     dk = dk.reshape(b, t, kh, groups, d).sum(3).astype(k.dtype)
     dv = dv.reshape(b, t, kh, groups, d).sum(3).astype(v.dtype)
