@@ -356,10 +356,13 @@ class TrainConfig(_Serializable):
     packing: str = _opt("auto", "How pairs become rows: pack (each pair's prompt once and both replies, packed into "
                                 "one row per device, no padding between pairs), bucket (one sequence a row, pairs "
                                 "of similar length batched together), none (one sequence a row, shuffled, padded "
-                                "to a power of two), or auto: pack on CPU, bucket on GPU and TPU (where the fused "
-                                "attention kernels need one sequence a row).")
-    attention: str = _opt("auto", "Attention implementation: auto (blockwise on CPU and TPU, cudnn on GPU in "
-                                  "bfloat16), xla (dense reference), blockwise (memory-efficient, pure JAX), "
+                                "to a power of two), or auto: pack on CPU and on one GPU, bucket over several GPUs "
+                                "(the pallas kernels are not partitioned yet) and on TPU (whose splash attention "
+                                "cannot express the shared prompt).")
+    attention: str = _opt("auto", "Attention implementation: auto (blockwise on CPU and TPU; on one GPU pallas for "
+                                  "packed rows and in float32, cudnn for one sequence a row in bfloat16; over "
+                                  "several GPUs cudnn in bfloat16, else blockwise), xla (dense reference), "
+                                  "blockwise (memory-efficient, pure JAX), "
                                   "cudnn (fused flash attention, NVIDIA GPUs, bfloat16) or pallas (fused kernels "
                                   "for packed rows, Triton on NVIDIA GPUs; CPU runs it in interpret mode, for "
                                   "tests only).")

@@ -69,6 +69,33 @@ def test_pallas_attention_equals_reference_in_interpret_mode(window, t):
     assert_attention_equals_reference("pallas", window, t, 32)  # several blocks, a partial last one
 
 
+@pytest.mark.parametrize("block,warps,stages", [(64, 4, 3), (128, 8, 2)])
+def test_pallas_kernels_lower_to_triton_for_nvidia_gpus(block, warps, stages):
+    """The kernels as the GPU compiles them, lowered here without one (JAX lowers for the cuda
+    platform on any host): forward, dq and dk/dv become Triton kernels with the launch settings
+    asked for, on a row that is no power of two long (Triton takes only power-of-two tensors; the
+    kernels load whole blocks). What this cannot catch, Triton's own compilation to the device,
+    the GPU check measures (benchmarks/gpu.py)."""
+    from jax import export
+    from rmflow.trainer.modeling.pallas_attention import pallas_attention
+
+    rng = np.random.default_rng(0)
+    seg, pos, br = packed_layout(rng, 1, 1280, (16, 300))
+    q = jnp.asarray(rng.normal(size=(1, 1280, 9, 64)), jnp.bfloat16)
+    kv = jnp.asarray(rng.normal(size=(1, 1280, 3, 64)), jnp.bfloat16)
+
+    def fwd_bwd(q, k, v):
+        out, pull = jax.vjp(lambda q, k, v: pallas_attention(q, k, v, seg, pos, br, block=block, interpret=False,
+                                                             num_warps=warps, num_stages=stages), q, k, v)
+        return out, pull(out)
+
+    lowered = export.export(jax.jit(fwd_bwd), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv)
+    text = lowered.mlir_module()
+    for kernel in ("_forward_kernel", "_dq_kernel", "_dkdv_kernel"):
+        assert f'name = "{kernel}", num_stages = {stages} : i32, num_warps = {warps} : i32' in text, kernel
+
+
 def test_segment_bounds_and_the_blocks_the_kernels_visit():
     from rmflow.trainer.modeling.pallas_attention import segment_bounds
 
@@ -333,15 +360,46 @@ def test_auto_packing_and_attention_resolve_by_backend():
     from rmflow.trainer.data import resolve_packing
     from rmflow.trainer.modeling.attention import resolve_attention
 
-    assert [resolve_packing("auto", b) for b in ("cpu", "gpu", "tpu")] == ["pack", "bucket", "bucket"]
+    assert [resolve_packing("auto", b) for b in ("cpu", "gpu", "tpu")] == ["pack", "pack", "bucket"]
+    assert [resolve_packing("auto", b, 8) for b in ("cpu", "gpu", "tpu")] == ["pack", "bucket", "bucket"]
     assert resolve_packing("none", "gpu") == "none"
     assert resolve_attention("auto", jnp.float32, "cpu") == "blockwise"
+    assert resolve_attention("auto", jnp.float32, "cpu", packed=True) == "blockwise"
+    # one GPU: packed rows and float32 take the Pallas kernels; one 16-bit sequence a row cuDNN
+    assert resolve_attention("auto", jnp.bfloat16, "gpu", packed=True) == "pallas"
+    assert resolve_attention("auto", jnp.float32, "gpu", packed=True) == "pallas"
+    assert resolve_attention("auto", jnp.float32, "gpu") == "pallas"
     assert resolve_attention("auto", jnp.bfloat16, "gpu") == "cudnn"
-    assert resolve_attention("auto", jnp.float32, "gpu") == "blockwise"  # cuDNN takes 16-bit types only
+    # several GPUs: no Pallas (no partitioning rule); cuDNN takes 16-bit types only
+    assert resolve_attention("auto", jnp.bfloat16, "gpu", packed=True, devices=8) == "cudnn"
+    assert resolve_attention("auto", jnp.float32, "gpu", devices=8) == "blockwise"
+    assert resolve_attention("auto", jnp.bfloat16, "tpu", packed=True) == "blockwise"
+    assert resolve_attention("cudnn", jnp.bfloat16, "gpu", packed=True) == "cudnn"  # asked for: kept
     with pytest.raises(ConfigError, match="packing 'tight'"):
         TrainConfig(data="d", model="m", output="o", packing="tight")
     with pytest.raises(ConfigError, match="attention 'flash'"):
         TrainConfig(data="d", model="m", output="o", attention="flash")
+
+
+@pytest.mark.parametrize("devices,dtype,packing,attention", [
+    (1, "bfloat16", "pack", "pallas"), (1, "float32", "pack", "pallas"),
+    (8, "bfloat16", "bucket", "cudnn"), (8, "float32", "bucket", "blockwise")])
+def test_a_run_on_gpus_packs_and_builds_its_model_with_the_attention_for_its_rows(monkeypatch, devices, dtype, packing,
+                                                                                  attention):
+    """The run's packing and the model's attention are decided together (``auto``): on one GPU a
+    run packs and its model takes the Pallas kernels; over several, whose mesh the kernels cannot
+    be partitioned over yet, it buckets with cuDNN (16-bit) or the blockwise kernel."""
+    from rmflow.schemas.config import TrainConfig
+    from rmflow.trainer import setup
+    from rmflow.trainer.data import resolve_packing
+    from rmflow.trainer.modeling.config import ModelConfig
+
+    monkeypatch.setattr(setup.jax, "default_backend", lambda: "gpu")
+    cfg = TrainConfig(data="d", model="micro", output="o", dtype=dtype)
+    resolved = resolve_packing(cfg.packing, "gpu", devices)
+    model = setup.base_model(cfg, ModelConfig.preset("micro", vocab_size=64, num_labels=1), packing=resolved,
+                             devices=devices)
+    assert (resolved, model.model.attention) == (packing, attention)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU (CI has none); "

@@ -10,6 +10,7 @@ import math
 import os
 import warnings
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from rmflow.schemas.config import TrainConfig
@@ -20,6 +21,7 @@ from rmflow.schemas.presets import is_preset
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.modeling import lora
+from rmflow.trainer.modeling.attention import resolve_attention
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.convert import load_reward_model, read_config, resolve
 from rmflow.trainer.modeling.llama import RewardTransformer
@@ -72,9 +74,11 @@ def check_same_preprocessing(sources, manifests: list[Manifest]) -> None:
                          + ". Preprocess every set with the same --tokenizer and --chat-template")
 
 
-def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardTransformer:
+def build_model(cfg: TrainConfig, manifest: Manifest, packing: str | None = None, devices: int = 1
+                ) -> RewardTransformer:
     """The model, checked against the shards: token ids must fit and the tokenizer must match;
-    with LoRA adapters added when the config asks."""
+    with LoRA adapters added when the config asks; its attention the one for the rows of
+    ``packing`` (resolved) over ``devices``."""
     vocab = manifest.tokenizer.vocab_size
     labels = objective_for(manifest.kind).num_labels
     preset = ModelConfig.preset(cfg.model, vocab_size=vocab, num_labels=labels) if is_preset(cfg.model) else None
@@ -83,22 +87,26 @@ def build_model(cfg: TrainConfig, manifest: Manifest) -> RewardTransformer:
         model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
         check_tokenizer(manifest, folder, "the model", with_template=False)
         check_model_fits(manifest, model_config)  # before any weight is read
-    model = base_model(cfg, preset, num_labels=labels)
+    model = base_model(cfg, preset, num_labels=labels, packing=packing, devices=devices)
     check_model_fits(manifest, model.config)
     return model
 
 
-def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, num_labels: int = 1
-               ) -> RewardTransformer:
+def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, num_labels: int = 1,
+               packing: str | None = None, devices: int = 1) -> RewardTransformer:
     """The run's initial model: a preset (seeded) or the checkpoint, plus LoRA adapters;
-    ``num_labels``: the score head's outputs (2 for a process reward model)."""
+    ``num_labels``: the score head's outputs (2 for a process reward model); ``packing`` (resolved)
+    and ``devices``: the rows the model will run on (training's packing, split over the mesh), for
+    which ``attention: auto`` is resolved (None: one sequence a row, as scoring has them)."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    attention = resolve_attention(cfg.attention, dtype, jax.default_backend(), packed=packing == "pack",
+                                  devices=devices)
     if is_preset(cfg.model):
         model = RewardTransformer(preset_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
-                                  attention=cfg.attention, scan_layers=cfg.scans_layers())
+                                  attention=attention, scan_layers=cfg.scans_layers())
     else:
         model = load_reward_model(resolve(cfg.model), dtype=dtype, remat=cfg.gradient_checkpointing,
-                                  seed=cfg.seed, attention=cfg.attention, num_labels=num_labels,
+                                  seed=cfg.seed, attention=attention, num_labels=num_labels,
                                   scan_layers=cfg.scans_layers())
     if cfg.lora_config is not None:
         lora.apply(model, cfg.lora_config, seed=cfg.seed)

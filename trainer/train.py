@@ -145,7 +145,7 @@ class Run:
             raise TrainError(f"the mesh splits batches {shards} ways, not a multiple of the {procs} processes")
         self.rows = shards // procs  # packed rows of this process's micro-batch: one per batch shard
         self.local_batch = cfg.batch_size // procs  # pairs this process reads per micro-batch
-        self.packing = resolve_packing(cfg.packing, jax.default_backend())
+        self.packing = resolve_packing(cfg.packing, jax.default_backend(), self.mesh.size)
         self.train_units = [m.splits["train"].pairs for m in manifests]
         self.total_steps = plan_steps(cfg, sum(self.train_units))
         if cfg.warmup_steps >= self.total_steps:
@@ -159,7 +159,7 @@ class Run:
         for name, paths in self.eval_sets.items():
             batches = -(-(count_records(paths) // procs) // self.local_batch)
             self.eval_rounding[name] = lengths_per_doubling(batches * evaluations)
-        model = build_model(cfg, self.manifest)
+        model = build_model(cfg, self.manifest, self.packing, self.mesh.size)
         self.pad_id = self.manifest.tokenizer.pad_token_id or 0
         self.trainer = make_trainer(cfg, model, self.total_steps, self.objective)
         release_free_memory()  # initialisation temporaries

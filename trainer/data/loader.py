@@ -47,16 +47,18 @@ class DecodeLabelled(grain.transforms.Map):
         return item[0], decode(item[1])
 
 
-def resolve_packing(packing: str, backend: str) -> str:
-    """``auto`` -> ``pack`` on CPU, ``bucket`` on accelerators. Measured (README, Benchmarks): on
-    CPU packing with the blockwise attention trains 3x faster than TRL; on an H100, batches of
-    similar lengths with cuDNN's fused attention train 3.3x faster than packed rows with the
-    pure-JAX blockwise kernel, whose loops XLA runs as many small kernels."""
+def resolve_packing(packing: str, backend: str, devices: int = 1) -> str:
+    """``auto`` -> ``pack`` on CPU and on one GPU (each prompt computed once, no padding between
+    pairs; on the GPU with the Pallas kernels, ``resolve_attention``), ``bucket`` over several
+    GPUs (the Pallas kernels have no partitioning rule yet; cuDNN's fused attention takes one
+    sequence a row) and on TPU, whose splash attention takes no run-time mask that could express
+    the shared prompt. ``devices``: how many devices the batch is split over. README, "Packing,
+    attention and speed", has the measurements behind these."""
     if packing not in PACKING:
         raise ValueError(f"packing {packing!r}: use one of {PACKING}")
     if packing != "auto":
         return packing
-    return "pack" if backend == "cpu" else "bucket"
+    return "pack" if backend == "cpu" or (backend == "gpu" and devices == 1) else "bucket"
 
 
 # Each reward model kind's (schemas.kinds) collations: (one record a padded row, packed rows).

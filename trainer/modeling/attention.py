@@ -23,8 +23,9 @@ Implementations (``ATTENTION``):
   Triton on NVIDIA GPUs, forward and backward, the mask computed per block from the ids, the
   blocks it empties skipped; on CPU it runs in Pallas's interpret mode (for tests only).
 * ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention(implementation=
-  "cudnn")``) with the mask, on NVIDIA GPUs in bfloat16/float16. The default on GPU when the
-  compute dtype allows it.
+  "cudnn")``) with the mask, on NVIDIA GPUs in bfloat16/float16. The default on GPU for rows
+  of one sequence when the compute dtype allows it (``resolve_attention``); packed rows get
+  ``pallas``.
 
 Segments must be contiguous runs of tokens (every rmflow loader builds them so).
 """
@@ -42,14 +43,24 @@ BLOCK = 128
 _NEG = -1e30
 
 
-def resolve_attention(name: str, dtype, backend: str | None = None) -> str:
-    """``auto`` -> the implementation for this backend and compute dtype."""
+def resolve_attention(name: str, dtype, backend: str | None = None, packed: bool = False, devices: int = 1) -> str:
+    """``auto`` -> the implementation for this backend, compute dtype, row layout (``packed``:
+    rows of several units, as ``packing: pack`` builds them) and number of devices the rows are
+    split over. On one GPU: the Pallas kernels for packed rows (they skip the blocks the mask
+    empties, where cuDNN would take a dense mask over the whole row) and in float32 (cuDNN takes
+    16-bit types only; the blockwise loops run as many small kernels there), cuDNN for one
+    sequence a row in 16-bit types. Over several GPUs the Pallas kernels are not chosen: they
+    have no partitioning rule, so XLA would give every device all the rows; cuDNN's has one.
+    Blockwise elsewhere."""
     if name not in ATTENTION:
         raise ValueError(f"attention {name!r}: use one of {ATTENTION}")
     if name != "auto":
         return name
     backend = backend or jax.default_backend()
-    if backend == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    sixteen = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if backend == "gpu" and devices == 1 and (packed or not sixteen):
+        return "pallas"
+    if backend == "gpu" and sixteen:
         return "cudnn"
     return "blockwise"
 
