@@ -64,11 +64,12 @@ PARITY_CASES = (("blockwise", "float32", None), ("blockwise", "float32", 300), (
                 ("blockwise", "bfloat16", None))
 
 
-def check_parity(t: int = 2048, cases=PARITY_CASES, longest: int = 300) -> list[dict]:
+def check_parity(t: int = 2048, cases=PARITY_CASES, longest: int = 300, emit=None) -> list[dict]:
     """Each (implementation, dtype, window) against the dense reference on packed rows of ``t``
     tokens (units of 16 to ``longest`` tokens): the largest output difference and the largest
-    gradient difference relative to the reference's largest gradient (q, k, v). One row each;
-    ``error`` where the device does not support it."""
+    gradient difference relative to the reference's largest gradient (q, k, v). One row each,
+    also handed to ``emit`` as it is measured; ``error`` where the device does not support it."""
+    emit = emit or (lambda row: None)
     jax.config.update("jax_default_matmul_precision", "highest")  # float32 means float32 (GPUs default to TF32)
     rng = np.random.default_rng(0)
     b, n, k, d = 2, 8, 2, 64
@@ -95,6 +96,7 @@ def check_parity(t: int = 2048, cases=PARITY_CASES, longest: int = 300) -> list[
             print(f"parity {impl} {jnp.dtype(dtype).name}: not available here: {type(e).__name__}: {str(e)[:300]}")
             rows.append({"attention": impl, "dtype": dtype_name, "window": window,
                          "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            emit(rows[-1])
             continue
         (_, o_ref), g_ref = ref(*args)
         diff = lambda a, r: float(jnp.max(jnp.abs(jnp.where(real, a, 0).astype(jnp.float32)  # noqa: E731
@@ -105,6 +107,7 @@ def check_parity(t: int = 2048, cases=PARITY_CASES, longest: int = 300) -> list[
               f"max |grad - ref| / max |ref| (q, k, v) {', '.join(f'{x:.2e}' for x in grads)}")
         rows.append({"attention": impl, "dtype": dtype_name, "window": window, "out_max_abs": diff(o, o_ref),
                      "grad_max_rel": max(grads)})
+        emit(rows[-1])
     jax.config.update("jax_default_matmul_precision", None)
     return rows
 
@@ -272,12 +275,14 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
 
 
 def kernel_sweep(records, batch_size: int, max_length: int, heads: tuple[int, int, int], configs,
-                 steps: int = 2, repeat: int = 10) -> list[dict]:
+                 steps: int = 2, repeat: int = 10, emit=None) -> list[dict]:
     """Each packed-row attention configuration, forward and backward of one layer, on ``steps``
     packed batches of real pairs (as ``throughput`` draws them), heads = (query heads, KV heads,
     head dim): median milliseconds and attention TFLOP/s (12 x attended query-key pairs x heads
     x head_dim a layer, as the MFU counts it). ``configs``: (implementation, block, num_warps,
-    num_stages); a configuration the device refuses is reported with its error."""
+    num_stages); a configuration the device refuses is reported with its error. Each row is also
+    handed to ``emit`` as it is measured."""
+    emit = emit or (lambda row: None)
     n, kh, d = heads
     batches = packed_batches(records, batch_size, steps, max_length)
     pairs = sum(attended_pairs(b) for b in batches)
@@ -289,12 +294,14 @@ def kernel_sweep(records, batch_size: int, max_length: int, heads: tuple[int, in
         except Exception as e:  # noqa: BLE001 - report what the device does not support
             rows.append({"attention": impl, "block": block, "num_warps": warps, "num_stages": stages,
                          "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            emit(rows[-1])
             continue
         finally:
             restore_kernel(before)
         rows.append({"attention": impl, "block": block, "num_warps": warps, "num_stages": stages,
                      "rows": f"{len(batches)} x {batches[0]['input_ids'].shape}", "ms": 1e3 * seconds / len(batches),
                      "attention_tflops": 12 * pairs * n * d / seconds / 1e12})
+        emit(rows[-1])
         print(f"kernel {impl} block {block} warps {warps} stages {stages}: {rows[-1]['ms']:.2f} ms a batch, "
               f"{rows[-1]['attention_tflops']:.1f} TFLOP/s", flush=True)
     return rows

@@ -17,8 +17,8 @@ Two steps, because the GPU machine has no Beam and no network:
      reference on packed rows, float32 and bfloat16, outputs and gradients;
    - ``kernel``: one layer's attention, forward and backward, on packed rows of real pairs, for
      each packed-row kernel and setting (Pallas block size, Triton warps and pipeline stages; the
-     blockwise kernel; cuDNN with the dense mask): milliseconds and attention TFLOP/s; the fastest
-     Pallas setting goes on to ``speed``;
+     blockwise kernel; cuDNN with the dense mask): milliseconds and attention TFLOP/s; the fastest,
+     with its own settings, goes on to ``speed``;
    - ``speed``: training throughput (real tokens/s, MFU, the attention's share of the step) with
      Qwen2.5-0.5B- and SmolLM2-135M-shaped weights at max_length 2048 in bfloat16: ``pack`` with
      that kernel against ``bucket`` with cuDNN, and layers scanned against unrolled; the faster
@@ -135,14 +135,23 @@ def prepare(inputs: pathlib.Path, max_length: int, wheels: bool, pairs: int | No
     return info
 
 
+# What a copy of the checkout for building the wheel leaves out: no package file lives there.
+_NOT_BUILT = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", ".gpu", "__pycache__",
+                                    ".pytest_cache", ".ruff_cache", "demo-output", "out")
+
+
 def build_wheel(folder: pathlib.Path) -> pathlib.Path:
-    """rmflow's wheel, built from this checkout (pure Python: it installs on the GPU machine's
-    Python too); an older rmflow wheel in ``folder`` is replaced."""
+    """rmflow's wheel (pure Python: it installs on the GPU machine's Python too), built from a
+    copy of this checkout, so that no build folder in the checkout (stale files, another build
+    running beside this one) goes into it; an older rmflow wheel in ``folder`` is replaced."""
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("rmflow-*.whl"):
         old.unlink()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(folder), str(REPO)], check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = pathlib.Path(tmp) / "rmflow"
+        shutil.copytree(REPO, tree, ignore=_NOT_BUILT)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                        "--wheel-dir", str(folder.resolve()), str(tree)], check=True, cwd=tmp)
     return next(folder.glob("rmflow-*.whl"))
 
 
@@ -166,14 +175,16 @@ def split_gguf(source: pathlib.Path, folders: list[pathlib.Path], first_mb: floa
     call that also carries the inputs takes a smaller piece), the rest in equal pieces; ``--gguf``
     joins them there."""
     data = source.read_bytes()
-    first = int(first_mb * 1e6) if first_mb else -(-len(data) // len(folders))
+    first = min(int(first_mb * 1e6), len(data)) if first_mb and len(folders) > 1 else -(-len(data) // len(folders))
     rest = -(-(len(data) - first) // max(len(folders) - 1, 1))
-    bounds = [0, first] + [min(first + rest * i, len(data)) for i in range(1, len(folders))]
+    bounds = [0, first] + [min(first + rest * i, len(data)) for i in range(1, len(folders) - 1)] + [len(data)]
     out = []
     for i, folder in enumerate(folders):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"piece-{i}").write_bytes(data[bounds[i] : bounds[i + 1]])
         out.append(folder / f"piece-{i}")
+    if sum(p.stat().st_size for p in out) != len(data):
+        raise RuntimeError(f"the pieces of {source} do not add up to it")
     return out
 
 
@@ -181,17 +192,19 @@ def install_wheels(folder: pathlib.Path, site: pathlib.Path = SITE) -> list[str]
     """Install the carried wheels (rmflow's among them) into ``site`` (again only when they
     change) and put it first on the path of this process and its children; returns what was
     installed."""
-    wheels = sorted(str(p) for p in folder.glob("*.whl")) if folder.is_dir() else []
+    wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
+    # each wheel by name, size and time: a rebuilt rmflow wheel keeps its name
+    identity = "\n".join(f"{w} {w.stat().st_size} {w.stat().st_mtime_ns}" for w in wheels)
     marker = site / ".installed"
-    if wheels and (not marker.is_file() or marker.read_text() != "\n".join(wheels)):
+    if wheels and (not marker.is_file() or marker.read_text() != identity):
         shutil.rmtree(site, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-                        "--target", str(site), *wheels], check=True)
-        marker.write_text("\n".join(wheels))
+                        "--target", str(site), *map(str, wheels)], check=True)
+        marker.write_text(identity)
     if wheels:
         sys.path.insert(0, str(site))
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
-    return [pathlib.Path(w).name for w in wheels]
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return [w.name for w in wheels]
 
 
 # --------------------------------------------------------------------------- step 2: the parts
@@ -218,11 +231,11 @@ class Ctx:
             f.writelines(json.dumps(r, default=str) + "\n" for r in rows)
 
 
-def part_parity(ctx: Ctx) -> list[dict]:
+def part_parity(ctx: Ctx) -> None:
     import device
 
-    ctx.add(*device.check_parity(t=ctx.size["parity_t"], cases=ctx.size.get("parity_cases", device.PARITY_CASES),
-                                 longest=min(300, ctx.size["parity_t"] // 2)))
+    device.check_parity(t=ctx.size["parity_t"], cases=ctx.size.get("parity_cases", device.PARITY_CASES),
+                        longest=min(300, ctx.size["parity_t"] // 2), emit=ctx.add)
 
 
 def _peak() -> float:
@@ -231,31 +244,35 @@ def _peak() -> float:
     return next((v for k, v in PEAK_TFLOPS.items() if k in jax.devices()[0].device_kind), 989.0)
 
 
-def part_kernel(ctx: Ctx) -> list[dict]:
-    """The packed-row kernels and settings, one layer's attention timed alone; the fastest Pallas
-    setting is the summary row ``speed`` reads."""
+def part_kernel(ctx: Ctx) -> None:
+    """The packed-row kernels and settings, one layer's attention timed alone; the fastest, with
+    its own settings, is the summary row ``speed`` reads."""
     import device
 
     records = device.load_records(ctx.inputs / "train")
     rows = device.kernel_sweep(records, ctx.size["speed_batch"], ctx.size["max_length"], ctx.size["kernel_heads"],
-                               ctx.size["kernel_configs"], steps=1)
-    ctx.add(*rows)
+                               ctx.size["kernel_configs"], steps=1, emit=ctx.add)
     timed = [r for r in rows if "ms" in r]
-    pallas = [r for r in timed if r["attention"] == "pallas"]
-    if pallas:
-        best = min(pallas, key=lambda r: r["ms"])
-        ctx.add({"summary": "fastest pallas", "block": best["block"], "num_warps": best["num_warps"],
-                 "num_stages": best["num_stages"], "ms": best["ms"],
-                 "others_ms_over_it": {r["attention"] + (f" {r['block']}" if r["block"] else ""): r["ms"] / best["ms"]
-                                       for r in timed if r["attention"] != "pallas"}})
+    if timed:
+        best = min(timed, key=lambda r: r["ms"])
+        ctx.add({"summary": "fastest", "attention": best["attention"], "block": best["block"],
+                 "num_warps": best["num_warps"], "num_stages": best["num_stages"], "ms": best["ms"],
+                 "others_ms_over_it": {_name(r): r["ms"] / best["ms"] for r in timed if r is not best}})
+
+
+def _name(row: dict) -> str:
+    settings = [f"{k} {row[k]}" for k in ("block", "num_warps", "num_stages") if row.get(k)]
+    return row["attention"] + (f" ({', '.join(settings)})" if settings else "")
 
 
 def kernel_choice(plan: dict) -> dict:
-    """The Pallas setting the kernel part found fastest (``{}``: the module's defaults)."""
-    return {k: plan[k] for k in ("block", "num_warps", "num_stages") if plan.get(k)}
+    """The settings of the packed-row kernel the kernel part found fastest (``{}``: the modules'
+    defaults); the block only for the blockwise kernel."""
+    keys = ("block", "num_warps", "num_stages") if plan.get("packed_attention") == "pallas" else ("block",)
+    return {k: plan[k] for k in keys if plan.get(k)}
 
 
-def part_speed(ctx: Ctx) -> list[dict]:
+def part_speed(ctx: Ctx) -> None:
     """Throughput of each (model, packing, layers) run; then pack against bucket per model and,
     as the plan the trainers use, the faster packing (with its attention) on SmolLM2."""
     import device
@@ -273,8 +290,8 @@ def part_speed(ctx: Ctx) -> list[dict]:
         block = kernel.get("block", 0)
         launch = (kernel.get("num_warps"), kernel.get("num_stages"))
         steps = ctx.size["speed_steps"] if packing == "pack" else ctx.size.get("bucket_steps", ctx.size["speed_steps"])
-        ctx.add(device.throughput(name, records, packing, ctx.size["speed_batch"], steps, peak, block, packed, max_length=ctx.size["max_length"], config=config, launch=launch,
-                                  scan=scan))
+        ctx.add(device.throughput(name, records, packing, ctx.size["speed_batch"], steps, peak, block, packed,
+                                  max_length=ctx.size["max_length"], config=config, launch=launch, scan=scan))
         runs += 1
     measured = [r for r in ctx.rows if "real_tokens_per_s" in r]
     plan = {}
@@ -450,7 +467,18 @@ def part_real(ctx: Ctx) -> None:
     ctx.add(export_parity(rm["run"], ctx.work / "export", ctx.rehearse))
 
 
-FNS = {"parity": part_parity, "kernel": part_kernel, "speed": part_speed, "trl": part_trl, "real": part_real}
+def part_checkpoint(ctx: Ctx) -> None:
+    """The real SmolLM2-135M-Instruct built from the GGUF pieces into ``ctx.checkpoint``: in a
+    folder beside it, renamed when complete, so a build stopped midway is never taken for one."""
+    target = pathlib.Path(ctx.checkpoint)
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    ctx.add(build_checkpoint([pathlib.Path(p) for p in ctx.gguf], ctx.inputs / "train" / "tokenizer", partial))
+    partial.rename(target)
+
+
+FNS = {"parity": part_parity, "kernel": part_kernel, "speed": part_speed, "trl": part_trl, "real": part_real,
+       "checkpoint": part_checkpoint}
 
 
 def child(part: str, spec: dict) -> None:
@@ -461,6 +489,7 @@ def child(part: str, spec: dict) -> None:
     size = SIZES["rehearse" if spec["rehearse"] else "gpu"]
     ctx = Ctx(size, pathlib.Path(spec["inputs"]), pathlib.Path(spec["work"]), spec["checkpoint"], spec["rehearse"],
               spec["plan"], spec["deadline"], pathlib.Path(spec["rows_file"]))
+    ctx.gguf = spec.get("gguf")
     FNS[part](ctx)
 
 
@@ -470,9 +499,10 @@ def _launch_part(part: str, spec: dict, timeout: float) -> list[dict] | dict:
     rows_file = pathlib.Path(spec["rows_file"])
     rows_file.unlink(missing_ok=True)
     error = None
-    # a session of its own: at the budget's end the part and the trainers it started are stopped together
+    # a process group of its own (in this session: whatever stops this session stops it too), so
+    # that the budget's end, or a signal to this process, stops the part and the trainers it started
     proc = subprocess.Popen([sys.executable, __file__, "child", part, json.dumps(spec)], stdout=sys.stdout,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, process_group=0)
     try:
         _, stderr = proc.communicate(timeout=timeout)
         if proc.returncode:
@@ -482,6 +512,9 @@ def _launch_part(part: str, spec: dict, timeout: float) -> list[dict] | dict:
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
         error = f"{part} stopped at the budget's end ({timeout:.0f} s):\n{stderr[-3000:]}"
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.is_file() else []
     return {"error": error, "rows": rows} if error else rows
 
@@ -492,9 +525,14 @@ def _device() -> dict:
     code = ("import jax, flax, optax, json, sys, rmflow.trainer; print(json.dumps({'device': "
             "jax.devices()[0].device_kind, 'jax': jax.__version__, 'flax': flax.__version__, 'optax': optax.__version__, "
             "'python': sys.version.split()[0], 'rmflow': rmflow.trainer.__file__}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=tempfile.gettempdir())  # not the checkout, whose rmflow/ would shadow the wheel
-    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"device": proc.stderr[-500:]}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              cwd=tempfile.gettempdir())  # not the checkout, whose rmflow/ would shadow the wheel
+    except subprocess.TimeoutExpired:
+        return {"device": "unknown: reading it took over 300 s"}
+    if proc.returncode:
+        return {"device": f"unknown: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------- report
@@ -502,8 +540,8 @@ def _device() -> dict:
 
 def markdown(report: dict) -> str:
     lines = [f"# GPU check: {report['device']}", "", f"Command: `{report['command']}`  ", f"Date: {report['date']}  ",
-             f"JAX {report['jax']}, Flax {report.get('flax')}; wheels installed: {', '.join(report['wheels']) or 'none'}",
-             ""]
+             f"JAX {report.get('jax')}, Flax {report.get('flax')}; wheels installed: "
+             f"{', '.join(report['wheels']) or 'none'}", ""]
     if report.get("plan"):
         lines += [f"Plan the trainers used: {_cell(report['plan'])}", ""]
     for part, rows in report["parts"].items():
@@ -535,19 +573,21 @@ def _rows(part) -> list[dict]:
 
 
 def _plan(parts: dict) -> dict:
-    """What the kernel and speed parts measured best, for the trainers of the later parts."""
+    """What the kernel and speed parts measured best, for the trainers of the later parts: the
+    fastest packed-row kernel with its own settings, the packing and the layers."""
     plan = {}
-    kernel = _rows(parts.get("kernel"))
-    for r in kernel:
-        if r.get("summary") == "fastest pallas":
-            plan.update({k: r[k] for k in ("block", "num_warps", "num_stages")})
-    timed = [r for r in kernel if "ms" in r and "summary" not in r]
-    if timed:
-        plan["packed_attention"] = min(timed, key=lambda r: r["ms"])["attention"]
+    for r in _rows(parts.get("kernel")):
+        if r.get("summary") == "fastest":
+            plan["packed_attention"] = r["attention"]
+            plan.update({k: r[k] for k in ("block", "num_warps", "num_stages") if r.get(k)})
     for r in _rows(parts.get("speed")):
         if r.get("summary") == "plan":
             plan.update({k: v for k, v in r.items() if k != "summary"})
     return plan
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: str | None, rehearse: bool,
@@ -557,17 +597,24 @@ def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: s
     ran survives a later failure; with ``keep``, merged with the report a previous run left there."""
     started = time.time()
     deadline = started + budget_s
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the running part is stopped with this process
+        signal.signal(signum, _stop)
     sys.path.insert(0, str(BENCH))
     wheels = install_wheels(inputs / "wheels", site or SITE)
     if rehearse:
         os.environ["JAX_PLATFORMS"] = "cpu"
     out.mkdir(parents=True, exist_ok=True)
+    device = _device()
     previous = json.loads((keep / "gpu.json").read_text()) if keep and (keep / "gpu.json").is_file() else {}
+    if previous and previous.get("device") != device["device"]:  # a plan measured on another card is not this one's
+        print(f"{keep}/gpu.json was measured on {previous.get('device')}, this is {device['device']}: not merged")
+        previous = {}
     size = SIZES["rehearse" if rehearse else "gpu"]
-    report = {**_device(), "wheels": wheels, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    call = {"parts": parts, "date": time.strftime("%H:%M UTC", time.gmtime()), "device": device["device"]}
+    report = {**device, "wheels": wheels, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(sys.argv), "rehearse": rehearse, "sizes": size,
               "parts": dict(previous.get("parts", {})), "seconds": dict(previous.get("seconds", {})),
-              "calls": previous.get("calls", []) + [{"parts": parts, "date": time.strftime("%H:%M UTC", time.gmtime())}]}
+              "calls": previous.get("calls", []) + [call]}
 
     def write() -> None:
         for folder in [out] + ([keep] if keep else []):
@@ -581,31 +628,31 @@ def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: s
     with (contextlib.nullcontext(str(work)) if work else tempfile.TemporaryDirectory()) as tmp:
         work = pathlib.Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        if gguf and not checkpoint:  # the real SmolLM2, built from its pieces once per machine
-            folder = work / "smollm2-135m-instruct"
-            if not (folder / "config.json").is_file():
-                try:
-                    sys.path.insert(0, str(SITE))
-                    report["parts"]["checkpoint"] = [build_checkpoint([pathlib.Path(p) for p in gguf],
-                                                                      inputs / "train" / "tokenizer", folder)]
-                except Exception:  # noqa: BLE001 - recorded; the parts without the checkpoint still run
-                    report["parts"]["checkpoint"] = {"error": traceback.format_exc()}
-            checkpoint = str(folder) if (folder / "config.json").is_file() else None
+        built = work / "smollm2-135m-instruct" if gguf and not checkpoint else None
+        if built and not built.is_dir():  # the real SmolLM2, built from its pieces once per machine
+            parts = ["checkpoint", *parts]
         for part in parts:
+            if built:  # the checkpoint part builds it; the parts after it take it once it is there
+                checkpoint = str(built) if part == "checkpoint" or built.is_dir() else None
             report["plan"] = _plan(report["parts"])
             start = time.perf_counter()
             part_work = work / f"{part}-{time.strftime('%H%M%S')}"  # a rerun on a kept folder starts afresh
             part_work.mkdir(parents=True)
             spec = {"inputs": str(inputs), "work": str(part_work), "checkpoint": checkpoint, "rehearse": rehearse,
-                    "plan": report["plan"], "deadline": deadline, "rows_file": str(work / f"rows-{part}.jsonl")}
+                    "plan": report["plan"], "deadline": deadline, "rows_file": str(work / f"rows-{part}.jsonl"),
+                    "gguf": gguf}
             left = deadline - time.time()
             if left < 30:
-                report["parts"][part] = {"error": f"not run: {left:.0f} s of the budget left"}
+                result = {"error": f"not run: {left:.0f} s of the budget left", "rows": []}
             else:
                 try:
-                    report["parts"][part] = _launch_part(part, spec, timeout=left)
+                    result = _launch_part(part, spec, timeout=left)
                 except Exception:  # noqa: BLE001 - one part's failure is reported; the others still run
-                    report["parts"][part] = {"error": traceback.format_exc()}
+                    result = {"error": traceback.format_exc(), "rows": []}
+            if isinstance(result, dict) and not result["rows"] and _rows(report["parts"].get(part)):
+                call.setdefault("failed", {})[part] = result["error"][-1000:]  # an earlier call's rows stay
+            else:
+                report["parts"][part] = result
             report["seconds"][part] = time.perf_counter() - start
             report["plan"] = _plan(report["parts"])
             write()

@@ -182,7 +182,7 @@ def child_trl(args: dict) -> dict:
     sets = {name: accuracy(records(pathlib.Path(folder), "all")) for name, folder in args.get("eval_sets", {}).items()}
     return {"steps": steps[: args["steps"]], "compiles": [], "wall": wall, "ended": ended, "losses": losses,
             "eval_accuracy": accuracy(evals), "eval_pairs": len(evals), "eval_sets": sets,
-            "peak_device_mib": peak_device}
+            "peak_device_mib": peak_device, "backend": "gpu" if model.device.type == "cuda" else "cpu"}
 
 
 def child_rmflow(args: dict) -> dict:
@@ -250,7 +250,7 @@ def child_rmflow(args: dict) -> dict:
                       "computed_fraction": rec.get("computed_fraction", 1.0)})
     final = result.history[-1]
     stats = jax.devices()[0].memory_stats() or {}
-    return {"steps": steps, "compiles": [d for _, d in compiles], "reads": [d for _, d in reads], "wall": wall, "ended": ended,
+    return {"backend": jax.default_backend(), "steps": steps, "compiles": [d for _, d in compiles], "reads": [d for _, d in reads], "wall": wall, "ended": ended,
             "losses": [h["loss"] for h in history], "eval_accuracy": final["eval_accuracy"],
             "eval_pairs": final["eval_pairs"], "run": cfg.output,
             "eval_sets": {name: final[f"eval/{name}/accuracy"] for name in (args.get("eval_sets") or {})},
@@ -281,18 +281,26 @@ def summarize(name: str, out: dict, skip: int, launched: float) -> dict:
 
 
 def launch(kind: str, args: dict, timeout: float | None = None) -> tuple[dict, float]:
-    """Run one trainer in a process of its own (stopped after ``timeout`` seconds); returns its
-    output and the launch time."""
+    """Run one trainer in a process of its own (stopped after ``timeout`` seconds) on the device
+    ``args['device']`` names (``cpu``, the default, or ``gpu``: JAX picks the accelerator);
+    returns its output and the launch time."""
     launched = time.time()
+    env = dict(os.environ)
+    if args.get("device", "cpu") == "cpu":
+        env["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cpu")
+    else:
+        env.pop("JAX_PLATFORMS", None)
     try:
         proc = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(args)], capture_output=True,
-                              text=True, env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
-                              timeout=timeout)
+                              text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise SystemExit(f"{kind} stopped after {timeout:.0f} s:\n{(e.stderr or b'')[-4000:]!r}") from None
     if proc.returncode:
         raise SystemExit(f"{kind} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]), launched
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out.get("backend") and out["backend"] != args.get("device", "cpu"):
+        raise SystemExit(f"{kind} ran on {out['backend']}, not on the {args.get('device', 'cpu')} it was launched for")
+    return out, launched
 
 
 def table(runs: dict[str, list[dict]], title: str, same_order: bool = True) -> None:

@@ -359,9 +359,9 @@ class TrainConfig(_Serializable):
                                 "to a power of two), or auto: pack on CPU and on one GPU, bucket over several GPUs "
                                 "(the pallas kernels are not partitioned yet) and on TPU (whose splash attention "
                                 "cannot express the shared prompt).")
-    attention: str = _opt("auto", "Attention implementation: auto (blockwise on CPU and TPU; on one GPU pallas for "
-                                  "packed rows and in float32, cudnn for one sequence a row in bfloat16; over "
-                                  "several GPUs cudnn in bfloat16, else blockwise), xla (dense reference), "
+    attention: str = _opt("auto", "Attention implementation: auto (blockwise on CPU and TPU; on GPUs pallas for "
+                                  "packed rows on one GPU, cudnn for one sequence a row in bfloat16, else "
+                                  "blockwise), xla (dense reference), "
                                   "blockwise (memory-efficient, pure JAX), "
                                   "cudnn (fused flash attention, NVIDIA GPUs, bfloat16) or pallas (fused kernels "
                                   "for packed rows, Triton on NVIDIA GPUs; CPU runs it in interpret mode, for "

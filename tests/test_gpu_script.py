@@ -73,25 +73,52 @@ def test_the_real_checkpoints_source_travels_in_pieces_that_join_back(tmp_path):
     pieces = gpu.split_gguf(source, [tmp_path / "a", tmp_path / "b", tmp_path / "c"], first_mb=0.002)
     assert [p.stat().st_size for p in pieces] == [2000, 4001, 4000]
     assert b"".join(p.read_bytes() for p in pieces) == source.read_bytes()
+    (whole,) = gpu.split_gguf(source, [tmp_path / "d"], first_mb=0.002)  # one folder: the whole file
+    assert whole.read_bytes() == source.read_bytes()
 
 
-def test_a_later_call_runs_on_the_plan_an_earlier_call_measured(tmp_path):
+def _isolated(monkeypatch):
+    """``run`` puts its site first on this process's path and environment: undone after the test."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+
+
+def test_a_later_call_runs_on_the_plan_an_earlier_call_measured(tmp_path, monkeypatch):
     """The GPU is lent in short calls: a call's report is kept on the machine and the next one
-    merges it, taking the fastest kernel setting and the packing the speed part measured, also
-    from a part that ran out of time after measuring them."""
+    merges it, taking the fastest kernel with its own settings and the packing the speed part
+    measured, also from a part that ran out of time after measuring them; a part a later call
+    could not run keeps the earlier call's rows; a report from another card is not merged."""
+    _isolated(monkeypatch)
     gpu = _gpu_script()
     keep = tmp_path / "keep"
     keep.mkdir()
-    earlier = {"parts": {
+    earlier = {"device": "cpu", "parts": {
         "kernel": [{"attention": "pallas", "block": 64, "num_warps": 4, "num_stages": 3, "ms": 0.3},
-                   {"attention": "cudnn", "block": None, "num_warps": None, "num_stages": None, "ms": 4.5},
-                   {"summary": "fastest pallas", "block": 64, "num_warps": 4, "num_stages": 3, "ms": 0.3}],
+                   {"attention": "blockwise", "block": 512, "num_warps": None, "num_stages": None, "ms": 6.5},
+                   {"summary": "fastest", "attention": "pallas", "block": 64, "num_warps": 4, "num_stages": 3,
+                    "ms": 0.3}],
         "speed": {"error": "speed stopped at the budget's end", "rows": [
             {"summary": "plan", "packing": "pack", "attention": "pallas", "scan_layers": "off"}]}},
         "seconds": {"kernel": 17.0, "speed": 180.0}, "calls": [{"parts": ["kernel", "speed"]}]}
     (keep / "gpu.json").write_text(json.dumps(earlier))
-    report = gpu.run(tmp_path / "inputs", tmp_path / "out", [], None, rehearse=True, keep=keep)
+    report = gpu.run(tmp_path / "inputs", tmp_path / "out", ["kernel"], None, rehearse=True, keep=keep, budget_s=10)
     assert report["plan"] == {"block": 64, "num_warps": 4, "num_stages": 3, "packed_attention": "pallas",
                               "packing": "pack", "attention": "pallas", "scan_layers": "off"}
-    assert len(report["calls"]) == 2 and set(report["parts"]) == {"kernel", "speed"}
+    assert report["parts"]["kernel"] == earlier["parts"]["kernel"]  # not run (no budget): the earlier rows stay
+    assert "not run" in report["calls"][-1]["failed"]["kernel"] and len(report["calls"]) == 2
     assert "stopped at the budget's end" in (tmp_path / "out" / "gpu.md").read_text()
+    assert gpu.kernel_choice({"packed_attention": "blockwise", "block": 512, "num_warps": 4}) == {"block": 512}
+    (keep / "gpu.json").write_text(json.dumps({**earlier, "device": "NVIDIA H100 80GB HBM3"}))
+    assert gpu.run(tmp_path / "inputs", tmp_path / "out", [], None, rehearse=True, keep=keep)["plan"] == {}
+
+
+def test_a_part_out_of_budget_is_stopped_with_everything_it_started(tmp_path, monkeypatch):
+    """At the budget's end the part's whole process group is stopped (its trainers too), and the
+    report says so."""
+    _isolated(monkeypatch)
+    gpu = _gpu_script()
+    spec = {"inputs": str(tmp_path), "work": str(tmp_path), "checkpoint": None, "rehearse": True, "plan": {},
+            "deadline": 0, "rows_file": str(tmp_path / "rows.jsonl")}
+    result = gpu._launch_part("parity", spec, timeout=0.5)  # importing JAX alone takes longer
+    assert "stopped at the budget's end" in result["error"] and result["rows"] == []

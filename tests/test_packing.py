@@ -365,11 +365,11 @@ def test_auto_packing_and_attention_resolve_by_backend():
     assert resolve_packing("none", "gpu") == "none"
     assert resolve_attention("auto", jnp.float32, "cpu") == "blockwise"
     assert resolve_attention("auto", jnp.float32, "cpu", packed=True) == "blockwise"
-    # one GPU: packed rows and float32 take the Pallas kernels; one 16-bit sequence a row cuDNN
+    # one GPU: packed rows take the Pallas kernels; one 16-bit sequence a row cuDNN
     assert resolve_attention("auto", jnp.bfloat16, "gpu", packed=True) == "pallas"
     assert resolve_attention("auto", jnp.float32, "gpu", packed=True) == "pallas"
-    assert resolve_attention("auto", jnp.float32, "gpu") == "pallas"
     assert resolve_attention("auto", jnp.bfloat16, "gpu") == "cudnn"
+    assert resolve_attention("auto", jnp.float32, "gpu") == "blockwise"  # cuDNN takes 16-bit types only
     # several GPUs: no Pallas (no partitioning rule); cuDNN takes 16-bit types only
     assert resolve_attention("auto", jnp.bfloat16, "gpu", packed=True, devices=8) == "cudnn"
     assert resolve_attention("auto", jnp.float32, "gpu", devices=8) == "blockwise"

@@ -75,6 +75,31 @@ def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
         assert not all(pow2(n) for n in got) and all(n % 16 == 0 for n in got), got  # 8 per doubling of 128
 
 
+@pytest.mark.parametrize("devices,packing", [(1, "pack"), (8, "bucket")])
+def test_a_run_builds_its_model_for_the_rows_its_packing_makes(synthetic, tmp_path, monkeypatch, devices, packing):
+    """The run hands the model builder its resolved packing and its mesh's size, from which
+    ``attention: auto`` is resolved (``setup.base_model``): on one GPU packed rows and the Pallas
+    kernels, over several buckets and cuDNN. (A GPU and a mesh of 8 stood in for: the run stops
+    where it builds the model.)"""
+    import types
+
+    from rmflow.trainer import train as train_module
+
+    class Built(Exception):
+        pass
+
+    def build_model(cfg, manifest, packing, devices):
+        raise Built(packing, devices)
+
+    mesh = types.SimpleNamespace(size=devices, shape={"data": devices, "fsdp": 1, "tensor": 1})
+    monkeypatch.setattr(train_module.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(train_module, "make_mesh", lambda shape: mesh)
+    monkeypatch.setattr(train_module, "build_model", build_model)
+    with pytest.raises(Built) as got:
+        train_module.Run(config(synthetic, tmp_path / "r", max_steps=6))
+    assert got.value.args == (packing, devices)
+
+
 @pytest.mark.slow
 def test_learning_works_on_a_synthetic_preference(synthetic, tmp_path):
     # Eval accuracy is 1.0 from about step 20 on: 60 steps leave a wide margin (150 did too, at 2.5x the time).

@@ -46,19 +46,17 @@ _NEG = -1e30
 def resolve_attention(name: str, dtype, backend: str | None = None, packed: bool = False, devices: int = 1) -> str:
     """``auto`` -> the implementation for this backend, compute dtype, row layout (``packed``:
     rows of several units, as ``packing: pack`` builds them) and number of devices the rows are
-    split over. On one GPU: the Pallas kernels for packed rows (they skip the blocks the mask
-    empties, where cuDNN would take a dense mask over the whole row) and in float32 (cuDNN takes
-    16-bit types only; the blockwise loops run as many small kernels there), cuDNN for one
-    sequence a row in 16-bit types. Over several GPUs the Pallas kernels are not chosen: they
-    have no partitioning rule, so XLA would give every device all the rows; cuDNN's has one.
-    Blockwise elsewhere."""
+    split over. On one GPU, packed rows take the Pallas kernels (they skip the blocks the mask
+    empties, where cuDNN would take a dense mask over the whole row); over several GPUs they are
+    not chosen: they have no partitioning rule, so XLA would give every device all the rows. One
+    sequence a row takes cuDNN on GPUs in 16-bit types. Blockwise elsewhere."""
     if name not in ATTENTION:
         raise ValueError(f"attention {name!r}: use one of {ATTENTION}")
     if name != "auto":
         return name
     backend = backend or jax.default_backend()
     sixteen = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if backend == "gpu" and devices == 1 and (packed or not sixteen):
+    if backend == "gpu" and devices == 1 and packed:
         return "pallas"
     if backend == "gpu" and sixteen:
         return "cudnn"

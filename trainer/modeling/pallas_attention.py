@@ -30,7 +30,7 @@ from rmflow.trainer.modeling.masking import allowed
 
 # The block size and Triton's launch settings (warps per program, software-pipelining depth) for
 # every kernel: the fastest combination ``benchmarks/gpu.py``'s kernel part measured on Hopper
-# (README, Benchmarks); blocks of 128 need more registers for their accumulators than a program has.
+# (README, Benchmarks).
 BLOCK = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
