@@ -22,6 +22,7 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.outputs import output_kind, refuse_if_stopping
+from rmflow.schemas.paths import is_url
 
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -63,7 +64,7 @@ def list_inputs(patterns: tuple[str, ...], skipped: list[tuple[str, str]] | None
     for pattern in patterns:
         stripped = pattern.rstrip("/")
         has_glob = any(c in pattern for c in "*?[")
-        is_dir = not has_glob and (os.path.isdir(stripped) or ("://" in stripped and not is_supported(stripped)))
+        is_dir = not has_glob and (os.path.isdir(stripped) or (is_url(stripped) and not is_supported(stripped)))
         query = stripped + "/**" if is_dir else pattern
         try:
             metas = FileSystems.match([query])[0].metadata_list
@@ -210,7 +211,7 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, str, str | None]]:
     import pyarrow.parquet as pq
 
     with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-        pf = pq.ParquetFile(io.BytesIO(f.read()) if "://" in path else f)
+        pf = pq.ParquetFile(io.BytesIO(f.read()) if is_url(path) else f)
         row = 0
         for batch in pf.iter_batches(batch_size=4096):
             for rec in batch.to_pylist():
@@ -244,7 +245,7 @@ def _json_shown(obj: Any) -> Any:
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    if "://" not in path:
+    if not is_url(path):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with FileSystems.create(path, mime_type="application/octet-stream",
                             compression_type=CompressionTypes.UNCOMPRESSED) as f:
@@ -271,7 +272,7 @@ def write_array_record_shard(dest: str, records: list[bytes], options: str = "gr
         for rec in records:
             writer.write(rec)
         writer.close()
-        if "://" not in dest:
+        if not is_url(dest):
             os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
         with open(local, "rb") as src, FileSystems.create(
             dest, compression_type=CompressionTypes.UNCOMPRESSED
@@ -284,12 +285,12 @@ def exists(path: str) -> bool:
     path = path.rstrip("/")
     if FileSystems.exists(path):
         return True
-    return bool(FileSystems.match([path + "/*"])[0].metadata_list) if "://" in path else False
+    return bool(FileSystems.match([path + "/*"])[0].metadata_list) if is_url(path) else False
 
 
 def delete_tree(path: str) -> None:
     path = path.rstrip("/")
-    if "://" not in path:
+    if not is_url(path):
         shutil.rmtree(path, ignore_errors=True)
         return
     metas = FileSystems.match([path + "/**"])[0].metadata_list
@@ -305,7 +306,7 @@ def publish(staging: str, output: str) -> None:
     """
     refuse_if_stopping()
     staging, output = staging.rstrip("/"), output.rstrip("/")
-    if "://" not in output:
+    if not is_url(output):
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         os.rename(staging, output)
         return

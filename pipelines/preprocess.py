@@ -67,6 +67,7 @@ from rmflow.schemas.manifest import (
     Manifest,
 )
 from rmflow.schemas.outputs import output_lock
+from rmflow.schemas.paths import is_url
 
 BYTES_PER_SHARD = 256 << 20  # raw input bytes per train shard when --num-shards is 0 (auto)
 
@@ -100,7 +101,7 @@ def plan_shards(cfg: PreprocessConfig, input_bytes: int) -> dict[str, int]:
 
 def make_plan(cfg: PreprocessConfig) -> Plan:
     out = cfg.output.rstrip("/")
-    if "://" not in out and os.path.isfile(out):
+    if not is_url(out) and os.path.isfile(out):
         raise PreprocessError(f"--output {out} is a file; give a folder for the shards")
     if rio.exists(out) and not cfg.overwrite:
         raise PreprocessError(f"output {out} already exists: choose another --output or pass --overwrite")
@@ -179,7 +180,7 @@ def _first_layout(path: str, records: int = 100) -> str | None:
 
 def _is_shard_folder(path: str) -> bool:
     """Written by `rmflow preprocess` (complete, or failed after its counts were gathered), or empty."""
-    if "://" not in path and os.path.isdir(path) and not os.listdir(path):
+    if not is_url(path) and os.path.isdir(path) and not os.listdir(path):
         return True
     return any(rio.exists(f"{path}/{name}") for name in (MANIFEST_FILE, COMPLETED_FILE, SUMMARY_FILE))
 
@@ -299,7 +300,7 @@ def _run(cfg: PreprocessConfig, p, started: float, wait: bool) -> PreprocessResu
         state = result.wait_until_finish()
     except BaseException as e:  # noqa: BLE001 - the pipeline's own exception, wrapped by the runner
         if _interrupted(e):  # Ctrl-C or SIGTERM reached a worker thread: an interruption, not a failure
-            if wait and "://" not in plan.staging:  # ours alone: the output's lock is held
+            if wait and not is_url(plan.staging):  # ours alone: the output's lock is held
                 rio.delete_tree(plan.staging)
             raise KeyboardInterrupt from e
         if not isinstance(e, Exception):

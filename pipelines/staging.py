@@ -19,6 +19,7 @@ import uuid
 
 from apache_beam.io.filesystems import FileSystems
 from rmflow.pipelines import io as rio
+from rmflow.schemas.paths import is_url
 
 OWNER_FILE = "_owner.json"
 SUFFIX = ".tmp-"
@@ -35,7 +36,7 @@ def new_staging(output: str) -> str:
 def leftovers(output: str) -> list[str]:
     """Staging folders of earlier runs of ``output`` (finished or not)."""
     out = output.rstrip("/")
-    if "://" not in out:
+    if not is_url(out):
         return sorted(p for p in glob.glob(glob.escape(out) + SUFFIX + "*") if os.path.isdir(p))
     metas = FileSystems.match([f"{out}{SUFFIX}*/**"])[0].metadata_list
     return sorted({m.path[: m.path.index("/", len(out) + len(SUFFIX))] for m in metas})
@@ -43,7 +44,7 @@ def leftovers(output: str) -> list[str]:
 
 def _abandoned(staging: str) -> bool:
     """True only when certain: a local folder whose writer on this host has exited."""
-    if "://" in staging:
+    if is_url(staging):
         return False
     try:
         with open(os.path.join(staging, OWNER_FILE)) as f:

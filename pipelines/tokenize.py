@@ -29,6 +29,7 @@ from rmflow.schemas.manifest import (
     tokenizer_sha256,
     vocabulary_sha256,
 )
+from rmflow.schemas.paths import is_url
 from rmflow.schemas.record import PairRecord, StepRecord
 
 # transformers announces at import that PyTorch is absent: irrelevant here (tokenizers only).
@@ -37,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 def _looks_like_path(name: str) -> bool:
     """A hub id is 'name' or 'namespace/name'; anything else is meant as a path."""
-    return "://" in name or os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 \
+    return is_url(name) or os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 \
         or os.sep != "/" and os.sep in name
 
 

@@ -43,6 +43,7 @@ from rmflow.schemas.config import MAX_BAD_FRACTION
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
+from rmflow.schemas.paths import is_url
 from rmflow.scoring import SCORERS, echoed
 
 SCORES_PREFIX = "scores"
@@ -465,16 +466,16 @@ def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "Direct
     folder ``output``; returns summary.json's contents (None with ``wait=False``)."""
     from rmflow.pipelines.io import expand_inputs
 
-    output = output.rstrip("/") if "://" in output else os.path.abspath(output)
+    output = output.rstrip("/") if is_url(output) else os.path.abspath(output)
     if rio.exists(f"{output}/{COMPLETED_FILE}") and not overwrite:
         raise BatchScoreError(f"{output} already holds a scoring job's output: give --overwrite to replace it")
-    empty = "://" not in output and os.path.isdir(output) and not os.listdir(output)
+    empty = not is_url(output) and os.path.isdir(output) and not os.listdir(output)
     if rio.exists(output) and not empty and not rio.exists(f"{output}/{COMPLETED_FILE}"):
         raise BatchScoreError(f"{output} exists and is not a scoring job's output: give an empty or new folder")
     listed = expand_inputs(tuple(inputs))
     files, size = [path for path, _ in listed], sum(n for _, n in listed)
-    local = os.path.realpath(output) + "/" if "://" not in output else output + "/"
-    inside = [f for f in files if (os.path.realpath(f) if "://" not in f else f).startswith(local)]
+    local = os.path.realpath(output) + "/" if not is_url(output) else output + "/"
+    inside = [f for f in files if (os.path.realpath(f) if not is_url(f) else f).startswith(local)]
     if inside:
         raise BatchScoreError(f"input {inside[0]} is inside --output {output}, which the job replaces: give an "
                               "output folder apart from the inputs")

@@ -34,6 +34,7 @@ from typing import Any
 from rmflow.schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.outputs import REPORT_FILE, output_lock
+from rmflow.schemas.paths import is_url
 from rmflow.schemas.presets import is_preset
 
 STAGES = ("preprocess", "train", "eval", "export")
@@ -123,7 +124,7 @@ def read_yaml_mapping(path: str, what: str, expected: str) -> dict[str, Any]:
 
 
 def _path(p: str, base_dir: str) -> str:
-    return p if "://" in p or os.path.isabs(p) else os.path.normpath(os.path.join(base_dir, p))
+    return p if is_url(p) or os.path.isabs(p) else os.path.normpath(os.path.join(base_dir, p))
 
 
 def _hash(obj: Any, upstream: str = "") -> str:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.paths import absolute, absolute_if_local
 from rmflow.schemas.presets import MODEL_PRESETS, describe, is_preset
 from rmflow.schemas.sources import (
     DataSource,
@@ -64,16 +65,6 @@ def _opt(default: Any, help: str) -> Any:
 
 def help_for(cls: type, name: str) -> str:
     return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
-
-
-def absolute(path: str) -> str:
-    """A local path made absolute (from the current directory); URLs such as gs:// unchanged."""
-    return path if "://" in path else os.path.abspath(path)
-
-
-def absolute_if_local(path: str | None) -> str | None:
-    """Absolute when it names an existing local file or folder; otherwise (a hub id, a URL) unchanged."""
-    return absolute(path) if path and "://" not in path and os.path.exists(path) else path
 
 
 _TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}

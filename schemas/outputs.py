@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Iterator
 
 from rmflow.schemas.errors import RmflowError, RmflowWarning
+from rmflow.schemas.paths import is_url
 
 LOCK_SUFFIX = ".rmflow-lock"
 STAGING_SUFFIX = ".tmp-"
@@ -91,7 +92,7 @@ def _read_holder(fd: int) -> dict | None:
 @contextlib.contextmanager
 def output_lock(output: str, command: str) -> Iterator[None]:
     """Hold the exclusive lock of a local output folder (re-entrant within one process)."""
-    if "://" in output:
+    if is_url(output):
         yield
         return
     path = lock_path(output)

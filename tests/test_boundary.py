@@ -150,3 +150,17 @@ def test_no_import_cycle_between_modules():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def test_one_home_decides_whether_a_path_is_a_url():
+    """Whether a string is a URL (read through a filesystem library) or an OS path is decided in
+    ``schemas.paths`` alone: an inline ``"://" in`` elsewhere could drift from it."""
+    home = REPO / "schemas" / "paths.py"
+    for package in ("schemas", "pipelines", "trainer", "rmflow"):
+        for f in sorted((REPO / package).rglob("*.py")):
+            if f == home:
+                continue
+            tests = [node.lineno for node in ast.walk(ast.parse(f.read_text(), str(f)))
+                     if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
+                     and node.left.value == "://"]
+            assert not tests, f"{f.relative_to(REPO)}:{tests}: use schemas.paths.is_url / is_remote"

@@ -36,6 +36,7 @@ from rmflow.schemas.manifest import (
     tokenizer_sha256,
     vocabulary_sha256,
 )
+from rmflow.schemas.paths import is_url
 from rmflow.schemas.sources import DataSource
 from rmflow.trainer.modeling.config import ModelConfig, ModelConfigError
 
@@ -198,7 +199,7 @@ def read_run(run_dir: str) -> RunFiles:
         text = _read_text(run_dir, DATA_MANIFEST)
     else:  # a run written before runs kept their data's manifest: read it where it was
         data = cfg.data
-        if not os.path.isabs(data) and "://" not in data:
+        if not os.path.isabs(data) and not is_url(data):
             raise RunDirError(
                 f"{run_dir} was written by an older rmflow and names its shards by the relative path "
                 f"{data!r}; set 'data' in {os.path.join(run_dir, CONFIG)} to the absolute shard folder")

@@ -18,16 +18,13 @@ import shutil
 
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE
+from rmflow.schemas.paths import is_remote
 
 log = logging.getLogger("rmflow")
 
 
 class StorageError(RmflowError, OSError):
     """A remote path cannot be read or written, or the local disk is too small; says which."""
-
-
-def is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 def _fs(url: str):
