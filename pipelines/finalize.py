@@ -19,12 +19,12 @@ import time
 from typing import Any
 
 from rmflow.pipelines import io as rio
-from rmflow.pipelines.staging import OWNER_FILE
+from rmflow.pipelines.publication import publish as publish_output
+from rmflow.pipelines.publication import published, refuse
 from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME, kind_named
 from rmflow.schemas.manifest import (
-    COMPLETED_FILE,
     CONFIG_FILE,
     ERRORS_FILE,
     MANIFEST_FILE,
@@ -37,7 +37,6 @@ from rmflow.schemas.manifest import (
 )
 
 SUMMARY_FILE = "_summary.json"
-FAILED_FILE = "_FAILED.json"
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -109,8 +108,9 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
     which the launcher staged: ``make_plan``); returns the statistics. ``_after``: side inputs (the
     errors file's name) that make this step wait for their writers."""
     out, staging = fin.output.rstrip("/"), fin.staging
-    if rio.exists(f"{out}/{COMPLETED_FILE}") and not rio.exists(staging):  # a retry after publishing
-        return json.loads(rio.read_bytes(f"{out}/{STATS_FILE}"))
+    earlier = published(out, staging, STATS_FILE)
+    if earlier is not None:
+        return earlier
     summary = gather(items)
     rio.write_bytes(f"{staging}/{SUMMARY_FILE}", json.dumps(summary, sort_keys=True).encode())
     stats = None
@@ -121,10 +121,8 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
             stats["decontaminated_against"] = {path: dict(c) for path, c in fin.eval_counts}
         check_quality(stats, fin.cfg, staging)
     except PreprocessError as e:
-        failure = {"error": str(e), "reason": e.reason, "errors_file": e.errors_file,
-                   "counts": stats["counts"] if stats else None}
-        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps(failure).encode())
-        raise
+        refuse(staging, {"error": str(e), "reason": e.reason, "errors_file": e.errors_file,
+                         "counts": stats["counts"] if stats else None}, e)
     manifest = Manifest(
         kind=stats["kind"],
         tokenizer=fin.tokenizer,
@@ -143,13 +141,7 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
     for name, text in ((MANIFEST_FILE, manifest.to_json()), (STATS_FILE, json.dumps(stats, indent=2) + "\n"),
                        (CONFIG_FILE, fin.cfg.to_json())):
         rio.write_bytes(f"{staging}/{name}", text.encode())
-    from apache_beam.io.filesystems import FileSystems
-
-    FileSystems.delete([f"{staging}/{SUMMARY_FILE}", f"{staging}/{OWNER_FILE}"])
-    if rio.exists(out):  # --overwrite was given and checked when the job was planned
-        rio.delete_tree(out)
-    rio.publish(staging, out)
-    rio.write_bytes(f"{out}/{COMPLETED_FILE}", b"")
+    publish_output(staging, out, drop=(SUMMARY_FILE,))
     return stats
 
 

@@ -24,7 +24,6 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.decontaminate import CONTAMINATION_FILE, Decontaminate, eval_file_counts, use_join
 from rmflow.pipelines.finalize import (
-    FAILED_FILE,
     SUMMARY_FILE,
     Finalization,
     PreprocessError,
@@ -32,6 +31,7 @@ from rmflow.pipelines.finalize import (
 from rmflow.pipelines.formats import SCORED_LAYOUTS, BadRecord, detect_format, parse_json_object
 from rmflow.pipelines.io import iter_records, streams_records
 from rmflow.pipelines.near_dedup import DropNearDuplicates
+from rmflow.pipelines.publication import FAILED_FILE
 from rmflow.pipelines.runner import is_local, launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import clean_leftovers, new_staging
 from rmflow.pipelines.tokenize import (

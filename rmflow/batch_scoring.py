@@ -32,10 +32,10 @@ from apache_beam.pvalue import TaggedOutput
 
 from rmflow.api import BadConversation, RewardModel
 from rmflow.pipelines import io as rio
-from rmflow.pipelines.finalize import FAILED_FILE  # in the staging folder: why the last step refused
 from rmflow.pipelines.formats import BadRecord, detect_format, normalize
+from rmflow.pipelines.publication import FAILED_FILE, publish, published, refuse
 from rmflow.pipelines.runner import launched, new_pipeline, runner_options
-from rmflow.pipelines.staging import OWNER_FILE, new_staging
+from rmflow.pipelines.staging import new_staging
 from rmflow.pipelines.tokenize import message_dict
 from rmflow.pipelines.transforms import DEAD, FILES, ReadRecordsFn, as_bad_record, dead_letter
 from rmflow.schemas import jsontext
@@ -380,8 +380,9 @@ def _as_pair(g: dict[str, Any]) -> dict[str, Any]:
 def finalize(items: list, spec: JobSpec, identity: dict[str, Any]) -> dict[str, Any]:
     """Reconcile (read = scored + errors, exactly), write summary.json, publish, COMPLETED."""
     out, staging = spec.output.rstrip("/"), spec.staging
-    if rio.exists(f"{out}/{COMPLETED_FILE}") and not rio.exists(staging):  # a retry after publishing
-        return json.loads(rio.read_bytes(f"{out}/{SUMMARY_FILE}"))
+    earlier = published(out, staging, SUMMARY_FILE)
+    if earlier is not None:
+        return earlier
     files = {v[0]: v[1] for k, v in items if k == "file"}
     shards = sorted(v for k, v in items if k == "shard")
     errors = {}
@@ -404,16 +405,9 @@ def finalize(items: list, spec: JobSpec, identity: dict[str, Any]) -> dict[str, 
                    f"{spec.max_bad_fraction:.1%} (top reasons: {top}). Nothing was published; every bad record and "
                    f"its reason is in {staging}/{ERRORS_FILE}")
     if refusal:
-        rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps({**summary, "error": refusal}).encode())
-        raise BatchScoreError(refusal)
+        refuse(staging, {**summary, "error": refusal}, BatchScoreError(refusal))
     rio.write_bytes(f"{staging}/{SUMMARY_FILE}", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
-    from apache_beam.io.filesystems import FileSystems
-
-    FileSystems.delete([f"{staging}/{OWNER_FILE}"])
-    if rio.exists(out):
-        rio.delete_tree(out)  # --overwrite was given and checked when the job was planned
-    rio.publish(staging, out)
-    rio.write_bytes(f"{out}/{COMPLETED_FILE}", b"")
+    publish(staging, out)
     return summary
 
 

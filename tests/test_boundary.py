@@ -164,3 +164,15 @@ def test_one_home_decides_whether_a_path_is_a_url():
                      if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
                      and node.left.value == "://"]
             assert not tests, f"{f.relative_to(REPO)}:{tests}: use schemas.paths.is_url / is_remote"
+
+
+def test_one_publication_step_for_every_beam_job():
+    """Preprocess and batch scoring publish through ``pipelines.publication`` alone: no other
+    module moves a staging folder to an output or writes an output's COMPLETED marker."""
+    home = REPO / "pipelines" / "publication.py"
+    for package in ("pipelines", "rmflow"):
+        for f in sorted((REPO / package).rglob("*.py")):
+            text = f.read_text()
+            if f != home:
+                assert "rio.publish(" not in text and 'COMPLETED_FILE}", b""' not in text, \
+                    f"{f.relative_to(REPO)}: publish through rmflow.pipelines.publication"
