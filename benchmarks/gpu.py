@@ -35,6 +35,13 @@ Two steps, because the GPU machine has no Beam and no network:
 ``--keep DIR`` merges the report with the one a previous run left in ``DIR`` (a GPU lent in short
 calls: a later call runs the remaining parts on the plan an earlier one measured).
 
+A lease of 15 minutes, as the one that measured the README's figures: ``prepare .gpu/inputs
+--split-gguf .gpu/a .gpu/b --first-piece-mb 44`` here; call 1 carries ``.gpu/inputs`` and
+``.gpu/a``, copies both to ``/tmp/keep`` and runs ``run /tmp/keep/inputs $OUT --keep /tmp/keep
+--parts parity,kernel,speed --budget-s 300`` (about 4 minutes); call 2, within the half minute
+the machine stays warm, carries ``.gpu/b`` and runs ``run /tmp/keep/inputs $OUT --keep /tmp/keep
+--parts real,trl --gguf /tmp/keep/piece-0 .gpu/b/piece-1 --budget-s`` with what is left.
+
 ``--rehearse`` runs the same code path on this CPU at toy sizes (a 2-layer model, short rows,
 a few steps), preparing its inputs in a temporary folder: ``python benchmarks/gpu.py rehearse
 OUT``. The test suite runs it (``tests/test_gpu_script.py``), so that GPU time goes to measuring.
@@ -594,11 +601,18 @@ def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: s
         budget_s: float = 86400.0, keep: pathlib.Path | None = None, gguf: list[str] | None = None,
         site: pathlib.Path | None = None) -> dict:
     """Every part in turn, each in a process of its own; the report rewritten after each, so what
-    ran survives a later failure; with ``keep``, merged with the report a previous run left there."""
-    started = time.time()
-    deadline = started + budget_s
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the running part is stopped with this process
-        signal.signal(signum, _stop)
+    ran survives a later failure; with ``keep``, merged with the report a previous run left there.
+    SIGTERM and SIGHUP, like Ctrl-C, stop the running part with this process."""
+    previous_handlers = {signum: signal.signal(signum, _stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run_parts(inputs, out, parts, checkpoint, rehearse, time.time() + budget_s, keep, gguf, site)
+    finally:
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+
+
+def _run_parts(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: str | None, rehearse: bool,
+               deadline: float, keep: pathlib.Path | None, gguf: list[str] | None, site: pathlib.Path | None) -> dict:
     sys.path.insert(0, str(BENCH))
     wheels = install_wheels(inputs / "wheels", site or SITE)
     if rehearse:
@@ -636,7 +650,7 @@ def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: s
                 checkpoint = str(built) if part == "checkpoint" or built.is_dir() else None
             report["plan"] = _plan(report["parts"])
             start = time.perf_counter()
-            part_work = work / f"{part}-{time.strftime('%H%M%S')}"  # a rerun on a kept folder starts afresh
+            part_work = work / f"{part}-{time.strftime('%H%M%S')}-{os.getpid()}"  # a rerun on a kept folder: afresh
             part_work.mkdir(parents=True)
             spec = {"inputs": str(inputs), "work": str(part_work), "checkpoint": checkpoint, "rehearse": rehearse,
                     "plan": report["plan"], "deadline": deadline, "rows_file": str(work / f"rows-{part}.jsonl"),
@@ -653,10 +667,10 @@ def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: s
                 call.setdefault("failed", {})[part] = result["error"][-1000:]  # an earlier call's rows stay
             else:
                 report["parts"][part] = result
-            report["seconds"][part] = time.perf_counter() - start
+                report["seconds"][part] = time.perf_counter() - start
             report["plan"] = _plan(report["parts"])
             write()
-            print(f"{part}: {report['seconds'][part]:.0f} s", flush=True)
+            print(f"{part}: {time.perf_counter() - start:.0f} s", flush=True)
     return report
 
 
