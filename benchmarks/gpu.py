@@ -219,14 +219,14 @@ def install_wheels(folder: pathlib.Path, site: pathlib.Path = SITE) -> list[str]
 
 class Ctx:
     """What a part reads: sizes, inputs, a work folder, the model checkpoint, the plan earlier
-    parts measured (``report['plan']``), and the run's deadline (``time.time()`` seconds); and
-    where it writes its rows as it measures them (``add``), so that a part stopped midway keeps
-    what it measured."""
+    parts measured (``report['plan']``), the run's deadline (``time.time()`` seconds) and the
+    GGUF pieces of the real checkpoint, if any; and where it writes its rows as it measures them
+    (``add``), so that a part stopped midway keeps what it measured."""
 
     def __init__(self, size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: str | None, rehearse: bool,
-                 plan: dict, deadline: float, rows_file: pathlib.Path):
+                 plan: dict, deadline: float, rows_file: pathlib.Path, gguf: list[str] | None = None):
         self.size, self.inputs, self.work, self.checkpoint = size, inputs, work, checkpoint
-        self.rehearse, self.plan, self.deadline = rehearse, plan, deadline
+        self.rehearse, self.plan, self.deadline, self.gguf = rehearse, plan, deadline, gguf
         self.rows_file, self.rows = rows_file, []
 
     def left(self) -> float:
@@ -495,8 +495,7 @@ def child(part: str, spec: dict) -> None:
     sys.path.insert(0, str(BENCH))
     size = SIZES["rehearse" if spec["rehearse"] else "gpu"]
     ctx = Ctx(size, pathlib.Path(spec["inputs"]), pathlib.Path(spec["work"]), spec["checkpoint"], spec["rehearse"],
-              spec["plan"], spec["deadline"], pathlib.Path(spec["rows_file"]))
-    ctx.gguf = spec.get("gguf")
+              spec["plan"], spec["deadline"], pathlib.Path(spec["rows_file"]), spec.get("gguf"))
     FNS[part](ctx)
 
 

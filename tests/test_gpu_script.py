@@ -114,8 +114,8 @@ def test_a_later_call_runs_on_the_plan_an_earlier_call_measured(tmp_path, monkey
 
 
 def test_a_part_out_of_budget_is_stopped_with_everything_it_started(tmp_path, monkeypatch):
-    """At the budget's end the part's whole process group is stopped (its trainers too), and the
-    report says so."""
+    """At the budget's end the part is stopped (its process group killed, which holds the trainers
+    a part starts), and the result says so, with no rows."""
     _isolated(monkeypatch)
     gpu = _gpu_script()
     spec = {"inputs": str(tmp_path), "work": str(tmp_path), "checkpoint": None, "rehearse": True, "plan": {},
