@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 from rmflow.schemas.record import PairRecord, encode
 from rmflow.trainer.data import Collate, PackCollate, fine_length, lengths_per_doubling, make_loader
+from rmflow.trainer.data.collate import ACCELERATOR_COMPILE_COST
 from rmflow.trainer.data.loader import collate_fn
 from rmflow.trainer.data.packing import assign_rows, pack_unit
 from rmflow.trainer.loss import pairwise_loss
@@ -184,6 +185,12 @@ def test_rows_are_rounded_as_finely_as_the_batches_repay():
     shapes (the demo's 40 steps), a long one pads little."""
     got = [lengths_per_doubling(n) for n in (0, 1, 40, 63, 64, 255, 256, 1023, 1024, 10**6)]
     assert got == [1, 1, 1, 1, 2, 2, 4, 4, 8, 8]
+    # on an accelerator a compilation costs many more steps: a one-epoch run of 320 steps (the real
+    # SmolLM2 on an H200) compiles powers of two only, and each threshold moves up as much
+    scale = ACCELERATOR_COMPILE_COST
+    for backend in ("gpu", "tpu"):
+        got = [lengths_per_doubling(n, backend) for n in (320, 64 * scale - 1, 64 * scale, 256 * scale, 1024 * scale)]
+        assert got == [1, 1, 2, 4, 8]
     for mode in ("pack", "bucket"):  # the loader's collation takes it
         c = collate_fn(mode, batch_size=4, max_length=4096, pad_id=0, rows=1, per_doubling=2)
         assert c.per_doubling == 2

@@ -75,6 +75,25 @@ def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
         assert not all(pow2(n) for n in got) and all(n % 16 == 0 for n in got), got  # 8 per doubling of 128
 
 
+def test_a_run_rounds_by_what_a_compilation_costs_on_its_platform(synthetic, tmp_path, monkeypatch):
+    """The rounding is asked for with the run's backend: the same run on an accelerator, where
+    a compilation costs many more steps, rounds its rows to fewer lengths."""
+    from rmflow.trainer import train as train_module
+    from rmflow.trainer.data import lengths_per_doubling
+
+    asked = []
+
+    def spy(batches, backend="cpu"):
+        asked.append(backend)
+        return lengths_per_doubling(batches, backend)
+
+    monkeypatch.setattr(train_module, "lengths_per_doubling", spy)
+    run = train_module.Run(config(synthetic, tmp_path / "r", max_steps=2000, eval_steps=5))
+    assert asked == [jax.default_backend()] * 2  # train, then the eval set
+    assert run.train_rounding == lengths_per_doubling(2000) == 8
+    assert lengths_per_doubling(2000, "gpu") == 2 and lengths_per_doubling(400 * 5, "gpu") == 2
+
+
 @pytest.mark.parametrize("devices,packing", [(1, "pack"), (8, "bucket")])
 def test_a_run_builds_its_model_for_the_rows_its_packing_makes(synthetic, tmp_path, monkeypatch, devices, packing):
     """The run hands the model builder its resolved packing and its mesh's size, from which

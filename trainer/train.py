@@ -145,20 +145,22 @@ class Run:
             raise TrainError(f"the mesh splits batches {shards} ways, not a multiple of the {procs} processes")
         self.rows = shards // procs  # packed rows of this process's micro-batch: one per batch shard
         self.local_batch = cfg.batch_size // procs  # pairs this process reads per micro-batch
-        self.packing = resolve_packing(cfg.packing, jax.default_backend(), self.mesh.size)
+        backend = jax.default_backend()
+        self.packing = resolve_packing(cfg.packing, backend, self.mesh.size)
         self.train_units = [m.splits["train"].pairs for m in manifests]
         self.total_steps = plan_steps(cfg, sum(self.train_units))
         if cfg.warmup_steps >= self.total_steps:
             raise TrainError(f"warmup_steps {cfg.warmup_steps} >= the run's {self.total_steps} steps: the learning "
                              "rate would never reach its peak; use fewer warmup steps")
-        # How finely each loader rounds its rows (lengths_per_doubling), by the batches its shapes serve:
-        # the run's steps; an eval set's batches on this process times the run's evaluations
-        self.train_rounding = lengths_per_doubling(self.total_steps)
+        # How finely each loader rounds its rows (lengths_per_doubling), by the batches its shapes serve
+        # (the run's steps; an eval set's batches on this process times the run's evaluations) and
+        # by what a compilation costs on this platform
+        self.train_rounding = lengths_per_doubling(self.total_steps, backend)
         evaluations = sum(evaluates_at(cfg, step, self.total_steps) for step in range(1, self.total_steps + 1))
         self.eval_rounding = {}
         for name, paths in self.eval_sets.items():
             batches = -(-(count_records(paths) // procs) // self.local_batch)
-            self.eval_rounding[name] = lengths_per_doubling(batches * evaluations)
+            self.eval_rounding[name] = lengths_per_doubling(batches * evaluations, backend)
         model = build_model(cfg, self.manifest, self.packing, self.mesh.size)
         self.pad_id = self.manifest.tokenizer.pad_token_id or 0
         self.trainer = make_trainer(cfg, model, self.total_steps, self.objective)

@@ -50,20 +50,26 @@ def fine_length(longest: int, per_doubling: int = FINEST) -> int:
     return -(-longest // step) * step
 
 
-def lengths_per_doubling(batches: int) -> int:
+# How many times dearer a compilation is, against the steps it serves, on an accelerator than on
+# a CPU: a step runs tens to hundreds of times faster there while compiling a shape takes as long
+# or longer (XLA autotunes each new shape's kernels), so a shape must serve that many more
+# batches before a finer grid of lengths pays. The figures it rests on: README, "Benchmarks".
+ACCELERATOR_COMPILE_COST = 16
+
+
+def lengths_per_doubling(batches: int, backend: str = "cpu") -> int:
     """How finely to round the rows of ``batches`` batches run by one compiled program each of
-    their shapes (a run's train steps; an eval set's batches times its evaluations): 1, 2, 4 or
-    ``FINEST`` lengths per doubling of ``fine_length``.
+    their shapes (a run's train steps; an eval set's batches times its evaluations) on
+    ``backend``: 1, 2, 4 or ``FINEST`` lengths per doubling of ``fine_length``.
 
     Each length a run meets costs a compilation; each padded token costs compute in every batch
     that has it. The padding falls as 1/g with g lengths per doubling and the compilations grow
-    as g, so the best g grows as the square root of the batches: 1 below 64, 2 below 256, 4
-    below 1,024, then 8. Measured on the demo (40 steps, tiny model, CPU, ``benchmarks/demo.py``):
-    rows rounded to 8 lengths per doubling compile 9 train-step and 6 eval programs, to 1 length
-    2 and 3 (rows 39% longer than their tokens, against 5%), and the whole workflow takes 121 s instead of 188 s (medians of
-    3), with the same losses and eval metrics to the last digit printed."""
+    as g, so the best g grows as the square root of the batches over a compilation's cost in
+    steps: on a CPU 1 below 64 batches, 2 below 256, 4 below 1,024, then 8; on an accelerator
+    (``ACCELERATOR_COMPILE_COST``) each threshold that many times higher."""
+    scale = 64 * (1 if backend == "cpu" else ACCELERATOR_COMPILE_COST)
     g = 1
-    while g < FINEST and batches >= 64 * g * g:
+    while g < FINEST and batches >= scale * g * g:
         g *= 2
     return g
 
