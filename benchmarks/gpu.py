@@ -40,7 +40,9 @@ A lease of 15 minutes, as the one that measured the README's figures: ``prepare 
 ``.gpu/a``, copies both to ``/tmp/keep`` and runs ``run /tmp/keep/inputs $OUT --keep /tmp/keep
 --parts parity,kernel,speed --budget-s 300`` (about 4 minutes); call 2, within the half minute
 the machine stays warm, carries ``.gpu/b`` and runs ``run /tmp/keep/inputs $OUT --keep /tmp/keep
---parts real,trl --gguf /tmp/keep/piece-0 .gpu/b/piece-1 --budget-s`` with what is left.
+--parts real,trl --gguf /tmp/keep/piece-0 .gpu/b/piece-1 --budget-s`` with what is left. A later
+lease on the same kind of card continues from the report a previous one kept in
+``benchmarks/results``: copy it to ``/tmp/keep/gpu.json`` first, and run only the parts to redo.
 
 ``--rehearse`` runs the same code path on this CPU at toy sizes (a 2-layer model, short rows,
 a few steps), preparing its inputs in a temporary folder: ``python benchmarks/gpu.py rehearse
@@ -719,6 +721,8 @@ def main() -> None:
     if unknown:
         ap.error(f"--parts {','.join(unknown)}: use {','.join(PARTS)}")
     if a.command == "run":
+        if not list(pathlib.Path(a.inputs, "wheels").glob("rmflow-*.whl")):  # every part imports rmflow from it
+            ap.error(f"{a.inputs}/wheels has no rmflow wheel: prepare the inputs again (`gpu.py prepare` builds it)")
         report = run(pathlib.Path(a.inputs), pathlib.Path(a.out), parts, a.checkpoint, rehearse=False,
                      budget_s=a.budget_s, keep=pathlib.Path(a.keep) if a.keep else None, gguf=a.gguf)
     else:

@@ -122,3 +122,14 @@ def test_a_part_out_of_budget_is_stopped_with_everything_it_started(tmp_path, mo
             "deadline": 0, "rows_file": str(tmp_path / "rows.jsonl")}
     result = gpu._launch_part("parity", spec, timeout=0.5)  # importing JAX alone takes longer
     assert "stopped at the budget's end" in result["error"] and result["rows"] == []
+
+
+def test_inputs_without_rmflows_wheel_are_refused_before_anything_runs(tmp_path):
+    """Every part imports rmflow as users install it, from the wheel prepared with the inputs:
+    inputs prepared without it are refused at once, saying how to make them, not after the
+    machine's start and a part's launch."""
+    (tmp_path / "inputs" / "wheels").mkdir(parents=True)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "run", str(tmp_path / "inputs"),
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "has no rmflow wheel" in proc.stderr and "gpu.py prepare" in proc.stderr
+    assert not (tmp_path / "out").exists()
