@@ -90,7 +90,7 @@ template: template-image template-metadata
 	    --metadata-file deploy/dataflow/metadata.json
 
 score-template-metadata: $(VENV)/.installed-demo
-	$(BIN)/python -m rmflow.score_template metadata > deploy/dataflow/score-metadata.json
+	$(BIN)/python -m rmflow.scoring.template metadata > deploy/dataflow/score-metadata.json
 
 score-template-constraints:
 	rm -rf /tmp/rmflow-lock && $(PYTHON) -m venv /tmp/rmflow-lock

@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
     from rmflow import RewardModel
-    from rmflow.batch_scoring import run as batch
-    from rmflow.scoring import score_file
+    from rmflow.scoring.batch import run as batch
+    from rmflow.scoring.scorers import score_file
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="rmflow-bench-batch-"))
     model = a.model or default_model(str(tmp))

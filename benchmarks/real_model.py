@@ -115,7 +115,7 @@ def child_score(args: dict) -> dict:
     from rmflow.pipelines.formats import parse_hh_transcript
     from transformers import AutoTokenizer
 
-    from rmflow.api import RewardModel
+    from rmflow.scoring.api import RewardModel
 
     with gzip.open(DATA / "hh_helpful_base_test_first2000.jsonl.gz", "rt") as f:
         rows = [json.loads(next(f)) for _ in range(20)]

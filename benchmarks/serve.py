@@ -76,7 +76,7 @@ def default_model(tmp: str) -> str:
 
 
 def fits(rm, conversation) -> bool:
-    from rmflow.api import BadConversation
+    from rmflow.scoring.api import BadConversation
 
     try:
         rm.encode(conversation)  # longer than rm.max_length: BadConversation

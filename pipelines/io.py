@@ -21,8 +21,9 @@ from typing import Any
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.outputs import output_kind, refuse_if_stopping
+from rmflow.schemas.outputs import output_kind
 from rmflow.schemas.paths import is_url
+from rmflow.schemas.stops import refuse_if_stopping
 
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"

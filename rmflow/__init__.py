@@ -8,7 +8,7 @@ __all__ = ["RewardModel", "__version__"]
 
 def __getattr__(name: str):
     if name == "RewardModel":  # imported on first use: the CLI starts without loading JAX
-        from rmflow.api import RewardModel
+        from rmflow.scoring.api import RewardModel
 
         return RewardModel
     raise AttributeError(f"module 'rmflow' has no attribute {name!r}")

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
 import signal
-import threading
 import warnings
 
 import typer
@@ -28,7 +26,8 @@ from rmflow.schemas.config import (
 )
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import OUTCOME, kind_named
-from rmflow.schemas.outputs import REPORT_FILE, clear_stop, note_stop
+from rmflow.schemas.outputs import REPORT_FILE
+from rmflow.schemas.stops import unwinding
 
 app = typer.Typer(
     name="rmflow",
@@ -67,7 +66,7 @@ def command(name: str | None = None, **kwargs):
                 warnings.showwarning = _show_warning
                 received: list[int] = []  # the signals that asked this command to stop
                 try:
-                    with _interruptible(received):
+                    with unwinding(received):
                         out = fn(*args, **kw)
                     if received:  # asked to stop as it finished: what it published is whole
                         console.print(f"[red]{verb} stopped[/red] by {signal.Signals(received[-1]).name} after "
@@ -147,58 +146,6 @@ def extra_providing(module: str, preferred: str | None = None) -> str | None:
     offering = [e for e in (preferred, *STAGE_EXTRAS) if e in direct and wanted in installs(e)]
     others = sorted((len(installs(e)), e) for e in direct if wanted in installs(e))
     return offering[0] if offering else others[0][1] if others else None
-
-
-@contextlib.contextmanager
-def _interruptible(received: list[int] | None = None):
-    """SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: staging folders and locks are cleaned
-    up by the code being left, rather than the process vanishing mid-write. The stop is also noted
-    (schemas.outputs.note_stop), so that nothing is published after it even where its
-    KeyboardInterrupt is lost. The training loop installs its own handlers, which stop at a step
-    boundary. ``received`` gets the signals; the stop is this block's alone (cleared when it ends,
-    so that later work in this process, an API call in a test, publishes)."""
-    received = [] if received is None else received
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    active = [True]
-
-    def deliver_again(signum):
-        if active[0]:
-            os.kill(os.getpid(), signum)
-
-    def handler(signum, frame):
-        received.append(signum)
-        note_stop(signum)
-        if not _raising_is_safe(frame):  # raised here, the interrupt would be lost: deliver it again soon
-            timer = threading.Timer(0.05, deliver_again, (signum,))
-            timer.daemon = True
-            timer.start()
-            return
-        raise KeyboardInterrupt
-
-    clear_stop()
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        active[0] = False
-        signal.signal(signal.SIGTERM, previous)
-        clear_stop()
-
-
-def _raising_is_safe(frame) -> bool:
-    """Whether a KeyboardInterrupt raised in ``frame`` reaches the code being interrupted. Not inside
-    a finalizer (``__del__``: Python prints and ignores it) nor inside an import (a C extension's
-    start-up code records it as uncaught, and the interpreter then exits by SIGINT whatever the
-    command said)."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "__del__" or code.co_filename.startswith("<frozen importlib"):
-            return False
-        frame = frame.f_back
-    return True
 
 
 def _h(name: str) -> str:
@@ -386,7 +333,7 @@ def train(
     base.update({k: v for k, v in (("data", data), ("model", model), ("output", output)) if v})
     cfg = TrainConfig.from_dict(base).with_overrides(list(set_))
 
-    from rmflow.eval_sets import preprocess_eval_sets
+    from rmflow.eval.sets import preprocess_eval_sets
 
     cfg = preprocess_eval_sets(cfg)
 
@@ -452,8 +399,8 @@ def eval_(
 ) -> None:
     """Evaluate a reward model: accuracy, loss, margins, calibration, length bias, per-subset accuracy; a process
     reward model: step accuracy, precision/recall/F1 of incorrect steps, first-error accuracy, ProcessBench F1."""
-    from rmflow.evaluation import run_eval
-    from rmflow.reports import eval_summary
+    from rmflow.eval.evaluation import run_eval
+    from rmflow.eval.reports import eval_summary
 
     m = run_eval(model, list(data), output, split=split, step=step, batch_size=batch_size, normalize=normalize,
                  mode=mode, format=format, margin_from_scores=margin_from_scores)
@@ -491,7 +438,7 @@ def score(
                       group_by=group_by, overwrite=overwrite, output_format=output_format,
                       max_bad_fraction=max_bad_fraction, truncate=truncate)
     if cfg.runner:
-        from rmflow.batch_scoring import run_config
+        from rmflow.scoring.batch import run_config
 
         s = run_config(cfg)  # above --max-bad-fraction: refused (BatchScoreError), nothing published
         console.print(f"{s['scored']:,} scored, {s['errors']:,} errors (errors.jsonl) of {s['records_read']:,} "
@@ -499,7 +446,7 @@ def score(
         return
     from rich.progress import Progress
 
-    from rmflow.scoring import score_file
+    from rmflow.scoring.scorers import score_file
 
     with Progress(console=console) as progress:
         def factory(total: int):

@@ -271,7 +271,7 @@ def summary_lines(stats: dict[str, Any], max_length: int) -> list[str]:
 
 
 def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
-    from rmflow.eval_sets import preprocess_eval_sets
+    from rmflow.eval.sets import preprocess_eval_sets
     from rmflow.trainer.train import run as train
 
     started = os.path.join(wf.output, "train.started.json")
@@ -332,7 +332,7 @@ def _set_aside(wf: Workflow, old_hash: str, log) -> None:
 
 
 def _run_eval(wf: Workflow, hashes, log) -> dict[str, Any]:
-    from rmflow.evaluation import run_eval
+    from rmflow.eval.evaluation import run_eval
 
     options = dict(wf.eval)
     data = options.pop("data", None) or [wf.preprocess.output]

@@ -12,7 +12,7 @@ kind names or head widths itself.
 
 A new kind (say, a multi-attribute regression model) is one entry here, its record type in
 ``schemas/record.py``, its objective in ``trainer/objective.py`` and its metrics and report in
-``rmflow/evaluation.py``'s ``EVALUATORS``; the test names any table that lacks it.
+``rmflow/eval/evaluation.py``'s ``EVALUATORS``; the test names any table that lacks it.
 """
 
 from __future__ import annotations

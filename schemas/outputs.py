@@ -12,9 +12,8 @@ ends without an error: an earlier output there is replaced whole (no stale file 
 interrupted write leaves the earlier one intact. Staging folders left by a writer that died are
 removed by the next holder of the lock (which proves that writer is gone).
 
-A process asked to stop (``note_stop``, from the command line's signal handler) publishes nothing
-more: every publishing step calls ``refuse_if_stopping`` first. The signal's KeyboardInterrupt alone
-is not enough: one raised inside a finalizer is ignored by Python, and a library may catch it.
+A process asked to stop publishes nothing more: every publishing step calls
+``schemas.stops.refuse_if_stopping`` first.
 """
 
 from __future__ import annotations
@@ -34,34 +33,13 @@ from collections.abc import Iterator
 
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.paths import is_url
+from rmflow.schemas.stops import refuse_if_stopping
 
 LOCK_SUFFIX = ".rmflow-lock"
 STAGING_SUFFIX = ".tmp-"
 
 _held: dict[str, int] = {}  # lock file -> nesting depth, for this process (a workflow holds, its stages re-enter)
 _held_guard = threading.Lock()
-
-
-_stopping: list[int] = []  # the signals that asked this process to stop, newest last
-
-
-def note_stop(signum: int) -> None:
-    _stopping.append(signum)
-
-
-def stop_signal() -> int | None:
-    """The newest signal that asked this process to stop, or None."""
-    return _stopping[-1] if _stopping else None
-
-
-def clear_stop() -> None:
-    _stopping.clear()
-
-
-def refuse_if_stopping() -> None:
-    """Raise KeyboardInterrupt, before anything is published, once a stop was asked for."""
-    if _stopping:
-        raise KeyboardInterrupt(f"stopped by signal {_stopping[-1]} before publishing")
 
 
 class OutputBusy(RmflowError):

@@ -31,10 +31,10 @@ def workdir(tmp_path_factory, demo_shards):
 
 
 def test_docstring_example_runs(workdir, monkeypatch):
-    import rmflow.api
+    import rmflow.scoring.api
 
     monkeypatch.chdir(workdir)  # the example loads "runs/rm1"
-    failures, tried = doctest.testmod(rmflow.api, raise_on_error=False, verbose=False)
+    failures, tried = doctest.testmod(rmflow.scoring.api, raise_on_error=False, verbose=False)
     assert tried >= 6 and failures == 0
 
 
@@ -90,7 +90,7 @@ def test_a_model_loaded_again_scores_with_the_programs_already_compiled(workdir)
 
 def test_bad_conversations_say_which(workdir):
     from rmflow import RewardModel
-    from rmflow.api import BadConversation
+    from rmflow.scoring.api import BadConversation
 
     rm = RewardModel.load(str(workdir / "runs" / "rm1"))
     with pytest.raises(BadConversation, match="conversation 1: the last message is the user's"):

@@ -231,7 +231,7 @@ def test_the_scoring_template_entry_point_runs_locally_with_the_launchers_argume
     job on the local runner into a dated folder: the same scores as `rmflow score --runner`."""
     from rmflow.pipelines.template import launch_body
 
-    from rmflow.score_template import SCORE, main
+    from rmflow.scoring.template import SCORE, main
 
     base, *_ = job
     params = {"model": str(base / "run"), "input": str(base / "in"), "output": str(tmp_path / "scores" / "{date}"),

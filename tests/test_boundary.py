@@ -79,7 +79,7 @@ def test_transitive_imports_respect_the_boundary(package):
 def test_scoring_through_the_api_loads_no_beam():
     """A reward model loaded to score (the API, ``rmflow serve``, an RL loop) imports the
     tokenizing core from pipelines/, never Beam: a training host installs no Beam."""
-    modules = ["rmflow.api", "rmflow.pipelines.tokenize", "rmflow.pipelines.formats", "rmflow.trainer.inference"]
+    modules = ["rmflow.scoring.api", "rmflow.pipelines.tokenize", "rmflow.pipelines.formats", "rmflow.trainer.inference"]
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam')[:3])\n"
@@ -115,7 +115,7 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 # What loads and scores a trained model (the one inference path) and what uses it.
-INFERENCE = ("rmflow.trainer.inference", "rmflow.trainer.export", "rmflow.api", "rmflow.scoring", "rmflow.evaluation")
+INFERENCE = ("rmflow.trainer.inference", "rmflow.trainer.export", "rmflow.scoring.api", "rmflow.scoring.scorers", "rmflow.eval.evaluation")
 TRAINING_LOOP = ("rmflow.trainer.train", "rmflow.trainer.window", "rmflow.trainer.data.lookahead",
                  "rmflow.trainer.loggers")
 
@@ -176,3 +176,20 @@ def test_one_publication_step_for_every_beam_job():
             if f != home:
                 assert "rio.publish(" not in text and 'COMPLETED_FILE}", b""' not in text, \
                     f"{f.relative_to(REPO)}: publish through rmflow.pipelines.publication"
+
+
+def test_one_home_handles_the_signals_that_stop_a_process():
+    """Signal handlers are installed (main thread only, restored after) in ``schemas.stops``
+    alone, whatever the policy: a command unwinding, the training loop stopping at a step
+    boundary. A handler installed elsewhere could skip the restore, the main-thread check, or the
+    stop note that keeps a stopped process from publishing."""
+    home = REPO / "schemas" / "stops.py"
+    for package in ("schemas", "pipelines", "trainer", "rmflow"):
+        for f in sorted((REPO / package).rglob("*.py")):
+            if f == home:
+                continue
+            calls = [node.lineno for node in ast.walk(ast.parse(f.read_text(), str(f)))
+                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                     and node.func.attr in ("signal", "set_wakeup_fd", "siginterrupt")
+                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "signal"]
+            assert not calls, f"{f.relative_to(REPO)}:{calls}: handle signals through rmflow.schemas.stops"

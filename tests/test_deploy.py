@@ -18,7 +18,7 @@ DEPLOY = REPO / "deploy"
 def test_committed_metadata_is_generated_from_the_config():
     import json
 
-    from rmflow.score_template import SCORE
+    from rmflow.scoring.template import SCORE
 
     assert json.loads((DEPLOY / "dataflow" / "metadata.json").read_text()) == metadata(), \
         "regenerate with: make template-metadata"
@@ -35,7 +35,7 @@ def test_image_beam_version_satisfies_the_dependency():
     assert beam.specifier.contains(version)
     assert 'FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main.py' in (DEPLOY / "dataflow" / "Dockerfile").read_text()
     assert "from rmflow.pipelines.template import main" in (DEPLOY / "dataflow" / "main.py").read_text()
-    assert "from rmflow.score_template import main" in (DEPLOY / "dataflow" / "score_main.py").read_text()
+    assert "from rmflow.scoring.template import main" in (DEPLOY / "dataflow" / "score_main.py").read_text()
     makefile = (REPO / "Makefile").read_text()
     assert "TEMPLATE_MAIN=deploy/dataflow/score_main.py" in makefile and "EXTRAS=$(SCORE_EXTRAS)" in makefile
 
@@ -57,7 +57,7 @@ def test_airflow_dag_task_graph():
         "preprocess": ["train"], "train": ["eval"], "eval": ["export"], "export": ["score"], "score": []}
     from rmflow.pipelines.template import PREPROCESS, parameter_fields
 
-    from rmflow.score_template import SCORE
+    from rmflow.scoring.template import SCORE
 
     for task, spec in (("preprocess", PREPROCESS), ("score", SCORE)):  # the DAG launches the templates' parameters
         given = dag.get_task(task).body["launchParameter"]["parameters"]

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from rmflow.metrics import calibration, pair_metrics
-from rmflow.reports import report_markdown, write_report
+from rmflow.eval.metrics import calibration, pair_metrics
+from rmflow.eval.reports import report_markdown, write_report
 
 RC = np.array([2.0, 0.0, 1.0, 3.0])
 RR = np.array([1.0, 0.0, 2.0, 0.0])  # margins 1, 0 (tie), -1, 3
@@ -74,7 +74,7 @@ def test_shape_errors():
 
 
 def test_accuracy_interval_is_wilsons():
-    from rmflow.metrics import wilson_interval
+    from rmflow.eval.metrics import wilson_interval
 
     lo, hi = wilson_interval(8, 10)  # textbook values: 0.490 - 0.943
     assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
@@ -86,7 +86,7 @@ def test_accuracy_interval_is_wilsons():
 def test_report_names_model_and_data_and_plots_count_in_whole_pairs(tmp_path, monkeypatch):
     import matplotlib.ticker
 
-    import rmflow.reports as ev
+    import rmflow.eval.reports as ev
 
     figures = {}
     real_save = ev._save

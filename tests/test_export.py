@@ -203,7 +203,7 @@ def test_rewardbench_modes(trained_run, tmp_path):
     expected = np.mean([1.0 if row[0] > row[1:].max() else 0.0 for row in s])
     assert m2["examples"] == 5 and m2["rewardbench_v2"]["subsets"]["Focus"]["accuracy"] == pytest.approx(expected)
     # The Ties records score every answer, by RewardBench 2's Ties rule over the same scores
-    from rmflow.rewardbench import ties_score
+    from rmflow.eval.rewardbench import ties_score
 
     convs = [{"messages": [{"role": "user", "content": x["prompt"]}, {"role": "assistant", "content": c}]}
              for x in ties for c in x["chosen"] + x["rejected"]]

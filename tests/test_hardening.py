@@ -200,7 +200,7 @@ def test_a_raw_eval_set_s_bad_records_are_set_aside_not_fatal(base, tmp_path):
     naming the set and where its reasons are, and leaves no staging folder."""
     from rmflow.trainer.errors import TrainError
 
-    from rmflow.eval_sets import preprocess_eval_sets
+    from rmflow.eval.sets import preprocess_eval_sets
 
     rows = [json.loads(x) for x in gzip.open(DEMO / "hh_rlhf_helpful_sample.jsonl.gz", "rt").read().splitlines()[:31]]
     (tmp_path / "rb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{broken\n" +

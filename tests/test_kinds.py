@@ -29,12 +29,12 @@ def _per_kind_tables():
     from rmflow.trainer.data.loader import COLLATES
     from rmflow.trainer.objective import OBJECTIVES
 
-    from rmflow.evaluation import EVALUATORS
-    from rmflow.reports import SUMMARIES
-    from rmflow.scoring import SCORERS
+    from rmflow.eval.evaluation import EVALUATORS
+    from rmflow.eval.reports import SUMMARIES
+    from rmflow.scoring.scorers import SCORERS
 
     return {"trainer.objective.OBJECTIVES": OBJECTIVES, "trainer.data.loader.COLLATES": COLLATES,
-            "rmflow.evaluation.EVALUATORS": EVALUATORS, "rmflow.reports.SUMMARIES": SUMMARIES,
+            "rmflow.eval.evaluation.EVALUATORS": EVALUATORS, "rmflow.eval.reports.SUMMARIES": SUMMARIES,
             "rmflow.scoring.SCORERS": SCORERS}
 
 

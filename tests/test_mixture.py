@@ -208,7 +208,7 @@ def test_named_eval_sets_and_the_best_checkpoint_kept_resumed_and_exported(sets,
     from rmflow.trainer.checkpoints import checkpoint_manager, load_trained_model
     from rmflow.trainer.export import export
 
-    from rmflow.eval_sets import preprocess_eval_sets
+    from rmflow.eval.sets import preprocess_eval_sets
 
     run_dir = tmp_path / "run"
     # eval/held/pairs is the same at every eval: ranked by it, the earliest checkpoint is the best, so the

@@ -391,18 +391,16 @@ def test_a_sigterm_arriving_in_a_finalizer_is_not_lost():
     there (a regex object collected mid-job) let preprocess run to the end and publish (exit 0)."""
     import time
 
-    from rmflow import cli
-
     class Collected:
         def __del__(self):
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(200_000):  # the handler runs here, inside the finalizer
                 pass
 
-    from rmflow.schemas.outputs import stop_signal
+    from rmflow.schemas.stops import stop_signal, unwinding
 
     started, received = time.time(), []
-    with pytest.raises(KeyboardInterrupt), cli._interruptible(received):
+    with pytest.raises(KeyboardInterrupt), unwinding(received):
         Collected()  # collected at once
         while time.time() - started < 10:
             time.sleep(0.01)
@@ -413,7 +411,7 @@ def test_a_sigterm_arriving_in_a_finalizer_is_not_lost():
 def test_nothing_is_published_once_a_stop_was_asked_for(tmp_path):
     """The second guard: a stop whose KeyboardInterrupt a library swallowed still publishes nothing."""
     from rmflow.pipelines.io import publish
-    from rmflow.schemas.outputs import clear_stop, note_stop
+    from rmflow.schemas.stops import clear_stop, note_stop
 
     (tmp_path / "staged").mkdir()
     note_stop(signal.SIGTERM)

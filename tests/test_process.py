@@ -31,7 +31,7 @@ from rmflow.trainer.objective import PROCESS
 from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
 from rmflow.trainer.train import run as train
 
-from rmflow.metrics import process_metrics
+from rmflow.eval.metrics import process_metrics
 from tests import forward
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -356,8 +356,8 @@ def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
     from transformers import AutoModelForTokenClassification
 
     from rmflow import RewardModel as API
-    from rmflow.evaluation import load_model, run_eval
-    from rmflow.scoring import score_file
+    from rmflow.eval.evaluation import load_model, run_eval
+    from rmflow.scoring.scorers import score_file
 
     _, run_dir = process_run
     m = run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "eval"))
@@ -415,8 +415,8 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
     from rmflow.trainer.errors import TrainError
 
     from rmflow import RewardModel as API
-    from rmflow.api import BadConversation, WrongModelKind
-    from rmflow.evaluation import EvalError, run_eval
+    from rmflow.eval.evaluation import EvalError, run_eval
+    from rmflow.scoring.api import BadConversation, WrongModelKind
 
     _, run_dir = process_run
     with pytest.raises(EvalError, match="holds preference pairs, which an outcome reward model .* scores; .* is a "
@@ -449,7 +449,7 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
 
 
 def test_processbench_raw_file_eval(process_run, shared_data, tmp_path):
-    from rmflow.evaluation import run_eval
+    from rmflow.eval.evaluation import run_eval
 
     _, run_dir = process_run
     with gzip.open(shared_data / "processbench_gsm8k.jsonl.gz", "rt", encoding="utf-8") as f:

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rmflow.rewardbench import best_of_n_credit, v1_scores, v2_scores
+from rmflow.eval.rewardbench import best_of_n_credit, v1_scores, v2_scores
 
 
 def test_v1_sections_weight_subsets_by_rewardbench_counts():
@@ -20,7 +20,7 @@ def test_v1_sections_weight_subsets_by_rewardbench_counts():
 
 
 def test_v1_headline_score_only_when_every_subset_is_present():
-    from rmflow.rewardbench import V1_EXAMPLE_COUNTS, V1_SECTIONS
+    from rmflow.eval.rewardbench import V1_EXAMPLE_COUNTS, V1_SECTIONS
 
     subsets = {n: {"accuracy": 0.5, "pairs": 10} for n in V1_EXAMPLE_COUNTS}
     out = v1_scores(subsets)
@@ -46,7 +46,7 @@ def test_v2_best_of_four_with_tie_credit():
 def test_v2_ties_subset_scores_as_rewardbench_2_code_does():
     """A hand-worked case of RewardBench 2's Ties rule (allenai/reward-bench process_single_model):
     ref prompts have one correct answer, tied ones several; prompt pairs are matched by number."""
-    from rmflow.rewardbench import ties_score
+    from rmflow.eval.rewardbench import ties_score
 
     items = [("ref:1", 1, [3, 1, 2]),      # gap 3 - 2 = 1: right
              ("tied:1", 2, [5, 4, 1, 2]),  # gap 4 - 2 = 2, spread 5 - 4 = 1: right

@@ -111,7 +111,7 @@ def outcome(demo_shards, tmp_path_factory):
 
 
 def _fits(rm, conversation) -> bool:
-    from rmflow.api import BadConversation
+    from rmflow.scoring.api import BadConversation
 
     try:
         return len(rm.encode(conversation)) <= MAX_LENGTH  # rm.max_length is MAX_LENGTH: longer ones raise

@@ -47,7 +47,7 @@ def test_train_eval_export_with_remote_shards_and_run(remote_shards, tmp_path):
 
     from rmflow.trainer.export import export
 
-    from rmflow.evaluation import run_eval
+    from rmflow.eval.evaluation import run_eval
 
     m = run_eval(run_url, [shards], str(tmp_path / "eval"))
     assert m["pairs"] > 0

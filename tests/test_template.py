@@ -122,7 +122,7 @@ def test_the_scoring_template_matches_rmflow_score_one_to_one():
     from google.cloud.dataflow_v1beta3 import TemplateMetadata
     from rmflow.schemas.config import ScoreConfig
 
-    from rmflow.score_template import SCORE
+    from rmflow.scoring.template import SCORE
 
     meta = metadata(SCORE)
     TemplateMetadata.from_json(json.dumps(meta))  # unknown fields would raise

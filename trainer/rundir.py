@@ -12,7 +12,7 @@ the shard folder nor the base model, and read nothing through a path relative to
     RUN/base_config.json     the base checkpoint's config.json (absent for the tiny preset)
     RUN/tokenizer/           the shards' tokenizer files
     RUN/mixture.json         a mixture's sets: names, folders, weights, sizes, manifest hashes
-    RUN/eval_data/NAME/      raw eval_data files as shards (made before the run by rmflow.eval_sets)
+    RUN/eval_data/NAME/      raw eval_data files as shards (made before the run by rmflow.eval.sets)
     RUN/checkpoints/         Orbax checkpoints
 """
 
@@ -44,7 +44,7 @@ CONFIG = "config.json"
 MODEL_CONFIG = "model_config.json"
 DATA_MANIFEST = "data_manifest.json"
 MIXTURE = "mixture.json"
-EVAL_DATA = "eval_data"  # raw eval_data files, preprocessed before the run (rmflow.eval_sets)
+EVAL_DATA = "eval_data"  # raw eval_data files, preprocessed before the run (rmflow.eval.sets)
 CONFIG_HISTORY = "config_history.jsonl"
 METRICS_FILE = "metrics.jsonl"  # the metric history: one record per logging or eval step, rewritten on resume  # every config the run has trained under, from which step
 

@@ -17,9 +17,8 @@ import dataclasses
 import math
 import os
 import signal
-import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,6 +31,7 @@ from rmflow.schemas.manifest import MANIFEST_FILE, ManifestError
 from rmflow.schemas.outputs import output_lock
 from rmflow.schemas.presets import is_preset
 from rmflow.schemas.sources import DataSource, canonical_data, with_paths
+from rmflow.schemas.stops import at_step_boundaries
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, prune, reading_checkpoint
 from rmflow.trainer.compilation import use_compilation_cache
@@ -69,30 +69,6 @@ from rmflow.trainer.step import Trainer, TrainState, stack_micro_batches, widen
 from rmflow.trainer.window import MetricWindow
 
 SMALL_EVAL = 20  # an eval split below this many pairs gets a warning: its accuracy says little
-
-
-@contextlib.contextmanager
-def stop_requests() -> Iterator[list[int]]:
-    """SIGINT and SIGTERM, while training, only record that a stop was asked for; the loop reads
-    the list at each step boundary. (Python's default raises KeyboardInterrupt wherever the main
-    thread happens to be: inside a JAX callback it can be swallowed, mid-write it leaves a half
-    checkpoint.) A second SIGINT stops at once. Installed from the main thread only."""
-    received: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-
-    def handler(signum, frame):
-        if received and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        received.append(signum)
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield received
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 @dataclasses.dataclass
@@ -174,7 +150,7 @@ class Run:
                               "with a larger --eval-fraction for a figure to rely on", RmflowWarning, stacklevel=2)
 
     def add_named_eval_sets(self, eval_data: dict[str, list[str]]) -> None:
-        """``eval_data``'s shard folders (raw files were preprocessed before the run: ``rmflow.eval_sets``),
+        """``eval_data``'s shard folders (raw files were preprocessed before the run: ``rmflow.eval.sets``),
         each evaluated whole (every split) under its name."""
         training = {os.path.realpath(s.path): s.name for s in self.sources}
         for name, paths in eval_data.items():
@@ -182,7 +158,7 @@ class Run:
             if len(paths) != 1 or not os.path.exists(os.path.join(folder, MANIFEST_FILE)):
                 raise TrainError(f"eval_data {name}: {', '.join(paths)} is not a shard folder (no manifest.json): "
                                  "`rmflow train` and `rmflow run` preprocess raw files first "
-                                 "(rmflow.eval_sets.preprocess_eval_sets); or give a folder of `rmflow preprocess`")
+                                 "(rmflow.eval.sets.preprocess_eval_sets); or give a folder of `rmflow preprocess`")
             if name in self.eval_sets:
                 raise TrainError(f"eval_data {name}: a set of the mixture has this name (its eval split is logged "
                                  f"as eval/{name}/...); give the eval set another name")
@@ -268,7 +244,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
     distributed.initialize(cfg.distributed, cfg.coordinator_address, cfg.num_processes)  # before any backend use
     lock = output_lock(cfg.output, "rmflow train") if distributed.is_primary() else contextlib.nullcontext()
-    with lock, stop_requests() as stop:  # from here a signal stops the run at its next step boundary
+    with lock, at_step_boundaries() as stop:  # from here a signal stops the run at its next step boundary
         return _run(cfg, resume, on_log, on_start, allow_config_change, stop)
 
 

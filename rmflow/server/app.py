@@ -69,8 +69,8 @@ class Service:
         self.metrics = ServerMetrics(lambda: self.batcher.depth if self.batcher else 0)
 
     def load(self) -> None:
-        from rmflow.api import RewardModel
-        from rmflow.scoring import SCORERS
+        from rmflow.scoring.api import RewardModel
+        from rmflow.scoring.scorers import SCORERS
 
         cfg = self.cfg
         rm = RewardModel.load(cfg.model, cfg.step)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rmflow.api import BadConversation, RewardModel
 from rmflow.schemas.config import SCORE_TRUNCATE
 from rmflow.schemas.kinds import OUTCOME, PROCESS, kind_named
-from rmflow.scoring import SCORERS
+from rmflow.scoring.api import BadConversation, RewardModel
+from rmflow.scoring.scorers import SCORERS
 
 
 class RequestError(Exception):

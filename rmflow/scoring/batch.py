@@ -30,7 +30,6 @@ import apache_beam as beam
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
 from apache_beam.pvalue import TaggedOutput
 
-from rmflow.api import BadConversation, RewardModel
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.formats import BadRecord, detect_format, normalize
 from rmflow.pipelines.publication import FAILED_FILE, publish, published, refuse
@@ -44,7 +43,8 @@ from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
 from rmflow.schemas.paths import is_url
-from rmflow.scoring import SCORERS, echoed
+from rmflow.scoring.api import BadConversation, RewardModel
+from rmflow.scoring.scorers import SCORERS, echoed
 
 SCORES_PREFIX = "scores"
 BEST_FILE = "best.jsonl"

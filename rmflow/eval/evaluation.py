@@ -19,9 +19,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from rmflow.metrics import pair_metrics, process_metrics
-from rmflow.reports import rewardbench_v2_markdown, write_eval, write_process_report, write_report
-from rmflow.rewardbench import TIES, best_of_n_credit, ties_score, v1_scores, v2_scores
+from rmflow.eval.metrics import pair_metrics, process_metrics
+from rmflow.eval.reports import rewardbench_v2_markdown, write_eval, write_process_report, write_report
+from rmflow.eval.rewardbench import TIES, best_of_n_credit, ties_score, v1_scores, v2_scores
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
 from rmflow.schemas.errors import RmflowError

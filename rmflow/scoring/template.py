@@ -6,8 +6,8 @@ expanded at launch, the launch request body. The image differs: scoring workers 
 scoring template is built from ``deploy/dataflow/Dockerfile`` with the ``all,gcp`` extras (CPU
 workers) or ``all,gcp,cuda`` and an accelerator (GPU workers); see the README.
 
-    python -m rmflow.score_template metadata > deploy/dataflow/score-metadata.json
-    python -m rmflow.score_template launch-body --template gs://b/templates/rmflow-score.json \\
+    python -m rmflow.scoring.template metadata > deploy/dataflow/score-metadata.json
+    python -m rmflow.scoring.template launch-body --template gs://b/templates/rmflow-score.json \\
         --param model=gs://b/export/2026-11-23 --param input='gs://b/candidates/*.jsonl' \\
         --param output=gs://b/scores/{date} --temp-location gs://b/tmp
 """
@@ -34,12 +34,12 @@ SCORE = TemplateSpec(
 
 def main(argv: list[str] | None = None) -> None:
     """The scoring template's entry point: build the job and submit it; a local runner runs it here."""
-    from rmflow.batch_scoring import run_config
     from rmflow.pipelines.runner import is_local
+    from rmflow.scoring.batch import run_config
 
     cfg = config_from_args(list(sys.argv[1:] if argv is None else argv), SCORE)
     run_config(cfg, wait=is_local(cfg.runner))
 
 
 if __name__ == "__main__":
-    cli(sys.argv[1:], SCORE, prog="python -m rmflow.score_template")
+    cli(sys.argv[1:], SCORE, prog="python -m rmflow.scoring.template")
