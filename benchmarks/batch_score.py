@@ -4,7 +4,7 @@ real HH-RLHF conversations in the same run.
     .venv/bin/python benchmarks/batch_score.py [--model RUN_OR_EXPORT] [--n 2000] [--repeat 3]
 
 Without --model it trains the tiny preset for 2 steps on the demo data first. The in-process
-reference is `rmflow.scoring.score_file` (what `rmflow score` without --runner runs); both
+reference is `rmflow.scoring.scorers.score_file` (what `rmflow score` without --runner runs); both
 include loading the model and compiling; the Beam job also starts Beam's local runner.
 """
 

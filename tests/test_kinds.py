@@ -35,7 +35,7 @@ def _per_kind_tables():
 
     return {"trainer.objective.OBJECTIVES": OBJECTIVES, "trainer.data.loader.COLLATES": COLLATES,
             "rmflow.eval.evaluation.EVALUATORS": EVALUATORS, "rmflow.eval.reports.SUMMARIES": SUMMARIES,
-            "rmflow.scoring.SCORERS": SCORERS}
+            "rmflow.scoring.scorers.SCORERS": SCORERS}
 
 
 def test_every_per_kind_table_covers_exactly_the_kinds():

@@ -99,7 +99,7 @@ def _kind_check(rm: RewardModel, wanted, endpoint: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class Native:
     """A reward model kind's native request and response: the request's list key, each item's
-    encoding, and the response columns (name -> the scoring field, ``rmflow.scoring.SCORERS``)."""
+    encoding, and the response columns (name -> the scoring field, ``rmflow.scoring.scorers.SCORERS``)."""
 
     key: str
     what: str  # one item, in error messages
