@@ -339,6 +339,7 @@ def train(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from rmflow.eval.reports import training_progress
     from rmflow.trainer.setup import planned_steps
     from rmflow.trainer.train import run
 
@@ -347,25 +348,23 @@ def train(
     progress = Progress(*columns, console=console)
     task = progress.add_task("train", total=None, info="", start=False)
 
-    def on_start(step: int) -> None:  # every check passed (the run holds its folder): show the bar from here
+    kind = []  # the run's reward model kind, once its checks passed
+
+    def on_start(step: int, run_kind) -> None:  # every check passed (the run holds its folder): show the bar from here
+        kind.append(run_kind)
         progress.update(task, completed=step, total=planned_steps(cfg))
         progress.start_task(task)
         progress.start()
 
     def on_log(rec: dict) -> None:
-        acc = "step_accuracy" if "step_accuracy" in rec else "accuracy"  # a process or an outcome model
-        info = (f"loss {rec.get('loss', float('nan')):.4f}  {acc.replace('accuracy', 'acc')} "
-                f"{rec.get(acc, float('nan')):.3f}  {rec.get('tokens_per_second', 0):,.0f} tok/s")
-        if f"eval_{acc}" in rec:
-            info += f"  eval {acc.replace('accuracy', 'acc')} {rec[f'eval_{acc}']:.3f}"
-        progress.update(task, completed=rec["step"], info=info)
+        progress.update(task, completed=rec["step"], info=training_progress(kind[0], rec))
 
     try:
         result = run(cfg, resume=resume, on_log=on_log, on_start=on_start, allow_config_change=allow_config_change)
     finally:
         progress.stop()
     last = result.history[-1] if result.history else {}
-    acc = "step_accuracy" if "eval_step_accuracy" in last else "accuracy"
+    acc = result.trainer.objective.kind.headline[0]
     console.print(f"trained {result.total_steps} steps; eval {acc.replace('_', ' ')} "
                   f"{last.get(f'eval_{acc}', float('nan')):.4f}. Run: [bold]{cfg.output}[/bold]")
 

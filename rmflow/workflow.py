@@ -271,6 +271,7 @@ def summary_lines(stats: dict[str, Any], max_length: int) -> list[str]:
 
 
 def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
+    from rmflow.eval.reports import training_progress
     from rmflow.eval.sets import preprocess_eval_sets
     from rmflow.trainer.train import run as train
 
@@ -287,17 +288,15 @@ def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
             _set_aside(wf, old_hash, log)
     with open(started, "w") as f:
         json.dump({"hash": hashes["train"]}, f)
+    kind = []  # the run's reward model kind, once its checks passed
+
     def on_log(r: dict[str, Any]) -> None:
-        acc = "step_accuracy" if "step_accuracy" in r else "accuracy"  # a process or an outcome model
-        line = f"  step {r['step']}/{wf.train.max_steps or '?'}: loss {r.get('loss', float('nan')):.4f}, " \
-               f"{acc.replace('_', ' ')} {r.get(acc, float('nan')):.3f}, {r.get('tokens_per_second', 0):,.0f} tokens/s"
-        if f"eval_{acc}" in r:
-            line += f", eval {acc.replace('_', ' ')} {r[f'eval_{acc}']:.3f}"
-        log(line)
+        log(f"  step {r['step']}/{wf.train.max_steps or '?'}: {training_progress(kind[0], r)}")
 
     if resume:
         log("  resuming the interrupted run from its newest checkpoint")
-    result = train(preprocess_eval_sets(wf.train), resume=resume, on_log=on_log)
+    result = train(preprocess_eval_sets(wf.train), resume=resume, on_log=on_log,
+                   on_start=lambda step, run_kind: kind.append(run_kind))
     return {"steps": result.total_steps, "final": result.history[-1] if result.history else {}}
 
 

@@ -76,9 +76,23 @@ def test_export_head_reads_back_as_its_kind():
     assert head_kind({"architectures": ["LlamaForCausalLM"]}) is None
 
 
+def _kind_metric(name) -> bool:
+    """Whether ``name`` is a metric (train, eval or a named set's) that only some kinds log: its
+    presence in a record says which kind logged it."""
+    from rmflow.trainer.objective import OBJECTIVES
+
+    if not isinstance(name, str):
+        return False
+    logged = [set(o.metric_names) | set(o.kind.headline) for o in OBJECTIVES.values()]
+    counts = {o.count_key for o in OBJECTIVES.values()}  # "pairs", "steps": input fields' names too
+    own = set().union(*logged) - set.intersection(*logged) - counts
+    return name.removeprefix("eval_").rsplit("/", 1)[-1] in own
+
+
 def _kind_decisions(path: pathlib.Path) -> list[str]:
     """Comparisons that decide a kind outside the table: ``x == "process"`` (any kind's name),
-    ``num_labels == 2`` (a head width), ``isinstance(x, StepRecord)`` (a kind's record type)."""
+    ``num_labels == 2`` (a head width), ``isinstance(x, StepRecord)`` (a kind's record type),
+    ``"step_accuracy" in record`` (a metric only one kind logs)."""
     names = set(KINDS)
     where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
     found = []
@@ -92,6 +106,9 @@ def _kind_decisions(path: pathlib.Path) -> list[str]:
             if any(isinstance(p, ast.Attribute) and p.attr == "num_labels" for p in parts) \
                     and any(isinstance(p, ast.Constant) and isinstance(p.value, int) for p in parts):
                 found.append(f"{where}:{node.lineno}: compares num_labels with a number")
+            if any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and isinstance(node.left, ast.Constant) \
+                    and _kind_metric(node.left.value):
+                found.append(f"{where}:{node.lineno}: decides the kind by a metric's name ({node.left.value!r})")
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
             types = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
             if any(getattr(t, "id", getattr(t, "attr", None)) in ("PairRecord", "StepRecord", "TokenizedSteps",
@@ -113,8 +130,9 @@ def test_the_scan_finds_what_it_forbids(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('def f(m, rec):\n    if m.kind == "process" or m.config.num_labels == 2:\n        return 1\n'
                      '    if m.model != "tiny":\n        return 2\n'
+                     '    if "eval_step_accuracy" in rec or "loss" in rec:\n        return 3\n'
                      '    return isinstance(rec, (int, StepRecord))\n')
-    assert len(_kind_decisions(probe)) == 4
+    assert len(_kind_decisions(probe)) == 5  # "loss" is every kind's: not a decision
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
@@ -130,3 +148,15 @@ def test_every_preset_builds_and_is_named_in_the_help(name):
     help_text = {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}["model"]
     assert name in help_text
     assert TrainConfig(data="d", model=name, output="o").with_absolute_paths().model == name
+
+
+def test_a_training_record_is_shown_by_the_run_s_kind():
+    """The progress line of a run training shows the headline accuracy of the run's kind, told by
+    the run (``on_start``), not guessed from which metrics a record happens to hold."""
+    from rmflow.eval.reports import training_progress
+
+    rec = {"step": 3, "loss": 0.5, "accuracy": 0.75, "step_accuracy": 0.25, "eval_step_accuracy": 0.125,
+           "tokens_per_second": 1234.0}
+    assert training_progress(OUTCOME, rec) == "loss 0.5000, accuracy 0.750, 1,234 tokens/s"
+    assert training_progress(PROCESS, rec) == \
+        "loss 0.5000, step accuracy 0.250, eval step accuracy 0.125, 1,234 tokens/s"

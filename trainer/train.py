@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rmflow.schemas.config import TrainConfig
 from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.manifest import MANIFEST_FILE, ManifestError
 from rmflow.schemas.outputs import output_lock
 from rmflow.schemas.presets import is_preset
@@ -235,9 +236,10 @@ class Run:
 
 
 def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None] | None = None,
-        on_start: Callable[[int], None] | None = None, allow_config_change: bool = False) -> TrainResult:
-    """Train; ``on_start(step)`` is called once every check has passed, before the first step
-    (``step`` > 0 when resuming), ``on_log(record)`` with each metrics record. The run directory is
+        on_start: Callable[[int, ModelKind], None] | None = None, allow_config_change: bool = False) -> TrainResult:
+    """Train; ``on_start(step, kind)`` is called once every check has passed, before the first step
+    (``step`` > 0 when resuming; ``kind``: the reward model kind of the run's shards), ``on_log(record)``
+    with each metrics record. The run directory is
     locked for the whole run (by process 0 of a multi-process run): a second run into it is refused.
     A resume whose config would change the run's trajectory is refused unless ``allow_config_change``;
     every config a run trains under is kept in config_history.jsonl."""
@@ -319,7 +321,7 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     window = MetricWindow(r.objective, [s.name for s in r.sources] if r.mixture else ())
     step = int(state.step)
     if on_start:
-        on_start(step)
+        on_start(step, r.objective.kind)
     shapes = set()  # batch shapes compiled so far
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(manager.wait_until_finished)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from rmflow.schemas.kinds import OUTCOME, PROCESS
+from rmflow.schemas.kinds import OUTCOME, PROCESS, ModelKind
 from rmflow.schemas.outputs import EVAL_FILE, REPORT_FILE
 
 
@@ -254,3 +254,15 @@ SUMMARIES = {OUTCOME.name: _pair_summary, PROCESS.name: _process_summary}
 def eval_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     """The title and rows of the table `rmflow eval` prints for an eval's metrics."""
     return SUMMARIES[m["kind"]](m)
+
+
+def training_progress(kind: ModelKind, rec: dict[str, Any]) -> str:
+    """A training metrics record as users follow it while the run trains (`rmflow train`'s
+    progress bar, a workflow's log): the loss, the kind's headline accuracy (train and, in a
+    record that has one, eval) and the throughput."""
+    acc = kind.headline[0]
+    label = acc.replace("_", " ")
+    text = f"loss {rec.get('loss', float('nan')):.4f}, {label} {rec.get(acc, float('nan')):.3f}"
+    if f"eval_{acc}" in rec:
+        text += f", eval {label} {rec[f'eval_{acc}']:.3f}"
+    return text + f", {rec.get('tokens_per_second', 0):,.0f} tokens/s"
