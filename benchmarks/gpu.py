@@ -385,7 +385,9 @@ def _side_by_side(ctx: Ctx, model: str, steps: int, batch: int, grad_ckpt: bool,
     import vs_trl
 
     gpu = not ctx.rehearse
-    train_pairs = json.loads((ctx.inputs / "train" / "manifest.json").read_text())["splits"]["train"]["pairs"]
+    from rmflow.schemas.manifest import Manifest
+
+    train_pairs = Manifest.from_json((ctx.inputs / "train" / "manifest.json").read_text()).splits["train"].records
     steps = steps or -(-train_pairs // batch)  # 0: one epoch
     plan = ctx.plan
     base = {"shards": str(ctx.inputs / "train"), "model": model, "steps": steps, "batch": batch, "lr": ctx.size["lr"],

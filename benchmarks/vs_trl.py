@@ -80,6 +80,7 @@ def prepare(work: pathlib.Path, max_length: int, vocab: str) -> dict:
     import torch
     from rmflow.pipelines.preprocess import run as preprocess
     from rmflow.schemas.config import PreprocessConfig
+    from rmflow.schemas.manifest import Manifest
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     shards = work / "shards"
@@ -96,7 +97,7 @@ def prepare(work: pathlib.Path, max_length: int, vocab: str) -> dict:
     model.save_pretrained(work / "model")
     for f in (shards / "tokenizer").iterdir():  # the model folder carries the shards' tokenizer
         (work / "model" / f.name).write_bytes(f.read_bytes())
-    return {"shards": str(shards), "model": str(work / "model"), "train_pairs": manifest["splits"]["train"]["pairs"]}
+    return {"shards": str(shards), "model": str(work / "model"), "train_pairs": Manifest.from_json((shards / "manifest.json").read_text()).splits["train"].records}
 
 
 # --------------------------------------------------------------------------- children

@@ -130,8 +130,8 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
         length_policy=fin.cfg.length_policy,
         splits={
             split: SplitInfo(
-                pairs=sum(s["pairs"] for s in summary["shards"] if s["split"] == split),
-                shards=tuple(ShardInfo(s["file"], s["pairs"]) for s in summary["shards"] if s["split"] == split),
+                records=sum(s["records"] for s in summary["shards"] if s["split"] == split),
+                shards=tuple(ShardInfo(s["file"], s["records"]) for s in summary["shards"] if s["split"] == split),
             )
             for split in fin.splits
         },
@@ -154,7 +154,7 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
     written = {split: 0 for split in ("train", "eval")}
     lengths: dict[str, dict[str, collections.Counter]] = {}
     for s in summary["shards"]:
-        written[s["split"]] += s["pairs"]
+        written[s["split"]] += s["records"]
         per_split = lengths.setdefault(s["split"], {})
         for field, hist in s["lengths"].items():
             per_split.setdefault(field, collections.Counter()).update({int(k): v for k, v in hist.items()})

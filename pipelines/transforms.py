@@ -404,7 +404,7 @@ class WriteShardFn(beam.DoFn):
                 hist[field][n] += 1
             sources[source][0] += 1
             sources[source][1] += lengths.get("chosen", 0) > lengths.get("rejected", 0)
-        yield {"split": split, "file": name, "pairs": len(entries), "truncated": sum(e[3] for e in entries),
+        yield {"split": split, "file": name, "records": len(entries), "truncated": sum(e[3] for e in entries),
                "special_text": sum(e[5] for e in entries),
                "lengths": {k: dict(v) for k, v in hist.items()},
                "kinds": dict(collections.Counter(e[4] for e in entries)),

@@ -18,7 +18,10 @@ from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import KINDS, OUTCOME
 from rmflow.schemas.record import RECORD_VERSION
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+# Versions this rmflow reads: 1 counted each split's and shard's records as "pairs", whatever the
+# kind (a process model's records are solutions); 2 calls them "records".
+READABLE_MANIFESTS = {1: "pairs", 2: "records"}  # version -> the count's key
 MANIFEST_FILE = "manifest.json"
 STATS_FILE = "stats.json"
 CONFIG_FILE = "config.json"
@@ -95,12 +98,12 @@ class TokenizerInfo:
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
     file: str
-    pairs: int
+    records: int  # pairs, solutions: the units of the manifest's kind
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitInfo:
-    pairs: int
+    records: int
     shards: tuple[ShardInfo, ...]
 
 
@@ -128,8 +131,8 @@ class Manifest:
         for name, split in self.splits.items():
             if name not in SPLITS:
                 raise ManifestError(f"unknown split {name!r}; expected one of {SPLITS}")
-            if sum(s.pairs for s in split.shards) != split.pairs:
-                raise ManifestError(f"split {name}: shard pair counts do not add up to {split.pairs}")
+            if sum(s.records for s in split.shards) != split.records:
+                raise ManifestError(f"split {name}: shard record counts do not add up to {split.records}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -138,22 +141,24 @@ class Manifest:
     def from_json(cls, text: str) -> Manifest:
         try:
             d = json.loads(text)
-            if d.get("manifest_version") != MANIFEST_VERSION:
+            version = d.get("manifest_version")
+            count = READABLE_MANIFESTS.get(version) if type(version) is int else None
+            if count is None:
                 raise ManifestError(
                     f"manifest version {d.get('manifest_version')!r}; this rmflow reads "
-                    f"{MANIFEST_VERSION}: re-run `rmflow preprocess`"
+                    f"{' and '.join(map(str, READABLE_MANIFESTS))}: re-run `rmflow preprocess`"
                 )
             return cls(
                 tokenizer=TokenizerInfo(**d["tokenizer"]),
                 max_length=d["max_length"],
                 length_policy=d["length_policy"],
                 splits={
-                    k: SplitInfo(v["pairs"], tuple(ShardInfo(**s) for s in v["shards"]))
+                    k: SplitInfo(v[count], tuple(ShardInfo(s["file"], s[count]) for s in v["shards"]))
                     for k, v in d["splits"].items()
                 },
                 inputs=tuple(InputFile(**f) for f in d["inputs"]),
                 config=d["config"],
-                manifest_version=d["manifest_version"],
+                manifest_version=MANIFEST_VERSION,  # read into this version's terms
                 record_version=d["record_version"],
                 kind=d.get("kind", OUTCOME.name),  # manifests written before process models: pairs
             )

@@ -60,9 +60,29 @@ def test_manifest_round_trip_and_checks():
     with pytest.raises(ManifestError, match="do not add up"):
         manifest(splits={"train": SplitInfo(4, (ShardInfo("x", 3),))})
     with pytest.raises(ManifestError, match="malformed"):
-        Manifest.from_json('{"manifest_version": 1}')
-    with pytest.raises(ManifestError, match="re-run"):
+        Manifest.from_json('{"manifest_version": 2}')
+    with pytest.raises(ManifestError, match="this rmflow reads 1 and 2: re-run"):
         Manifest.from_json('{"manifest_version": 99}')
+    with pytest.raises(ManifestError, match="re-run"):
+        Manifest.from_json('{"manifest_version": true}')
+
+
+def test_a_manifest_counts_records_and_one_from_before_still_reads():
+    """The manifest counts each split's and shard's records, whatever the kind (version 2);
+    a version 1 manifest, which called them pairs, reads as the same manifest."""
+    import json
+
+    m = manifest()
+    written = json.loads(m.to_json())
+    assert written["manifest_version"] == 2 and written["splits"]["train"]["records"] == 3
+    assert "pairs" not in written["splits"]["train"] and "pairs" not in written["splits"]["train"]["shards"][0]
+    old = json.loads(m.to_json())
+    old["manifest_version"] = 1
+    for split in old["splits"].values():
+        split["pairs"] = split.pop("records")
+        for shard in split["shards"]:
+            shard["pairs"] = shard.pop("records")
+    assert Manifest.from_json(json.dumps(old)) == m
 
 
 def test_tokenizer_hash_is_order_free_and_content_sensitive():

@@ -90,7 +90,7 @@ def test_eval_on_shards_raw_files_and_exported_model(trained_run, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "e1" / "eval.json").read_text())
     manifest = json.loads((shards / "manifest.json").read_text())
-    assert report["metrics"]["pairs"] == manifest["splits"]["eval"]["pairs"]
+    assert report["metrics"]["pairs"] == manifest["splits"]["eval"]["records"]
     assert {"rewards.png", "margins.png", "calibration.png", "report.md"} <= {p.name for p in (tmp_path / "e1").iterdir()}
     norm = json.loads((trained_run / "run" / "reward_normalization.json").read_text())
     assert norm["pairs"] == report["metrics"]["pairs"]

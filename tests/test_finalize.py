@@ -37,7 +37,7 @@ def test_a_bare_job_publishes_a_complete_output(tmp_path, tokenizer_dir):
     stats = json.loads((out / "stats.json").read_text())
     c = stats["counts"]
     assert stats["reconciles"] and c["records_read"] == 500
-    assert sum(s.pairs for s in manifest.splits.values()) == c["pairs_written"]
+    assert sum(s.records for s in manifest.splits.values()) == c["pairs_written"]
     assert c["prompt_truncated"] > 0  # counted exactly in the job, not read from runner metrics
     assert len((out / "errors.jsonl").read_text().splitlines()) == c["records_read"] - c["pairs_written"]
     # The launcher's view equals what the job wrote.

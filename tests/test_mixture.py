@@ -167,7 +167,7 @@ def test_a_mixture_trains_logs_each_set_and_resumes_exactly_after_kill_9(sets, t
     mixture = json.loads((tmp_path / "straight" / "mixture.json").read_text())
     assert [(s["name"], s["share"], s["path"]) for s in mixture["sets"]] == \
         [("a", 0.75, str(sets["a"])), ("b", 0.25, str(sets["b"]))]
-    train_a = Manifest.from_json((sets["a"] / "manifest.json").read_text()).splits["train"].pairs
+    train_a = Manifest.from_json((sets["a"] / "manifest.json").read_text()).splits["train"].records
     assert mixture["sets"][0]["train"] == train_a and mixture["planned_draws"] == 24 * 8
     assert mixture["sets"][0]["passes"] == pytest.approx(144 / train_a)  # a: 3/4 of 192 draws
 

@@ -65,12 +65,12 @@ def test_outputs_are_complete_and_described(runs, shared_data, tokenizer_dir):
     assert [f.path.split("/")[-1] for f in m.inputs] == list(HH_FILES)
     assert [s.file for s in m.splits["train"].shards] == ["train-00000-of-00002.array_record",
                                                           "train-00001-of-00002.array_record"]
-    assert m.splits["train"].pairs == runs[0].stats["counts"]["pairs_written_train"]
+    assert m.splits["train"].records == runs[0].stats["counts"]["pairs_written_train"]
     assert m.config["tokenizer"] == tokenizer_dir
     stats = json.loads((out / "stats.json").read_text())
     for field in ("prompt", "chosen", "rejected"):
         s = stats["lengths"]["train"][field]
-        assert s["count"] == m.splits["train"].pairs and s["p50"] <= s["p99"] <= s["max"] <= 1024
+        assert s["count"] == m.splits["train"].records and s["p50"] <= s["p99"] <= s["max"] <= 1024
         assert sum(s["histogram"]["counts"]) == s["count"]
 
 
@@ -88,7 +88,7 @@ def test_every_shard_reads_back_through_grain(runs, hf_tokenizer):
     for info in m.splits.values():
         paths = [str(pathlib.Path(runs[0].output) / s.file) for s in info.shards]
         source = grain.sources.ArrayRecordDataSource(paths)
-        assert len(source) == info.pairs
+        assert len(source) == info.records
         for i in range(len(source)):
             rec = decode(source[i])
             assert rec.pair_id not in seen

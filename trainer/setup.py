@@ -147,12 +147,12 @@ def check_model_fits(manifest: Manifest, model_config: ModelConfig) -> None:
 
 def shard_paths(data: str, manifest: Manifest, split: str) -> list[str]:
     info = manifest.splits.get(split)
-    return [os.path.join(data, s.file) for s in info.shards] if info and info.pairs else []
+    return [os.path.join(data, s.file) for s in info.shards] if info and info.records else []
 
 
 def planned_steps(cfg: TrainConfig) -> int:
     """The run's optimizer steps, from the config and the shards' manifest (staged if remote)."""
-    return plan_steps(cfg, sum(read_manifest(storage.stage_shards(s.path)).splits["train"].pairs
+    return plan_steps(cfg, sum(read_manifest(storage.stage_shards(s.path)).splits["train"].records
                                for s in cfg.sources))
 
 

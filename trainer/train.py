@@ -124,7 +124,7 @@ class Run:
         self.local_batch = cfg.batch_size // procs  # pairs this process reads per micro-batch
         backend = jax.default_backend()
         self.packing = resolve_packing(cfg.packing, backend, self.mesh.size)
-        self.train_units = [m.splits["train"].pairs for m in manifests]
+        self.train_units = [m.splits["train"].records for m in manifests]
         self.total_steps = plan_steps(cfg, sum(self.train_units))
         if cfg.warmup_steps >= self.total_steps:
             raise TrainError(f"warmup_steps {cfg.warmup_steps} >= the run's {self.total_steps} steps: the learning "
@@ -143,7 +143,7 @@ class Run:
         self.trainer = make_trainer(cfg, model, self.total_steps, self.objective)
         release_free_memory()  # initialisation temporaries
         for name, m in zip([s.name if self.mixture else "" for s in self.sources], manifests):
-            n_eval = m.splits["eval"].pairs if "eval" in m.splits else 0
+            n_eval = m.splits["eval"].records if "eval" in m.splits else 0
             if 0 < n_eval < SMALL_EVAL:  # after every check: a refused run prints its one line alone
                 warnings.warn(f"the eval split{f' of {name}' if name else ''} holds {n_eval} "
                               f"{self.objective.kind.units}: its accuracy moves in steps of {1 / n_eval:.2g} and says "
