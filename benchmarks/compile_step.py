@@ -28,7 +28,8 @@ from flax import nnx  # noqa: E402
 from rmflow.trainer.modeling import lora  # noqa: E402
 from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
 from rmflow.trainer.modeling.llama import RewardTransformer  # noqa: E402
-from rmflow.trainer.step import OptimConfig, Trainer  # noqa: E402
+from rmflow.trainer.optimizer import OptimConfig  # noqa: E402
+from rmflow.trainer.step import Trainer  # noqa: E402
 
 
 def main() -> None:

@@ -26,11 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from rmflow.trainer.batching import stack_micro_batches
 from rmflow.trainer.data import Collate, PackCollate
 from rmflow.trainer.modeling.attention import allowed, attention
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
+from rmflow.trainer.optimizer import OptimConfig
+from rmflow.trainer.step import Trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

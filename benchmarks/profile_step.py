@@ -24,11 +24,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from rmflow.trainer.batching import stack_micro_batches  # noqa: E402
 from rmflow.trainer.data import make_loader  # noqa: E402
 from rmflow.trainer.modeling.attention import attention  # noqa: E402
 from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
 from rmflow.trainer.modeling.llama import RewardTransformer  # noqa: E402
-from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches  # noqa: E402
+from rmflow.trainer.optimizer import OptimConfig  # noqa: E402
+from rmflow.trainer.step import Trainer  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"

@@ -117,10 +117,12 @@ def _import_graph() -> dict[str, set[str]]:
 # What loads and scores a trained model (the one inference path) and what uses it.
 INFERENCE = ("rmflow.trainer.inference", "rmflow.trainer.export", "rmflow.scoring.api", "rmflow.scoring.scorers", "rmflow.eval.evaluation")
 TRAINING_LOOP = ("rmflow.trainer.train", "rmflow.trainer.window", "rmflow.trainer.data.lookahead",
-                 "rmflow.trainer.loggers")
+                 "rmflow.trainer.loggers", "rmflow.trainer.step", "rmflow.trainer.optimizer")
 
 
 def test_inference_imports_nothing_of_the_training_loop():
+    """Loading and scoring a trained model builds no optimizer and no train step: a model read
+    back for eval, scoring or serving holds its parameters alone (``load_trained_model``)."""
     graph = _import_graph()
     for start in INFERENCE:
         seen, todo = {start}, [start]

@@ -439,6 +439,17 @@ def test_a_damaged_checkpoint_is_one_line(base, tmp_path):
     assert "checkpoint step 2 of" in msg and "cannot be read" in msg
 
 
+def test_a_checkpoint_of_another_model_is_one_line(base, tmp_path):
+    """A trained model is read back parameters only, placed by the checkpoint's own layout: a
+    checkpoint whose arrays are not the run's model's is refused in one line, not misread."""
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    config = json.loads((run / "model_config.json").read_text())
+    (run / "model_config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    msg = one_line_error(cli("eval", "--model", run, "--data", base / "shards", "-o", tmp_path / "e"))
+    assert "checkpoint step 2 does not hold the parameters of the run's model" in msg
+
+
 def test_a_chat_template_override_trains_and_evaluates_on_its_own_shards(tmp_path):
     """The shards' tokenizer identity is the tokenizer as used (the override applied), as the run
     stores it: eval of the run on its own shards is not refused."""

@@ -12,7 +12,8 @@ from rmflow.schemas.config import ConfigError, TrainConfig
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.step import OptimConfig, Trainer
+from rmflow.trainer.optimizer import OptimConfig
+from rmflow.trainer.step import Trainer
 
 CFG = dataclasses.replace(ModelConfig.tiny(vocab_size=97), hidden_size=32, intermediate_size=48, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=8, num_hidden_layers=3)

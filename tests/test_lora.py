@@ -214,9 +214,11 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
 
 
 def test_the_train_step_draws_dropout_masks_from_the_run_seed():
+    from rmflow.trainer.batching import stack_micro_batches
     from rmflow.trainer.data import Collate
     from rmflow.trainer.modeling.llama import RewardTransformer
-    from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
+    from rmflow.trainer.optimizer import OptimConfig
+    from rmflow.trainer.step import Trainer
 
     from tests.test_step import CFG, records
 

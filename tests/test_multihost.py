@@ -39,9 +39,10 @@ REFERENCE = textwrap.dedent('''
     from flax import nnx
     from rmflow.schemas.config import TrainConfig
     from rmflow.trainer.data import lengths_per_doubling, make_loader
-    from rmflow.trainer.step import stack_micro_batches
-    from rmflow.trainer.step import widen as _widen
-    from rmflow.trainer.setup import build_model, make_trainer, read_manifest, shard_paths
+    from rmflow.trainer.batching import stack_micro_batches
+    from rmflow.trainer.batching import widen as _widen
+    from rmflow.trainer.setup import build_model, read_manifest, shard_paths
+    from rmflow.trainer.step import make_trainer
     from rmflow.trainer.checkpoints import load_trained_model
     data, run_dir = sys.argv[1], sys.argv[2]
     cfg = TrainConfig(data=data, model="micro", output=run_dir, max_steps=STEPS, batch_size=8, save_steps=2,

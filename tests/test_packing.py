@@ -25,7 +25,8 @@ from rmflow.trainer.loss import pairwise_loss
 from rmflow.trainer.modeling.attention import attention
 from rmflow.trainer.modeling.convert import load_reward_model
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.step import DEVICE_KEYS, clip_scale, pair_rewards
+from rmflow.trainer.objective import OUTCOME, pair_rewards
+from rmflow.trainer.optimizer import clip_scale
 
 from tests.layouts import packed_layout
 from tests.test_model_parity import ARCHS, build_hf
@@ -226,7 +227,7 @@ def objective_and_grads(model, batch):
     layer's hidden states at the reward tokens computed both ways: jitted, one compilation per
     shape (run op by op, a model compiles each of its hundreds of operations per shape)."""
     loss, rc, rr, g, hidden = _objective_and_grads(
-        model, {k: jnp.asarray(batch[k]) for k in (*DEVICE_KEYS, "margin", "weight")})
+        model, {k: jnp.asarray(batch[k]) for k in (*OUTCOME.device_keys, "margin", "weight")})
     slot = batch["pair_slot"]
     return float(loss), np.asarray(rc)[slot], np.asarray(rr)[slot], g, hidden
 
@@ -331,7 +332,7 @@ def test_bucket_and_pack_pad_less_than_none(shards):
 
 
 def test_a_seen_shape_never_recompiles():
-    from rmflow.trainer.step import stack_micro_batches
+    from rmflow.trainer.batching import stack_micro_batches
 
     from tests.test_step import records, trainer
 
@@ -471,7 +472,7 @@ def test_reading_ahead_keeps_the_order_and_the_checkpoint_state(shards):
 def test_a_model_with_pallas_attention_scores_packed_rows_as_the_reference():
     from tests.test_step import CFG, records
 
-    batch = {k: jnp.asarray(v) for k, v in PackCollate(4, 64)(records(4)).items() if k in DEVICE_KEYS}
+    batch = {k: jnp.asarray(v) for k, v in PackCollate(4, 64)(records(4)).items() if k in OUTCOME.device_keys}
     rewards = []
     for impl in ("xla", "pallas"):
         model = RewardTransformer(CFG, rngs=nnx.Rngs(0), attention=impl)

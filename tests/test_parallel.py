@@ -22,7 +22,9 @@ SCRIPT = textwrap.dedent('''
     from rmflow.trainer.modeling.llama import RewardTransformer
     from rmflow.trainer.parallel import batch_shards, describe, make_mesh, shardings
     from rmflow.trainer.parallel.mesh import BATCH_AXES
-    from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
+    from rmflow.trainer.batching import stack_micro_batches
+    from rmflow.trainer.optimizer import OptimConfig
+    from rmflow.trainer.step import Trainer
 
     assert len(jax.devices()) == 8
     STEPS = 3

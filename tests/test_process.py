@@ -21,6 +21,7 @@ from rmflow.pipelines.tokenize import step_token_ends
 from rmflow.schemas.config import PreprocessConfig, TrainConfig
 from rmflow.schemas.manifest import Manifest
 from rmflow.schemas.record import RecordCorruptError, StepRecord, decode, encode, peek_lengths
+from rmflow.trainer.batching import stack_micro_batches
 from rmflow.trainer.data import StepCollate, StepPackCollate
 from rmflow.trainer.data.steps import record_step_values
 from rmflow.trainer.inference import score_steps
@@ -28,7 +29,8 @@ from rmflow.trainer.loss import step_loss, step_metrics_of_sums
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
 from rmflow.trainer.objective import PROCESS
-from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
+from rmflow.trainer.optimizer import OptimConfig
+from rmflow.trainer.step import Trainer
 from rmflow.trainer.train import run as train
 
 from rmflow.eval.metrics import process_metrics
@@ -256,7 +258,9 @@ from rmflow.trainer.modeling.llama import RewardTransformer
 from rmflow.trainer.objective import PROCESS
 from rmflow.trainer.parallel import make_mesh
 from rmflow.trainer.parallel.mesh import BATCH_AXES
-from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
+from rmflow.trainer.batching import stack_micro_batches
+from rmflow.trainer.optimizer import OptimConfig
+from rmflow.trainer.step import Trainer
 
 def fresh():
     return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5), objective=PROCESS)

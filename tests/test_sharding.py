@@ -14,7 +14,9 @@ SCRIPT = textwrap.dedent('''
     from tests.test_step import CFG, records
     from rmflow.trainer.data import Collate, PackCollate
     from rmflow.trainer.modeling.llama import RewardTransformer
-    from rmflow.trainer.step import OptimConfig, Trainer, stack_micro_batches
+    from rmflow.trainer.batching import stack_micro_batches
+    from rmflow.trainer.optimizer import OptimConfig
+    from rmflow.trainer.step import Trainer
 
     assert len(jax.devices()) == 8
     def fresh():

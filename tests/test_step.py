@@ -6,19 +6,19 @@ import pytest
 from flax import nnx
 from rmflow.schemas.record import PairRecord
 from rmflow.trainer import step as step_module
+from rmflow.trainer.batching import stack_micro_batches
 from rmflow.trainer.data import Collate
 from rmflow.trainer.loss import pair_metrics_of_sums
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.step import (
+from rmflow.trainer.optimizer import (
     OptimConfig,
-    Trainer,
     decay_mask,
     hyperparameters,
     learning_rate_schedule,
     make_optimizer,
-    stack_micro_batches,
 )
+from rmflow.trainer.step import Trainer
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -96,7 +96,7 @@ def test_the_entry_point_runs_locally_with_the_launchers_arguments(tmp_path, tok
     (dated,) = (tmp_path / "shards").iterdir()
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", dated.name) and (dated / "COMPLETED").exists()
     manifest = json.loads((dated / "manifest.json").read_text())
-    assert manifest["max_length"] == 256 and manifest["splits"]["eval"]["pairs"] > 0
+    assert manifest["max_length"] == 256 and manifest["splits"]["eval"]["records"] > 0
     # A second launch the same day leaves the first run's output untouched.
     stamp = (dated / "manifest.json").read_bytes()
     with pytest.raises(Exception, match="already exists"):

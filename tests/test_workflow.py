@@ -73,7 +73,7 @@ def test_an_input_changed_in_place_reruns_preprocess(tmp_path):
     pairs.write_text("".join(pairs.read_text().splitlines(keepends=True)[:60]))
     assert run(wf, log=lambda m: None) == {"preprocess": "ran", "train": "ran", "eval": "ran", "export": "off"}
     manifest = json.loads((tmp_path / "out" / "shards" / "manifest.json").read_text())
-    assert sum(s["pairs"] for s in manifest["splits"].values()) <= 60
+    assert sum(s["records"] for s in manifest["splits"].values()) <= 60
     # A held-out raw file as the eval's data: evaluated there, and rerun when that file changes.
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text("".join(pairs.read_text().splitlines(keepends=True)[:10]))

@@ -15,8 +15,9 @@ from flax import nnx
 from rmflow.trainer import storage
 from rmflow.trainer.compilation import use_compilation_cache
 from rmflow.trainer.errors import TrainError
+from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.objective import greater_is_better, objective_for
+from rmflow.trainer.objective import greater_is_better
 from rmflow.trainer.rundir import (
     CHECKPOINTS,
     METRICS_FILE,
@@ -24,7 +25,9 @@ from rmflow.trainer.rundir import (
     read_history,
     read_run,
 )
-from rmflow.trainer.setup import base_model, make_trainer
+from rmflow.trainer.setup import base_model
+
+STATE_ITEM = "state"  # the train state's item in a checkpoint (beside the data loader's)
 
 
 def checkpoint_manager(run_dir: str):
@@ -36,7 +39,7 @@ def checkpoint_manager(run_dir: str):
         # cleanup_tmp_directories: a checkpoint a killed process left half-written is removed, never read
         options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True, enable_async_checkpointing=False,
                                              cleanup_tmp_directories=True),
-        item_names=("state", "data"),
+        item_names=(STATE_ITEM, "data"),
     )
 
 
@@ -98,7 +101,8 @@ def reading_checkpoint(run_dir: str, step: int):
 
 def load_trained_model(run_dir: str, step: int | str | None = None) -> tuple[RewardTransformer, RunFiles, int]:
     """The reward model of a run directory, with the parameters of its newest (or given) checkpoint;
-    ``step="best"``: the one its ``metric_for_best`` ranks first."""
+    ``step="best"``: the one its ``metric_for_best`` ranks first. Only the trained parameters are
+    read: the optimizer's state, twice their size, stays on disk, and no optimizer is built."""
     import orbax.checkpoint as ocp
 
     run_dir = storage.stage_run(run_dir)  # a remote run: a local copy
@@ -108,22 +112,35 @@ def load_trained_model(run_dir: str, step: int | str | None = None) -> tuple[Rew
     if latest is None:
         raise TrainError(f"{run_dir} has no checkpoint yet: training stopped before its first save "
                          "(resume it with `rmflow train --resume`, or set save_steps)")
-    if run.config.lora_config is not None:  # frozen base weights come from the base model, adapters from here
+    lora_cfg = run.config.lora_config
+    if lora_cfg is not None:  # frozen base weights come from the base model, adapters from here
         model = base_model(dataclasses.replace(run.config, dtype="float32", gradient_checkpointing=False),
                            run.model_config, num_labels=run.model_config.num_labels)
     else:
         model = RewardTransformer(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention,
                                   scan_layers=run.config.scans_layers(training=False))
-    trainer = make_trainer(run.config, model, 1, objective_for(run.manifest.kind))
     manager = checkpoint_manager(run_dir)
     step = latest if step is None else best_step(run_dir, run, manager.all_steps()) if step == "best" else step
     if step not in manager.all_steps():
         raise TrainError(f"{run_dir} has no checkpoint of step {step}; it has {sorted(manager.all_steps())}")
-    leaves = jax.tree.leaves(trainer.init_state)
-    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # whatever mesh trained it
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) for x in leaves]
+    params = nnx.state(model, lora.trainable_filter(lora_cfg))  # what the run trained, as the trainer split it
+    leaves, treedef = jax.tree.flatten(params)
     with reading_checkpoint(run_dir, step):
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    state = jax.tree.unflatten(jax.tree.structure(trainer.init_state), list(restored["state"]))
-    nnx.update(model, state.params)
+        saved = ocp.StandardCheckpointer().metadata(os.path.join(str(manager.directory), str(step), STATE_ITEM))
+        saved = saved.item_metadata.tree
+    # a checkpoint is the train state's leaves in order: the step, the trained parameters, the
+    # optimizer's state, the dropout key (trainer.step.TrainState)
+    if len(saved) < len(leaves) + 2 or any(tuple(m.shape) != tuple(x.shape) for m, x in zip(saved[1:], leaves)):
+        raise TrainError(f"{run_dir}: checkpoint step {step} does not hold the parameters of the run's model "
+                         f"({len(leaves)} arrays); it was written by another model or another rmflow")
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # whatever mesh trained it
+    target = [ocp.PLACEHOLDER] * len(saved)
+    restore = [ocp.PLACEHOLDER] * len(saved)
+    for i, x in enumerate(leaves, start=1):
+        target[i] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
+        restore[i] = ocp.ArrayRestoreArgs(sharding=one, dtype=x.dtype)
+    with reading_checkpoint(run_dir, step):
+        restored = manager.restore(step, args=ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.PyTreeRestore(item=target, restore_args=restore)}))
+    nnx.update(model, jax.tree.unflatten(treedef, list(restored[STATE_ITEM])[1:len(leaves) + 1]))
     return model, run, step

@@ -34,8 +34,8 @@ from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_s
 from rmflow.trainer.modeling.config import head_kind
 from rmflow.trainer.modeling.convert import load_reward_model
 from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.objective import OUTCOME, pair_rewards
 from rmflow.trainer.rundir import is_run_dir, tokenizer_fingerprint
-from rmflow.trainer.step import DEVICE_KEYS, pair_rewards
 
 NORMALIZATION_FILE = "reward_normalization.json"  # in a model folder: `rmflow eval --normalize`'s mean and std
 
@@ -380,7 +380,7 @@ def score_pairs(model: RewardTransformer, records: Sequence[PairRecord], *, batc
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
         b = collate(chunk)
-        c, r = (np.asarray(x) for x in _packed_pair_rewards(graphdef, state, {k: b[k] for k in DEVICE_KEYS}))
+        c, r = (np.asarray(x) for x in _packed_pair_rewards(graphdef, state, {k: b[k] for k in OUTCOME.device_keys}))
         rc.append(c[b["pair_slot"]])
         rr.append(r[b["pair_slot"]])
     return np.concatenate(rc), np.concatenate(rr)

@@ -29,9 +29,16 @@ ROW_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids")
 _MODEL_ARGS = ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids")
 
 
+def pair_rewards(model, batch: dict[str, Any]) -> tuple[Any, Any]:
+    """Chosen and rejected rewards, one per pair slot, from one forward pass over a batch in
+    the shared layout (``trainer.data.collate``): padded rows or packed rows alike."""
+    pairs = model(*(batch[k] for k in _MODEL_ARGS)).reshape(-1, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
 def _pairwise(model, mb: dict[str, Any], center_coef: float):
-    pairs = model(*(mb[k] for k in _MODEL_ARGS)).reshape(-1, 2)
-    _, sums = pairwise_loss(pairs[:, 0], pairs[:, 1], mb["margin"], mb["weight"], center_coef)
+    chosen, rejected = pair_rewards(model, mb)
+    _, sums = pairwise_loss(chosen, rejected, mb["margin"], mb["weight"], center_coef)
     return sums["bt_loss_sum"] + center_coef * sums["center_sum"], sums
 
 

@@ -1,5 +1,6 @@
 """Setting a run up: reading and checking the shards' manifest against the model (tokenizer,
-vocabulary, positions), building the model and the jitted trainer, planning the steps.
+vocabulary, positions), building the model, planning the steps (the jitted trainer:
+``trainer.step.make_trainer``).
 
 Training (``trainer.train``) and inference (``trainer.inference``) both start here.
 """
@@ -15,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 from rmflow.schemas.config import TrainConfig
 from rmflow.schemas.errors import RmflowWarning
-from rmflow.schemas.kinds import OUTCOME
 from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
 from rmflow.schemas.presets import is_preset
 from rmflow.trainer import storage
@@ -25,9 +25,8 @@ from rmflow.trainer.modeling.attention import resolve_attention
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.convert import load_reward_model, read_config, resolve
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.objective import Objective, objective_for
+from rmflow.trainer.objective import objective_for
 from rmflow.trainer.rundir import EVAL_DATA, is_run_dir, tokenizer_fingerprint
-from rmflow.trainer.step import OptimConfig, Trainer
 
 
 def check_output(output: str, resume: bool) -> None:
@@ -166,9 +165,3 @@ def plan_steps(cfg: TrainConfig, train_pairs: int) -> int:
 def evaluates_at(cfg: TrainConfig, step: int, total_steps: int) -> bool:
     """Whether a run of ``total_steps`` steps evaluates after ``step``: every ``eval_steps`` and at its end."""
     return bool(cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps
-
-
-def make_trainer(cfg: TrainConfig, model: RewardTransformer, total_steps: int, objective: Objective | None = None
-                 ) -> Trainer:
-    return Trainer(model, OptimConfig.of(cfg, total_steps), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
-        trainable=lora.trainable_filter(cfg.lora_config), objective=objective or objective_for(OUTCOME.name))

@@ -1,4 +1,5 @@
-"""Optimizer, train state and the jitted train / eval steps.
+"""The train state and the jitted train / eval steps (the optimizer: ``trainer.optimizer``; the
+host-side batching: ``trainer.batching``).
 
 The train step takes ``accum`` micro-batches stacked on a leading axis and scans over them,
 summing gradients of the *summed* per-pair (per-step, for a process model) objective; it divides
@@ -22,124 +23,15 @@ from flax import nnx
 from rmflow.schemas.config import TrainConfig
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.objective import OUTCOME, ROW_KEYS, Objective, objective_for
-
-DEVICE_KEYS = OUTCOME.device_keys  # an outcome model's batch (``Objective.device_keys`` in general)
-
-
-_TRAIN = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """The optimizer's settings: ``TrainConfig``'s fields of the same names (defaults included),
-    plus the run's planned ``total_steps``."""
-
-    learning_rate: float = _TRAIN["learning_rate"]
-    learning_rate_end: float = _TRAIN["learning_rate_end"]
-    warmup_steps: int = _TRAIN["warmup_steps"]
-    lr_schedule: str = _TRAIN["lr_schedule"]
-    weight_decay: float = _TRAIN["weight_decay"]
-    adam_b1: float = _TRAIN["adam_b1"]
-    adam_b2: float = _TRAIN["adam_b2"]
-    adam_eps: float = _TRAIN["adam_eps"]
-    max_grad_norm: float = _TRAIN["max_grad_norm"]
-    total_steps: int = 1000  # planned per run (trainer.setup.plan_steps)
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, total_steps: int) -> OptimConfig:
-        return cls(total_steps=total_steps, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)
-                                               if f.name != "total_steps"})
-
-
-# The optimizer's numbers passed to the compiled step. Adam's betas stay constants of the program:
-# optax computes 1 - beta from them, which in float32 would round otherwise than from a Python float.
-HYPER_KEYS = ("learning_rate", "learning_rate_end", "warmup_steps", "total_steps", "weight_decay", "adam_eps",
-              "max_grad_norm")
-
-
-def hyperparameters(c: OptimConfig) -> dict[str, np.ndarray]:
-    """The optimizer's numbers as the train step's runtime argument: runs that differ only in them
-    (a learning-rate sweep, a resumed run given more steps) share one compiled program per shape.
-    The schedule's derived constants are computed here in double precision, as optax computes
-    them from Python floats, so the learning rate is optax's to the bit."""
-    steps = ("warmup_steps", "total_steps")
-    out = {k: np.asarray(getattr(c, k), np.int32 if k in steps else np.float32) for k in HYPER_KEYS}
-    alpha = c.learning_rate_end / c.learning_rate if c.learning_rate else 0.0
-    out.update(lr_span=np.float32(c.learning_rate - c.learning_rate_end), cosine_alpha=np.float32(alpha),
-               cosine_keep=np.float32(1 - alpha))
-    return out
-
-
-def learning_rate_at(step: jax.Array, hyper: dict[str, Any], kind: str) -> jax.Array:
-    """Linear warmup from 0 to learning_rate, then linear or cosine decay to learning_rate_end:
-    optax's linear_schedule, cosine_decay_schedule and join_schedules, computed from arrays."""
-    lr, warmup = hyper["learning_rate"], hyper["warmup_steps"]
-    decay_steps = jnp.maximum(hyper["total_steps"] - warmup, 1)
-    after = step - warmup
-    if kind == "cosine":
-        count = jnp.minimum(after, decay_steps).astype(jnp.float32)
-        cosine = 0.5 * (1 + jnp.cos(jnp.pi * count / decay_steps.astype(jnp.float32)))
-        decay = lr * (hyper["cosine_keep"] * cosine + hyper["cosine_alpha"])
-    elif kind == "linear":
-        frac = 1 - jnp.clip(after, 0, decay_steps) / decay_steps
-        decay = hyper["lr_span"] * frac + hyper["learning_rate_end"]
-    else:
-        raise ValueError(f"schedule {kind!r}: use 'linear' or 'cosine'")
-    warm = -lr * (1 - jnp.clip(step, 0, warmup) / jnp.maximum(warmup, 1)) + lr
-    return jnp.where(step < warmup, warm, decay)
-
-
-def learning_rate_schedule(c: OptimConfig) -> optax.Schedule:
-    """The schedule of ``c`` as a function of the step."""
-    if c.lr_schedule not in ("linear", "cosine"):
-        raise ValueError(f"schedule {c.lr_schedule!r}: use 'linear' or 'cosine'")
-    hyper = hyperparameters(c)
-    return lambda step: learning_rate_at(jnp.asarray(step, jnp.int32), hyper, c.lr_schedule)
-
-
-def decay_mask(params: Any) -> Any:
-    """Weight decay on matrices and embeddings only: never on norm weights or biases."""
-    def decays(path, _) -> bool:
-        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        return bool(names) and names[-1] in ("kernel", "embedding", "lora_A", "lora_B")
-
-    return jax.tree_util.tree_map_with_path(decays, params)
-
-
-def make_optimizer(c: OptimConfig, hyper: dict[str, Any] | None = None) -> optax.GradientTransformation:
-    """AdamW. Gradient clipping is not in this chain: the step applies it together with the
-    division by the number of pairs, in one pass over the gradients (``clip_scale``). Inside the
-    jitted step the numbers come from ``hyper`` (arrays); what shapes the program comes from ``c``:
-    the schedule's kind, Adam's betas, and whether there is weight decay at all. The state's
-    layout is the same either way."""
-    h = hyperparameters(c) if hyper is None else hyper
-    return optax.chain(
-        optax.identity(),  # where the clipping transform stood: checkpoints keep their layout
-        optax.adamw(lambda step: learning_rate_at(step, h, c.lr_schedule), b1=c.adam_b1, b2=c.adam_b2,
-                    eps=h["adam_eps"], weight_decay=h["weight_decay"] if c.weight_decay else 0.0, mask=decay_mask),
-    )
-
-
-def clip_scale(summed_norm: jax.Array, pairs: jax.Array, max_norm) -> tuple[jax.Array, jax.Array]:
-    """(factor, norm): the gradient of the summed objective times ``factor`` is the mean
-    gradient, clipped to ``max_norm`` as optax.clip_by_global_norm does; ``norm`` is the mean
-    gradient's norm before clipping. One multiply instead of a divide and a clip, so the step
-    holds one gradient-sized temporary fewer (50 MiB for a 49k-token vocabulary at hidden 256)."""
-    n = jnp.maximum(pairs, 1.0)
-    norm = summed_norm / n
-    if isinstance(max_norm, (int, float)) and not max_norm:
-        return 1.0 / n, norm
-    return jnp.where(norm < max_norm, 1.0, max_norm / jnp.maximum(norm, 1e-30)) / n, norm
-
-
-def pair_rewards(model: RewardTransformer, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
-    """Chosen and rejected rewards, one per pair slot, from one forward pass over a batch in
-    the shared layout (``trainer.data.collate``): padded rows or packed rows alike."""
-    r = model(batch["input_ids"], batch["positions"], batch["segment_ids"], batch["reward_index"],
-              batch["branch_ids"])
-    pairs = r.reshape(-1, 2)
-    return pairs[:, 0], pairs[:, 1]
+from rmflow.trainer.objective import OUTCOME, Objective, objective_for, pair_rewards
+from rmflow.trainer.optimizer import (
+    OptimConfig,
+    clip_scale,
+    hyperparameters,
+    learning_rate_at,
+    learning_rate_schedule,
+    make_optimizer,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -365,24 +257,10 @@ def _shapes(batch: dict[str, Any]) -> tuple:
     return tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()))
 
 
-def widen(batch: dict[str, np.ndarray], length: int, slots: int | None = None,
-          objective: Objective = OUTCOME) -> dict[str, np.ndarray]:
-    """Right-pad a micro-batch's rows (segment 0: padding) to ``length`` tokens and its per-row
-    step slots (weight 0: padding) to ``slots``."""
-    def pad(k, x):
-        if k in ROW_KEYS and x.shape[1] < length:
-            return np.pad(x, [(0, 0), (0, length - x.shape[1])])
-        if slots is not None and k in objective.slot_keys and x.shape[1] < slots:
-            return np.pad(x, [(0, 0), (0, slots - x.shape[1])])
-        return x
-
-    return {k: pad(k, v) for k, v in batch.items()}
-
-
-def stack_micro_batches(batches: list[dict[str, Any]], objective: Objective = OUTCOME) -> dict[str, np.ndarray]:
-    """Host batches -> the train step's batch (still on the host): a leading micro-batch axis.
-    Rows are right-padded (segment 0) to the longest micro-batch's length, step slots to the most."""
-    length = max(b["input_ids"].shape[1] for b in batches)
-    slots = max(b["reward_index"].shape[1] for b in batches)
-    wide = [widen({k: b[k] for k in objective.device_keys}, length, slots, objective) for b in batches]
-    return {k: np.stack([b[k] for b in wide]) for k in objective.device_keys}
+def make_trainer(cfg: TrainConfig, model: RewardTransformer, total_steps: int, objective: Objective | None = None
+                 ) -> Trainer:
+    """The jitted trainer of a run's config: its optimizer, centering, seed, LoRA's trainable
+    parameters and the objective of its kind (an outcome model's by default)."""
+    return Trainer(model, OptimConfig.of(cfg, total_steps), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
+                   trainable=lora.trainable_filter(cfg.lora_config),
+                   objective=objective or OUTCOME)

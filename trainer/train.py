@@ -34,6 +34,7 @@ from rmflow.schemas.presets import is_preset
 from rmflow.schemas.sources import DataSource, canonical_data, with_paths
 from rmflow.schemas.stops import at_step_boundaries
 from rmflow.trainer import storage
+from rmflow.trainer.batching import stack_micro_batches, widen
 from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, prune, reading_checkpoint
 from rmflow.trainer.compilation import use_compilation_cache
 from rmflow.trainer.data import count_records, lengths_per_doubling, make_loader, resolve_packing
@@ -61,12 +62,11 @@ from rmflow.trainer.setup import (
     check_output,
     check_same_preprocessing,
     evaluates_at,
-    make_trainer,
     plan_steps,
     read_manifest,
     shard_paths,
 )
-from rmflow.trainer.step import Trainer, TrainState, stack_micro_batches, widen
+from rmflow.trainer.step import Trainer, TrainState, make_trainer
 from rmflow.trainer.window import MetricWindow
 
 SMALL_EVAL = 20  # an eval split below this many pairs gets a warning: its accuracy says little
