@@ -46,7 +46,8 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--max-batch-rows", type=int, default=64)
     a = ap.parse_args()
-    from rmflow.pipelines.tokenize import RecordTokenizer, build_tokenizer, load_tokenizer_assets
+    from rmflow.pipelines.tokenizer_files import load_tokenizer_assets
+    from rmflow.rendering.tokenize import RecordTokenizer, build_tokenizer
     from rmflow.trainer.inference import ScoringShapes
 
     tok = RecordTokenizer(build_tokenizer(load_tokenizer_assets(str(REPO / "rmflow" / "demo" / "tokenizer"))))

@@ -30,9 +30,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rmflow.pipelines.formats import BadRecord, detect_format, normalize  # noqa: E402
 from rmflow.pipelines.preprocess import run  # noqa: E402
-from rmflow.pipelines.tokenize import build_tokenizer, load_tokenizer_assets  # noqa: E402
+from rmflow.pipelines.tokenizer_files import load_tokenizer_assets  # noqa: E402
+from rmflow.rendering.formats import BadRecord, detect_format, normalize  # noqa: E402
+from rmflow.rendering.tokenize import build_tokenizer  # noqa: E402
 from rmflow.schemas.config import PreprocessConfig  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"

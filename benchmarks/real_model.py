@@ -112,7 +112,7 @@ def _loaded(model: str, layers: str):
 def child_score(args: dict) -> dict:
     import gzip
 
-    from rmflow.pipelines.formats import parse_hh_transcript
+    from rmflow.rendering.formats import parse_hh_transcript
     from transformers import AutoTokenizer
 
     from rmflow.scoring.api import RewardModel

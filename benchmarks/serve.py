@@ -50,7 +50,7 @@ DATA = REPO.parent / "shared" / "data" / "hh_helpful_base_test_first2000.jsonl.g
 
 
 def conversations(n: int) -> list[list[dict]]:
-    from rmflow.pipelines.formats import parse_hh_transcript
+    from rmflow.rendering.formats import parse_hh_transcript
 
     out = []
     with gzip.open(DATA, "rt", encoding="utf-8") as f:

@@ -34,7 +34,9 @@ from typing import Any
 
 import apache_beam as beam
 from apache_beam.pvalue import AsSingleton, TaggedOutput
-from rmflow.pipelines.formats import (
+from rmflow.pipelines.io import iter_records
+from rmflow.pipelines.transforms import DEAD, dead_letter
+from rmflow.rendering.formats import (
     BadRecord,
     CanonicalPair,
     CanonicalSteps,
@@ -42,8 +44,6 @@ from rmflow.pipelines.formats import (
     normalize,
     parse_json_object,
 )
-from rmflow.pipelines.io import iter_records
-from rmflow.pipelines.transforms import DEAD, dead_letter
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import DECONTAMINATE_METHODS
 

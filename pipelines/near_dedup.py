@@ -22,8 +22,8 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import AsDict, TaggedOutput
 from rmflow.pipelines.decontaminate import prompt_of, words
-from rmflow.pipelines.formats import CanonicalSteps, Duplicate
 from rmflow.pipelines.transforms import DEAD, dead_letter
+from rmflow.rendering.formats import CanonicalSteps, Duplicate
 
 SHINGLE = 5  # words per shingle
 PERMUTATIONS = 128  # min-hashes per signature

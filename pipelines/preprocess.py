@@ -28,19 +28,12 @@ from rmflow.pipelines.finalize import (
     Finalization,
     PreprocessError,
 )
-from rmflow.pipelines.formats import SCORED_LAYOUTS, BadRecord, detect_format, parse_json_object
 from rmflow.pipelines.io import iter_records, streams_records
 from rmflow.pipelines.near_dedup import DropNearDuplicates
 from rmflow.pipelines.publication import FAILED_FILE
 from rmflow.pipelines.runner import is_local, launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import clean_leftovers, new_staging
-from rmflow.pipelines.tokenize import (
-    TokenizerAssets,
-    build_tokenizer,
-    load_tokenizer_assets,
-    tokenizer_info,
-    write_tokenizer_files,
-)
+from rmflow.pipelines.tokenizer_files import load_tokenizer_assets, write_tokenizer_files
 from rmflow.pipelines.transforms import (
     NAMESPACE,
     ApplyChatTemplate,
@@ -56,6 +49,8 @@ from rmflow.pipelines.transforms import (
     WriteShards,
     shared_record_tokenizer,
 )
+from rmflow.rendering.formats import SCORED_LAYOUTS, BadRecord, detect_format, parse_json_object
+from rmflow.rendering.tokenize import TokenizerAssets, build_tokenizer, tokenizer_info
 from rmflow.schemas.config import NORMALIZE_OPTIONS, SCORE_OPTIONS, PreprocessConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import (

@@ -18,7 +18,10 @@ from apache_beam.metrics import Metrics
 from apache_beam.pvalue import TaggedOutput
 from apache_beam.utils import shared
 from rmflow.pipelines.finalize import finalize
-from rmflow.pipelines.formats import (
+from rmflow.pipelines.io import iter_records, write_array_record_shard
+from rmflow.pipelines.splitting import assign_shard, assign_split
+from rmflow.pipelines.tokenizer_files import read_tokenizer_files
+from rmflow.rendering.formats import (
     BadRecord,
     CanonicalPair,
     Duplicate,
@@ -27,15 +30,7 @@ from rmflow.pipelines.formats import (
     normalize,
     parse_json_object,
 )
-from rmflow.pipelines.io import iter_records, write_array_record_shard
-from rmflow.pipelines.length import assign_shard, assign_split
-from rmflow.pipelines.tokenize import (
-    RecordTokenizer,
-    Rendered,
-    TokenizerAssets,
-    build_tokenizer,
-    read_tokenizer_files,
-)
+from rmflow.rendering.tokenize import RecordTokenizer, Rendered, TokenizerAssets, build_tokenizer
 from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import shard_name

@@ -536,7 +536,7 @@ def _parse(text: str, type_name: str, key: str) -> Any:
     return text
 
 
-# PreprocessConfig fields that decide how a raw record becomes a pair (pipelines.formats.normalize).
+# PreprocessConfig fields that decide how a raw record becomes a pair (rendering.formats.normalize).
 NORMALIZE_OPTIONS = ("margin_from_scores", "min_score_gap", "drop_score_ties")
 EVAL_MODES = ("pairs", "rewardbench-v1", "rewardbench-v2")
 EVAL_SPLITS = ("eval", "train", "all")

@@ -91,14 +91,15 @@ def tokenizer_dir() -> str:
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(tokenizer_dir):
-    from rmflow.pipelines.tokenize import build_tokenizer, load_tokenizer_assets
+    from rmflow.pipelines.tokenizer_files import load_tokenizer_assets
+    from rmflow.rendering.tokenize import build_tokenizer
 
     return build_tokenizer(load_tokenizer_assets(tokenizer_dir))
 
 
 @pytest.fixture(scope="session")
 def pair_tokenizer(hf_tokenizer):
-    from rmflow.pipelines.tokenize import RecordTokenizer
+    from rmflow.rendering.tokenize import RecordTokenizer
 
     return RecordTokenizer(hf_tokenizer)
 

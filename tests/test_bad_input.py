@@ -166,7 +166,7 @@ def test_too_many_bad_records_fail_the_job_and_publish_nothing(bad_inputs, token
 def test_an_unexpected_exception_is_contained_to_its_record(tmp_path, tokenizer_dir, monkeypatch):
     """A bug in one adapter (any exception, not only BadRecord) dead-letters that record as
     internal_error with the exception's text; the job goes on and the counts reconcile."""
-    import rmflow.pipelines.formats as formats
+    import rmflow.rendering.formats as formats
 
     real = formats._ADAPTERS["text"]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rmflow.pipelines.formats import parse_hh_transcript
+from rmflow.rendering.formats import parse_hh_transcript
 from rmflow.schemas.config import TrainConfig
 from rmflow.trainer.train import run as train
 from typer.testing import CliRunner

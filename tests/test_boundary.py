@@ -1,5 +1,6 @@
-"""The stages meet only through schemas: pipelines never imports jax, trainer never imports
-apache_beam, schemas imports only the standard library, numpy and pyarrow."""
+"""The stages meet only through schemas and the rendering contract: pipelines never imports jax,
+trainer never imports apache_beam or pipelines, rendering imports neither stage, Beam nor JAX,
+schemas imports only the standard library, numpy and pyarrow."""
 
 import ast
 import pathlib
@@ -10,6 +11,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FORBIDDEN = {
+    "rendering": {"apache_beam", "jax", "jaxlib", "flax", "optax", "grain", "orbax", "pipelines", "trainer", "rmflow"},
     "pipelines": {"jax", "jaxlib", "flax", "optax", "grain", "orbax", "trainer"},
     "trainer": {"apache_beam", "pipelines"},
     "schemas": {"apache_beam", "jax", "flax", "optax", "grain", "transformers", "pipelines", "trainer", "rmflow"},
@@ -17,7 +19,7 @@ FORBIDDEN = {
 SCHEMAS_ALLOWED_THIRD_PARTY = {"numpy", "pyarrow", "schemas"}
 
 
-STAGES = ("schemas", "pipelines", "trainer")  # repository folders, installed as rmflow.<folder>
+STAGES = ("schemas", "rendering", "pipelines", "trainer")  # repository folders, installed as rmflow.<folder>
 
 
 def _root(module: str) -> str:
@@ -66,7 +68,8 @@ def test_transitive_imports_respect_the_boundary(package):
     """Every module of the package imported (not only its __init__): none loads a forbidden one."""
     modules = _modules(package)
     forbidden = sorted(FORBIDDEN[package] - {"pipelines", "trainer", "rmflow"}) + \
-        [f"rmflow.{p}" for p in sorted(FORBIDDEN[package] & {"pipelines", "trainer"})]
+        [f"rmflow.{p}" for p in sorted(FORBIDDEN[package] & {"pipelines", "trainer"})] + \
+        (["rmflow.cli", "rmflow.eval", "rmflow.scoring", "rmflow.server"] if "rmflow" in FORBIDDEN[package] else [])
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             f"bad = [f for f in {forbidden!r} if f in sys.modules]\n"
@@ -76,22 +79,24 @@ def test_transitive_imports_respect_the_boundary(package):
     assert len(modules) > 3
 
 
-def test_scoring_through_the_api_loads_no_beam():
-    """A reward model loaded to score (the API, ``rmflow serve``, an RL loop) imports the
-    tokenizing core from pipelines/, never Beam: a training host installs no Beam."""
-    modules = ["rmflow.scoring.api", "rmflow.pipelines.tokenize", "rmflow.pipelines.formats", "rmflow.trainer.inference"]
+def test_scoring_loads_no_beam_and_nothing_of_the_beam_stage():
+    """A reward model loaded to score (the API, ``rmflow serve``, an RL loop) renders and
+    tokenizes through ``rendering``, the contract both stages share: no module of the Beam
+    stage and no Beam, which a training or serving host does not install."""
+    modules = ["rmflow.scoring.api", "rmflow.scoring.scorers", "rmflow.server.app", "rmflow.server.protocol",
+               "rmflow.trainer.inference", "rmflow.trainer.export"]
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam')[:3])\n"
-            "sys.exit(int('apache_beam' in sys.modules))")
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam' or m.startswith('rmflow.pipelines'))\n"
+            "print(bad[:5]); sys.exit(int(bool(bad)))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    assert r.returncode == 0, f"scoring's modules load Beam: {r.stdout.strip()} {r.stderr[-2000:]}"
+    assert r.returncode == 0, f"scoring's modules load the Beam stage: {r.stdout.strip()} {r.stderr[-2000:]}"
 
 
 def _import_graph() -> dict[str, set[str]]:
     """Each of rmflow's own modules -> the own modules it imports, counting imports deferred into
     functions."""
-    own = ("schemas", "pipelines", "trainer", "rmflow")
+    own = ("schemas", "rendering", "pipelines", "trainer", "rmflow")
     modules = {m for p in own for m in _modules(p)}
     graph: dict[str, set[str]] = {}
     for m in modules:
@@ -158,7 +163,7 @@ def test_one_home_decides_whether_a_path_is_a_url():
     """Whether a string is a URL (read through a filesystem library) or an OS path is decided in
     ``schemas.paths`` alone: an inline ``"://" in`` elsewhere could drift from it."""
     home = REPO / "schemas" / "paths.py"
-    for package in ("schemas", "pipelines", "trainer", "rmflow"):
+    for package in ("schemas", "rendering", "pipelines", "trainer", "rmflow"):
         for f in sorted((REPO / package).rglob("*.py")):
             if f == home:
                 continue
@@ -186,7 +191,7 @@ def test_one_home_handles_the_signals_that_stop_a_process():
     boundary. A handler installed elsewhere could skip the restore, the main-thread check, or the
     stop note that keeps a stopped process from publishing."""
     home = REPO / "schemas" / "stops.py"
-    for package in ("schemas", "pipelines", "trainer", "rmflow"):
+    for package in ("schemas", "rendering", "pipelines", "trainer", "rmflow"):
         for f in sorted((REPO / package).rglob("*.py")):
             if f == home:
                 continue

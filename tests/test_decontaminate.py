@@ -9,8 +9,8 @@ import pathlib
 
 import pytest
 from rmflow.pipelines.decontaminate import EvalIndex, index_file, ngrams, prompt_text, words
-from rmflow.pipelines.formats import BadRecord
 from rmflow.pipelines.preprocess import PreprocessError, run
+from rmflow.rendering.formats import BadRecord
 from rmflow.schemas.config import ConfigError, PreprocessConfig
 
 from tests.conftest import SHARED_DATA
@@ -196,7 +196,7 @@ def test_bad_decontaminate_options_are_refused(tmp_path):
 
 def test_a_solution_is_checked_by_its_problem_and_with_replies_by_its_steps():
     from rmflow.pipelines.decontaminate import record_texts
-    from rmflow.pipelines.formats import CanonicalSteps
+    from rmflow.rendering.formats import CanonicalSteps
 
     sol = CanonicalSteps("s", 1, (("system", "be brief"), ("user", "the problem")), ("step one", "step two"),
                          (True, False))

@@ -1,5 +1,5 @@
 import pytest
-from rmflow.pipelines.formats import BadRecord, Tie, detect_format, normalize, parse_hh_transcript
+from rmflow.rendering.formats import BadRecord, Tie, detect_format, normalize, parse_hh_transcript
 
 U = lambda c: {"role": "user", "content": c}  # noqa: E731
 A = lambda c: {"role": "assistant", "content": c}  # noqa: E731

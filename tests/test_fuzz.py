@@ -11,7 +11,8 @@ import pathlib
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from rmflow.pipelines.formats import (
+from rmflow.pipelines.preprocess import run
+from rmflow.rendering.formats import (
     BadRecord,
     CanonicalPair,
     CanonicalSteps,
@@ -19,7 +20,6 @@ from rmflow.pipelines.formats import (
     normalize,
     parse_json_object,
 )
-from rmflow.pipelines.preprocess import run
 from rmflow.schemas.config import FORMATS, STEP_FORMATS, PreprocessConfig
 from rmflow.schemas.manifest import ERRORS_FILE
 

@@ -22,7 +22,7 @@ from rmflow.schemas.presets import MODEL_PRESETS
 from rmflow.schemas.record import PairRecord, StepRecord
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("schemas", "pipelines", "trainer", "rmflow")
+PACKAGES = ("schemas", "rendering", "pipelines", "trainer", "rmflow")
 
 
 def _per_kind_tables():

@@ -4,8 +4,8 @@ per-input-file statistics (read, written, not written by reason, chosen-longer f
 import json
 
 import pytest
-from rmflow.pipelines.formats import Tie, WeakLabel, normalize
 from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.rendering.formats import Tie, WeakLabel, normalize
 from rmflow.schemas.config import ConfigError, PreprocessConfig
 
 

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
-from rmflow.pipelines.length import TooLong, apply_length_policy, assign_shard, assign_split
+from rmflow.pipelines.splitting import assign_shard, assign_split
+from rmflow.rendering.length import TooLong, apply_length_policy
 
 PROMPT = np.arange(100, 120, dtype=np.int32)  # 20 prompt tokens, the first 4 are the "head"
 C = np.r_[PROMPT, [1, 2, 3, 4, 5]].astype(np.int32)  # 25

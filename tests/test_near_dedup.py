@@ -72,8 +72,8 @@ def test_near_duplicate_prompts_are_dropped_naming_the_kept_record(tmp_path):
 
 
 def test_a_chain_of_near_duplicates_names_the_record_kept():
-    from rmflow.pipelines.formats import CanonicalPair
     from rmflow.pipelines.near_dedup import _DropFn
+    from rmflow.rendering.formats import CanonicalPair
 
     near = {("f", 3): (("f", 2), 0.9), ("f", 2): (("f", 1), 0.85)}  # 3 near 2, 2 near 1, 1 kept
     out = list(_DropFn("prompt").process((("f", 3), CanonicalPair("f", 3)), near))

@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from rmflow.pipelines.finalize import PreprocessError
-from rmflow.pipelines.formats import BadRecord, candidate_formats, detect_format, normalize
 from rmflow.pipelines.io import iter_records, list_inputs
 from rmflow.pipelines.preprocess import run as preprocess
-from rmflow.pipelines.tokenize import RecordTokenizer
+from rmflow.rendering.formats import BadRecord, candidate_formats, detect_format, normalize
+from rmflow.rendering.tokenize import RecordTokenizer
 from rmflow.schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.outputs import OutputBusy, output_lock, staged_output
@@ -81,7 +81,8 @@ def test_parquet_bytes_that_are_not_utf8_are_refused_and_decimals_are_numbers(tm
 
 @pytest.fixture(scope="module")
 def demo_tok():
-    from rmflow.pipelines.tokenize import build_tokenizer, load_tokenizer_assets
+    from rmflow.pipelines.tokenizer_files import load_tokenizer_assets
+    from rmflow.rendering.tokenize import build_tokenizer
 
     return build_tokenizer(load_tokenizer_assets(str(DEMO / "tokenizer")))
 
@@ -344,7 +345,7 @@ def test_a_tokenizer_without_a_chat_template_is_refused_before_any_record(tmp_pa
 
 
 def test_messages_say_what_is_wrong():
-    from rmflow.pipelines.formats import solution_to_score
+    from rmflow.rendering.formats import solution_to_score
 
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     for given in (conv, {"messages": conv}):

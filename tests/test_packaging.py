@@ -46,7 +46,8 @@ def test_the_demo_installs_without_torch_or_google_cloud():
 
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 # Which extras each folder's code runs under (the base dependencies always).
-RUNS_UNDER = {"schemas": (), "pipelines": ("preprocess",), "trainer": ("train",), "rmflow": ("preprocess", "train")}
+RUNS_UNDER = {"schemas": (), "rendering": ("preprocess", "train"), "pipelines": ("preprocess",), "trainer": ("train",),
+              "rmflow": ("preprocess", "train")}
 IMPORT_NAMES = {"yaml": "pyyaml", "orbax": "orbax-checkpoint", "absl": "absl-py"}  # import name -> distribution
 # Imported only by an opt-in feature, which says which extra to install when it is missing.
 OPT_IN = {"wandb": "wandb", "starlette": "starlette", "uvicorn": "uvicorn",  # rmflow serve: the serve extra
@@ -67,7 +68,7 @@ def _requirements(*extras: str) -> list[Requirement]:
 
 
 def _third_party_imports(folder: str) -> set[str]:
-    own = {"rmflow", "schemas", "pipelines", "trainer"}
+    own = {"rmflow", "schemas", "rendering", "pipelines", "trainer"}
     found = set()
     for f in (REPO / folder).rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):

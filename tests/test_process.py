@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from rmflow.pipelines.formats import BadRecord, CanonicalSteps, detect_format, normalize
-from rmflow.pipelines.length import TooLong, apply_length_policy_steps
 from rmflow.pipelines.preprocess import PreprocessError
 from rmflow.pipelines.preprocess import run as preprocess
-from rmflow.pipelines.tokenize import step_token_ends
+from rmflow.rendering.formats import BadRecord, CanonicalSteps, detect_format, normalize
+from rmflow.rendering.length import TooLong, apply_length_policy_steps
+from rmflow.rendering.tokenize import step_token_ends
 from rmflow.schemas.config import PreprocessConfig, TrainConfig
 from rmflow.schemas.manifest import Manifest
 from rmflow.schemas.record import RecordCorruptError, StepRecord, decode, encode, peek_lengths

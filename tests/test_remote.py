@@ -12,7 +12,7 @@ import pytest
 from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.preprocess import Plan, PreprocessError, build, make_pipeline, pipeline_options, run
-from rmflow.pipelines.tokenize import load_tokenizer_assets
+from rmflow.pipelines.tokenizer_files import load_tokenizer_assets
 from rmflow.schemas.config import PreprocessConfig
 
 from tests import fakefs

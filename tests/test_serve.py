@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 import requests
-from rmflow.pipelines.formats import parse_hh_transcript
+from rmflow.rendering.formats import parse_hh_transcript
 from rmflow.schemas.config import TrainConfig
 from rmflow.trainer.train import run as train
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
-from rmflow.pipelines.formats import BadRecord, normalize
-from rmflow.pipelines.tokenize import RecordTokenizer, TokenizerError, build_tokenizer, load_tokenizer_assets
+from rmflow.pipelines.tokenizer_files import load_tokenizer_assets
+from rmflow.rendering.formats import BadRecord, normalize
+from rmflow.rendering.tokenize import RecordTokenizer, TokenizerError, build_tokenizer
 
 U = lambda c: {"role": "user", "content": c}  # noqa: E731
 A = lambda c: {"role": "assistant", "content": c}  # noqa: E731

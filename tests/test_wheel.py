@@ -30,7 +30,8 @@ import requests
 from packaging.requirements import Requirement
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TREES = {"rmflow": "rmflow", "rmflow/schemas": "schemas", "rmflow/pipelines": "pipelines", "rmflow/trainer": "trainer"}
+TREES = {"rmflow": "rmflow", "rmflow/schemas": "schemas", "rmflow/rendering": "rendering", "rmflow/pipelines": "pipelines",
+         "rmflow/trainer": "trainer"}
 COMMANDS = ("preprocess", "train", "run", "eval", "score", "serve", "export")
 DEMO = "rmflow/demo/hh_rlhf_helpful_sample.jsonl.gz"
 

@@ -215,8 +215,8 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
 
     model_path, data, batch_size = cfg.model, list(cfg.data), cfg.batch_size
     model, pad_id = loaded.model, loaded.pad_id
-    from rmflow.pipelines.formats import BadRecord
-    from rmflow.pipelines.tokenize import RecordTokenizer
+    from rmflow.rendering.formats import BadRecord
+    from rmflow.rendering.tokenize import RecordTokenizer
 
     tok = AutoTokenizer.from_pretrained(require_tokenizer(model_path, loaded.tokenizer_dir, "rewardbench-v2"))
     renderer = RecordTokenizer(tok, loaded.step_separator)  # as preprocessing renders: message text is text

@@ -50,7 +50,7 @@ def conversation_messages(obj: Any) -> tuple[tuple[str, ...], ...]:
     """The messages of a conversation (a list of ``{role, content}``, or an object with ``messages``),
     read by the preprocessing code itself (roles, text parts, tool calls), ending with an assistant
     message."""
-    from rmflow.pipelines.formats import BadRecord, is_empty_reply, read_messages
+    from rmflow.rendering.formats import BadRecord, is_empty_reply, read_messages
 
     msgs = obj.get("messages") if isinstance(obj, dict) else obj
     if not isinstance(msgs, (list, tuple)) or not msgs:
@@ -107,7 +107,7 @@ class RewardModel:
         return cls(loaded, tok, loaded.normalization)
 
     def _record_tokenizer(self):
-        from rmflow.pipelines.tokenize import RecordTokenizer
+        from rmflow.rendering.tokenize import RecordTokenizer
 
         if self._renderer is None:
             self._renderer = RecordTokenizer(self.tokenizer, self.step_separator)
@@ -126,7 +126,7 @@ class RewardModel:
         template applied; message text, special-token strings included, as text); raises
         BadConversation. Longer than the model's positions: an error, or with ``truncate="left"``
         the earliest tokens dropped, as long as the reply to score stays whole."""
-        from rmflow.pipelines.formats import BadRecord
+        from rmflow.rendering.formats import BadRecord
 
         messages = conversation_messages(conversation)
         if truncate != "left":
@@ -239,7 +239,7 @@ class RewardModel:
         """(token ids, index of each step's scoring token) of one solution, ``{"prompt": ...,
         "completions": [step, ...]}``, rendered by the preprocessing code itself; raises
         BadConversation (also when too long: every step is scored, so nothing is truncated)."""
-        from rmflow.pipelines.formats import BadRecord, solution_to_score
+        from rmflow.rendering.formats import BadRecord, solution_to_score
 
         self._require(PROCESS, "encode_steps")
         try:

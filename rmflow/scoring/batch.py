@@ -31,12 +31,12 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInf
 from apache_beam.pvalue import TaggedOutput
 
 from rmflow.pipelines import io as rio
-from rmflow.pipelines.formats import BadRecord, detect_format, normalize
 from rmflow.pipelines.publication import FAILED_FILE, publish, published, refuse
 from rmflow.pipelines.runner import launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import new_staging
-from rmflow.pipelines.tokenize import message_dict
 from rmflow.pipelines.transforms import DEAD, FILES, ReadRecordsFn, as_bad_record, dead_letter
+from rmflow.rendering.formats import BadRecord, detect_format, normalize
+from rmflow.rendering.tokenize import message_dict
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import MAX_BAD_FRACTION
 from rmflow.schemas.errors import RmflowError

@@ -1,11 +1,10 @@
 """Chat template and tokenization: canonical pairs to token ids with explicit reward indices.
 
-``TokenizerAssets`` holds the tokenizer's files as bytes. It is read once where the job
-is launched (from a local folder, any Beam filesystem path such as gs://, or the Hugging
-Face Hub) and written, as used, into the job's staging folder, where the workers read it,
-so Dataflow workers need no access to where the tokenizer came from. ``RecordTokenizer`` is
-the pure core the Beam step wraps; importing this module loads no Beam (the API's and the
-server's scoring use it).
+``TokenizerAssets`` holds the tokenizer's files as bytes (where they are read from and written
+to is the Beam stage's: ``pipelines.tokenizer_files``); its hash is the tokenizer's identity as
+used, which the manifest, a run and an export carry. ``RecordTokenizer`` renders and tokenizes a
+record exactly as preprocessing did: the Beam step wraps it, and scoring (the API, the server,
+eval, batch scoring) calls it directly.
 """
 
 from __future__ import annotations
@@ -18,28 +17,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from rmflow.pipelines.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
-from rmflow.pipelines.length import apply_length_policy, apply_length_policy_steps
+from rmflow.rendering.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
+from rmflow.rendering.length import apply_length_policy, apply_length_policy_steps
 from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.manifest import (
-    TOKENIZER_FILES,
     TokenizerInfo,
     sha256_text,
     tokenizer_sha256,
     vocabulary_sha256,
 )
-from rmflow.schemas.paths import is_url
 from rmflow.schemas.record import PairRecord, StepRecord
 
 # transformers announces at import that PyTorch is absent: irrelevant here (tokenizers only).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-
-def _looks_like_path(name: str) -> bool:
-    """A hub id is 'name' or 'namespace/name'; anything else is meant as a path."""
-    return is_url(name) or os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 \
-        or os.sep != "/" and os.sep in name
 
 
 class TokenizerError(RmflowError, RuntimeError):
@@ -85,65 +76,6 @@ class TokenizerAssets:
     def key(self) -> str:
         """Identity of the tokenizer as used: its files and any chat template override."""
         return self.sha256
-
-
-def load_tokenizer_assets(name_or_path: str, chat_template_file: str | None = None) -> TokenizerAssets:
-    """Read a tokenizer's files from a folder (local or any Beam filesystem) or a hub id."""
-    from apache_beam.io.filesystems import FileSystems
-
-    files: dict[str, bytes] = {}
-    folder = name_or_path.rstrip("/")
-    if FileSystems.exists(folder + "/tokenizer_config.json") or FileSystems.exists(folder + "/tokenizer.json"):
-        for name in TOKENIZER_FILES:
-            path = f"{folder}/{name}"
-            if FileSystems.exists(path):
-                with FileSystems.open(path, compression_type="uncompressed") as f:
-                    files[name] = f.read()
-    elif os.path.exists(name_or_path):
-        raise TokenizerError(
-            f"{name_or_path} is not a tokenizer folder: it has no tokenizer.json or tokenizer_config.json"
-        )
-    elif _looks_like_path(name_or_path):  # not a hub id: no point asking the Hub
-        raise TokenizerError(f"tokenizer folder {name_or_path} does not exist: pass a tokenizer folder "
-                             "(with tokenizer.json) or a Hugging Face Hub id such as HuggingFaceTB/SmolLM2-135M")
-    else:
-        try:
-            from huggingface_hub import snapshot_download
-
-            local = snapshot_download(name_or_path, allow_patterns=list(TOKENIZER_FILES))
-        except Exception as e:  # offline, unknown repo, gated repo ...
-            raise TokenizerError(
-                f"tokenizer {name_or_path!r} is neither a folder nor a reachable Hugging Face Hub id "
-                f"({type(e).__name__}: {e}). Pass a local tokenizer folder with --tokenizer."
-            ) from e
-        for name in TOKENIZER_FILES:
-            path = os.path.join(local, name)
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    files[name] = f.read()
-    template = None
-    if chat_template_file:
-        if not FileSystems.exists(chat_template_file):
-            raise TokenizerError(f"--chat-template file {chat_template_file} does not exist")
-        with FileSystems.open(chat_template_file, compression_type="uncompressed") as f:
-            template = f.read().decode("utf-8")
-    return TokenizerAssets(name_or_path, files, template)
-
-
-def write_tokenizer_files(assets: TokenizerAssets, folder: str) -> None:
-    """Write the tokenizer's files as used (the chat template override applied) into ``folder``
-    (local or any Beam filesystem)."""
-    # Beam's filesystems, imported here: scoring, which uses only RecordTokenizer, loads no Beam.
-    from rmflow.pipelines import io as rio
-
-    for name, data in assets.files_as_used().items():
-        rio.write_bytes(f"{folder.rstrip('/')}/{name}", data)
-
-
-def read_tokenizer_files(folder: str, name: str) -> TokenizerAssets:
-    """The assets ``write_tokenizer_files`` wrote, named ``name`` again: the same tokenizer, the
-    same identity (``key``, ``sha256``), as the template is in the files."""
-    return dataclasses.replace(load_tokenizer_assets(folder), name=name)
 
 
 def build_tokenizer(assets: TokenizerAssets) -> Any:

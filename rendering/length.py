@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
-from rmflow.pipelines.formats import BadRecord
+from rmflow.rendering.formats import BadRecord
 
 
 class TooLong(BadRecord):
@@ -80,17 +78,3 @@ def apply_length_policy_steps(
         raise TooLong("steps_too_long", f"the {len(step_ends)} steps need {len(ids) - prompt_len} tokens plus "
                       f"{head} template tokens; max_length is {max_length}")
     return _cut(ids, head, excess), step_ends - excess, prompt_len - excess
-
-
-def _unit_hash(text: str) -> float:
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2.0**64
-
-
-def assign_split(pair_id: str, eval_fraction: float, seed: int = 0) -> str:
-    """Deterministic train/eval split by a salted hash of the pair's content id."""
-    return "eval" if _unit_hash(f"split:{seed}:{pair_id}") < eval_fraction else "train"
-
-
-def assign_shard(pair_id: str, num_shards: int) -> int:
-    return min(num_shards - 1, int(_unit_hash(f"shard:{pair_id}") * num_shards))
