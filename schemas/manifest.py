@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import KINDS, OUTCOME
 from rmflow.schemas.record import RECORD_VERSION
@@ -133,6 +134,13 @@ class Manifest:
                 raise ManifestError(f"unknown split {name!r}; expected one of {SPLITS}")
             if sum(s.records for s in split.shards) != split.records:
                 raise ManifestError(f"split {name}: shard record counts do not add up to {split.records}")
+
+    @property
+    def step_separator(self) -> str:
+        """The text after every step of a stepwise solution, as these records were rendered: the
+        preprocess config's (``STEP_SEPARATOR`` in a manifest from before the option). Scoring
+        renders with it, so that a process model reads steps as it was trained on them."""
+        return self.config.get("step_separator", STEP_SEPARATOR)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"

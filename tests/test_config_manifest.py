@@ -101,3 +101,23 @@ def test_tokenizer_identity_covers_the_template_and_the_vocabulary_identity_does
     assert vocabulary_sha256(files) == vocabulary_sha256(other_template) == vocabulary_sha256(own_file)
     assert vocabulary_sha256(other_vocab) != vocabulary_sha256(files)
     assert tokenizer_sha256({**files, "README.md": b"x"}) == tokenizer_sha256(files)  # tokenizer files only
+
+
+def test_the_step_separator_of_shards_is_read_in_one_place():
+    """The manifest says how its stepwise records were rendered (``Manifest.step_separator``):
+    the preprocess config's, or the default for a manifest from before the option. Nothing reads
+    the manifest's config for it with a fallback of its own."""
+    import pathlib
+    import re
+
+    from rmflow.schemas.config import STEP_SEPARATOR
+
+    assert manifest(config={"max_length": 512, "step_separator": "\n\n"}).step_separator == "\n\n"
+    assert manifest(config={"max_length": 512}).step_separator == STEP_SEPARATOR
+    root = pathlib.Path(__file__).resolve().parents[1]
+    home = root / "schemas" / "manifest.py"
+    reads = re.compile(r"config(\.get\(|\[)[\"']step_separator[\"']")
+    for package in ("schemas", "rendering", "pipelines", "trainer", "rmflow"):
+        for f in sorted((root / package).rglob("*.py")):
+            if f != home:
+                assert not reads.search(f.read_text()), f"{f.relative_to(root)}: use Manifest.step_separator"

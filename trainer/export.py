@@ -17,7 +17,6 @@ import warnings
 
 import numpy as np
 from flax import nnx
-from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import kind_of_head
 from rmflow.schemas.outputs import EXPORT_INFO, output_lock, staged_output
@@ -157,7 +156,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
             json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
                        "data": run.config.data, "tokenizer_sha256": run.manifest.tokenizer.sha256,
                        "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.kind,
-                       "step_separator": run.manifest.config.get("step_separator", STEP_SEPARATOR),
+                       "step_separator": run.manifest.step_separator,
                        "max_length": run.manifest.max_length}, f, indent=2)
     return output
 

@@ -117,7 +117,7 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
         model, run, step = load_trained_model(path, step)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
-                           run.manifest.config.get("step_separator", STEP_SEPARATOR), step, os.path.abspath(path),
+                           run.manifest.step_separator, step, os.path.abspath(path),
                            run.manifest.max_length)
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an "

@@ -54,7 +54,7 @@ def read_manifest(data: str) -> Manifest:
 SAME_PREPROCESSING = (
     ("tokenizer and chat template", lambda m: m.tokenizer.sha256),
     ("reward model kind", lambda m: m.kind),
-    ("step separator", lambda m: m.config.get("step_separator")),
+    ("step separator", lambda m: m.step_separator),
     ("record version", lambda m: m.record_version),
 )
 

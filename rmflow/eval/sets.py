@@ -17,7 +17,7 @@ import os
 import shutil
 import warnings
 
-from rmflow.schemas.config import STEP_SEPARATOR, PreprocessConfig, TrainConfig
+from rmflow.schemas.config import PreprocessConfig, TrainConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import ERRORS_FILE, TOKENIZER_DIR
 from rmflow.trainer import storage
@@ -51,7 +51,7 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
             result = preprocess(PreprocessConfig(
                 inputs=tuple(paths), output=folder, tokenizer=os.path.join(data, TOKENIZER_DIR),
                 max_length=cfg.max_length or manifest.max_length, length_policy=manifest.length_policy,
-                step_separator=manifest.config.get("step_separator", STEP_SEPARATOR), eval_fraction=0.0,
+                step_separator=manifest.step_separator, eval_fraction=0.0,
                 max_bad_fraction=1.0, overwrite=True))
         except PreprocessError as e:
             for staging in glob.glob(glob.escape(folder) + STAGING_SUFFIX + "*"):
