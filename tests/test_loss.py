@@ -3,7 +3,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rmflow.trainer.loss import SUM_KEYS, pair_metrics_of_sums, pairwise_loss
+from rmflow.trainer.loss import SUM_KEYS, pair_metrics_of_sums, pairwise_loss, step_loss
 
 
 def log_sigmoid(x):
@@ -47,3 +47,30 @@ def test_window_metrics_are_exact_counts_not_means_of_means():
     assert pair_metrics_of_sums(window)["accuracy"] == pytest.approx(1 / 4)  # a mean of means would say 1/2
     r = np.array([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
     assert pair_metrics_of_sums(window)["reward_std"] == pytest.approx(r.std())
+
+
+def test_a_figure_logged_while_training_equals_the_same_figure_in_eval():
+    """The window metrics of training (sums) and rmflow eval (a whole set) compute the shared
+    figures from one definition (``schemas.metrics``): on the same predictions they agree,
+    ties and steps exactly at the threshold included."""
+    from rmflow.trainer.loss import step_metrics_of_sums
+
+    from rmflow.eval.metrics import pair_metrics, process_metrics
+
+    rng = np.random.default_rng(0)
+    rc = rng.normal(size=64).astype(np.float32)
+    rr = np.where(np.arange(64) % 8 == 0, rc, rng.normal(size=64)).astype(np.float32)  # some ties
+    _, sums = pairwise_loss(jnp.asarray(rc), jnp.asarray(rr), jnp.zeros(64), jnp.ones(64))
+    logged, evaluated = pair_metrics_of_sums({k: float(v) for k, v in sums.items()}), pair_metrics(rc, rr)
+    assert logged["accuracy"] == pytest.approx(evaluated["accuracy"]) and evaluated["ties"] == 8
+    assert logged["ties"] == pytest.approx(evaluated["tie_rate"])
+
+    p = rng.uniform(size=(4, 16))
+    p[0, :3] = 0.5  # exactly at the threshold: predicted correct by both
+    labels = (rng.uniform(size=(4, 16)) > 0.4).astype(np.int32)
+    logits = np.stack([np.zeros_like(p), np.log(p) - np.log1p(-p)], -1).astype(np.float32)  # P(correct) = p
+    _, step_sums = step_loss(jnp.asarray(logits), jnp.asarray(labels), jnp.ones((4, 16)))
+    logged = step_metrics_of_sums({k: float(v) for k, v in step_sums.items()})
+    evaluated = process_metrics(list(p), list(labels))
+    for name in ("step_accuracy", "incorrect_precision", "incorrect_recall", "incorrect_f1"):
+        assert logged[name] == pytest.approx(evaluated[name], abs=1e-6), name

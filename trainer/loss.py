@@ -7,8 +7,11 @@ Rewards are (B,) float32. A (B, 1) array where (B,) is expected is refused, not 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from rmflow.schemas.metrics import STEP_THRESHOLD, incorrect_class
 
 # Sums a step reports; windows add them up and divide once (never a mean of means).
 SUM_KEYS = ("pairs", "loss_sum", "bt_loss_sum", "center_sum", "correct", "ties", "margin_sum",
@@ -83,7 +86,7 @@ def step_loss(logits, labels, weight):
     correct), as TRL's PRMTrainer and Axolotl train process reward models.
 
     ``logits`` (R, S, 2), ``labels`` (R, S) in {0, 1}, ``weight`` (R, S): 1 for a real step, 0 for
-    a padding slot. A step is predicted incorrect when P(correct) < 0.5. Returns the scalar loss
+    a padding slot. A step is predicted incorrect when P(correct) < ``STEP_THRESHOLD``. Returns the scalar loss
     and the metric sums (``STEP_SUM_KEYS``): with "incorrect" as the positive class,
     true/false/missed incorrect are true positives, false positives and false negatives.
     """
@@ -95,7 +98,7 @@ def step_loss(logits, labels, weight):
     ce = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
     w = weight.astype(jnp.float32)
     n = w.sum()
-    predicted_incorrect = logp[..., 1] < jnp.log(0.5)
+    predicted_incorrect = logp[..., 1] < math.log(STEP_THRESHOLD)
     truly_incorrect = y == 0
     loss = (w * ce).sum() / jnp.maximum(n, 1.0)
     sums = {
@@ -110,24 +113,16 @@ def step_loss(logits, labels, weight):
     return loss, sums
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0
-
-
 def step_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
     """Window metrics of a process reward model from exact sums: loss, step accuracy, and
     precision / recall / F1 of the "incorrect" class (the steps a PRM exists to find)."""
     n = sums["steps"]
     if not n:
         return {"steps": 0}
-    tp, fp, fn = sums["true_incorrect"], sums["false_incorrect"], sums["missed_incorrect"]
-    precision, recall = _ratio(tp, tp + fp), _ratio(tp, tp + fn)
     return {
         "steps": int(n),
         "loss": sums["loss_sum"] / n,
         "step_accuracy": sums["correct"] / n,
-        "incorrect_precision": precision,
-        "incorrect_recall": recall,
-        "incorrect_f1": _ratio(2 * precision * recall, precision + recall),
+        **incorrect_class(sums["true_incorrect"], sums["false_incorrect"], sums["missed_incorrect"]),
         "mean_p_correct": sums["p_correct_sum"] / n,
     }

@@ -8,7 +8,8 @@ Brier score), a length-bias diagnostic and per-subset accuracy.
 Process reward models (``process_metrics``, over P(correct) per step): step accuracy,
 precision / recall / F1 of the "incorrect" class, the first wrong step found exactly, and
 ProcessBench's F1 of the accuracies on solutions with and without an error. A step is judged
-incorrect below ``STEP_THRESHOLD``; ``first_error`` is where a solution first goes wrong.
+incorrect below ``STEP_THRESHOLD``; ``first_error`` is where a solution first goes wrong. The
+figures the training logs share with eval are defined in ``schemas.metrics``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from rmflow.schemas.metrics import STEP_THRESHOLD, f1, incorrect_class
 
 ECE_BINS = 10
 
@@ -113,17 +116,10 @@ def pair_metrics(
     return out
 
 
-STEP_THRESHOLD = 0.5  # a step is predicted incorrect when P(correct) is below this
-
-
 def first_error(incorrect: np.ndarray) -> int:
     """Index of the first True (an incorrect step), -1 when none."""
     hit = np.flatnonzero(incorrect)
     return int(hit[0]) if hit.size else -1
-
-
-def _f1(a: float, b: float) -> float:
-    return 2 * a * b / (a + b) if a + b else 0.0
 
 
 def _first_error_figures(pred: np.ndarray, true: np.ndarray) -> dict[str, Any]:
@@ -134,7 +130,7 @@ def _first_error_figures(pred: np.ndarray, true: np.ndarray) -> dict[str, Any]:
         "solutions": int(len(true)), "with_error": int(erroneous.sum()), "all_correct": int(clean.sum()),
         "first_error_accuracy": float((pred == true).mean()),
         "accuracy_with_error": acc_err, "accuracy_all_correct": acc_ok,
-        "processbench_f1": _f1(acc_err, acc_ok) if acc_err is not None and acc_ok is not None else None,
+        "processbench_f1": f1(acc_err, acc_ok) if acc_err is not None and acc_ok is not None else None,
     }
 
 
@@ -151,8 +147,6 @@ def process_metrics(p_correct: Sequence[np.ndarray], labels: Sequence[np.ndarray
     y = np.concatenate([np.asarray(x) for x in labels]).astype(bool)  # True: correct step
     pred_wrong, wrong = p < threshold, ~y
     tp, fp, fn = int((pred_wrong & wrong).sum()), int((pred_wrong & ~wrong).sum()), int((~pred_wrong & wrong).sum())
-    precision = tp / (tp + fp) if tp + fp else 0.0
-    recall = tp / (tp + fn) if tp + fn else 0.0
     eps = 1e-12
     pred_first = np.array([first_error(np.asarray(x) < threshold) for x in p_correct])
     true_first = np.array([first_error(np.asarray(x) == 0) for x in labels])
@@ -162,7 +156,7 @@ def process_metrics(p_correct: Sequence[np.ndarray], labels: Sequence[np.ndarray
         "step_accuracy": float((pred_wrong == wrong).mean()),
         "step_accuracy_ci95": list(wilson_interval(int((pred_wrong == wrong).sum()), len(y))),
         "loss": float(-np.where(y, np.log(np.maximum(p, eps)), np.log(np.maximum(1 - p, eps))).mean()),
-        "incorrect_precision": precision, "incorrect_recall": recall, "incorrect_f1": _f1(precision, recall),
+        **incorrect_class(tp, fp, fn),
         "confusion": {"true_incorrect": tp, "false_incorrect": fp, "missed_incorrect": fn,
                       "true_correct": int((~pred_wrong & ~wrong).sum())},
         "mean_p_correct": {"correct_steps": float(p[y].mean()) if y.any() else None,

@@ -25,11 +25,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rmflow.eval.metrics import STEP_THRESHOLD, first_error
+from rmflow.eval.metrics import first_error
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME, PROCESS
+from rmflow.schemas.metrics import STEP_THRESHOLD
 from rmflow.schemas.stops import refuse_if_stopping
 from rmflow.scoring.api import BadConversation, RewardModel
 
