@@ -75,23 +75,44 @@ def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
         assert not all(pow2(n) for n in got) and all(n % 16 == 0 for n in got), got  # 8 per doubling of 128
 
 
-def test_a_run_rounds_by_what_a_compilation_costs_on_its_platform(synthetic, tmp_path, monkeypatch):
-    """The rounding is asked for with the run's backend: the same run on an accelerator, where
-    a compilation costs many more steps, rounds its rows to fewer lengths."""
+def test_a_run_is_planned_without_a_device(synthetic, tmp_path):
+    """``plan_run`` decides a run from its config, its data and the mesh's numbers alone: the same
+    config planned for this CPU and for 8 GPUs over 2 processes. On an accelerator, where a
+    compilation costs many more steps, rows are rounded to fewer lengths; the batch is split
+    over the processes and each process packs one row per batch shard."""
+    from rmflow.trainer.errors import TrainError
+    from rmflow.trainer.plan import plan_run
+
+    cfg = config(synthetic, tmp_path / "r", max_steps=2000, eval_steps=5)
+    cpu = plan_run(cfg, mesh_shape={"data": 1, "fsdp": 1, "tensor": 1}, processes=1, backend="cpu")
+    gpu = plan_run(cfg, mesh_shape={"data": 4, "fsdp": 2, "tensor": 1}, processes=2, backend="gpu")
+    assert cpu.total_steps == gpu.total_steps == 2000 and cpu.evaluations == tuple(range(5, 2001, 5))
+    assert (cpu.train_rounding, gpu.train_rounding) == (8, 2) and (cpu.eval_rounding, gpu.eval_rounding) == ({"": 8}, {"": 2})
+    assert (cpu.packing, gpu.packing) == ("pack", "bucket")
+    assert (cpu.rows, cpu.local_batch, gpu.rows, gpu.local_batch) == (1, 16, 4, 8)
+    with pytest.raises(TrainError, match=r"batch_size 16 must be a multiple of the 32 batch shards \(mesh data x fsdp = 8 x 4\)"):
+        plan_run(cfg, mesh_shape={"data": 8, "fsdp": 4, "tensor": 1}, processes=1, backend="gpu")
+    with pytest.raises(TrainError, match=r"warmup_steps 100000 >= the run's \d+ steps"):  # one epoch's steps
+        plan_run(config(synthetic, tmp_path / "w", max_steps=0, num_epochs=1, warmup_steps=100_000),
+                 mesh_shape={"data": 1, "fsdp": 1, "tensor": 1}, processes=1, backend="cpu")
+
+
+def test_a_run_plans_with_its_own_mesh_and_backend(synthetic, tmp_path, monkeypatch):
+    """The run plans with the backend it runs on and the shape of the mesh it made."""
     from rmflow.trainer import train as train_module
-    from rmflow.trainer.data import lengths_per_doubling
 
     asked = []
+    real = train_module.plan_run
 
-    def spy(batches, backend="cpu"):
-        asked.append(backend)
-        return lengths_per_doubling(batches, backend)
+    def spy(cfg, **kw):
+        asked.append(kw)
+        return real(cfg, **kw)
 
-    monkeypatch.setattr(train_module, "lengths_per_doubling", spy)
+    monkeypatch.setattr(train_module, "plan_run", spy)
     run = train_module.Run(config(synthetic, tmp_path / "r", max_steps=2000, eval_steps=5))
-    assert asked == [jax.default_backend()] * 2  # train, then the eval set
-    assert run.train_rounding == lengths_per_doubling(2000) == 8
-    assert lengths_per_doubling(2000, "gpu") == 2 and lengths_per_doubling(400 * 5, "gpu") == 2
+    assert asked == [{"mesh_shape": dict(run.mesh.shape), "processes": jax.process_count(),
+                      "backend": jax.default_backend()}]
+    assert run.plan.train_rounding == 8
 
 
 @pytest.mark.parametrize("devices,packing", [(1, "pack"), (8, "bucket")])

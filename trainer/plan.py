@@ -1,0 +1,178 @@
+"""A run planned before any device work: its data, the checks it must pass, its steps, how its
+loaders round rows and when it evaluates.
+
+``plan_run`` reads the shards' manifests and refuses, in one line each, what cannot train (sets
+preprocessed differently, a split with nothing in it, eval sets that are training data, a batch
+that does not split over the mesh, a warmup as long as the run, a ``metric_for_best`` no eval
+logs). It needs the mesh's shape only as numbers (its axes' sizes, the processes) and the
+backend's name: a plan is made and tested without a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from collections.abc import Mapping
+
+from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.manifest import MANIFEST_FILE, Manifest, ManifestError
+from rmflow.schemas.sources import DataSource
+from rmflow.trainer.data import count_records, lengths_per_doubling, resolve_packing
+from rmflow.trainer.errors import TrainError
+from rmflow.trainer.objective import Objective, objective_for
+from rmflow.trainer.parallel.mesh import BATCH_AXES
+from rmflow.trainer.setup import (
+    check_same_preprocessing,
+    evaluates_at,
+    plan_steps,
+    read_manifest,
+    shard_paths,
+)
+
+SMALL_EVAL = 20  # an eval split below this many records gets a warning: its accuracy says little
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    cfg: TrainConfig
+    sources: tuple[DataSource, ...]
+    manifests: tuple[Manifest, ...]
+    manifest: Manifest  # the run's (kept in the run directory): the set allowing the longest sequences
+    primary: str  # that set's folder
+    max_length: int
+    objective: Objective
+    train_sets: tuple[list[str], ...]  # each set's train shards
+    train_units: tuple[int, ...]  # each set's train records
+    eval_sets: dict[str, list[str]]  # evaluated at each eval: the data's eval split ("", or each set's by name), named sets
+    data_evals: tuple[str, ...]  # the eval sets of the data: their counts add up to eval_*
+    rows: int  # packed rows of this process's micro-batch: one per batch shard
+    local_batch: int  # records this process reads per micro-batch
+    packing: str
+    total_steps: int
+    evaluations: tuple[int, ...]  # the steps after which the run evaluates
+    train_rounding: int  # lengths per doubling of the train loader's rows (``lengths_per_doubling``)
+    eval_rounding: dict[str, int]  # of each eval set's loader
+    pad_id: int
+
+    @property
+    def mixture(self) -> bool:
+        return len(self.sources) > 1
+
+    @property
+    def weights(self) -> list[float] | None:
+        """The sets' sampling weights of a mixture; None for one set."""
+        return [s.weight for s in self.sources] if self.mixture else None
+
+    def warn_small_evals(self) -> None:
+        """A warning for each eval split too small for its accuracy to say much (given once every
+        check has passed: a refused run prints its one line alone)."""
+        for name, m in zip([s.name if self.mixture else "" for s in self.sources], self.manifests):
+            n_eval = m.splits["eval"].records if "eval" in m.splits else 0
+            if 0 < n_eval < SMALL_EVAL:
+                warnings.warn(f"the eval split{f' of {name}' if name else ''} holds {n_eval} "
+                              f"{self.objective.kind.units}: its accuracy moves in steps of {1 / n_eval:.2g} and says "
+                              f"little (a 95% interval spans about +-{min(1.0, 0.98 / n_eval ** 0.5):.2f}); preprocess "
+                              "with a larger --eval-fraction for a figure to rely on", RmflowWarning, stacklevel=3)
+
+
+def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int, backend: str) -> RunPlan:
+    """The plan of ``cfg`` on a device mesh of ``mesh_shape`` (axis -> size, the batch split over
+    ``BATCH_AXES``) over ``processes`` processes on ``backend``; raises TrainError on the first
+    check it fails."""
+    batch_shards = math.prod(mesh_shape[a] for a in BATCH_AXES)
+    sources = cfg.sources
+    mixture = len(sources) > 1
+    manifests = [read_manifest(s.path) for s in sources]
+    check_same_preprocessing(sources, manifests)
+    manifest = max(manifests, key=lambda m: m.max_length)
+    primary = sources[manifests.index(manifest)].path
+    max_length = cfg.max_length or manifest.max_length
+    for source, m in zip(sources, manifests):
+        try:
+            m.check_compatible(max_length=max_length)
+        except ManifestError as e:
+            raise TrainError(f"{source.path}: {e}" if mixture else str(e)) from e
+    objective = objective_for(manifest.kind)
+    train_sets = tuple(shard_paths(s.path, m, "train") for s, m in zip(sources, manifests))
+    for source, paths in zip(sources, train_sets):
+        if not paths:
+            raise TrainError(f"{source.path} has no train {objective.kind.units}")
+    eval_sets = {(s.name if mixture else ""): paths for s, m in zip(sources, manifests)
+                 if (paths := shard_paths(s.path, m, "eval"))}
+    data_evals = tuple(eval_sets)
+    eval_sets.update(_named_eval_sets(cfg.eval_data or {}, sources, manifest, eval_sets, max_length, objective))
+    _check_metric_for_best(cfg.metric_for_best, objective, data_evals, eval_sets)
+    if not objective.kind.pairwise and cfg.center_rewards_coefficient:
+        raise TrainError(f"{cfg.data} holds {objective.kind.data} ({objective.kind.description}): "
+                         "center_rewards_coefficient applies to pairwise (outcome) reward models; set it to 0")
+    if cfg.batch_size % batch_shards:
+        raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {batch_shards} batch shards "
+                         f"(mesh data x fsdp = {mesh_shape['data']} x {mesh_shape['fsdp']})")
+    if batch_shards % processes:
+        raise TrainError(f"the mesh splits batches {batch_shards} ways, not a multiple of the {processes} processes")
+    local_batch = cfg.batch_size // processes
+    train_units = tuple(m.splits["train"].records for m in manifests)
+    total_steps = plan_steps(cfg, sum(train_units))
+    if cfg.warmup_steps >= total_steps:
+        raise TrainError(f"warmup_steps {cfg.warmup_steps} >= the run's {total_steps} steps: the learning "
+                         "rate would never reach its peak; use fewer warmup steps")
+    evaluations = tuple(step for step in range(1, total_steps + 1) if evaluates_at(cfg, step, total_steps))
+    # How finely each loader rounds its rows, by the batches its shapes serve (the run's steps; an
+    # eval set's batches on this process times the run's evaluations) and by what a compilation
+    # costs on this platform
+    eval_rounding = {name: lengths_per_doubling(-(-(count_records(paths) // processes) // local_batch)
+                                                * len(evaluations), backend)
+                     for name, paths in eval_sets.items()}
+    return RunPlan(cfg=cfg, sources=sources, manifests=tuple(manifests), manifest=manifest, primary=primary,
+                   max_length=max_length, objective=objective, train_sets=train_sets, train_units=train_units,
+                   eval_sets=eval_sets, data_evals=data_evals, rows=batch_shards // processes, local_batch=local_batch,
+                   packing=resolve_packing(cfg.packing, backend, math.prod(mesh_shape.values())), total_steps=total_steps,
+                   evaluations=evaluations, train_rounding=lengths_per_doubling(total_steps, backend),
+                   eval_rounding=eval_rounding, pad_id=manifest.tokenizer.pad_token_id or 0)
+
+
+def _named_eval_sets(eval_data: dict[str, list[str]], sources, manifest: Manifest, data_sets: dict[str, list[str]],
+                     max_length: int, objective: Objective) -> dict[str, list[str]]:
+    """``eval_data``'s shard folders (raw files were preprocessed before the run: ``rmflow.eval.sets``),
+    each evaluated whole (every split) under its name."""
+    training = {os.path.realpath(s.path): s.name for s in sources}
+    out = {}
+    for name, paths in eval_data.items():
+        folder = paths[0]
+        if len(paths) != 1 or not os.path.exists(os.path.join(folder, MANIFEST_FILE)):
+            raise TrainError(f"eval_data {name}: {', '.join(paths)} is not a shard folder (no manifest.json): "
+                             "`rmflow train` and `rmflow run` preprocess raw files first "
+                             "(rmflow.eval.sets.preprocess_eval_sets); or give a folder of `rmflow preprocess`")
+        if name in data_sets:
+            raise TrainError(f"eval_data {name}: a set of the mixture has this name (its eval split is logged "
+                             f"as eval/{name}/...); give the eval set another name")
+        if os.path.realpath(folder) in training:
+            raise TrainError(f"eval_data {name}: {folder} is training data; its eval split is evaluated already "
+                             "(eval_*); name only held-out sets")
+        named = read_manifest(folder)
+        check_same_preprocessing((DataSource("the data", ""), DataSource(name, folder)), [manifest, named])
+        try:
+            named.check_compatible(max_length=max_length)
+        except ManifestError as e:
+            raise TrainError(f"eval_data {name} ({folder}): {e}") from e
+        found = [p for split in named.splits for p in shard_paths(folder, named, split)]
+        if not found:
+            raise TrainError(f"eval_data {name}: {folder} holds no {objective.kind.units}")
+        out[name] = found
+    return out
+
+
+def _check_metric_for_best(metric: str, objective: Objective, data_evals: tuple[str, ...],
+                           eval_sets: dict[str, list[str]]) -> None:
+    """``metric_for_best`` names a metric this run's evals log."""
+    if not metric:
+        return
+    names = objective.metric_names
+    logged = ([f"eval_{m}" for m in names] if data_evals else []) + \
+        [f"eval/{s}/{m}" for s in eval_sets if s for m in names]
+    if metric not in logged:
+        shown = ", ".join(k for k in logged if k.endswith(("accuracy", "loss"))) or "none: the run has no eval set"
+        raise TrainError(f"metric_for_best {metric!r} is not a metric this run's evals log; for example {shown}")
