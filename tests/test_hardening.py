@@ -450,6 +450,19 @@ def test_a_checkpoint_of_another_model_is_one_line(base, tmp_path):
     assert "checkpoint step 2 does not hold the parameters of the run's model" in msg
 
 
+def test_an_export_is_the_kind_its_run_recorded(base, tmp_path):
+    """A model rmflow exported is loaded as the kind its run recorded (its export info), not as
+    whatever its head's width suggests; an export info at odds with the head is one line."""
+    from rmflow.scoring.api import RewardModel
+
+    assert cli("export", base / "run", "-o", tmp_path / "x").exit_code == 0
+    assert RewardModel.load(str(tmp_path / "x")).kind == "outcome"
+    info = tmp_path / "x" / "rmflow_export.json"
+    info.write_text(json.dumps({**json.loads(info.read_text()), "kind": "process"}))
+    msg = one_line_error(cli("eval", "--model", tmp_path / "x", "--data", base / "shards", "-o", tmp_path / "e"))
+    assert "says it is a process reward model" in msg and "its config.json has 1" in msg
+
+
 def test_a_chat_template_override_trains_and_evaluates_on_its_own_shards(tmp_path):
     """The shards' tokenizer identity is the tokenizer as used (the override applied), as the run
     stores it: eval of the run on its own shards is not refused."""

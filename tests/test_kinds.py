@@ -27,6 +27,7 @@ PACKAGES = ("schemas", "rendering", "pipelines", "trainer", "rmflow")
 
 def _per_kind_tables():
     from rmflow.trainer.data.loader import COLLATES
+    from rmflow.trainer.inference import SCORING_CORES
     from rmflow.trainer.objective import OBJECTIVES
 
     from rmflow.eval.evaluation import EVALUATORS
@@ -35,7 +36,7 @@ def _per_kind_tables():
 
     return {"trainer.objective.OBJECTIVES": OBJECTIVES, "trainer.data.loader.COLLATES": COLLATES,
             "rmflow.eval.evaluation.EVALUATORS": EVALUATORS, "rmflow.eval.reports.SUMMARIES": SUMMARIES,
-            "rmflow.scoring.scorers.SCORERS": SCORERS}
+            "rmflow.scoring.scorers.SCORERS": SCORERS, "trainer.inference.SCORING_CORES": SCORING_CORES}
 
 
 def test_every_per_kind_table_covers_exactly_the_kinds():
@@ -69,11 +70,14 @@ def test_export_head_reads_back_as_its_kind():
     from rmflow.trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
 
     for kind in KINDS.values():
-        cfg = hf_config(ModelConfig.tiny(vocab_size=64, num_labels=kind.num_labels), None, 0)
+        cfg = hf_config(ModelConfig.tiny(vocab_size=64, num_labels=kind.num_labels), None, 0, kind)
         assert cfg["architectures"][0].endswith(kind.hf_head) and head_kind(cfg) is kind
         assert hf_num_labels(cfg) == kind.num_labels and len(cfg["id2label"]) == kind.num_labels
         assert {v: int(k) for k, v in cfg["id2label"].items()} == cfg["label2id"]
     assert head_kind({"architectures": ["LlamaForCausalLM"]}) is None
+
+
+KIND_CONSTANTS = {name.upper() for name in KINDS}  # schemas.kinds.OUTCOME, PROCESS ...
 
 
 def _kind_metric(name) -> bool:
@@ -100,6 +104,9 @@ def _kind_decisions(path: pathlib.Path) -> list[str]:
         if isinstance(node, ast.Compare):
             parts = [node.left, *node.comparators]
             if any(isinstance(p, ast.Constant) and p.value in names for p in parts):
+                found.append(f"{where}:{node.lineno}: compares with a kind's name")
+            if any(isinstance(p, ast.Attribute) and p.attr == "name" and isinstance(p.value, ast.Name)
+                   and p.value.id in KIND_CONSTANTS for p in parts):
                 found.append(f"{where}:{node.lineno}: compares with a kind's name")
             if any(isinstance(p, ast.Constant) and p.value in MODEL_PRESETS for p in parts):
                 found.append(f"{where}:{node.lineno}: compares with a preset's name (use schemas.presets.is_preset)")
@@ -131,8 +138,9 @@ def test_the_scan_finds_what_it_forbids(tmp_path):
     probe.write_text('def f(m, rec):\n    if m.kind == "process" or m.config.num_labels == 2:\n        return 1\n'
                      '    if m.model != "tiny":\n        return 2\n'
                      '    if "eval_step_accuracy" in rec or "loss" in rec:\n        return 3\n'
+                     '    if m.kind == PROCESS.name:\n        return 4\n'
                      '    return isinstance(rec, (int, StepRecord))\n')
-    assert len(_kind_decisions(probe)) == 5  # "loss" is every kind's: not a decision
+    assert len(_kind_decisions(probe)) == 6  # "loss" is every kind's: not a decision
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))

@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 from flax import nnx
 from rmflow.schemas.errors import RmflowError, RmflowWarning
-from rmflow.schemas.kinds import kind_of_head
+from rmflow.schemas.kinds import ModelKind, kind_named
 from rmflow.schemas.outputs import EXPORT_INFO, output_lock, staged_output
 from rmflow.schemas.presets import is_preset
 from rmflow.trainer import storage
@@ -31,8 +31,9 @@ from rmflow.trainer.modeling.llama import RewardTransformer
 MAX_SHARD_BYTES = 2 << 30
 
 
-def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | None) -> dict:
-    """config.json for the sequence-classification model; ``base`` is the source checkpoint's."""
+def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | None, kind: ModelKind) -> dict:
+    """config.json of the exported model: ``kind``'s Hugging Face head (sequence or token
+    classification); ``base`` is the source checkpoint's."""
     c = model_cfg
     rope = {"rope_type": c.rope_type, "rope_theta": c.rope_theta, **dict(c.rope_params)}
     cfg = dict(base or {
@@ -44,7 +45,6 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
         "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu",
         "tie_word_embeddings": False,
     })
-    kind = kind_of_head(c.num_labels)  # its Hugging Face head, as TRL and Axolotl export that kind
     head = {"architectures": [f"{c.hf_prefix}{kind.hf_head}"], "num_labels": kind.num_labels,
             "id2label": dict(kind.hf_labels), "label2id": {v: int(k) for k, v in kind.hf_labels.items()}}
     cfg.update({**head, "pad_token_id": pad_token_id, "torch_dtype": "float32", "dtype": "float32"})
@@ -137,18 +137,19 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         warnings.warn(f"{run_dir} has no tokenizer files; the export will have none: copy the tokenizer the "
                       "shards were made with into it", RmflowWarning, stacklevel=2)
     pad = run.manifest.tokenizer.pad_token_id
+    kind = kind_named(run.manifest.kind)  # the run's own: its Hugging Face head, as TRL and Axolotl export that kind
     with staged_output(output) as staging:  # swapped in whole; an interrupted export leaves the old one
         if adapter:
             base_path = os.path.abspath(resolve(run.config.model)) if not is_preset(run.config.model) else None
             if base_path is None:  # a preset's random base exists nowhere else: ship it, in base/
                 plain = nnx.clone(model)
                 lora.strip(plain)
-                _write_checkpoint(plain, os.path.join(staging, "base"), base, pad, max_shard_bytes)
+                _write_checkpoint(plain, os.path.join(staging, "base"), base, pad, kind, max_shard_bytes)
                 base_path = os.path.join(output, "base")
-            write_adapter(model, staging, run.config.lora_config, base_path)
+            write_adapter(model, staging, run.config.lora_config, base_path, kind)
         else:
             lora.merge(model)  # a LoRA run exports W + A B alpha/rank: a plain checkpoint
-            _write_checkpoint(model, staging, base, pad, max_shard_bytes)
+            _write_checkpoint(model, staging, base, pad, kind, max_shard_bytes)
         if run.tokenizer_dir is not None:
             for name in os.listdir(run.tokenizer_dir):
                 shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
@@ -161,17 +162,18 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
     return output
 
 
-def _write_checkpoint(model: RewardTransformer, folder: str, base: dict | None, pad: int | None, max_shard_bytes: int):
+def _write_checkpoint(model: RewardTransformer, folder: str, base: dict | None, pad: int | None, kind: ModelKind,
+                      max_shard_bytes: int):
     os.makedirs(folder, exist_ok=True)
     save_safetensors(state_dict(model), folder, max_shard_bytes)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config(model.config, base, pad), f, indent=2, sort_keys=True)
+        json.dump(hf_config(model.config, base, pad, kind), f, indent=2, sort_keys=True)
 
 
 PEFT_PREFIX = "base_model.model."
 
 
-def write_adapter(model: RewardTransformer, folder: str, cfg, base_path: str) -> None:
+def write_adapter(model: RewardTransformer, folder: str, cfg, base_path: str, kind: ModelKind) -> None:
     """PEFT's adapter layout: lora_A.weight (rank, in), lora_B.weight (out, rank) per targeted module,
     the trained score head under its own name (``modules_to_save``), task SEQ_CLS (a process
     model: TOKEN_CLS, the head's bias too)."""
@@ -185,8 +187,7 @@ def write_adapter(model: RewardTransformer, folder: str, cfg, base_path: str) ->
     if model.score.bias is not None:
         tensors[f"{PEFT_PREFIX}score.bias"] = np.asarray(model.score.bias[...], np.float32)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-    task = kind_of_head(model.config.num_labels).peft_task
-    config = {"peft_type": "LORA", "task_type": task, "r": cfg.rank, "lora_alpha": cfg.alpha,
+    config = {"peft_type": "LORA", "task_type": kind.peft_task, "r": cfg.rank, "lora_alpha": cfg.alpha,
               "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
               "modules_to_save": ["score"], "fan_in_fan_out": False, "inference_mode": True,
               "init_lora_weights": True, "base_model_name_or_path": base_path}

@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 from rmflow.schemas.config import SCORING_BATCH_SIZE, STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.kinds import ModelKind, kind_of_head
+from rmflow.schemas.kinds import OUTCOME as OUTCOME_KIND
+from rmflow.schemas.kinds import PROCESS, ModelKind, kind_named, kind_of_head
 from rmflow.schemas.outputs import EXPORT_INFO
 from rmflow.schemas.record import PairRecord, StepRecord
 from rmflow.trainer import storage
@@ -81,6 +82,7 @@ class LoadedModel:
     step: int | None = None  # the checkpoint step (a run's, or the one an export was made from)
     run: str | None = None  # the run directory the weights come from, when known
     trained_max_length: int | None = None  # its training data's max_length, when known (a run, an export)
+    recorded_kind: str | None = None  # the kind its run or export recorded (None: a checkpoint rmflow did not make)
 
     def identity(self) -> dict[str, Any]:
         """What a scorer reports with its scores: the weights (run and step), the kind and the
@@ -99,8 +101,10 @@ class LoadedModel:
 
     @property
     def kind(self) -> ModelKind:
-        """Its reward model kind (``schemas.kinds``), by the width of its score head."""
-        return kind_of_head(self.model.config.num_labels)
+        """Its reward model kind (``schemas.kinds``): the one its run or export recorded; for a
+        checkpoint rmflow did not make, the one its Hugging Face head is exported as (its only
+        identity there)."""
+        return kind_named(self.recorded_kind) if self.recorded_kind else kind_of_head(self.model.config.num_labels)
 
 
 
@@ -118,7 +122,7 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
                            run.manifest.step_separator, step, os.path.abspath(path),
-                           run.manifest.max_length)
+                           run.manifest.max_length, run.manifest.kind)
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an "
                              "exported checkpoint folder")
@@ -138,8 +142,12 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
             exported = json.load(f)
         description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
         separator = exported.get("step_separator", separator)
-    return LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator,
-                       exported.get("step"), exported.get("run"), exported.get("max_length"))
+    loaded = LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator,
+                         exported.get("step"), exported.get("run"), exported.get("max_length"), exported.get("kind"))
+    if loaded.kind.num_labels != model.config.num_labels:
+        raise ModelLoadError(f"{path}: {EXPORT_INFO} says it is {loaded.kind.description}, whose score head has "
+                             f"{loaded.kind.num_labels} output(s); its config.json has {model.config.num_labels}")
+    return loaded
 
 
 
@@ -357,6 +365,10 @@ class StepScorer:
             if progress:
                 progress(len(batch))
         return out
+
+
+# Each reward model kind's (schemas.kinds) scorer: a score per sequence, or P(correct) per step.
+SCORING_CORES = {OUTCOME_KIND.name: SequenceScorer, PROCESS.name: StepScorer}
 
 
 def score_sequences(model: RewardTransformer, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,

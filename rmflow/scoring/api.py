@@ -197,14 +197,13 @@ class RewardModel:
                              small_batches=small_batches)
 
     def scorer(self, shapes=None):
-        """The model's scorer for ``shapes`` (default ``self.shapes()``): a ``SequenceScorer`` for
-        an outcome model, a ``StepScorer`` for a process model; built and compiled once and
-        reused by every later call."""
-        from rmflow.trainer.inference import SequenceScorer, StepScorer
+        """The model's scorer for ``shapes`` (default ``self.shapes()``), its kind's
+        (``trainer.inference.SCORING_CORES``): built and compiled once and reused by every later call."""
+        from rmflow.trainer.inference import SCORING_CORES
 
         shapes = shapes or self.shapes()
         if shapes not in self._scorers:
-            make = StepScorer if self.kind == PROCESS.name else SequenceScorer
+            make = SCORING_CORES[self.kind]
             self._scorers[shapes] = make(self._loaded.model, shapes, pad_id=self._loaded.pad_id)
         return self._scorers[shapes]
 
