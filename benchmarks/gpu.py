@@ -443,12 +443,13 @@ def export_parity(run: str, out: pathlib.Path, rehearse: bool) -> dict:
     import numpy as np
     import torch
     import vs_trl
+    from rmflow.schemas.config import ExportConfig
     from rmflow.trainer.checkpoints import load_trained_model
     from rmflow.trainer.export import export
     from rmflow.trainer.inference import score_sequences
     from transformers import AutoModelForSequenceClassification
 
-    folder = export(run, str(out))
+    folder = export(ExportConfig(run=run, output=str(out)))
     model, loaded_run, _ = load_trained_model(run)
     recs = vs_trl.records(pathlib.Path(loaded_run.config.data), "eval")[:16]
     seqs = [r.chosen_ids for r in recs] + [r.rejected_ids for r in recs]

@@ -17,16 +17,16 @@ from rich.table import Table
 from rmflow.schemas.config import (
     ConfigError,
     EvalConfig,
+    ExportConfig,
     PreprocessConfig,
     ScoreConfig,
     ServeConfig,
     TrainConfig,
-    checkpoint_step,
     help_for,
 )
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import OUTCOME, kind_named
-from rmflow.schemas.outputs import REPORT_FILE
+from rmflow.schemas.outputs import EXPORT_INFO, REPORT_FILE
 from rmflow.schemas.stops import unwinding
 
 app = typer.Typer(
@@ -164,6 +164,10 @@ def _P(name: str, *flags: str):
 
 def _E(name: str, *flags: str):
     return _option(EvalConfig, name, *flags)
+
+
+def _X(name: str, *flags: str):
+    return _option(ExportConfig, name, *flags)
 
 
 @app.callback()
@@ -498,28 +502,24 @@ def serve(
 
 @command()
 def export(
-    run: str = typer.Argument(..., help="A run directory written by `rmflow train`."),
-    output: str = typer.Option(..., "--output", "-o", help="Folder for the Hugging Face checkpoint."),
-    step: str | None = typer.Option(None, help="Checkpoint step to export, or best (the run's metric_for_best "
-                                    "ranks it first); default: the newest."),
-    max_shard_gb: float = typer.Option(2.0, help="Split the safetensors weights into files of at most this size."),
-    adapter: bool = typer.Option(False, "--adapter", help="LoRA runs: a PEFT adapter folder (loaded onto the base "
-                                 "model by peft.PeftModel.from_pretrained) instead of merged weights."),
+    run: str = typer.Argument(..., help=help_for(ExportConfig, "run")),
+    output: str = typer.Option(..., "--output", "-o", help=help_for(ExportConfig, "output")),
+    step: str | None = _X("step"),
+    max_shard_gb: float = _X("max_shard_gb"),
+    adapter: bool = _X("adapter", "--adapter"),
 ) -> None:
     """Export a trained run as a Hugging Face *ForSequenceClassification checkpoint (a process reward model:
     *ForTokenClassification), with its tokenizer."""
     from rmflow.trainer.export import export as do_export
 
-    out = do_export(run, output, step=checkpoint_step(step), max_shard_bytes=int(max_shard_gb * 2**30), adapter=adapter)
+    out = do_export(ExportConfig(run=run, output=output, step=step, max_shard_gb=max_shard_gb, adapter=adapter))
     if adapter:
         console.print(f"exported the LoRA adapter to [bold]{out}[/bold]: load it with "
                       "peft.PeftModel.from_pretrained(base_model, path)")
         return
-    with open(os.path.join(out, "config.json")) as f:
-        arch = json.load(f)["architectures"][0]
-    auto = "AutoModelForTokenClassification" if arch.endswith("ForTokenClassification") \
-        else "AutoModelForSequenceClassification"
-    console.print(f"exported to [bold]{out}[/bold]: load it with transformers.{auto}.from_pretrained")
+    with open(os.path.join(out, EXPORT_INFO)) as f:
+        kind = kind_named(json.load(f)["kind"])
+    console.print(f"exported to [bold]{out}[/bold]: load it with transformers.AutoModel{kind.hf_head}.from_pretrained")
 
 
 if __name__ == "__main__":

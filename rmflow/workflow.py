@@ -19,7 +19,7 @@ changed.
     preprocess: {inputs: [data.jsonl.gz], tokenizer: path/to/tokenizer, max_length: 512}
     train: {model: tiny, max_steps: 40, batch_size: 8}
     eval: {split: eval}
-    export: true
+    export: true        # or the options of `rmflow export`: {step: best, adapter: true, max_shard_gb: 1}
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import os
 import shutil
 from typing import Any
 
-from rmflow.schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
+from rmflow.schemas.config import ConfigError, EvalConfig, ExportConfig, PreprocessConfig, TrainConfig
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.outputs import REPORT_FILE, output_lock
 from rmflow.schemas.paths import is_url
@@ -42,6 +42,8 @@ KNOWN_KEYS = {"output", *STAGES}
 # The workflow's eval takes every EvalConfig key but where its model and output go (the workflow's run
 # and eval folders); data defaults to the workflow's shards.
 EVAL_KEYS = {f.name for f in dataclasses.fields(EvalConfig)} - {"model", "output"}
+# Its export: `true`, or a mapping of every ExportConfig key but the run and output (the workflow's).
+EXPORT_KEYS = {f.name for f in dataclasses.fields(ExportConfig)} - {"run", "output"}
 
 
 def _a(value: Any) -> str:
@@ -58,7 +60,7 @@ class Workflow:
     preprocess: PreprocessConfig
     train: TrainConfig
     eval: dict[str, Any]
-    export: bool
+    export: ExportConfig | None  # None: no export stage
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], base_dir: str = ".") -> Workflow:
@@ -99,8 +101,14 @@ class Workflow:
             ev["data"] = [_path(p, base_dir) for p in ([ev["data"]] if isinstance(ev["data"], str) else ev["data"])]
         EvalConfig(model=train.output, output=os.path.join(out, "eval"), **ev)  # validates every key
         export = d.get("export", False)
-        if not isinstance(export, bool):
-            raise ConfigError(f"workflow 'export' {export!r}: must be true or false (unquoted)")
+        if not isinstance(export, (bool, dict)):
+            raise ConfigError(f"workflow 'export' {export!r}: must be true or false (unquoted), or a mapping of export "
+                              f"options ({', '.join(sorted(EXPORT_KEYS))})")
+        if isinstance(export, dict) and set(export) - EXPORT_KEYS:
+            raise ConfigError(f"unknown export keys {sorted(set(export) - EXPORT_KEYS)}; known: {sorted(EXPORT_KEYS)}")
+        options = export if isinstance(export, dict) else {}
+        export = ExportConfig(run=train.output, output=os.path.join(out, "export"), **options) \
+            if export is not False else None
         return cls(out, pre, train, ev, export)
 
     @classmethod
@@ -162,10 +170,10 @@ def _run(wf: Workflow, log) -> dict[str, str]:
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
     h_train = _hash({**dataclasses.asdict(wf.train), "model_identity": model_identity(wf.train.model)}, h_pre)
     h_eval = _hash({**wf.eval, "data_identity": eval_identity(wf.eval.get("data") or [])}, h_train)
-    h_export = _hash("export", h_train)
+    h_export = _hash({"export": wf.export.to_dict() if wf.export else None}, h_train)
     hashes = {"preprocess": h_pre, "train": h_train, "eval": h_eval, "export": h_export}
     for stage in STAGES:
-        if stage == "export" and not wf.export:
+        if stage == "export" and wf.export is None:
             status[stage] = "off"
             continue
         if _done(wf, stage, hashes[stage]):
@@ -347,10 +355,9 @@ def _run_eval(wf: Workflow, hashes, log) -> dict[str, Any]:
 def _run_export(wf: Workflow, hashes, log) -> dict[str, Any]:
     from rmflow.trainer.export import export
 
-    out = os.path.join(wf.output, "export")
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    return {"path": export(wf.train.output, out)}
+    if os.path.isdir(wf.export.output):
+        shutil.rmtree(wf.export.output)
+    return {"path": export(wf.export)}
 
 
 _STAGE_RUNNERS = {"preprocess": _run_preprocess, "train": _run_train, "eval": _run_eval, "export": _run_export}

@@ -588,6 +588,29 @@ class EvalConfig(_Serializable):
 
 
 @dataclasses.dataclass(frozen=True)
+class ExportConfig(_Serializable):
+    """Everything that determines an `rmflow export` (the CLI options and the workflow's export keys)."""
+
+    run: str = _opt("", "A run directory written by `rmflow train` (local or gs://).")
+    output: str = _opt("", "Folder for the Hugging Face checkpoint (replaced as a whole).")
+    step: int | str | None = _opt(None, "Checkpoint step to export, or best (the run's metric_for_best ranks it "
+                                        "first); default: the newest.")
+    max_shard_gb: float = _opt(2.0, "Split the safetensors weights into files of at most this size.")
+    adapter: bool = _opt(False, "LoRA runs: a PEFT adapter folder (loaded onto the base model by "
+                                "peft.PeftModel.from_pretrained) instead of merged weights.")
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        object.__setattr__(self, "step", checkpoint_step(self.step))
+        if self.max_shard_gb <= 0:
+            raise ConfigError(f"max_shard_gb {self.max_shard_gb!r}: must be a size in GB above 0")
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return int(self.max_shard_gb * 2**30)
+
+
+@dataclasses.dataclass(frozen=True)
 class ScoreConfig(_Serializable):
     """Everything that determines an `rmflow score` (its CLI options)."""
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.config import ExportConfig, TrainConfig
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.export import export
 from rmflow.trainer.train import run as train
@@ -54,7 +54,8 @@ def rmflow_rewards(model, ids_list):
 
 @pytest.mark.parametrize("max_shard_bytes", [2 << 30, 4 << 20])  # single file, then sharded
 def test_export_loads_in_transformers_with_identical_rewards(trained_run, tmp_path, max_shard_bytes):
-    out = export(str(trained_run / "run"), str(tmp_path / "hf"), max_shard_bytes=max_shard_bytes)
+    out = export(ExportConfig(run=str(trained_run / "run"), output=str(tmp_path / "hf"),
+                              max_shard_gb=max_shard_bytes / 2**30))
     files = {p.name for p in pathlib.Path(out).iterdir()}
     assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= files
     assert ("model.safetensors.index.json" in files) == (max_shard_bytes < 2 << 30)
@@ -97,7 +98,7 @@ def test_eval_on_shards_raw_files_and_exported_model(trained_run, tmp_path):
     assert norm["mean"] == pytest.approx(report["metrics"]["reward_mean"], abs=1e-6)
 
     # Raw HH-RLHF transcripts, preprocessed in-process by the same pipeline, with an exported model.
-    hf = export(str(trained_run / "run"), str(tmp_path / "hf"))
+    hf = export(ExportConfig(run=str(trained_run / "run"), output=str(tmp_path / "hf")))
     lines = gzip.open(DEMO / "hh_rlhf_helpful_sample.jsonl.gz", "rt").read().splitlines()[:24]
     lines.append(json.dumps({"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: b"}))
     (tmp_path / "raw.jsonl").write_text("\n".join(lines) + "\n")

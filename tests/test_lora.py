@@ -71,11 +71,12 @@ def test_lora_trains_adapters_and_head_only_and_learns(synthetic, tmp_path):  # 
 def test_merged_export_matches_in_transformers(synthetic, tmp_path):  # noqa: F811
     import torch
     import transformers
+    from rmflow.schemas.config import ExportConfig
     from rmflow.trainer.export import export
 
     train(config(synthetic, tmp_path / "run", max_steps=20, save_steps=20, learning_rate=3e-3,
                  lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}))
-    out = export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    out = export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "hf")))
     names = set(json.loads((pathlib.Path(out) / "config.json").read_text()))
     assert "architectures" in names
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
@@ -172,6 +173,7 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
     import jax.numpy as jnp
     import torch
     import transformers
+    from rmflow.schemas.config import ExportConfig
     from rmflow.trainer.export import export
 
     from tests.test_export import rmflow_rewards
@@ -204,7 +206,7 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The merged export holds the bfloat16-rounded base plus the adapters, in float32: transformers
     # scores like rmflow.
-    out = export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    out = export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "hf")))
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
     ids = [[2000 + i, 2100, GOOD, 2200 + i] for i in range(3)]
     with torch.no_grad():

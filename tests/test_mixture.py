@@ -205,6 +205,7 @@ def test_checkpoints_kept_are_the_newest_and_the_best_by_the_metric():
 
 @pytest.mark.slow
 def test_named_eval_sets_and_the_best_checkpoint_kept_resumed_and_exported(sets, tmp_path):
+    from rmflow.schemas.config import ExportConfig
     from rmflow.trainer.checkpoints import checkpoint_manager, load_trained_model
     from rmflow.trainer.export import export
 
@@ -228,7 +229,7 @@ def test_named_eval_sets_and_the_best_checkpoint_kept_resumed_and_exported(sets,
         assert h["eval_pairs"] < SIZES["a"] // 5  # eval_*: a's own eval split alone
     assert sorted(checkpoint_manager(str(run_dir)).all_steps()) == [4, 12]
     assert load_trained_model(str(run_dir), "best")[2] == 4
-    out = export(str(run_dir), str(tmp_path / "export"), step="best")
+    out = export(ExportConfig(run=str(run_dir), output=str(tmp_path / "export"), step="best"))
     assert json.loads(open(os.path.join(out, "rmflow_export.json")).read())["step"] == 4
 
     # Resumed (a longer run), the tracking goes on from the run's history

@@ -356,6 +356,7 @@ def test_a_process_model_learns_a_stepwise_task(process_run):
 @pytest.mark.slow
 def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
     import torch
+    from rmflow.schemas.config import ExportConfig
     from rmflow.trainer.export import export
     from transformers import AutoModelForTokenClassification
 
@@ -369,7 +370,7 @@ def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
     report = (tmp_path / "eval" / "report.md").read_text()
     assert "ProcessBench F1" in report and (tmp_path / "eval" / "step_scores.png").exists()
 
-    out = export(str(run_dir), str(tmp_path / "export"))
+    out = export(ExportConfig(run=str(run_dir), output=str(tmp_path / "export")))
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForTokenClassification"] and config["num_labels"] == 2
     assert config["id2label"] == {"0": "incorrect", "1": "correct"}
@@ -435,10 +436,11 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
         train(TrainConfig(data=str(synthetic_steps / "shards"), model="micro", output=str(tmp_path / "r"),
                           max_steps=1, center_rewards_coefficient=0.01))
     # An exported process model is a 2-class token classifier: it cannot start an outcome model.
+    from rmflow.schemas.config import ExportConfig
     from rmflow.trainer.export import export
     from rmflow.trainer.modeling.convert import CheckpointError
 
-    prm = export(str(run_dir), str(tmp_path / "prm"))
+    prm = export(ExportConfig(run=str(run_dir), output=str(tmp_path / "prm")))
     with pytest.raises(CheckpointError, match="is a process reward model .P.correct. for each step of a solution., but this run trains "
                        "an outcome reward model"):
         train(TrainConfig(data=str(demo_shards), model=prm, output=str(tmp_path / "o"), max_steps=1))
@@ -475,6 +477,7 @@ def test_lora_process_model_exports_a_token_classification_adapter(synthetic_ste
     import peft
     import torch
     import transformers
+    from rmflow.schemas.config import ExportConfig
     from rmflow.trainer.checkpoints import load_trained_model
     from rmflow.trainer.export import export
 
@@ -488,9 +491,9 @@ def test_lora_process_model_exports_a_token_classification_adapter(synthetic_ste
     ids = jnp.asarray(r.input_ids[None])
     ours = np.asarray(forward.logits(model, ids, jnp.arange(ids.shape[1])[None], jnp.ones_like(ids),
                                      jnp.asarray(r.step_ends[None])))[0]
-    merged = export(str(run_dir), str(tmp_path / "merged"))
+    merged = export(ExportConfig(run=str(run_dir), output=str(tmp_path / "merged")))
     hf = transformers.AutoModelForTokenClassification.from_pretrained(merged).eval()
-    folder = export(str(run_dir), str(tmp_path / "adapter"), adapter=True)
+    folder = export(ExportConfig(run=str(run_dir), output=str(tmp_path / "adapter"), adapter=True))
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["task_type"] == "TOKEN_CLS" and cfg["modules_to_save"] == ["score"]
     base = transformers.AutoModelForTokenClassification.from_pretrained(cfg["base_model_name_or_path"])

@@ -133,3 +133,22 @@ def test_the_embedded_demo_runs_without_torch_and_shows_its_summary(tmp_path):
     assert (tmp_path / "demo" / "export" / "model.safetensors").exists()
     md = (tmp_path / "demo" / "eval" / "report.md").read_text()
     assert "checkpoint step 40" in md and "95% confidence interval" in md and "split eval" in md
+
+
+def test_the_export_stage_takes_the_options_of_rmflow_export(tmp_path):
+    """``export: true`` exports the newest checkpoint; a mapping of export options (every
+    ``rmflow export`` option but the run and output, the workflow's) is checked like the other
+    stages' keys, and a changed export option reruns the export alone."""
+    from rmflow.schemas.config import ConfigError
+
+    spec = small(tmp_path)
+    for bad, said in (({"bogus": 1}, r"unknown export keys \['bogus'\]"), ("no", "true or false"),
+                      ({"step": "latest"}, "step 'latest'"), ({"max_shard_gb": 0}, "max_shard_gb 0")):
+        with pytest.raises(ConfigError, match=said):
+            Workflow.from_dict({**spec, "export": bad})
+    assert run(Workflow.from_dict({**spec, "export": True}), log=lambda m: None)["export"] == "ran"
+    info = json.loads((tmp_path / "out" / "export" / "rmflow_export.json").read_text())
+    assert info["step"] == 3 and info["format"] == "checkpoint"
+    status = run(Workflow.from_dict({**spec, "export": {"step": 3, "max_shard_gb": 0.001}}), log=lambda m: None)
+    assert status == {"preprocess": "skipped", "train": "skipped", "eval": "skipped", "export": "ran"}
+    assert len(list((tmp_path / "out" / "export").glob("model-*.safetensors"))) > 1  # 1 MiB shards

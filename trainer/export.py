@@ -17,6 +17,7 @@ import warnings
 
 import numpy as np
 from flax import nnx
+from rmflow.schemas.config import ExportConfig
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import ModelKind, kind_named
 from rmflow.schemas.outputs import EXPORT_INFO, output_lock, staged_output
@@ -112,16 +113,16 @@ def check_destination(output: str) -> None:
                           "and is not an rmflow export: export into a new or empty folder")
 
 
-def export(run_dir: str, output: str, *, step: int | str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-           adapter: bool = False) -> str:
-    """Write the checkpoint into a staging folder beside ``output``, then swap it in: an earlier
-    export there is replaced whole (no stale weight file survives), and an interrupted export
-    leaves the old one intact. A LoRA run exports merged weights, or with ``adapter`` a PEFT
-    adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, the score head as a
-    module to save) that ``peft.PeftModel.from_pretrained`` loads onto the base model."""
-    output = os.path.abspath(output)
+def export(cfg: ExportConfig) -> str:
+    """Write the checkpoint into a staging folder beside ``cfg.output``, then swap it in: an
+    earlier export there is replaced whole (no stale weight file survives), and an interrupted
+    export leaves the old one intact. A LoRA run exports merged weights, or with ``adapter`` a
+    PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, the score head as
+    a module to save) that ``peft.PeftModel.from_pretrained`` loads onto the base model. Returns
+    the export's folder."""
+    output = os.path.abspath(cfg.output)
     with output_lock(output, "rmflow export"):
-        return _export(run_dir, output, step, max_shard_bytes, adapter)
+        return _export(cfg.run, output, cfg.step, cfg.max_shard_bytes, cfg.adapter)
 
 
 def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: int, adapter: bool) -> str:
