@@ -42,7 +42,7 @@ def main() -> None:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="rmflow-bench-batch-"))
     model = a.model or default_model(str(tmp))
     rm = RewardModel.load(model)
-    rm.max_length = a.max_length
+    rm.limit_length(a.max_length)
     convs = [c for c in conversations(a.n * 2) if fits(rm, c)][: a.n]
     tokens = sum(len(rm.encode(c)) for c in convs)
     (tmp / "in.jsonl").write_text("".join(json.dumps({"id": i, "messages": c}) + "\n" for i, c in enumerate(convs)))

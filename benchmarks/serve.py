@@ -191,7 +191,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="rmflow-bench-serve-")
     model = a.model or default_model(tmp)
     rm = RewardModel.load(model)
-    rm.max_length = a.max_length
+    rm.limit_length(a.max_length)
     convs = [c for c in conversations(a.n * 2) if fits(rm, c)][: a.n]
     encoded = [rm.encode(c) for c in convs]
     tokens = sum(map(len, encoded))

@@ -101,6 +101,25 @@ def test_bad_conversations_say_which(workdir):
         rm.score(CONVS, normalized=True)
 
 
+def test_a_length_limit_is_the_model_s_own_to_set(workdir):
+    """``limit_length`` lowers the most tokens the model scores (the server's --max-length): the
+    batch shapes stop there, scorers built for the old limit are dropped, a conversation over it
+    is refused, and a limit past the model's positions is refused."""
+    from rmflow import RewardModel
+    from rmflow.scoring.api import BadConversation
+
+    rm = RewardModel.load(str(workdir / "runs" / "rm1"))
+    before = rm.score(CONVS[:2])
+    rm.limit_length(64)
+    assert rm.max_length == 64 and max(rm.shapes().lengths) == 64 and not rm._scorers
+    with pytest.raises(BadConversation, match="more than the model's 64 positions"):
+        rm.score([[U("word " * 80), A("ok")]])
+    with pytest.raises(ValueError, match="from 1 to the model's 4096 positions"):
+        rm.limit_length(rm.positions + 1)
+    rm.limit_length(rm.positions)
+    np.testing.assert_allclose(rm.score(CONVS[:2]), before, rtol=1e-6)
+
+
 def test_the_cli_does_not_load_jax_for_help():
     import subprocess
     import sys

@@ -105,7 +105,7 @@ def outcome(demo_shards, tmp_path_factory):
     from rmflow import RewardModel
 
     rm = RewardModel.load(str(base / "run"))
-    rm.max_length = MAX_LENGTH
+    rm.limit_length(MAX_LENGTH)
     yield server, rm
     server.stop()
 

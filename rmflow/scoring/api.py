@@ -85,7 +85,8 @@ class RewardModel:
         self._loaded = loaded
         self.tokenizer = tokenizer
         self.normalization = normalization
-        self.max_length = loaded.model.config.max_position_embeddings
+        self.positions = loaded.model.config.max_position_embeddings  # the most tokens the model reads
+        self.max_length = self.positions  # the most it scores: its positions, unless limit_length lowers it
         # the length it was trained at (its data's max_length), when the run or export records it
         self.trained_max_length = loaded.trained_max_length
         self.description = loaded.description
@@ -185,6 +186,16 @@ class RewardModel:
             raise BadConversation(f"{n:,} characters, more than {self.max_length:,} tokens ever hold (the longest "
                                   f"token has {self._longest_token} characters): refused before tokenizing; "
                                   "shorten or split it")
+
+    def limit_length(self, max_length: int) -> None:
+        """Score at most ``max_length`` tokens (at most the model's positions): longer inputs are
+        refused or cut as ``truncate`` says, and the batch shapes stop there. The scorers built
+        for the earlier limit are dropped."""
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 1 <= max_length <= self.positions:
+            raise ValueError(f"max_length {max_length!r}: must be an integer from 1 to the model's "
+                             f"{self.positions} positions")
+        self.max_length = max_length
+        self._scorers.clear()
 
     def shapes(self, batch_size: int = SCORING_BATCH_SIZE, token_budget: int | None = None,
                small_batches: bool = False):

@@ -77,7 +77,7 @@ class Service:
         # By default the length it was trained at: each batch shape up to it compiles before serving
         self.max_length_source = "--max-length" if cfg.max_length else \
             "the training data's max_length" if rm.trained_max_length else "the model's positions"
-        rm.max_length = min(cfg.max_length or rm.trained_max_length or rm.max_length, rm.max_length)
+        rm.limit_length(min(cfg.max_length or rm.trained_max_length or rm.positions, rm.positions))
         if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
             raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
                                     "--normalize` on it first")
