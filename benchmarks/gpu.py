@@ -416,7 +416,7 @@ def _ratios(pair: dict[str, dict]) -> dict:
 
 def _row(name: str, r: dict, **extra) -> dict:
     keep = ("tokens_per_s", "e2e", "wall", "peak_mib", "peak_device_mib", "padding", "computed", "compiles",
-            "compile_s", "loss", "eval_accuracy", "eval_pairs", "eval_sets", "steps_run")
+            "compile_s", "loss", "eval_accuracy", "eval_pairs", "eval_sets", "steps_run", "step_ms")
     return {"trainer": name, **extra, **{k: r.get(k) for k in keep}}
 
 

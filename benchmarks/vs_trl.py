@@ -203,6 +203,38 @@ def child_rmflow(args: dict) -> dict:
 
     train.Run.evaluate = timed_evaluate
 
+    # Where a step's time goes, on the training thread: placing the batch on the device, dispatching
+    # the jitted step (its wait for a compilation included), waiting for the step's result; the rest
+    # is the host's own work (the next batch from the loader, metrics).
+    phases: dict[str, list[float]] = {"to_device": [], "dispatch": [], "wait": [], "step": []}
+    stepping = [False]
+
+    def timed(fn, phase):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if stepping[0]:
+                    phases[phase].append(time.perf_counter() - t0)
+        return wrapper
+
+    train.Run.to_device = timed(train.Run.to_device, "to_device")
+    train.Trainer.train_step = timed(train.Trainer.train_step, "dispatch")
+    train.jax.device_get = timed(train.jax.device_get, "wait")
+    train_step = train.Loop.train_step
+
+    def timed_step(self, state, step):
+        stepping[0] = True
+        t0 = time.perf_counter()
+        try:
+            return train_step(self, state, step)
+        finally:
+            stepping[0] = False
+            phases["step"].append(time.perf_counter() - t0)
+
+    train.Loop.train_step = timed_step
+
     compiles: list[tuple[float, float]] = []  # (when, seconds) of each executable compiled
     reads: list[tuple[float, float]] = []  # (when, seconds) of each executable read from the persistent cache
     hit = [False]
@@ -247,8 +279,9 @@ def child_rmflow(args: dict) -> dict:
         t0, t1 = marks[i], marks[i + 1]
         n_compiles = sum(1 for when, _ in compiles + reads if t0 <= when <= t1)  # steps that made executables
         seconds = t1 - t0  # wall time from one step's log to the next's, data loading included
+        parts = {k: v[i] for k, v in phases.items() if i < len(v)}
         steps.append({"real": rec["real_tokens"], "padding": rec["padding_fraction"], "seconds": seconds, "compiles": n_compiles,
-                      "computed_fraction": rec.get("computed_fraction", 1.0)})
+                      "computed_fraction": rec.get("computed_fraction", 1.0), "parts": parts})
     final = result.history[-1]
     stats = jax.devices()[0].memory_stats() or {}
     return {"backend": jax.default_backend(), "steps": steps, "compiles": [d for _, d in compiles], "reads": [d for _, d in reads], "wall": wall, "ended": ended,
@@ -278,7 +311,19 @@ def summarize(name: str, out: dict, skip: int, launched: float) -> dict:
             "loss": statistics.fmean(out["losses"][-10:]), "eval_accuracy": out["eval_accuracy"],
             "eval_pairs": out["eval_pairs"], "losses": out["losses"], "steps_run": len(steps),
             "eval_sets": out.get("eval_sets", {}), "peak_device_mib": out.get("peak_device_mib"), "run": out.get("run"),
-            "computed": statistics.fmean(s.get("computed_fraction", 1.0) for s in steps)}
+            "computed": statistics.fmean(s.get("computed_fraction", 1.0) for s in steps), "step_ms": _step_ms(steady)}
+
+
+def _step_ms(steady: list[dict]) -> dict | None:
+    """Median milliseconds of a steady step's parts (rmflow: ``child_rmflow``'s phases), and the
+    host's own share: the step less the device placement, the dispatch and the wait."""
+    parts = [s["parts"] for s in steady if s.get("parts", {}).get("step") is not None]
+    if not parts:
+        return None
+    out = {k: 1000 * statistics.median(p.get(k, 0.0) for p in parts) for k in ("step", "to_device", "dispatch", "wait")}
+    out["host_other"] = 1000 * statistics.median(
+        p["step"] - p.get("to_device", 0.0) - p.get("dispatch", 0.0) - p.get("wait", 0.0) for p in parts)
+    return out
 
 
 def launch(kind: str, args: dict, timeout: float | None = None) -> tuple[dict, float]:

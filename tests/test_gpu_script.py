@@ -47,6 +47,11 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     trainers = [r for r in parts["trl"] if "trainer" in r]
     assert {r["trainer"] for r in trainers} == {"TRL RewardTrainer", "rmflow"}
     assert all(r["tokens_per_s"] > 0 and r["peak_mib"] > 0 for r in trainers)
+    # rmflow's steady step in parts, so that host work is told apart from the device's and compilations
+    (ours,) = [r for r in trainers if r["trainer"] == "rmflow"]
+    parts_ms = ours["step_ms"]
+    assert set(parts_ms) == {"step", "to_device", "dispatch", "wait", "host_other"} and parts_ms["step"] > 0
+    assert all(0 <= parts_ms[k] <= parts_ms["step"] for k in ("to_device", "dispatch", "wait"))  # each within a step
     # real: both trained, evaluated on the held-out split and LLMBar, beside the length baseline; the export agrees
     rows = {r.get("trainer") or r.get("summary"): r for r in parts["real"]}
     for name in ("TRL RewardTrainer", "rmflow"):
