@@ -159,18 +159,27 @@ def test_no_import_cycle_between_modules():
             visit(m, [m])
 
 
+SOURCES = ("schemas", "rendering", "pipelines", "trainer", "rmflow")
+
+
+def _found_outside(home: pathlib.Path, found) -> dict[str, list[int]]:
+    """The lines of every source module but ``home`` whose syntax tree has a node ``found`` says yes to."""
+    hits = {}
+    for package in SOURCES:
+        for f in sorted((REPO / package).rglob("*.py")):
+            if f != home:
+                lines = [node.lineno for node in ast.walk(ast.parse(f.read_text(), str(f))) if found(node)]
+                if lines:
+                    hits[str(f.relative_to(REPO))] = lines
+    return hits
+
+
 def test_one_home_decides_whether_a_path_is_a_url():
     """Whether a string is a URL (read through a filesystem library) or an OS path is decided in
     ``schemas.paths`` alone: an inline ``"://" in`` elsewhere could drift from it."""
-    home = REPO / "schemas" / "paths.py"
-    for package in ("schemas", "rendering", "pipelines", "trainer", "rmflow"):
-        for f in sorted((REPO / package).rglob("*.py")):
-            if f == home:
-                continue
-            tests = [node.lineno for node in ast.walk(ast.parse(f.read_text(), str(f)))
-                     if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
-                     and node.left.value == "://"]
-            assert not tests, f"{f.relative_to(REPO)}:{tests}: use schemas.paths.is_url / is_remote"
+    hits = _found_outside(REPO / "schemas" / "paths.py", lambda node: isinstance(node, ast.Compare)
+                          and isinstance(node.left, ast.Constant) and node.left.value == "://")
+    assert not hits, f"{hits}: use schemas.paths.is_url / is_remote"
 
 
 def test_one_publication_step_for_every_beam_job():
@@ -190,13 +199,8 @@ def test_one_home_handles_the_signals_that_stop_a_process():
     alone, whatever the policy: a command unwinding, the training loop stopping at a step
     boundary. A handler installed elsewhere could skip the restore, the main-thread check, or the
     stop note that keeps a stopped process from publishing."""
-    home = REPO / "schemas" / "stops.py"
-    for package in ("schemas", "rendering", "pipelines", "trainer", "rmflow"):
-        for f in sorted((REPO / package).rglob("*.py")):
-            if f == home:
-                continue
-            calls = [node.lineno for node in ast.walk(ast.parse(f.read_text(), str(f)))
-                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                     and node.func.attr in ("signal", "set_wakeup_fd", "siginterrupt")
-                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "signal"]
-            assert not calls, f"{f.relative_to(REPO)}:{calls}: handle signals through rmflow.schemas.stops"
+    hits = _found_outside(REPO / "schemas" / "stops.py", lambda node: isinstance(node, ast.Call)
+                          and isinstance(node.func, ast.Attribute)
+                          and node.func.attr in ("signal", "set_wakeup_fd", "siginterrupt")
+                          and isinstance(node.func.value, ast.Name) and node.func.value.id == "signal")
+    assert not hits, f"{hits}: handle signals through rmflow.schemas.stops"
