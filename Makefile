@@ -70,7 +70,7 @@ WORKER_ACCELERATOR ?= $(if $(filter 1,$(GPU)),type:nvidia-l4;count:1;install-nvi
 WORKER_MACHINE_TYPE ?= $(if $(filter 1,$(GPU)),g2-standard-4,)
 
 wheel: $(VENV)/.installed-test
-	rm -rf dist && $(BIN)/pip wheel --quiet --no-deps -w dist .
+	rm -rf build dist && $(BIN)/pip wheel --quiet --no-deps -w dist .  # build/: setuptools keeps moved files there
 
 template-metadata: $(VENV)/.installed-demo
 	$(BIN)/python -m rmflow.pipelines.template metadata > deploy/dataflow/metadata.json

@@ -601,6 +601,9 @@ class ExportConfig(_Serializable):
 
     def __post_init__(self) -> None:
         self._check_types()
+        for name, what in (("run", "the run directory to export"), ("output", "the folder to export into")):
+            if not getattr(self, name):
+                raise ConfigError(f"export needs {name}: {what}")
         object.__setattr__(self, "step", checkpoint_step(self.step))
         if self.max_shard_gb <= 0:
             raise ConfigError(f"max_shard_gb {self.max_shard_gb!r}: must be a size in GB above 0")

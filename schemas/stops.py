@@ -85,15 +85,18 @@ def unwinding(received: list[int] | None = None) -> Iterator[list[int]]:
             return
         raise KeyboardInterrupt
 
-    with handling((signal.SIGTERM,), handler) as installed:
-        if installed:
-            clear_stop()
-        try:
-            yield received
-        finally:
-            active[0] = False
-            if installed:
+    installed = [False]
+    try:
+        with handling((signal.SIGTERM,), handler) as installed[0]:
+            if installed[0]:
                 clear_stop()
+            try:
+                yield received
+            finally:
+                active[0] = False
+    finally:
+        if installed[0]:  # after the previous handler is back: a signal arriving meanwhile is not left noted
+            clear_stop()
 
 
 def _raising_is_safe(frame) -> bool:

@@ -121,3 +121,13 @@ def test_the_step_separator_of_shards_is_read_in_one_place():
         for f in sorted((root / package).rglob("*.py")):
             if f != home:
                 assert not reads.search(f.read_text()), f"{f.relative_to(root)}: use Manifest.step_separator"
+
+
+def test_an_export_config_says_what_it_lacks():
+    from rmflow.schemas.config import ConfigError, ExportConfig
+
+    with pytest.raises(ConfigError, match="export needs output: the folder to export into"):
+        ExportConfig(run="runs/rm1")
+    with pytest.raises(ConfigError, match="export needs run"):
+        ExportConfig(output="hf")
+    assert ExportConfig(run="r", output="o", step="3").step == 3 and ExportConfig(run="r", output="o").max_shard_bytes == 2**31

@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -42,9 +43,13 @@ def _canonical(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a copy of the checkout without its build folders: setuptools never removes a
+    file from build/lib, so a module moved away would ship beside its new home."""
+    out, tree = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("tree") / "rmflow"
+    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", ".gpu",
+                                                              "__pycache__", ".*_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(out), str(REPO)], check=True, capture_output=True)
+                    "-w", str(out), str(tree)], check=True, capture_output=True)
     [built] = out.glob("rmflow-*.whl")
     return built
 
@@ -156,6 +161,8 @@ def test_the_wheel_ships_every_file_of_the_trees(wheel):
                 expected.add(f"{installed}/{rel.as_posix()}")
     assert "rmflow/server/app.py" in expected and "rmflow/trainer/modeling/llama.py" in expected
     assert not expected - names, f"not in the wheel: {sorted(expected - names)}"
+    stale = {n for n in names if n.endswith(".py")} - expected
+    assert not stale, f"in the wheel but in no tree of the checkout: {sorted(stale)}"
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ class RunPlan:
     local_batch: int  # records this process reads per micro-batch
     packing: str
     total_steps: int
-    evaluations: tuple[int, ...]  # the steps after which the run evaluates
+    evaluations: frozenset[int]  # the steps after which the run evaluates
     train_rounding: int  # lengths per doubling of the train loader's rows (``lengths_per_doubling``)
     eval_rounding: dict[str, int]  # of each eval set's loader
     pad_id: int
@@ -119,7 +119,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     if cfg.warmup_steps >= total_steps:
         raise TrainError(f"warmup_steps {cfg.warmup_steps} >= the run's {total_steps} steps: the learning "
                          "rate would never reach its peak; use fewer warmup steps")
-    evaluations = tuple(step for step in range(1, total_steps + 1) if evaluates_at(cfg, step, total_steps))
+    evaluations = frozenset(step for step in range(1, total_steps + 1) if evaluates_at(cfg, step, total_steps))
     # How finely each loader rounds its rows, by the batches its shapes serve (the run's steps; an
     # eval set's batches on this process times the run's evaluations) and by what a compilation
     # costs on this platform
