@@ -96,6 +96,28 @@ class TokenizerInfo:
     vocabulary_sha256: str | None = None  # without the chat template (None: a manifest from before it)
 
 
+# How special-token strings inside message text are tokenized: as text, never as the control
+# tokens they spell (rmflow.rendering.tokenize), so a message cannot forge a turn or an end of text.
+SPECIAL_TEXT = "text"
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderSpec:
+    """How records became token ids: what scoring must repeat exactly for its rewards to mean
+    what training's did (``rmflow.rendering``). A manifest states it (``Manifest.render``); a run
+    keeps its manifest, an export writes it into its export info."""
+
+    tokenizer_sha256: str  # the tokenizer as used, chat template included
+    vocabulary_sha256: str | None  # the text-to-ids part alone (None: a manifest from before it)
+    chat_template_sha256: str | None
+    step_separator: str  # the text after every step of a stepwise solution
+    special_text: str = SPECIAL_TEXT
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RenderSpec:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
     file: str
@@ -134,6 +156,12 @@ class Manifest:
                 raise ManifestError(f"unknown split {name!r}; expected one of {SPLITS}")
             if sum(s.records for s in split.shards) != split.records:
                 raise ManifestError(f"split {name}: shard record counts do not add up to {split.records}")
+
+    @property
+    def render(self) -> RenderSpec:
+        """How these records were rendered (``RenderSpec``)."""
+        t = self.tokenizer
+        return RenderSpec(t.sha256, t.vocabulary_sha256, t.chat_template_sha256, self.step_separator)
 
     @property
     def step_separator(self) -> str:

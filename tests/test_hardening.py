@@ -463,6 +463,27 @@ def test_an_export_is_the_kind_its_run_recorded(base, tmp_path):
     assert "says it is a process reward model" in msg and "its config.json has 1" in msg
 
 
+def test_an_export_carries_how_its_data_was_rendered(base, tmp_path):
+    """The rendering spec of the run's shards (tokenizer, vocabulary and template hashes, step
+    separator, special-text policy) is written into the export and read back with the model; an
+    export from before it was written there gives the same spec from the fields it had."""
+    import dataclasses
+
+    from rmflow.schemas.manifest import Manifest
+    from rmflow.trainer.inference import load_model
+
+    spec = Manifest.from_json((base / "run" / "data_manifest.json").read_text()).render
+    assert spec.special_text == "text" and spec.tokenizer_sha256 and spec.vocabulary_sha256
+    assert cli("export", base / "run", "-o", tmp_path / "x").exit_code == 0
+    info = tmp_path / "x" / "rmflow_export.json"
+    assert json.loads(info.read_text())["render"] == dataclasses.asdict(spec)
+    assert load_model(str(tmp_path / "x")).render == spec == load_model(str(base / "run")).render
+    old = {k: v for k, v in json.loads(info.read_text()).items() if k != "render"}
+    info.write_text(json.dumps(old))
+    read = load_model(str(tmp_path / "x")).render
+    assert (read.tokenizer_sha256, read.step_separator) == (spec.tokenizer_sha256, spec.step_separator)
+
+
 def test_a_chat_template_override_trains_and_evaluates_on_its_own_shards(tmp_path):
     """The shards' tokenizer identity is the tokenizer as used (the override applied), as the run
     stores it: eval of the run on its own shards is not refused."""

@@ -10,6 +10,7 @@ tokenizer files and chat template used in preprocessing are copied beside them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -158,7 +159,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
             json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
                        "data": run.config.data, "tokenizer_sha256": run.manifest.tokenizer.sha256,
                        "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.kind,
-                       "step_separator": run.manifest.step_separator,
+                       "step_separator": run.manifest.step_separator, "render": dataclasses.asdict(run.manifest.render),
                        "max_length": run.manifest.max_length}, f, indent=2)
     return output
 

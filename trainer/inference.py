@@ -25,6 +25,7 @@ from rmflow.schemas.config import SCORING_BATCH_SIZE, STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME as OUTCOME_KIND
 from rmflow.schemas.kinds import PROCESS, ModelKind, kind_named, kind_of_head
+from rmflow.schemas.manifest import RenderSpec
 from rmflow.schemas.outputs import EXPORT_INFO
 from rmflow.schemas.record import PairRecord, StepRecord
 from rmflow.trainer import storage
@@ -78,7 +79,7 @@ class LoadedModel:
     pad_id: int
     description: str  # which weights: the run and step, or the checkpoint folder
     folder: str = ""  # the local folder it was read from (a copy, for a remote one)
-    step_separator: str = STEP_SEPARATOR  # a process model's: the text after every step, as in its training data
+    render: RenderSpec | None = None  # how its training data was rendered, when its run or export says (RenderSpec)
     step: int | None = None  # the checkpoint step (a run's, or the one an export was made from)
     run: str | None = None  # the run directory the weights come from, when known
     trained_max_length: int | None = None  # its training data's max_length, when known (a run, an export)
@@ -89,6 +90,11 @@ class LoadedModel:
         tokenizer's fingerprint (the same hash the manifest keeps, chat template included)."""
         return {"description": self.description, "run": self.run, "step": self.step, "kind": self.kind.name,
                 "tokenizer_hash": tokenizer_fingerprint(self.tokenizer_dir) if self.tokenizer_dir else None}
+
+    @property
+    def step_separator(self) -> str:
+        """A process model's: the text after every step, as in its training data."""
+        return self.render.step_separator if self.render else STEP_SEPARATOR
 
     @property
     def normalization(self) -> dict[str, Any] | None:
@@ -121,7 +127,7 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
         model, run, step = load_trained_model(path, step)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
-                           run.manifest.step_separator, step, os.path.abspath(path),
+                           run.manifest.render, step, os.path.abspath(path),
                            run.manifest.max_length, run.manifest.kind)
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an "
@@ -136,19 +142,27 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
     if head_kind(raw) is None:  # a base model, scored as it is: the untrained baseline
         description += f" (a base model with a fresh score head, seeded with {BARE_HEAD_SEED}: untrained)"
     info = os.path.join(path, EXPORT_INFO)
-    separator, exported = STEP_SEPARATOR, {}
+    render, exported = None, {}
     if os.path.exists(info):
         with open(info) as f:
             exported = json.load(f)
         description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
-        separator = exported.get("step_separator", separator)
-    loaded = LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, separator,
+        render = exported_render(exported)
+    loaded = LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, render,
                          exported.get("step"), exported.get("run"), exported.get("max_length"), exported.get("kind"))
     if loaded.kind.num_labels != model.config.num_labels:
         raise ModelLoadError(f"{path}: {EXPORT_INFO} says it is {loaded.kind.description}, whose score head has "
                              f"{loaded.kind.num_labels} output(s); its config.json has {model.config.num_labels}")
     return loaded
 
+
+
+def exported_render(exported: dict[str, Any]) -> RenderSpec:
+    """The ``RenderSpec`` an export's info records; from an export made before it was written
+    there, the same from the fields it had (the tokenizer's hash, the step separator)."""
+    if "render" in exported:
+        return RenderSpec.from_dict(exported["render"])
+    return RenderSpec(exported.get("tokenizer_sha256", ""), None, None, exported.get("step_separator", STEP_SEPARATOR))
 
 
 def require_tokenizer(model_path: str, tokenizer: str | None, why: str) -> str:
