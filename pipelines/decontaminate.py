@@ -176,13 +176,7 @@ def eval_file_counts(path: str, n: int) -> dict[str, int]:
 
 
 def record_texts(pair: CanonicalPair | CanonicalSteps, replies: bool) -> list[str]:
-    texts = [prompt_of(pair.prompt)]
-    if replies:
-        if isinstance(pair, CanonicalSteps):
-            texts.append("\n".join(pair.steps))
-        else:
-            texts += ["\n".join(m[1] for m in pair.chosen), "\n".join(m[1] for m in pair.rejected)]
-    return texts
+    return [prompt_of(pair.prompt), *(pair.reply_texts if replies else ())]
 
 
 class _IndexFileFn(beam.DoFn):

@@ -23,7 +23,7 @@ import numpy as np
 from apache_beam.pvalue import AsDict, TaggedOutput
 from rmflow.pipelines.decontaminate import prompt_of, words
 from rmflow.pipelines.transforms import DEAD, dead_letter
-from rmflow.rendering.formats import CanonicalSteps, Duplicate
+from rmflow.rendering.formats import Duplicate
 
 SHINGLE = 5  # words per shingle
 PERMUTATIONS = 128  # min-hashes per signature
@@ -38,10 +38,8 @@ def texts_of(pair, mode: str) -> str:
     """The text compared: the prompt (``prompt``), or the prompt and both replies or all steps (``pair``)."""
     parts = [prompt_of(pair.prompt)]
     if mode == "pair":
-        if isinstance(pair, CanonicalSteps):
-            parts += list(pair.steps)
-        else:
-            parts += [m[1] for m in pair.chosen] + ["\x00"] + [m[1] for m in pair.rejected]
+        for i, reply in enumerate(pair.reply_texts):
+            parts += ["\x00", reply] if i else [reply]  # a separator no text holds between replies
     return "\n".join(parts)
 
 

@@ -83,6 +83,12 @@ class CanonicalPair:
         return self.chosen_ids is not None
 
     @property
+    def reply_texts(self) -> tuple[str, ...]:
+        """The text of each reply (its messages' text, a line each): what decontamination and
+        near-duplicate detection compare beside the prompt. A tokenized pair has none to give."""
+        return ("\n".join(m[1] for m in self.chosen), "\n".join(m[1] for m in self.rejected))
+
+    @property
     def pair_id(self) -> str:
         """Stable 128-bit content hash: equal for exact duplicate pairs, whatever their source."""
         if self.is_tokenized:
@@ -107,6 +113,11 @@ class CanonicalSteps:
     raw: str = dataclasses.field(default="", compare=False, repr=False)
     margin = None  # a pair's field, absent here
     is_tokenized = False
+
+    @property
+    def reply_texts(self) -> tuple[str, ...]:
+        """The solution as one reply: its steps, a line each."""
+        return ("\n".join(self.steps),)
 
     @property
     def pair_id(self) -> str:

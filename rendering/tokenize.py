@@ -337,12 +337,7 @@ class RecordTokenizer:
         return self._special
 
     def _has_special_text(self, item: CanonicalPair | CanonicalSteps) -> bool:
-        texts = [m[1] for m in item.prompt]
-        if isinstance(item, CanonicalSteps):
-            texts += list(item.steps)
-        else:
-            texts += [m[1] for m in item.chosen + item.rejected]
-        return self._any_special(texts)
+        return self._any_special([m[1] for m in item.prompt] + list(item.reply_texts))
 
     def _any_special(self, texts: Sequence[str]) -> bool:
         pattern = self._special_pattern()

@@ -78,6 +78,8 @@ def test_export_head_reads_back_as_its_kind():
 
 
 KIND_CONSTANTS = {name.upper() for name in KINDS}  # schemas.kinds.OUTCOME, PROCESS ...
+# Each kind's record at each stage: canonical (rendering.formats), tokenized (rendering.tokenize), shard.
+RECORD_TYPES = ("CanonicalPair", "CanonicalSteps", "TokenizedPair", "TokenizedSteps", "PairRecord", "StepRecord")
 
 
 def _kind_metric(name) -> bool:
@@ -118,15 +120,16 @@ def _kind_decisions(path: pathlib.Path) -> list[str]:
                 found.append(f"{where}:{node.lineno}: decides the kind by a metric's name ({node.left.value!r})")
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
             types = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
-            if any(getattr(t, "id", getattr(t, "attr", None)) in ("PairRecord", "StepRecord", "TokenizedSteps",
-                                                                  "TokenizedPair") for t in types):
+            if any(getattr(t, "id", getattr(t, "attr", None)) in RECORD_TYPES for t in types):
                 found.append(f"{where}:{node.lineno}: decides the kind by a record type")
     return found
 
 
 def test_no_module_decides_the_kind_itself():
     allowed = {ROOT / "schemas" / "kinds.py", ROOT / "schemas" / "record.py",  # the table; the codec's own types
-               ROOT / "schemas" / "presets.py"}
+               ROOT / "schemas" / "presets.py",
+               # each kind's canonical record, and the renderer of each (the rendering stage's per-kind recipe)
+               ROOT / "rendering" / "formats.py", ROOT / "rendering" / "tokenize.py"}
     found = [hit for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py")) if path not in allowed
              for hit in _kind_decisions(path)]
     assert not found, "decide these by a field of schemas.kinds.ModelKind (or a per-kind table):\n" + "\n".join(found)
