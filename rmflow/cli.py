@@ -405,8 +405,8 @@ def eval_(
     from rmflow.eval.evaluation import run_eval
     from rmflow.eval.reports import eval_summary
 
-    m = run_eval(model, list(data), output, split=split, step=step, batch_size=batch_size, normalize=normalize,
-                 mode=mode, format=format, margin_from_scores=margin_from_scores)
+    m = run_eval(EvalConfig(model=model, data=tuple(data), output=output, split=split, step=step, batch_size=batch_size,
+                            normalize=normalize, mode=mode, format=format, margin_from_scores=margin_from_scores))
     title, rows = eval_summary(m)
     table = Table(title=title)
     table.add_column("")

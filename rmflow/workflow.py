@@ -59,7 +59,7 @@ class Workflow:
     output: str
     preprocess: PreprocessConfig
     train: TrainConfig
-    eval: dict[str, Any]
+    eval: EvalConfig  # data: the workflow's shards unless the workflow names other data
     export: ExportConfig | None  # None: no export stage
 
     @classmethod
@@ -99,7 +99,7 @@ class Workflow:
             raise ConfigError(f"unknown eval keys {sorted(set(ev) - EVAL_KEYS)}; known: {sorted(EVAL_KEYS)}")
         if ev.get("data"):
             ev["data"] = [_path(p, base_dir) for p in ([ev["data"]] if isinstance(ev["data"], str) else ev["data"])]
-        EvalConfig(model=train.output, output=os.path.join(out, "eval"), **ev)  # validates every key
+        ev = EvalConfig(**{"data": (pre.output,), **ev, "model": train.output, "output": os.path.join(out, "eval")})
         export = d.get("export", False)
         if not isinstance(export, (bool, dict)):
             raise ConfigError(f"workflow 'export' {export!r}: must be true or false (unquoted), or a mapping of export "
@@ -169,7 +169,9 @@ def _run(wf: Workflow, log) -> dict[str, str]:
     status: dict[str, str] = {}
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
     h_train = _hash({**dataclasses.asdict(wf.train), "model_identity": model_identity(wf.train.model)}, h_pre)
-    h_eval = _hash({**wf.eval, "data_identity": eval_identity(wf.eval.get("data") or [])}, h_train)
+    options = {k: v for k, v in wf.eval.to_dict().items() if k not in ("model", "output", "data")}
+    other_data = [p for p in wf.eval.data if p != wf.preprocess.output]  # the workflow's shards: in h_pre already
+    h_eval = _hash({**options, "data": other_data, "data_identity": eval_identity(other_data)}, h_train)
     h_export = _hash({"export": wf.export.to_dict() if wf.export else None}, h_train)
     hashes = {"preprocess": h_pre, "train": h_train, "eval": h_eval, "export": h_export}
     for stage in STAGES:
@@ -341,10 +343,8 @@ def _set_aside(wf: Workflow, old_hash: str, log) -> None:
 def _run_eval(wf: Workflow, hashes, log) -> dict[str, Any]:
     from rmflow.eval.evaluation import run_eval
 
-    options = dict(wf.eval)
-    data = options.pop("data", None) or [wf.preprocess.output]
-    m = run_eval(wf.train.output, list(data), os.path.join(wf.output, "eval"), **options)
-    report = os.path.join(wf.output, "eval", REPORT_FILE)
+    m = run_eval(wf.eval)
+    report = os.path.join(wf.eval.output, REPORT_FILE)
     out = {k: m[k] for k in kind_named(m["kind"]).headline if k in m}
     for bench in ("rewardbench_v1", "rewardbench_v2"):
         if bench in m:

@@ -206,7 +206,7 @@ def test_workflow_values_are_checked_where_defined(tmp_path):
         Workflow.from_dict({**base, "eval": {"mode": "best-of-4"}})
     wf = Workflow.from_dict({**base, "eval": {"mode": "rewardbench-v1", "data": "heldout.jsonl", "step": 4,
                                               "format": "text"}}, base_dir=str(tmp_path))
-    assert wf.eval["data"] == [str(tmp_path / "heldout.jsonl")] and wf.eval["mode"] == "rewardbench-v1"
+    assert wf.eval.data == (str(tmp_path / "heldout.jsonl"),) and wf.eval.mode == "rewardbench-v1"
     with pytest.raises(ConfigError, match="split 'dev'"):
         EvalConfig(model="m", data=("d",), output="o", split="dev")
     # a value of the wrong type is named before (and with) what is missing

@@ -356,7 +356,7 @@ def test_a_process_model_learns_a_stepwise_task(process_run):
 @pytest.mark.slow
 def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
     import torch
-    from rmflow.schemas.config import ExportConfig
+    from rmflow.schemas.config import EvalConfig, ExportConfig
     from rmflow.trainer.export import export
     from transformers import AutoModelForTokenClassification
 
@@ -365,7 +365,7 @@ def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
     from rmflow.scoring.scorers import score_file
 
     _, run_dir = process_run
-    m = run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "eval"))
+    m = run_eval(EvalConfig(model=str(run_dir), data=(str(synthetic_steps / "shards"),), output=str(tmp_path / "eval")))
     assert m["kind"] == "process" and m["first_error_accuracy"] > 0.9 and m["processbench_f1"] > 0.9, m
     report = (tmp_path / "eval" / "report.md").read_text()
     assert "ProcessBench F1" in report and (tmp_path / "eval" / "step_scores.png").exists()
@@ -417,6 +417,7 @@ def test_eval_export_and_score_agree(process_run, synthetic_steps, tmp_path):
 
 
 def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_path):
+    from rmflow.schemas.config import EvalConfig
     from rmflow.trainer.errors import TrainError
 
     from rmflow import RewardModel as API
@@ -426,12 +427,14 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
     _, run_dir = process_run
     with pytest.raises(EvalError, match="holds preference pairs, which an outcome reward model .* scores; .* is a "
                        "process reward model .*: evaluate it on stepwise solutions"):
-        run_eval(str(run_dir), [str(demo_shards)], str(tmp_path / "e1"))
+        run_eval(EvalConfig(model=str(run_dir), data=(str(demo_shards),), output=str(tmp_path / "e1")))
     for mode in ("rewardbench-v1", "rewardbench-v2"):  # outcome modes: refused before any data is read
         with pytest.raises(EvalError, match=f"--mode {mode} do not apply to .*a process reward model"):
-            run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "e2"), mode=mode)
+            run_eval(EvalConfig(model=str(run_dir), data=(str(synthetic_steps / "shards"),), output=str(tmp_path / "e2"),
+                                mode=mode))
     with pytest.raises(EvalError, match="--mode pairs and --normalize do not apply"):
-        run_eval(str(run_dir), [str(synthetic_steps / "shards")], str(tmp_path / "e2"), normalize=True)
+        run_eval(EvalConfig(model=str(run_dir), data=(str(synthetic_steps / "shards"),), output=str(tmp_path / "e2"),
+                            normalize=True))
     with pytest.raises(TrainError, match="center_rewards_coefficient applies to pairwise .outcome. reward models"):
         train(TrainConfig(data=str(synthetic_steps / "shards"), model="micro", output=str(tmp_path / "r"),
                           max_steps=1, center_rewards_coefficient=0.01))
@@ -455,6 +458,8 @@ def test_kinds_are_not_mixed_up(process_run, synthetic_steps, demo_shards, tmp_p
 
 
 def test_processbench_raw_file_eval(process_run, shared_data, tmp_path):
+    from rmflow.schemas.config import EvalConfig
+
     from rmflow.eval.evaluation import run_eval
 
     _, run_dir = process_run
@@ -462,7 +467,7 @@ def test_processbench_raw_file_eval(process_run, shared_data, tmp_path):
         every = [json.loads(x) for x in f]
     rows = [r for r in every if r["label"] >= 0][:30] + [r for r in every if r["label"] < 0][:30]
     (tmp_path / "pb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    m = run_eval(str(run_dir), [str(tmp_path / "pb.jsonl")], str(tmp_path / "eval"))
+    m = run_eval(EvalConfig(model=str(run_dir), data=(str(tmp_path / "pb.jsonl"),), output=str(tmp_path / "eval")))
     assert m["input"]["counts"]["pairs_written"] == 60 == m["solutions"]  # the tiny model's 4,096 positions hold all
     assert m["with_error"] == 30 == m["all_correct"]
     # steps up to the labelled first error (none labelled after it), or all of a correct solution's

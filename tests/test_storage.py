@@ -45,12 +45,12 @@ def test_train_eval_export_with_remote_shards_and_run(remote_shards, tmp_path):
     stamp = os.path.getmtime(os.path.join(local, "manifest.json"))
     assert storage.stage_shards(shards) == local and os.path.getmtime(os.path.join(local, "manifest.json")) == stamp
 
-    from rmflow.schemas.config import ExportConfig
+    from rmflow.schemas.config import EvalConfig, ExportConfig
     from rmflow.trainer.export import export
 
     from rmflow.eval.evaluation import run_eval
 
-    m = run_eval(run_url, [shards], str(tmp_path / "eval"))
+    m = run_eval(EvalConfig(model=run_url, data=(shards,), output=str(tmp_path / "eval")))
     assert m["pairs"] > 0
     out = export(ExportConfig(run=run_url, output=str(tmp_path / "hf")))
     assert (pathlib.Path(out) / "model.safetensors").exists()

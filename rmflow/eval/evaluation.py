@@ -115,10 +115,10 @@ def check_eval_output(output: str) -> None:
         raise EvalError(f"--output {output} is a file; give a folder for eval.json, report.md and the plots")
 
 
-def run_eval(model_path: str, data: list[str], output: str, **options: Any) -> dict[str, Any]:
-    """Evaluate ``model_path`` on ``data``; ``options`` are EvalConfig's (split, step, mode, ...). The
-    output folder is locked while the eval runs, written in a staging folder and swapped in whole."""
-    cfg = EvalConfig(model=model_path, data=tuple(data), output=output, **options)
+def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+    """Evaluate ``cfg.model`` on ``cfg.data``. The output folder is locked while the eval runs,
+    written in a staging folder and swapped in whole."""
+    output = cfg.output
     check_eval_output(output)
     with output_lock(output, "rmflow eval"):
         with contextlib.suppress(FileNotFoundError):  # a failed earlier eval's reasons: this eval's replace them
