@@ -158,6 +158,13 @@ def _option(cls: type, name: str, *flags: str):
     return typer.Option(field.default, *flags, help=field.metadata["help"])
 
 
+def _config(cls: type, options: dict, **given):
+    """A command's config from its options: each field of ``cls`` the command has an option of
+    the same name for (its options derive from the fields: ``_option``), then ``given``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{**{k: v for k, v in options.items() if k in names}, **given})
+
+
 def _P(name: str, *flags: str):
     return _option(PreprocessConfig, name, *flags)
 
@@ -217,17 +224,8 @@ def preprocess(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     if verbose:
         logging.getLogger("apache_beam").setLevel(logging.INFO)
-    cfg = PreprocessConfig(
-        inputs=tuple(input), output=output, tokenizer=tokenizer, chat_template=chat_template,
-        format=format, max_length=max_length, length_policy=length_policy,
-        eval_fraction=eval_fraction, split_seed=split_seed, dedup=dedup, decontaminate=tuple(decontaminate),
-        near_dedup=near_dedup, near_dedup_threshold=near_dedup_threshold,
-        decontaminate_ngram=decontaminate_ngram, decontaminate_replies=decontaminate_replies,
-        decontaminate_mark_only=decontaminate_mark_only, decontaminate_method=decontaminate_method,
-        margin_from_scores=margin_from_scores, min_score_gap=min_score_gap, drop_score_ties=drop_score_ties,
-        max_bad_fraction=max_bad_fraction, num_shards=num_shards, overwrite=overwrite, num_workers=num_workers, runner=runner,
-        beam_args=tuple(ctx.args), batch_size=batch_size, step_separator=step_separator,
-    )
+    cfg = _config(PreprocessConfig, locals(), inputs=tuple(input), decontaminate=tuple(decontaminate),
+                  beam_args=tuple(ctx.args))
     from rmflow.pipelines.preprocess import run
 
     with console.status("preprocessing ..."):
@@ -405,8 +403,7 @@ def eval_(
     from rmflow.eval.evaluation import run_eval
     from rmflow.eval.reports import eval_summary
 
-    m = run_eval(EvalConfig(model=model, data=tuple(data), output=output, split=split, step=step, batch_size=batch_size,
-                            normalize=normalize, mode=mode, format=format, margin_from_scores=margin_from_scores))
+    m = run_eval(_config(EvalConfig, locals(), data=tuple(data)))
     title, rows = eval_summary(m)
     table = Table(title=title)
     table.add_column("")
@@ -436,10 +433,7 @@ def score(
 ) -> None:
     """Score conversations with a reward model (or each step of solutions with a process reward model), in
     batches sorted by length; with --runner, as a Beam job (locally or on Dataflow)."""
-    cfg = ScoreConfig(model=model, step=step, input=input, output=output, batch_size=batch_size, runner=runner,
-                      beam_args=tuple(ctx.args), num_shards=num_shards, token_budget=token_budget,
-                      group_by=group_by, overwrite=overwrite, output_format=output_format,
-                      max_bad_fraction=max_bad_fraction, truncate=truncate)
+    cfg = _config(ScoreConfig, locals(), beam_args=tuple(ctx.args))
     if cfg.runner:
         from rmflow.scoring.batch import run_config
 
@@ -494,7 +488,7 @@ def serve(
     """Serve a reward model over HTTP with dynamic batching: POST /v1/score (conversations, or a process model's
     solutions), /get_reward (OpenRLHF's --remote_rm_url), /classify (vLLM's pooling API, as verl calls it);
     GET /health, /metrics (Prometheus), /v1/model. Needs rmflow's serve extra (Starlette, uvicorn)."""
-    cfg = ServeConfig(**{k: v for k, v in locals().items()})
+    cfg = _config(ServeConfig, locals())
     from rmflow.server.app import serve as run_server
 
     raise typer.Exit(run_server(cfg))
@@ -512,7 +506,7 @@ def export(
     *ForTokenClassification), with its tokenizer."""
     from rmflow.trainer.export import export as do_export
 
-    out = do_export(ExportConfig(run=run, output=output, step=step, max_shard_gb=max_shard_gb, adapter=adapter))
+    out = do_export(_config(ExportConfig, locals()))
     if adapter:
         console.print(f"exported the LoRA adapter to [bold]{out}[/bold]: load it with "
                       "peft.PeftModel.from_pretrained(base_model, path)")

@@ -105,3 +105,23 @@ def test_the_readme_lists_every_preprocess_option():
     missing = [f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", section)
                and f not in ("--detach", "--verbose", "--help")]
     assert not missing, f"add to the README's preprocess configuration reference: {missing}"
+
+
+def test_every_option_of_a_command_reaches_its_config():
+    """A command's config is built from its options by name (``cli._config``): an option that
+    is no field of the config, and not one of the few a command uses itself, would be dropped
+    without a word."""
+    import dataclasses
+
+    import typer
+    from rmflow.schemas.config import EvalConfig, ExportConfig, PreprocessConfig, ScoreConfig, ServeConfig
+
+    from rmflow.cli import app
+
+    own = {"preprocess": {"input", "detach", "verbose"}}  # input: the config's inputs, given by the command
+    group = typer.main.get_command(app)
+    for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig), ("score", ScoreConfig),
+                      ("serve", ServeConfig), ("export", ExportConfig)):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        options = {p.name for p in group.commands[name].params}
+        assert not options - fields - own.get(name, set()), (name, sorted(options - fields - own.get(name, set())))
