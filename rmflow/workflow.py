@@ -99,6 +99,8 @@ class Workflow:
             raise ConfigError(f"unknown eval keys {sorted(set(ev) - EVAL_KEYS)}; known: {sorted(EVAL_KEYS)}")
         if ev.get("data"):
             ev["data"] = [_path(p, base_dir) for p in ([ev["data"]] if isinstance(ev["data"], str) else ev["data"])]
+        if not ev.get("data"):  # none named: the workflow's shards
+            ev.pop("data", None)
         ev = EvalConfig(**{"data": (pre.output,), **ev, "model": train.output, "output": os.path.join(out, "eval")})
         export = d.get("export", False)
         if not isinstance(export, (bool, dict)):
@@ -170,8 +172,10 @@ def _run(wf: Workflow, log) -> dict[str, str]:
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
     h_train = _hash({**dataclasses.asdict(wf.train), "model_identity": model_identity(wf.train.model)}, h_pre)
     options = {k: v for k, v in wf.eval.to_dict().items() if k not in ("model", "output", "data")}
-    other_data = [p for p in wf.eval.data if p != wf.preprocess.output]  # the workflow's shards: in h_pre already
-    h_eval = _hash({**options, "data": other_data, "data_identity": eval_identity(other_data)}, h_train)
+    shards = wf.preprocess.output  # the workflow's own: in h_pre already (and not there yet when hashing)
+    data = ["<the workflow's shards>" if p == shards else p for p in wf.eval.data]
+    h_eval = _hash({**options, "data": data, "data_identity": eval_identity([p for p in wf.eval.data if p != shards])},
+                   h_train)
     h_export = _hash({"export": wf.export.to_dict() if wf.export else None}, h_train)
     hashes = {"preprocess": h_pre, "train": h_train, "eval": h_eval, "export": h_export}
     for stage in STAGES:

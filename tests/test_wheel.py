@@ -43,11 +43,14 @@ def _canonical(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> pathlib.Path:
-    """Built from a copy of the checkout without its build folders: setuptools never removes a
-    file from build/lib, so a module moved away would ship beside its new home."""
-    out, tree = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("tree") / "rmflow"
-    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", ".gpu",
-                                                              "__pycache__", ".*_cache"))
+    """Built from a copy of what the build reads (the project files and the source trees), not
+    in the checkout: setuptools never removes a file from build/lib, so a module moved away would
+    ship beside its new home."""
+    out, tree = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("tree")
+    for name in ("pyproject.toml", "setup.py", "README.md"):  # what the build reads, and the trees it packages
+        shutil.copy(REPO / name, tree / name)
+    for folder in set(TREES.values()):
+        shutil.copytree(REPO / folder, tree / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "-w", str(out), str(tree)], check=True, capture_output=True)
     [built] = out.glob("rmflow-*.whl")

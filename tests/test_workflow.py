@@ -152,3 +152,10 @@ def test_the_export_stage_takes_the_options_of_rmflow_export(tmp_path):
     status = run(Workflow.from_dict({**spec, "export": {"step": 3, "max_shard_gb": 0.001}}), log=lambda m: None)
     assert status == {"preprocess": "skipped", "train": "skipped", "eval": "skipped", "export": "ran"}
     assert len(list((tmp_path / "out" / "export").glob("model-*.safetensors"))) > 1  # 1 MiB shards
+
+
+def test_an_eval_that_names_no_data_evaluates_the_workflow_s_shards(tmp_path):
+    spec = small(tmp_path)
+    for ev in ({"split": "eval"}, {"data": []}, {"data": ""}):
+        wf = Workflow.from_dict({**spec, "eval": ev})
+        assert wf.eval.data == (wf.preprocess.output,) and wf.eval.model == wf.train.output, ev
