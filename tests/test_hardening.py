@@ -463,6 +463,18 @@ def test_an_export_is_the_kind_its_run_recorded(base, tmp_path):
     assert "says it is a process reward model" in msg and "its config.json has 1" in msg
 
 
+def test_reading_a_checkpoint_back_logs_nothing(base, tmp_path):
+    """A command that reads a run's checkpoint (export here) prints its own lines only: reading
+    the checkpoint's layout must not make Orbax warn about files it looked for in the wrong place."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rmflow.cli", "export", str(base / "run"), "-o", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "WARNING" not in out.stderr and "WARNING" not in out.stdout, out.stderr[-2000:]
+
+
 def test_an_export_carries_how_its_data_was_rendered(base, tmp_path):
     """The rendering spec of the run's shards (tokenizer, vocabulary and template hashes, step
     separator, special-text policy) is written into the export and read back with the model; an

@@ -126,8 +126,8 @@ def load_trained_model(run_dir: str, step: int | str | None = None) -> tuple[Rew
     params = nnx.state(model, lora.trainable_filter(lora_cfg))  # what the run trained, as the trainer split it
     leaves, treedef = jax.tree.flatten(params)
     with reading_checkpoint(run_dir, step):
-        saved = ocp.StandardCheckpointer().metadata(os.path.join(str(manager.directory), str(step), STATE_ITEM))
-        saved = saved.item_metadata.tree
+        # the item's own tree metadata (a checkpointer's would look for step metadata inside the item, and warn)
+        saved = ocp.PyTreeCheckpointHandler().metadata(manager.directory / str(step) / STATE_ITEM).tree
     # a checkpoint is the train state's leaves in order: the step, the trained parameters, the
     # optimizer's state, the dropout key (trainer.step.TrainState)
     if len(saved) < len(leaves) + 2 or any(tuple(m.shape) != tuple(x.shape) for m, x in zip(saved[1:], leaves)):
