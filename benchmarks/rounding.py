@@ -19,7 +19,6 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -60,9 +59,8 @@ def compile_and_step(shards: str, preset: str, batch_size: int, steps: int) -> d
     from rmflow.trainer.step import make_trainer
 
     manifest = read_manifest(shards)
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig(data=shards, model=preset, output=tmp, batch_size=batch_size, max_steps=steps + 1,
-                          warmup_steps=0, packing="pack")
+    cfg = TrainConfig(data=shards, model=preset, output="unwritten", batch_size=batch_size, max_steps=steps + 1,
+                      warmup_steps=0, packing="pack")  # the trainer's settings only: nothing is written
     trainer = make_trainer(cfg, build_model(cfg, manifest, "pack", 1), steps + 1)
     loader = make_loader(shard_paths(shards, manifest, "train"), batch_size=batch_size,
                          max_length=manifest.max_length, seed=0, num_epochs=1, packing="pack", kind=manifest.kind,

@@ -23,7 +23,7 @@ from rmflow.schemas.sources import DataSource
 from rmflow.trainer.data import count_records, lengths_per_doubling, resolve_packing
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.objective import Objective, objective_for
-from rmflow.trainer.parallel.mesh import BATCH_AXES
+from rmflow.trainer.parallel.mesh import batch_shards
 from rmflow.trainer.setup import (
     check_same_preprocessing,
     evaluates_at,
@@ -82,7 +82,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     """The plan of ``cfg`` on a device mesh of ``mesh_shape`` (axis -> size, the batch split over
     ``BATCH_AXES``) over ``processes`` processes on ``backend``; raises TrainError on the first
     check it fails."""
-    batch_shards = math.prod(mesh_shape[a] for a in BATCH_AXES)
+    shards = batch_shards(mesh_shape)
     sources = cfg.sources
     mixture = len(sources) > 1
     manifests = [read_manifest(s.path) for s in sources]
@@ -108,11 +108,11 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     if not objective.kind.pairwise and cfg.center_rewards_coefficient:
         raise TrainError(f"{cfg.data} holds {objective.kind.data} ({objective.kind.description}): "
                          "center_rewards_coefficient applies to pairwise (outcome) reward models; set it to 0")
-    if cfg.batch_size % batch_shards:
-        raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {batch_shards} batch shards "
+    if cfg.batch_size % shards:
+        raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {shards} batch shards "
                          f"(mesh data x fsdp = {mesh_shape['data']} x {mesh_shape['fsdp']})")
-    if batch_shards % processes:
-        raise TrainError(f"the mesh splits batches {batch_shards} ways, not a multiple of the {processes} processes")
+    if shards % processes:
+        raise TrainError(f"the mesh splits batches {shards} ways, not a multiple of the {processes} processes")
     local_batch = cfg.batch_size // processes
     train_units = tuple(m.splits["train"].records for m in manifests)
     total_steps = plan_steps(cfg, sum(train_units))
@@ -128,7 +128,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
                      for name, paths in eval_sets.items()}
     return RunPlan(cfg=cfg, sources=sources, manifests=tuple(manifests), manifest=manifest, primary=primary,
                    max_length=max_length, objective=objective, train_sets=train_sets, train_units=train_units,
-                   eval_sets=eval_sets, data_evals=data_evals, rows=batch_shards // processes, local_batch=local_batch,
+                   eval_sets=eval_sets, data_evals=data_evals, rows=shards // processes, local_batch=local_batch,
                    packing=resolve_packing(cfg.packing, backend, math.prod(mesh_shape.values())), total_steps=total_steps,
                    evaluations=evaluations, train_rounding=lengths_per_doubling(total_steps, backend),
                    eval_rounding=eval_rounding, pad_id=manifest.tokenizer.pad_token_id or 0)

@@ -317,7 +317,8 @@ class Loop:
 
     def evaluate(self, step: int, state: TrainState, record: dict) -> None:
         if step in self.run.plan.evaluations:
-            record.update({"step": step, **record, **self.run.evaluate(state.params)})
+            record.setdefault("step", step)
+            record.update(self.run.evaluate(state.params))
 
     def publish(self, step: int, state: TrainState, record: dict) -> None:
         if record:

@@ -140,11 +140,6 @@ def _blocks(x, block):  # (B, T, ...) -> (T // block, B, block, ...)
     return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
 
 
-def _unblocks(x):  # inverse of _blocks
-    nb, b, block = x.shape[:3]
-    return jnp.moveaxis(x, 0, 1).reshape(b, nb * block, *x.shape[3:])
-
-
 def _heads_major(x, block):
     """(B, T, K, G, D) -> (T // block, B, K, G * block, D): each block's rows per KV head, so every
     block product is a plain batched matmul over (B, K) (no transpose inside the loops)."""

@@ -9,7 +9,7 @@ the parameters and optimizer state (each device holds 1/n, gathered per layer wh
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -48,6 +48,8 @@ def make_mesh(requested: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Devic
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
-def batch_shards(mesh: Mesh) -> int:
-    """How many pieces a batch is split into (rows per micro-batch are a multiple of this)."""
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+def batch_shards(mesh: Mesh | Mapping[str, int]) -> int:
+    """How many pieces a batch is split into (rows per micro-batch are a multiple of this), for a
+    mesh or a mesh's shape (axis -> size)."""
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    return math.prod(shape[a] for a in BATCH_AXES)
