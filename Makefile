@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export JAX_PLATFORMS ?= cpu
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: install demo test test-airflow lint bench bench-trl clean wheel template-metadata template-constraints template-image template schedule score-template-metadata score-template-constraints score-template-image score-template
+.PHONY: install demo test test-airflow lint reference bench bench-trl clean wheel template-metadata template-constraints template-image template schedule score-template-metadata score-template-constraints score-template-image score-template
 
 # The demo needs rmflow with both stages (rmflow[all]: no PyTorch, no Google Cloud client); the tests add those.
 install: $(VENV)/.installed-demo
@@ -38,6 +38,11 @@ test-airflow:
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
+
+# The configuration reference, generated from the config dataclasses (the suite checks it is current).
+reference: $(VENV)/.installed-test
+	mkdir -p docs/reference
+	$(BIN)/python -m rmflow.reference docs/reference/config.md
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/preprocess.py

@@ -25,10 +25,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from device import CONFIGS  # noqa: E402
 from flax import nnx  # noqa: E402
+from rmflow.schemas.train_config import OptimizerConfig  # noqa: E402
 from rmflow.trainer.modeling import lora  # noqa: E402
 from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
 from rmflow.trainer.modeling.llama import RewardTransformer  # noqa: E402
-from rmflow.trainer.optimizer import OptimConfig  # noqa: E402
 from rmflow.trainer.step import Trainer  # noqa: E402
 
 
@@ -49,7 +49,8 @@ def main() -> None:
     lcfg = None if a.lora_dropout is None else lora.LoraConfig(rank=16, alpha=32, dropout=a.lora_dropout)
     if lcfg:
         lora.apply(model, lcfg)
-    trainer = Trainer(model, OptimConfig(learning_rate=1e-5, total_steps=100), trainable=lora.trainable_filter(lcfg))
+    trainer = Trainer(model, OptimizerConfig(learning_rate=1e-5), total_steps=100,
+                      trainable=lora.trainable_filter(lcfg))
     r, t = a.rows, a.length
     batch = {"input_ids": jnp.ones((1, r, t), jnp.int32),
              "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (1, r, t)),

@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from rmflow.schemas.train_config import OptimizerConfig
 from rmflow.trainer.batching import stack_micro_batches
 from rmflow.trainer.data import Collate, PackCollate
 from rmflow.trainer.modeling.attention import allowed, attention
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.optimizer import OptimConfig
 from rmflow.trainer.step import Trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -226,7 +226,7 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
         model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl, scan_layers=scan)
         params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         body = params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-        trainer = Trainer(model, OptimConfig(learning_rate=1e-5, total_steps=1000))
+        trainer = Trainer(model, OptimizerConfig(learning_rate=1e-5), total_steps=1000)
         batches = (packed_batches(records, batch_size, steps, max_length) if packing == "pack"
                    else bucket_batches(records, batch_size, steps, max_length, packing))
         state = trainer.init_state

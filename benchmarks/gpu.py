@@ -451,11 +451,12 @@ def export_parity(run: str, out: pathlib.Path, rehearse: bool) -> dict:
 
     folder = export(ExportConfig(run=run, output=str(out)))
     model, loaded_run, _ = load_trained_model(run)
-    recs = vs_trl.records(pathlib.Path(loaded_run.config.data), "eval")[:16]
+    recs = vs_trl.records(pathlib.Path(loaded_run.config.data.train), "eval")[:16]
     seqs = [r.chosen_ids for r in recs] + [r.rejected_ids for r in recs]
     ours = score_sequences(model, seqs, pad_id=loaded_run.pad_id)
     dtype = torch.float32 if rehearse else torch.bfloat16
-    hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype).to("cpu" if rehearse else "cuda").eval()
+    hf = AutoModelForSequenceClassification.from_pretrained(folder,
+                                                            dtype=dtype).to("cpu" if rehearse else "cuda").eval()
     with torch.no_grad():
         theirs = np.array([float(hf(input_ids=torch.tensor([s.tolist()], device=hf.device)).logits[0, 0]) for s in seqs])
     diff = float(np.max(np.abs(ours - theirs)))

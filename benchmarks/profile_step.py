@@ -24,12 +24,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from rmflow.schemas.train_config import OptimizerConfig  # noqa: E402
 from rmflow.trainer.batching import stack_micro_batches  # noqa: E402
 from rmflow.trainer.data import make_loader  # noqa: E402
 from rmflow.trainer.modeling.attention import attention  # noqa: E402
 from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
 from rmflow.trainer.modeling.llama import RewardTransformer  # noqa: E402
-from rmflow.trainer.optimizer import OptimConfig  # noqa: E402
 from rmflow.trainer.step import Trainer  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
@@ -77,7 +77,7 @@ def main() -> None:
 
     vocab = json.loads((pathlib.Path(shards) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
     model = RewardTransformer(ModelConfig.tiny(vocab_size=vocab), rngs=nnx.Rngs(0), attention=a.attention)
-    trainer = Trainer(model, OptimConfig(learning_rate=1e-4, total_steps=1000))
+    trainer = Trainer(model, OptimizerConfig(learning_rate=1e-4), total_steps=1000)
     compiled = trainer.lower(trainer.init_state, batch).compile()
     memory = compiled.memory_analysis()
     state = [trainer.init_state]

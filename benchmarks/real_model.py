@@ -77,7 +77,7 @@ def _peak_sampler():
 
 
 def child_train(args: dict) -> dict:
-    from rmflow.schemas.config import TrainConfig
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.train import run as train
 
     times, last = [], [time.perf_counter()]
@@ -87,10 +87,12 @@ def child_train(args: dict) -> dict:
         times.append(now - last[0])
         last[0] = now
 
-    cfg = TrainConfig(data=args["shards"], model=args["model"], output=args["work"], max_steps=args["steps"],
-                      batch_size=args["batch"], learning_rate=1e-5, logging_steps=1, eval_steps=0, save_steps=0,
-                      seed=0, packing="pack", compilation_cache="off", report_to=(),
-                      scan_layers="on" if args["layers"] == "scan" else "off", lora=LORA if args["part"] == "lora" else None)
+    cfg = TrainConfig(data={"train": args["shards"], "packing": "pack"},
+                      model={"path": args["model"], "scan_layers": "on" if args["layers"] == "scan" else "off"},
+                      output=args["work"], max_steps=args["steps"], batch_size=args["batch"],
+                      optimizer={"learning_rate": 1e-5}, logging={"steps": 1, "report_to": ()}, eval_steps=0,
+                      checkpoint={"save_steps": 0}, seed=0, compilation_cache="off",
+                      lora=LORA if args["part"] == "lora" else None)
     sampler = _peak_sampler()
     last[0] = time.perf_counter()
     train(cfg, on_log=on_log)

@@ -52,15 +52,16 @@ def shapes_by_rounding(shards: str, batch_size: int) -> dict:
 
 def compile_and_step(shards: str, preset: str, batch_size: int, steps: int) -> dict:
     import jax
-    from rmflow.schemas.config import TrainConfig
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.batching import stack_micro_batches
     from rmflow.trainer.data import make_loader
     from rmflow.trainer.setup import build_model, read_manifest, shard_paths
     from rmflow.trainer.step import make_trainer
 
     manifest = read_manifest(shards)
-    cfg = TrainConfig(data=shards, model=preset, output="unwritten", batch_size=batch_size, max_steps=steps + 1,
-                      warmup_steps=0, packing="pack")  # the trainer's settings only: nothing is written
+    cfg = TrainConfig(data={"train": shards, "packing": "pack"}, model=preset, output="unwritten",
+                      batch_size=batch_size, max_steps=steps + 1,
+                      optimizer={"warmup_steps": 0})  # the trainer's settings only: nothing is written
     trainer = make_trainer(cfg, build_model(cfg, manifest, "pack", 1), steps + 1)
     loader = make_loader(shard_paths(shards, manifest, "train"), batch_size=batch_size,
                          max_length=manifest.max_length, seed=0, num_epochs=1, packing="pack", kind=manifest.kind,

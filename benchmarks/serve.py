@@ -65,7 +65,8 @@ def conversations(n: int) -> list[list[dict]]:
 
 def default_model(tmp: str) -> str:
     from rmflow.pipelines.preprocess import run as preprocess
-    from rmflow.schemas.config import PreprocessConfig, TrainConfig
+    from rmflow.schemas.config import PreprocessConfig
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.train import run as train
 
     demo = REPO / "rmflow" / "demo"

@@ -109,9 +109,10 @@ def main() -> None:
             step_times.append(now - last[0])
             last[0] = now
 
-        cfg = TrainConfig(data=str(shards), model=args.model, output=str(pathlib.Path(tmp) / "run"),
-                          max_steps=args.steps, batch_size=args.batch_size, learning_rate=3e-4,
-                          warmup_steps=max(args.steps // 10, 1), logging_steps=1, seed=0, packing=args.packing,
+        cfg = TrainConfig(data={"train": str(shards), "packing": args.packing}, model=args.model,
+                          output=str(pathlib.Path(tmp) / "run"), max_steps=args.steps, batch_size=args.batch_size,
+                          optimizer={"learning_rate": 3e-4, "warmup_steps": max(args.steps // 10, 1)},
+                          logging={"steps": 1}, seed=0,
                           lora={"rank": args.lora, "alpha": 2 * args.lora, "base_dtype": args.lora_base_dtype}
                           if args.lora else None)
         rss_before = current_rss_mib()

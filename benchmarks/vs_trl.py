@@ -155,7 +155,8 @@ def child_trl(args: dict) -> dict:
     # transformers renamed the option (the old name still works there, with a FutureWarning)
     CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in RewardConfig.__dataclass_fields__
                      else "gradient_checkpointing")
-    cfg = RewardConfig(output_dir=args["work"] + "/trl", max_steps=args["steps"], per_device_train_batch_size=args["batch"],
+    cfg = RewardConfig(output_dir=args["work"] + "/trl", max_steps=args["steps"],
+                       per_device_train_batch_size=args["batch"],
                        learning_rate=args["lr"], lr_scheduler_type="linear", warmup_steps=args["warmup"],
                        weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
                        center_rewards_coefficient=args["center"], max_length=args["max_length"], logging_steps=1,
@@ -188,7 +189,7 @@ def child_trl(args: dict) -> dict:
 
 def child_rmflow(args: dict) -> dict:
     import jax
-    from rmflow.schemas.config import TrainConfig
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer import train
     from rmflow.trainer.train import run
 
@@ -264,13 +265,12 @@ def child_rmflow(args: dict) -> dict:
         from device import set_kernel
 
         set_kernel(**args["kernel"])
-    cfg = TrainConfig(data=args["shards"], model=args["model"], output=args["work"] + f"/rm-{args['mode']}",
-                      max_steps=args["steps"], batch_size=args["batch"], learning_rate=args["lr"],
-                      warmup_steps=args["warmup"], lr_schedule="linear", max_grad_norm=1.0,
-                      center_rewards_coefficient=args["center"], logging_steps=1, seed=0, packing=args["mode"],
-                      report_to=(), compilation_cache=args["cache"], dtype=args.get("dtype", "float32"),
-                      gradient_checkpointing=bool(args.get("grad_ckpt")), eval_data=args.get("eval_sets") or None,
-                      attention=args.get("attention", "auto"), scan_layers=args.get("scan_layers", "auto"))
+    cfg = TrainConfig(data={"train": args["shards"], "packing": args["mode"], "eval": args.get("eval_sets") or None},
+                      model={"path": args["model"], "dtype": args.get("dtype", "float32"), "gradient_checkpointing": bool(args.get("grad_ckpt")), "attention": args.get("attention", "auto"), "scan_layers": args.get("scan_layers", "auto")},
+                      output=args["work"] + f"/rm-{args['mode']}", max_steps=args["steps"], batch_size=args["batch"],
+                      optimizer={"learning_rate": args["lr"], "warmup_steps": args["warmup"], "schedule": "linear", "max_grad_norm": 1.0},
+                      center_rewards_coefficient=args["center"], logging={"steps": 1, "report_to": ()}, seed=0,
+                      compilation_cache=args["cache"])
     start = time.perf_counter()
     result = run(cfg, on_log=on_log)
     wall, ended = time.perf_counter() - start - eval_seconds[0], time.time() - eval_seconds[0]
@@ -284,7 +284,8 @@ def child_rmflow(args: dict) -> dict:
                       "computed_fraction": rec.get("computed_fraction", 1.0), "parts": parts})
     final = result.history[-1]
     stats = jax.devices()[0].memory_stats() or {}
-    return {"backend": jax.default_backend(), "steps": steps, "compiles": [d for _, d in compiles], "reads": [d for _, d in reads], "wall": wall, "ended": ended,
+    return {"backend": jax.default_backend(), "steps": steps, "compiles": [d for _, d in compiles],
+            "reads": [d for _, d in reads], "wall": wall, "ended": ended,
             "losses": [h["loss"] for h in history], "eval_accuracy": final["eval_accuracy"],
             "eval_pairs": final["eval_pairs"], "run": cfg.output,
             "eval_sets": {name: final[f"eval/{name}/accuracy"] for name in (args.get("eval_sets") or {})},
@@ -427,7 +428,8 @@ def main() -> None:
                 # the trainers alternate, neither always first: TRL, rmflow..., then rmflow..., TRL
                 jobs = [("trl", "TRL RewardTrainer")] + jobs if rep % 2 == 0 else jobs + [("trl", "TRL RewardTrainer")]
                 for kind, name in jobs:
-                    args = {**base, "mode": kind, "trl_order": a.trl_order, "work": f"{tmp}/r{rep}-{len(runs.get(name, []))}-{name[-4:]}",
+                    args = {**base, "mode": kind, "trl_order": a.trl_order,
+                            "work": f"{tmp}/r{rep}-{len(runs.get(name, []))}-{name[-4:]}",
                             "cache": cache}
                     out, launched = launch("trl" if kind == "trl" else "rmflow", args)
                     runs.setdefault(name, []).append(summarize(name, out, a.skip, launched))

@@ -26,7 +26,8 @@ import sys
 from typing import Any
 
 from rmflow.schemas.config import FORMATS as INPUT_FORMATS
-from rmflow.schemas.config import LENGTH_POLICIES, PreprocessConfig, help_for
+from rmflow.schemas.config import LENGTH_POLICIES, PreprocessConfig
+from rmflow.schemas.options import help_for
 
 GCS = r"^gs:\/\/[^\n\r]+$"
 TOKENIZER = r"^(gs:\/\/[^\n\r]+|[A-Za-z0-9][\w.-]*\/[\w.-]+|[A-Za-z0-9][\w.-]*)$"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import inspect
 import json
 import logging
 import os
@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from rmflow.cli_options import config_options, parameter
 from rmflow.schemas.config import (
     ConfigError,
     EvalConfig,
@@ -21,13 +22,12 @@ from rmflow.schemas.config import (
     PreprocessConfig,
     ScoreConfig,
     ServeConfig,
-    TrainConfig,
-    help_for,
 )
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import OUTCOME, kind_named
 from rmflow.schemas.outputs import EXPORT_INFO, REPORT_FILE
 from rmflow.schemas.stops import unwinding
+from rmflow.schemas.train_config import TrainConfig
 
 app = typer.Typer(
     name="rmflow",
@@ -148,35 +148,6 @@ def extra_providing(module: str, preferred: str | None = None) -> str | None:
     return offering[0] if offering else others[0][1] if others else None
 
 
-def _h(name: str) -> str:
-    return help_for(PreprocessConfig, name)
-
-
-def _option(cls: type, name: str, *flags: str):
-    """The typer option of a config field: its default and help come from the field."""
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return typer.Option(field.default, *flags, help=field.metadata["help"])
-
-
-def _config(cls: type, options: dict, **given):
-    """A command's config from its options: each field of ``cls`` the command has an option of
-    the same name for (its options derive from the fields: ``_option``), then ``given``."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{**{k: v for k, v in options.items() if k in names}, **given})
-
-
-def _P(name: str, *flags: str):
-    return _option(PreprocessConfig, name, *flags)
-
-
-def _E(name: str, *flags: str):
-    return _option(EvalConfig, name, *flags)
-
-
-def _X(name: str, *flags: str):
-    return _option(ExportConfig, name, *flags)
-
-
 @app.callback()
 def main() -> None:
     """rmflow: reward models from human preference pairs."""
@@ -187,45 +158,18 @@ def main() -> None:
     epilog="Any other --option is a Beam pipeline option and is passed to Beam unchanged, "
     "e.g. --runner DataflowRunner --project P --region R --temp_location gs://B/tmp.",
 )
-def preprocess(
-    ctx: typer.Context,
-    input: list[str] = typer.Option(..., "--input", "-i", help=_h("inputs")),
-    tokenizer: str = typer.Option(..., help=_h("tokenizer")),
-    output: str = typer.Option(..., "--output", "-o", help=_h("output")),
-    max_length: int = _P("max_length"),
-    format: str = _P("format", "--format"),
-    chat_template: str | None = _P("chat_template"),
-    length_policy: str = _P("length_policy"),
-    eval_fraction: float = _P("eval_fraction"),
-    split_seed: int = _P("split_seed"),
-    dedup: bool = _P("dedup", "--dedup/--no-dedup"),
-    near_dedup: str = _P("near_dedup"),
-    near_dedup_threshold: float = _P("near_dedup_threshold"),
-    decontaminate: list[str] = _P("decontaminate"),
-    decontaminate_ngram: int = _P("decontaminate_ngram"),
-    decontaminate_replies: bool = _P("decontaminate_replies", "--decontaminate-replies/--no-decontaminate-replies"),
-    decontaminate_mark_only: bool = _P("decontaminate_mark_only", "--decontaminate-mark-only"),
-    decontaminate_method: str = _P("decontaminate_method"),
-    margin_from_scores: bool = _P("margin_from_scores", "--margin-from-scores/--no-margin-from-scores"),
-    min_score_gap: float = _P("min_score_gap"),
-    drop_score_ties: bool = _P("drop_score_ties", "--drop-score-ties"),
-    max_bad_fraction: float = _P("max_bad_fraction"),
-    num_shards: int = _P("num_shards"),
-    num_workers: int = _P("num_workers"),
-    runner: str = _P("runner"),
-    batch_size: int = _P("batch_size"),
-    step_separator: str = _P("step_separator"),
-    overwrite: bool = _P("overwrite", "--overwrite"),
-    detach: bool = typer.Option(False, "--detach", help="Submit the job and return (remote runners): the job "
-                                "finalises itself and writes COMPLETED when the output is complete."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Beam's log."),
-) -> None:
+@config_options(PreprocessConfig, exclude=("beam_args",), extra=(
+    parameter("ctx", typer.Context, inspect.Parameter.empty),
+    parameter("detach", bool, typer.Option(False, "--detach", help="Submit the job and return (remote runners): the "
+                                           "job finalises itself and writes COMPLETED when the output is complete.")),
+    parameter("verbose", bool, typer.Option(False, "--verbose", "-v", help="Show Beam's log.")),
+))
+def preprocess(options: dict, ctx: typer.Context, detach: bool, verbose: bool) -> None:
     """Tokenize raw preference pairs into ArrayRecord shards plus a manifest (Apache Beam)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     if verbose:
         logging.getLogger("apache_beam").setLevel(logging.INFO)
-    cfg = _config(PreprocessConfig, locals(), inputs=tuple(input), decontaminate=tuple(decontaminate),
-                  beam_args=tuple(ctx.args))
+    cfg = PreprocessConfig.from_dict({**options, "beam_args": tuple(ctx.args)})
     from rmflow.pipelines.preprocess import run
 
     with console.status("preprocessing ..."):
@@ -305,35 +249,24 @@ def print_summary(stats: dict, output: str) -> None:
     )
 
 
-def _t(name: str) -> str:
-    return help_for(TrainConfig, name)
-
-
-def _train_options_epilog() -> str:
-    lines = [f"{f.name} (default {f.default!r}): {f.metadata['help']}" for f in dataclasses.fields(TrainConfig)]
-    return "Options for --config and --set:\n\n" + "\n\n".join(lines)
-
-
-@command(epilog=_train_options_epilog())
-def train(
-    data: str | None = typer.Option(None, help=_t("data")),
-    model: str | None = typer.Option(None, help=_t("model")),
-    output: str | None = typer.Option(None, "--output", "-o", help=_t("output")),
-    config: str | None = typer.Option(None, "--config", help="YAML file of train options (keys as in --set)."),
-    set_: list[str] = typer.Option([], "--set", help="Override one option: key=value (repeatable); "
-                                   "keys: " + ", ".join(f.name for f in dataclasses.fields(TrainConfig))),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output."),
-    allow_config_change: bool = typer.Option(False, "--allow-config-change", help="With --resume: continue even "
-                                             "though the config changes the run's trajectory (learning rate, "
-                                             "batch size, steps, data ...); the change is kept in "
-                                             "config_history.jsonl."),
-) -> None:
+@command(epilog="--config and --set take the options' dotted names (optimizer.learning_rate): nested in YAML, "
+                "key=value with --set; a flag wins over --config, --set over both. The reference: docs/reference/config.md.")
+@config_options(TrainConfig, dotted=True, extra=(
+    parameter("config", str | None, typer.Option(None, "--config", help="YAML file of train options: sections as "
+                                                 "mappings (optimizer: {learning_rate: 1e-5}) or dotted keys.")),
+    parameter("set_", list[str], typer.Option([], "--set", help="Override one option: key=value with its dotted "
+                                              "name, e.g. optimizer.learning_rate=1e-5 (repeatable).")),
+    parameter("resume", bool, typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output.")),
+    parameter("allow_config_change", bool, typer.Option(
+        False, "--allow-config-change", help="With --resume: continue even though the config changes the run's "
+        "trajectory (learning rate, batch size, steps, data ...); the change is kept in config_history.jsonl.")),
+))
+def train(options: dict, config: str | None, set_: list[str], resume: bool, allow_config_change: bool) -> None:
     """Train a reward model on preprocessed shards (JAX / Flax / Optax, fed by Grain)."""
     from rmflow.workflow import read_yaml_mapping
 
     base = read_yaml_mapping(config, f"--config {config}", "a mapping of option: value") if config else {}
-    base.update({k: v for k, v in (("data", data), ("model", model), ("output", output)) if v})
-    cfg = TrainConfig.from_dict(base).with_overrides(list(set_))
+    cfg = TrainConfig.from_dict({**base, **options}).with_overrides(list(set_))
 
     from rmflow.eval.sets import preprocess_eval_sets
 
@@ -386,24 +319,15 @@ def run_workflow(
 
 
 @command(name="eval")
-def eval_(
-    model: str = typer.Option(..., help=help_for(EvalConfig, "model")),
-    data: list[str] = typer.Option(..., help=help_for(EvalConfig, "data")),
-    output: str = typer.Option(..., "--output", "-o", help=help_for(EvalConfig, "output")),
-    split: str = _E("split"),
-    step: str | None = _E("step"),
-    batch_size: int = _E("batch_size"),
-    normalize: bool = _E("normalize", "--normalize"),
-    mode: str = _E("mode"),
-    format: str = _E("format", "--format"),
-    margin_from_scores: bool = _E("margin_from_scores", "--margin-from-scores/--no-margin-from-scores"),
-) -> None:
+@config_options(EvalConfig)
+def eval_(options: dict) -> None:
     """Evaluate a reward model: accuracy, loss, margins, calibration, length bias, per-subset accuracy; a process
     reward model: step accuracy, precision/recall/F1 of incorrect steps, first-error accuracy, ProcessBench F1."""
     from rmflow.eval.evaluation import run_eval
     from rmflow.eval.reports import eval_summary
 
-    m = run_eval(_config(EvalConfig, locals(), data=tuple(data)))
+    cfg = EvalConfig.from_dict(options)
+    m = run_eval(cfg)
     title, rows = eval_summary(m)
     table = Table(title=title)
     table.add_column("")
@@ -411,29 +335,16 @@ def eval_(
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    console.print(f"report: [bold]{os.path.join(output, REPORT_FILE)}[/bold]")
+    console.print(f"report: [bold]{os.path.join(cfg.output, REPORT_FILE)}[/bold]")
 
 
-@command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def score(
-    ctx: typer.Context,
-    model: str = typer.Option(..., help=help_for(ScoreConfig, "model")),
-    step: str | None = _option(ScoreConfig, "step"),
-    input: str = typer.Option(..., "--input", "-i", help=help_for(ScoreConfig, "input")),
-    output: str = typer.Option(..., "--output", "-o", help=help_for(ScoreConfig, "output")),
-    batch_size: int = _option(ScoreConfig, "batch_size"),
-    runner: str = _option(ScoreConfig, "runner"),
-    num_shards: int = _option(ScoreConfig, "num_shards"),
-    token_budget: int = _option(ScoreConfig, "token_budget"),
-    group_by: str = _option(ScoreConfig, "group_by"),
-    overwrite: bool = _option(ScoreConfig, "overwrite"),
-    output_format: str = _option(ScoreConfig, "output_format"),
-    max_bad_fraction: float = _option(ScoreConfig, "max_bad_fraction"),
-    truncate: str = _option(ScoreConfig, "truncate"),
-) -> None:
+@command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+         epilog="With --runner, any other --option is a Beam pipeline option, passed to Beam unchanged.")
+@config_options(ScoreConfig, exclude=("beam_args",), extra=(parameter("ctx", typer.Context, inspect.Parameter.empty),))
+def score(options: dict, ctx: typer.Context) -> None:
     """Score conversations with a reward model (or each step of solutions with a process reward model), in
     batches sorted by length; with --runner, as a Beam job (locally or on Dataflow)."""
-    cfg = _config(ScoreConfig, locals(), beam_args=tuple(ctx.args))
+    cfg = ScoreConfig.from_dict({**options, "beam_args": tuple(ctx.args)})
     if cfg.runner:
         from rmflow.scoring.batch import run_config
 
@@ -456,58 +367,35 @@ def score(
     if total and counts["errors"] / total > cfg.max_bad_fraction:  # the file is written either way
         console.print(f"[red]score failed:[/red] {counts['errors']:,} of {total:,} lines "
                       f"({counts['errors'] / total:.1%}) cannot be scored, more than --max-bad-fraction "
-                      f"{cfg.max_bad_fraction:.1%}; {_escape(output)} has the {counts['scored']:,} scores and each "
+                      f"{cfg.max_bad_fraction:.1%}; {_escape(cfg.output)} has the {counts['scored']:,} scores and each "
                       "bad line with its 'error'")
         raise typer.Exit(1)
     console.print(f"{counts['scored']:,} scored, {counts['errors']:,} bad lines (with 'error' in the output): "
-                  f"[bold]{output}[/bold]")
-
-
-def _S(name: str, *flags: str):
-    return _option(ServeConfig, name, *flags)
+                  f"[bold]{cfg.output}[/bold]")
 
 
 @command()
-def serve(
-    model: str = typer.Argument(..., help=help_for(ServeConfig, "model")),
-    step: str | None = _S("step"),
-    host: str = _S("host"),
-    port: int = _S("port"),
-    api_key: str = _S("api_key"),
-    max_length: int = _S("max_length"),
-    token_budget: int = _S("token_budget"),
-    max_batch_rows: int = _S("max_batch_rows"),
-    max_wait_ms: float = _S("max_wait_ms"),
-    max_queue: int = _S("max_queue"),
-    max_queue_wait_s: float = _S("max_queue_wait_s"),
-    max_request_items: int = _S("max_request_items"),
-    max_body_mb: float = _S("max_body_mb"),
-    shutdown_timeout_s: float = _S("shutdown_timeout_s"),
-    normalize: bool = _S("normalize"),
-) -> None:
+@config_options(ServeConfig, positional=("model",))
+def serve(options: dict) -> None:
     """Serve a reward model over HTTP with dynamic batching: POST /v1/score (conversations, or a process model's
     solutions), /get_reward (OpenRLHF's --remote_rm_url), /classify (vLLM's pooling API, as verl calls it);
     GET /health, /metrics (Prometheus), /v1/model. Needs rmflow's serve extra (Starlette, uvicorn)."""
-    cfg = _config(ServeConfig, locals())
+    cfg = ServeConfig.from_dict(options)
     from rmflow.server.app import serve as run_server
 
     raise typer.Exit(run_server(cfg))
 
 
 @command()
-def export(
-    run: str = typer.Argument(..., help=help_for(ExportConfig, "run")),
-    output: str = typer.Option(..., "--output", "-o", help=help_for(ExportConfig, "output")),
-    step: str | None = _X("step"),
-    max_shard_gb: float = _X("max_shard_gb"),
-    adapter: bool = _X("adapter", "--adapter"),
-) -> None:
+@config_options(ExportConfig, positional=("run",))
+def export(options: dict) -> None:
     """Export a trained run as a Hugging Face *ForSequenceClassification checkpoint (a process reward model:
     *ForTokenClassification), with its tokenizer."""
     from rmflow.trainer.export import export as do_export
 
-    out = do_export(_config(ExportConfig, locals()))
-    if adapter:
+    cfg = ExportConfig.from_dict(options)
+    out = do_export(cfg)
+    if cfg.adapter:
         console.print(f"exported the LoRA adapter to [bold]{out}[/bold]: load it with "
                       "peft.PeftModel.from_pretrained(base_model, path)")
         return

@@ -31,14 +31,18 @@ import os
 import shutil
 from typing import Any
 
-from rmflow.schemas.config import ConfigError, EvalConfig, ExportConfig, PreprocessConfig, TrainConfig
+from rmflow.schemas.config import ConfigError, EvalConfig, ExportConfig, PreprocessConfig
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.outputs import REPORT_FILE, output_lock
 from rmflow.schemas.paths import is_url
 from rmflow.schemas.presets import is_preset
+from rmflow.schemas.train_config import TrainConfig
 
 STAGES = ("preprocess", "train", "eval", "export")
 KNOWN_KEYS = {"output", *STAGES}
+# The options a workflow sets itself: where each stage writes, and what train reads.
+PREPROCESS_SET = ("output", "overwrite")
+TRAIN_SET = ("data.train", "output")
 # The workflow's eval takes every EvalConfig key but where its model and output go (the workflow's run
 # and eval folders); data defaults to the workflow's shards.
 EVAL_KEYS = {f.name for f in dataclasses.fields(EvalConfig)} - {"model", "output"}
@@ -83,17 +87,25 @@ class Workflow:
         for key in ("tokenizer", "chat_template"):
             if pre.get(key) and os.path.exists(_path(pre[key], base_dir)):
                 pre[key] = _path(pre[key], base_dir)
+        for key in PREPROCESS_SET:
+            if key in pre:
+                raise ConfigError(f"preprocess.{key}: a workflow sets it (its shards go to OUTPUT/shards, replaced "
+                                  "when the stage reruns); drop it")
         pre = PreprocessConfig.from_dict({**pre, "output": os.path.join(out, "shards"), "overwrite": True})
-        train = dict(d["train"])
-        if train.get("model") and not is_preset(train["model"]) and os.path.exists(_path(train["model"], base_dir)):
-            train["model"] = _path(train["model"], base_dir)
-        if "data" in train:
-            raise ConfigError("train.data: a workflow trains on its preprocess stage's shards; to mix several shard "
-                              "sets, run `rmflow train --data set=weight,...` (README, Mixtures)")
-        train = TrainConfig.from_dict({**train, "data": pre.output, "output": os.path.join(out, "run")})
-        if train.eval_data:  # relative to the workflow file, as the inputs are
-            train = dataclasses.replace(train, eval_data={k: [_path(p, base_dir) for p in v]
-                                                          for k, v in train.eval_data.items()})
+        spec = dict(d["train"])
+        given = spec.get("data")
+        if "data.train" in spec or not isinstance(given, (dict, type(None))) or "train" in (given or {}):
+            raise ConfigError("train.data.train: a workflow trains on its preprocess stage's shards; to mix several "
+                              "shard sets, run `rmflow train --data set=weight,...` (README, Mixtures)")
+        if "output" in spec:
+            raise ConfigError("train.output: a workflow sets it (its run goes to OUTPUT/run); drop it")
+        train = TrainConfig.from_dict({**spec, "data.train": pre.output, "output": os.path.join(out, "run")})
+        model = train.model.path
+        if not is_preset(model) and os.path.exists(_path(model, base_dir)):  # relative to the workflow file
+            train = dataclasses.replace(train, model=dataclasses.replace(train.model, path=_path(model, base_dir)))
+        if train.data.eval:  # relative to the workflow file, as the inputs are
+            evals = {k: [_path(p, base_dir) for p in v] for k, v in train.data.eval.items()}
+            train = dataclasses.replace(train, data=dataclasses.replace(train.data, eval=evals))
         ev = dict(d.get("eval") or {})
         if set(ev) - EVAL_KEYS:
             raise ConfigError(f"unknown eval keys {sorted(set(ev) - EVAL_KEYS)}; known: {sorted(EVAL_KEYS)}")
@@ -170,7 +182,7 @@ def _run(wf: Workflow, log) -> dict[str, str]:
     os.makedirs(wf.output, exist_ok=True)
     status: dict[str, str] = {}
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
-    h_train = _hash({**dataclasses.asdict(wf.train), "model_identity": model_identity(wf.train.model)}, h_pre)
+    h_train = _hash({**wf.train.to_dict(), "model_identity": model_identity(wf.train.model.path)}, h_pre)
     options = {k: v for k, v in wf.eval.to_dict().items() if k not in ("model", "output", "data")}
     shards = wf.preprocess.output  # the workflow's own: in h_pre already (and not there yet when hashing)
     data = ["<the workflow's shards>" if p == shards else p for p in wf.eval.data]

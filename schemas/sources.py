@@ -1,5 +1,5 @@
 """Named data sets of a training run: the shard sets of a weighted mixture (``data``) and the
-named evaluation sets (``eval_data``).
+named evaluation sets (``data.eval``).
 
 ``data`` is one shard folder, or a mixture in one of three spellings, all read into the same
 ``DataSource`` tuple:
@@ -27,7 +27,7 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class SourceError(RmflowError, ValueError):
-    """A ``data`` or ``eval_data`` value cannot be read; the message says how to write it."""
+    """A ``data`` or ``data.eval`` value cannot be read; the message says how to write it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ def canonical_data(sources: tuple[DataSource, ...]) -> str | dict[str, dict[str,
 
 
 def parse_eval_data(value: Any) -> dict[str, tuple[str, ...]]:
-    """``eval_data``: {name: shard folder or raw files (a string, a comma-separated string or a
+    """``data.eval``: {name: shard folder or raw files (a string, a comma-separated string or a
     list)}; or one string ``name=path,name=path`` (``--set``)."""
     if value in (None, "", {}):
         return {}
@@ -124,17 +124,17 @@ def parse_eval_data(value: Any) -> dict[str, tuple[str, ...]]:
         for part in filter(None, (p.strip() for p in value.split(","))):
             name, sep, path = part.partition("=")
             if not sep or not path:
-                raise SourceError(f"eval_data {part!r}: write name=path (several: name=path,name=path)")
+                raise SourceError(f"data.eval {part!r}: write name=path (several: name=path,name=path)")
             out.setdefault(name.strip(), []).append(path.strip())
         value = out
     if not isinstance(value, Mapping):
-        raise SourceError(f"eval_data {value!r}: give {{name: shard folder or raw files, ...}}")
+        raise SourceError(f"data.eval {value!r}: give {{name: shard folder or raw files, ...}}")
     sets = {}
     for name, paths in value.items():
         paths = [p.strip() for p in paths.split(",")] if isinstance(paths, str) else paths
         if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, str) and p for p in paths):
-            raise SourceError(f"eval_data: {name!r}: give a shard folder or raw files (a path or a list of paths)")
-        sets[_check_name(name, "eval_data")] = tuple(paths)
+            raise SourceError(f"data.eval: {name!r}: give a shard folder or raw files (a path or a list of paths)")
+        sets[_check_name(name, "data.eval")] = tuple(paths)
     return sets
 
 

@@ -139,7 +139,8 @@ def process_run(tmp_path_factory, tokenizer_dir) -> tuple[pathlib.Path, list[dic
     import json
 
     from rmflow.pipelines.preprocess import run as preprocess
-    from rmflow.schemas.config import PreprocessConfig, TrainConfig
+    from rmflow.schemas.config import PreprocessConfig
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.train import run as train
 
     base = tmp_path_factory.mktemp("process-run")

@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.train import run as train
 from typer.testing import CliRunner
 
@@ -25,8 +25,7 @@ CONVS = [[U("How do I boil an egg?"), A("Eight minutes in boiling water.")],
 def workdir(tmp_path_factory, demo_shards):
     base = tmp_path_factory.mktemp("api")
     shutil.copytree(demo_shards, base / "shards")  # the demo at max_length 128, preprocessed once per worker
-    train(TrainConfig(data=str(base / "shards"), model="micro", output=str(base / "runs" / "rm1"), max_steps=2,
-                      batch_size=4, learning_rate=1e-3))
+    train(TrainConfig(data=str(base / "shards"), model="micro", output=str(base / "runs" / "rm1"), max_steps=2, batch_size=4, optimizer={"learning_rate": 1e-3}))
     return base
 
 

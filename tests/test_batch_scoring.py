@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from rmflow.rendering.formats import parse_hh_transcript
-from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.train import run as train
 from typer.testing import CliRunner
 

@@ -2,7 +2,8 @@ import json
 import re
 
 import pytest
-from rmflow.schemas.config import PreprocessConfig, help_for
+from rmflow.schemas.config import PreprocessConfig
+from rmflow.schemas.options import help_for
 from typer.testing import CliRunner
 
 from rmflow.cli import app
@@ -50,30 +51,35 @@ def test_help_text_comes_from_the_config(tmp_path):
 
 
 def test_cli_options_are_their_config_fields():
-    """Every option of preprocess, eval, score and serve that names a config field has that field's default
-    and help: a default or a text copied into the CLI could drift; these cannot."""
-    import dataclasses
-
+    """Every option of every command is generated from its config's fields: the same name,
+    help and default (a train flag's default is left to --config and the field); a default or a
+    text copied into the CLI could drift, these cannot. Every field has its option, but the Beam
+    options a command passes through."""
     import typer.main
-    from rmflow.schemas.config import EvalConfig, PreprocessConfig, ScoreConfig, ServeConfig
+    from rmflow.schemas.config import EvalConfig, ExportConfig, PreprocessConfig, ScoreConfig, ServeConfig
+    from rmflow.schemas.options import leaves
+    from rmflow.schemas.train_config import TrainConfig
 
     from rmflow.cli import app
 
+    own = {"preprocess": {"ctx", "detach", "verbose"}, "score": {"ctx"},
+           "train": {"config", "set_", "resume", "allow_config_change"}}
     for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig), ("score", ScoreConfig),
-                      ("serve", ServeConfig)):
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+                      ("serve", ServeConfig), ("export", ExportConfig), ("train", TrainConfig)):
+        fields = {leaf.path.replace(".", "__"): leaf for leaf in leaves(cls)}
         params = typer.main.get_command(app).commands[name].params
-        checked = 0
+        assert not {p.name for p in params} - set(fields) - own.get(name, set()) - {"help"}, name
+        assert set(fields) - {p.name for p in params} <= {"beam_args"}, name
         for p in params:
-            field = fields.get(p.name) if cls is not PreprocessConfig else \
-                fields.get(p.name) or fields.get({"input": "inputs"}.get(p.name, ""))
-            if field is None:
+            leaf = fields.get(p.name)
+            if leaf is None:
                 continue
-            checked += 1
-            assert p.help == field.metadata["help"], (name, p.name)
-            if not p.required:
-                assert p.default == field.default, (name, p.name, p.default, field.default)
-        assert checked == len(fields) - ("beam_args" in fields), (name, checked)  # beam_args: the rest
+            assert p.help.startswith(leaf.help), (name, p.name)
+            default = tuple(p.default) if isinstance(p.default, list) else p.default
+            if name == "train":
+                assert default is None and "[default: " in p.help, (name, p.name)
+            elif not p.required:
+                assert default == leaf.default, (name, p.name, p.default, leaf.default)
 
 
 def test_no_help_text_holds_brackets_rich_would_eat():
@@ -92,36 +98,58 @@ def test_no_help_text_holds_brackets_rich_would_eat():
     assert not found, "rich would drop these from --help; write them without brackets:\n" + "\n".join(found)
 
 
-def test_the_readme_lists_every_preprocess_option():
-    """The README's configuration reference is a copy of the command's options: it cannot drift."""
+def test_every_option_of_a_command_reaches_its_config(tmp_path):
+    """A flag given reaches the config under its own option: every train flag, dotted, sets its
+    option (checked on the config the command builds), and flags win over --config, --set over
+    both; a flat key of before is refused in one line naming its new place."""
+    import yaml
+    from rmflow.schemas import train_config
+
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    real = train_config.TrainConfig.from_dict.__func__
+
+    def spy(cls, data):
+        cfg = real(cls, data)
+        built.append(cfg)
+        return cfg
+
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump({"optimizer": {"learning_rate": 1e-4, "warmup_steps": 3},
+                                                     "batch_size": 8, "mesh.fsdp": 2}))
+    import unittest.mock as mock
+
+    with mock.patch.object(train_config.TrainConfig, "from_dict", classmethod(spy)), \
+            mock.patch("rmflow.eval.sets.preprocess_eval_sets", side_effect=Stop):
+        r = runner.invoke(app, ["train", "--data", "d", "--model", "micro", "-o", "o", "--config",
+                                str(tmp_path / "t.yaml"), "--optimizer.learning-rate", "3e-4", "--batch-size", "4",
+                                "--lora.rank", "2", "--model.gradient-checkpointing", "--data.eval", "x=y",
+                                "--set", "batch_size=2", "--set", "logging.report_to=none"])
+    assert isinstance(r.exception, Stop), r.output
+    cfg = built[-1]
+    assert (cfg.optimizer.learning_rate, cfg.optimizer.warmup_steps, cfg.batch_size, cfg.mesh.fsdp) == (3e-4, 3, 2, 2)
+    assert cfg.lora.rank == 2 and cfg.model.gradient_checkpointing and cfg.data.eval == {"x": ["y"]}
+    assert cfg.logging.report_to == () and cfg.data.train == "d" and cfg.model.path == "micro"
+    (tmp_path / "old.yaml").write_text("learning_rate: 1.0e-4\nsave_total_limit: 3\n")
+    for args, said in ((["--config", str(tmp_path / "old.yaml")], "learning_rate is now optimizer.learning_rate; "
+                        "save_total_limit is now checkpoint.keep_newest"),
+                       (["--set", "logging_steps=5"], "logging_steps is now logging.steps")):
+        r = runner.invoke(app, ["train", "--data", "d", "--model", "micro", "-o", "o", *args])
+        assert r.exit_code == 2 and said in flat(r.output) and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_the_configuration_reference_is_generated_and_current():
+    """docs/reference/config.md is what rmflow.reference generates from the dataclasses (`make
+    reference` writes it): it names every option of every command."""
     import pathlib
 
-    import typer.main
+    from rmflow.schemas.options import leaves
+    from rmflow.schemas.train_config import TrainConfig
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### Configuration reference", 1)[1].split("\n### ", 1)[0]
-    command = typer.main.get_command(app).commands["preprocess"]
-    flags = [next(o for o in p.opts if o.startswith("--")) for p in command.params if p.opts]
-    missing = [f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", section)
-               and f not in ("--detach", "--verbose", "--help")]
-    assert not missing, f"add to the README's preprocess configuration reference: {missing}"
+    from rmflow.reference import generate
 
-
-def test_every_option_of_a_command_reaches_its_config():
-    """A command's config is built from its options by name (``cli._config``): an option that
-    is no field of the config, and not one of the few a command uses itself, would be dropped
-    without a word."""
-    import dataclasses
-
-    import typer
-    from rmflow.schemas.config import EvalConfig, ExportConfig, PreprocessConfig, ScoreConfig, ServeConfig
-
-    from rmflow.cli import app
-
-    own = {"preprocess": {"input", "detach", "verbose"}}  # input: the config's inputs, given by the command
-    group = typer.main.get_command(app)
-    for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig), ("score", ScoreConfig),
-                      ("serve", ServeConfig), ("export", ExportConfig)):
-        fields = {f.name for f in dataclasses.fields(cls)}
-        options = {p.name for p in group.commands[name].params}
-        assert not options - fields - own.get(name, set()), (name, sorted(options - fields - own.get(name, set())))
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "reference" / "config.md").read_text()
+    assert text == generate(), "docs/reference/config.md is stale: run `make reference`"
+    assert all(f"| `{leaf.path}` |" in text for leaf in leaves(TrainConfig))

@@ -67,11 +67,11 @@ def test_airflow_dag_task_graph():
 @pytest.mark.parametrize("name", ["gpu-1host-8x.yaml", "tpu-v5e-32.yaml"])
 def test_worked_train_configs_are_valid(name):
     import yaml
-    from rmflow.schemas.config import TrainConfig
+    from rmflow.schemas.train_config import TrainConfig
 
     raw = yaml.safe_load((DEPLOY / "train" / name).read_text())
     cfg = TrainConfig.from_dict({**raw, "data": "gs://b/shards", "output": "/tmp/run"})
-    assert cfg.mesh_fsdp == -1 and cfg.dtype == "bfloat16"
+    assert cfg.mesh.fsdp == -1 and cfg.model.dtype == "bfloat16"
 
 
 def test_the_suite_starts_without_xdist():

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from rmflow.schemas.config import ExportConfig, TrainConfig
+from rmflow.schemas.config import ExportConfig
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.export import export
 from rmflow.trainer.train import run as train
@@ -36,8 +37,7 @@ CONVERSATIONS = [
 def trained_run(tmp_path_factory, demo_shards):
     base = tmp_path_factory.mktemp("export")
     shutil.copytree(demo_shards, base / "shards")  # the demo at max_length 128, preprocessed once per worker
-    train(TrainConfig(data=str(base / "shards"), model="micro", output=str(base / "run"), max_steps=3,
-                      batch_size=4, learning_rate=1e-3, logging_steps=1))
+    train(TrainConfig(data=str(base / "shards"), model="micro", output=str(base / "run"), max_steps=3, batch_size=4, optimizer={"learning_rate": 1e-3}, logging={"steps": 1}))
     return base
 
 

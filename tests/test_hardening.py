@@ -18,8 +18,9 @@ import sys
 
 import pytest
 from rmflow.pipelines.preprocess import run as preprocess
-from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.train import run as train
 from typer.testing import CliRunner
 
@@ -51,7 +52,7 @@ def base(tmp_path_factory, demo_shards):
     cwd = os.getcwd()
     os.chdir(base)
     try:
-        train(TrainConfig(data="shards", model="micro", output="run", max_steps=2, batch_size=4, logging_steps=1))
+        train(TrainConfig(data="shards", model="micro", output="run", max_steps=2, batch_size=4, logging={"steps": 1}))
     finally:
         os.chdir(cwd)
     other = base / "other-tokenizer"
@@ -95,7 +96,7 @@ def test_a_run_is_self_contained_and_its_paths_absolute(base, tmp_path, monkeypa
     """Score and export from another directory, the shards gone, a decoy shards/ with another
     tokenizer in the working directory: the run's own tokenizer is used."""
     cfg = json.loads((base / "run" / "config.json").read_text())
-    assert cfg["data"] == str(base / "shards") and cfg["output"] == str(base / "run")
+    assert cfg["data"]["train"] == str(base / "shards") and cfg["output"] == str(base / "run")
     run_copy = tmp_path / "run"
     shutil.copytree(base / "run", run_copy)
     elsewhere = tmp_path / "elsewhere"
@@ -103,7 +104,7 @@ def test_a_run_is_self_contained_and_its_paths_absolute(base, tmp_path, monkeypa
     shutil.copytree(base / "other-tokenizer", elsewhere / "shards" / "tokenizer", dirs_exist_ok=True)
     monkeypatch.chdir(elsewhere)
     shutil.copytree(base / "shards", tmp_path / "shards-moved")  # keep the module's shards for other tests
-    cfg["data"] = "shards"  # what an older rmflow stored: relative, now pointing at the decoy
+    cfg["data"]["train"] = "shards"  # what an older rmflow stored: relative, now pointing at the decoy
     (run_copy / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "in.jsonl").write_text(json.dumps({"messages": CONV}) + "\n")
     assert cli("score", "--model", run_copy, "-i", tmp_path / "in.jsonl", "-o", tmp_path / "s.jsonl").exit_code == 0
@@ -206,13 +207,13 @@ def test_a_raw_eval_set_s_bad_records_are_set_aside_not_fatal(base, tmp_path):
     (tmp_path / "rb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{broken\n" +
                                        json.dumps({"chosen": "", "rejected": ""}) + "\n")
     (tmp_path / "bad.jsonl").write_text("{broken\n{also broken\n")
-    cfg = TrainConfig(data=str(base / "shards"), model="micro", output=str(tmp_path / "run"),
-                      eval_data={"rb": [str(tmp_path / "rb.jsonl")]})
-    with pytest.warns(RmflowWarning, match="eval_data 'rb': 2 of 33 records cannot be used"):
+    cfg = TrainConfig(data={"train": str(base / "shards"), "eval": {"rb": [str(tmp_path / "rb.jsonl")]}},
+                      model="micro", output=str(tmp_path / "run"))
+    with pytest.warns(RmflowWarning, match="data.eval 'rb': 2 of 33 records cannot be used"):
         done = preprocess_eval_sets(cfg)
-    assert done.eval_data["rb"] == [str(tmp_path / "run" / "eval_data" / "rb")]
-    bad = dataclasses.replace(cfg, eval_data={"bad": [str(tmp_path / "bad.jsonl")]})
-    with pytest.raises(TrainError, match="eval_data 'bad' .*every record and its reason: .*bad.errors.jsonl"):
+    assert done.data.eval["rb"] == [str(tmp_path / "run" / "eval_data" / "rb")]
+    bad = cfg.with_overrides([f"data.eval=bad={tmp_path / 'bad.jsonl'}"])
+    with pytest.raises(TrainError, match="data.eval 'bad' .*every record and its reason: .*bad.errors.jsonl"):
         preprocess_eval_sets(bad)
     assert len((tmp_path / "run" / "eval_data" / "bad.errors.jsonl").read_text().splitlines()) == 2
     assert sorted(os.listdir(tmp_path / "run" / "eval_data")) == ["bad.errors.jsonl", "rb"]
@@ -347,13 +348,13 @@ def test_resume_refuses_a_changed_trajectory_unless_allowed_and_keeps_the_histor
     run = tmp_path / "run"
     shutil.copytree(base / "run", run)
     args = ["train", "--data", base / "shards", "--model", "micro", "-o", run, "--resume",
-            "--set", "batch_size=4", "--set", "logging_steps=1"]
-    msg = one_line_error(cli(*args, "--set", "max_steps=3", "--set", "learning_rate=2e-5"))
+            "--set", "batch_size=4", "--set", "logging.steps=1"]
+    msg = one_line_error(cli(*args, "--set", "max_steps=3", "--set", "optimizer.learning_rate=2e-5"))
     assert "learning_rate: 1e-05 -> 2e-05" in msg and "max_steps: 2 -> 3" in msg and "--allow-config-change" in msg
     msg = one_line_error(cli(*args, "--set", "max_steps=2", "--set", "lora.rank=4"))
     assert "another lora" in msg and "start a new run" in msg
     config = (run / "config.json").read_text()
-    r = cli(*args, "--set", "max_steps=2", "--set", "logging_steps=2")  # where it logs: no change to refuse
+    r = cli(*args, "--set", "max_steps=2", "--set", "logging.steps=2")  # where it logs: no change to refuse
     assert r.exit_code == 0, r.output
     assert (run / "config.json").read_text() != config
     r = cli(*args, "--set", "max_steps=3", "--allow-config-change")
@@ -375,7 +376,7 @@ def test_shards_longer_than_the_models_positions_are_refused(base, tmp_path):
 
 def _train_process(base, out, *extra):
     args = [sys.executable, "-m", "rmflow.cli", "train", "--data", str(base / "shards"), "--model", "micro",
-            "-o", str(out), "--set", "batch_size=4", "--set", "logging_steps=1", *extra]
+            "-o", str(out), "--set", "batch_size=4", "--set", "logging.steps=1", *extra]
     return subprocess.Popen(args, cwd=pathlib.Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -414,7 +415,7 @@ def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(base, tmp_
     assert (records[-1]["step"] if records else 0) == step
     if step:  # and it resumes from there
         r = cli("train", "--data", base / "shards", "--model", "micro", "-o", out, "--resume", "--set", "batch_size=4",
-                "--set", "logging_steps=1", "--set", f"max_steps={step + 1}", "--allow-config-change")
+                "--set", "logging.steps=1", "--set", f"max_steps={step + 1}", "--allow-config-change")
         assert r.exit_code == 0, r.output
         assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()][-2:] == [step, step + 1]
 
@@ -479,7 +480,6 @@ def test_an_export_carries_how_its_data_was_rendered(base, tmp_path):
     """The rendering spec of the run's shards (tokenizer, vocabulary and template hashes, step
     separator, special-text policy) is written into the export and read back with the model; an
     export from before it was written there gives the same spec from the fields it had."""
-    import dataclasses
 
     from rmflow.schemas.manifest import Manifest
     from rmflow.trainer.inference import load_model

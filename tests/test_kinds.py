@@ -148,17 +148,16 @@ def test_the_scan_finds_what_it_forbids(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
 def test_every_preset_builds_and_is_named_in_the_help(name):
-    import dataclasses
-
-    from rmflow.schemas.config import TrainConfig
+    from rmflow.schemas.train_config import BaseModelConfig, TrainConfig
     from rmflow.trainer.modeling.config import ModelConfig
 
     cfg = ModelConfig.preset(name, vocab_size=100, num_labels=2)
     assert (cfg.vocab_size, cfg.num_labels, cfg.hidden_size) == (100, 2, MODEL_PRESETS[name]["hidden_size"])
     assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
-    help_text = {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}["model"]
-    assert name in help_text
-    assert TrainConfig(data="d", model=name, output="o").with_absolute_paths().model == name
+    from rmflow.schemas.options import help_for
+
+    assert name in help_for(BaseModelConfig, "path")
+    assert TrainConfig(data="d", model=name, output="o").with_absolute_paths().model.path == name
 
 
 def test_a_training_record_is_shown_by_the_run_s_kind():

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from rmflow.schemas.config import ConfigError, TrainConfig
+from rmflow.schemas.config import ConfigError
+from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.optimizer import OptimConfig
 from rmflow.trainer.step import Trainer
 
 CFG = dataclasses.replace(ModelConfig.tiny(vocab_size=97), hidden_size=32, intermediate_size=48, num_attention_heads=4,
@@ -88,7 +88,7 @@ def test_remat_with_adapter_dropout_draws_the_masks_of_the_step(scan):
 
 def _dots(m: RewardTransformer) -> int:
     """Matrix products in the train step's lowered program."""
-    trainer = Trainer(m, OptimConfig(learning_rate=1e-3, total_steps=5))
+    trainer = Trainer(m, OptimizerConfig(learning_rate=1e-3), total_steps=5)
     ids, positions, segments, _ = inputs()
     batch = {"input_ids": ids.reshape(1, 1, -1), "positions": positions.reshape(1, 1, -1),
              "segment_ids": jnp.where(segments.reshape(1, 1, -1) > 0, 1, 0),
@@ -132,11 +132,12 @@ def test_adapter_dropout_keeps_no_extra_activations():
 
 
 def test_auto_scans_with_lora_and_for_scoring_and_unrolls_full_fine_tuning():
-    base = {"data": "shards", "model": "tiny", "output": "run"}
-    full, adapters = TrainConfig(**base), TrainConfig(**base, lora={"rank": 4})
+    base = {"data": "shards", "output": "run"}
+    full, adapters = TrainConfig(**base, model="tiny"), TrainConfig(**base, model="tiny", lora={"rank": 4})
     assert not full.scans_layers() and full.scans_layers(training=False)
     assert adapters.scans_layers() and adapters.scans_layers(training=False)
-    assert TrainConfig(**base, scan_layers="on").scans_layers()
-    assert not TrainConfig(**base, lora={"rank": 4}, scan_layers="off").scans_layers(training=False)
+    assert TrainConfig(**base, model={"path": "tiny", "scan_layers": "on"}).scans_layers()
+    assert not TrainConfig(**base, lora={"rank": 4}, model={"path": "tiny", "scan_layers": "off"}).scans_layers(
+        training=False)
     with pytest.raises(ConfigError, match="scan_layers 'yes': use one of"):
-        TrainConfig(**base, scan_layers="yes")
+        TrainConfig(**base, model={"path": "tiny", "scan_layers": "yes"})

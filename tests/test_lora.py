@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from rmflow.schemas.config import ConfigError, TrainConfig
+from rmflow.schemas.config import ConfigError
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.errors import Interrupted
 from rmflow.trainer.modeling import lora
@@ -36,8 +37,8 @@ def split(model):
 @pytest.mark.slow
 def test_lora_trains_adapters_and_head_only_and_learns(synthetic, tmp_path):  # noqa: F811
     # Eval accuracy is 0.99-1.0 from step 20 on: 60 steps leave a margin (as 150 did, at 2.5x the time).
-    cfg = config(synthetic, tmp_path / "run", max_steps=60, eval_steps=60, save_steps=20, learning_rate=3e-3,
-                 lora=LORA)
+    cfg = config(synthetic, tmp_path / "run", max_steps=60, eval_steps=60, checkpoint={"save_steps": 20},
+                 optimizer={"learning_rate": 3e-3}, lora=LORA)
     result = train(cfg)
     final = result.history[-1]
     assert final["eval_accuracy"] > 0.9, final  # learns the task through the adapters
@@ -61,8 +62,8 @@ def test_lora_trains_adapters_and_head_only_and_learns(synthetic, tmp_path):  # 
     # Resume from the step-40 checkpoint: the same adapters as the uninterrupted run.
     shutil.copytree(tmp_path / "run", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "60")
-    resumed = train(config(synthetic, tmp_path / "resumed", max_steps=60, eval_steps=60, save_steps=20,
-                           learning_rate=3e-3, lora=LORA), resume=True)
+    resumed = train(config(synthetic, tmp_path / "resumed", max_steps=60, eval_steps=60, checkpoint={"save_steps": 20}, optimizer={"learning_rate": 3e-3}, lora=LORA),
+                    resume=True)
     for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(result.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -74,8 +75,7 @@ def test_merged_export_matches_in_transformers(synthetic, tmp_path):  # noqa: F8
     from rmflow.schemas.config import ExportConfig
     from rmflow.trainer.export import export
 
-    train(config(synthetic, tmp_path / "run", max_steps=20, save_steps=20, learning_rate=3e-3,
-                 lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}))
+    train(config(synthetic, tmp_path / "run", max_steps=20, checkpoint={"save_steps": 20}, optimizer={"learning_rate": 3e-3}, lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}))
     out = export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "hf")))
     names = set(json.loads((pathlib.Path(out) / "config.json").read_text()))
     assert "architectures" in names
@@ -112,18 +112,18 @@ def test_merged_export_matches_in_transformers(synthetic, tmp_path):  # noqa: F8
     np.testing.assert_allclose(got, ours, atol=1e-4, rtol=0)
     assert not np.allclose(untrained, ours, atol=1e-3)  # the adapter and the head did change the scores
     # Not a LoRA run: --adapter is refused in one line.
-    train(config(synthetic, tmp_path / "full", max_steps=2, save_steps=2))
+    train(config(synthetic, tmp_path / "full", max_steps=2, checkpoint={"save_steps": 2}))
     r = CliRunner().invoke(app, ["export", str(tmp_path / "full"), "-o", str(tmp_path / "x"), "--adapter"])
     assert r.exit_code == 1 and "is not a LoRA run" in r.output
 
 
 def test_lora_config_checks():
     cfg = TrainConfig(data="d", model="micro", output="o", lora={"rank": 4, "target_modules": "all-linear"})
-    assert cfg.lora_config.target_modules == lora.TARGETS and cfg.lora_config.scale == 4.0
-    assert TrainConfig(data="d", model="micro", output="o").with_overrides(["lora.rank=2"]).lora_config.rank == 2
+    assert cfg.lora.target_modules == lora.TARGETS and cfg.lora.scale == 4.0
+    assert TrainConfig(data="d", model="micro", output="o").with_overrides(["lora.rank=2"]).lora.rank == 2
     for bad, match in [({"rank": 0}, "rank"), ({"target_modules": ["lm_head"]}, "target_modules"),
                        ({"dropout": 1.0}, "dropout"), ({"dropout": -0.1}, "dropout"),
-                       ({"base_dtype": "int8"}, "base_dtype"), ({"ranks": 4}, "unknown keys")]:
+                       ({"base_dtype": "int8"}, "base_dtype"), ({"ranks": 4}, "unknown LoraConfig keys")]:
         with pytest.raises(ConfigError, match=match):
             TrainConfig(data="d", model="micro", output="o", lora=bad)
 
@@ -179,8 +179,10 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
     from tests.test_export import rmflow_rewards
 
     spec = {"rank": 4, "alpha": 8, "dropout": 0.1, "base_dtype": "bfloat16", "target_modules": "all-linear"}
-    flat = dict(warmup_steps=2, learning_rate=3e-3, learning_rate_end=3e-3)  # the same rate whatever max_steps
-    cfg = config(synthetic, tmp_path / "run", max_steps=8, save_steps=4, logging_steps=2, lora=spec, **flat)
+    optimizer = {"warmup_steps": 2, "learning_rate": 3e-3, "learning_rate_end": 3e-3}  # the same rate whatever max_steps
+    cfg = config(synthetic, tmp_path / "run", max_steps=8, checkpoint={"save_steps": 4}, logging={"steps": 2},
+                 lora=spec,
+                 optimizer=optimizer)
     full = train(cfg)
     model = base_model(cfg, full.trainer.model(full.state.params).config)
     ad, head, base = split(model)
@@ -197,7 +199,8 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
         if record["step"] == 4:
             os.kill(os.getpid(), signal.SIGINT)
 
-    again = config(synthetic, tmp_path / "resumed", max_steps=8, save_steps=4, logging_steps=2, lora=spec, **flat)
+    again = config(synthetic, tmp_path / "resumed", max_steps=8, checkpoint={"save_steps": 4}, logging={"steps": 2},
+                   lora=spec, optimizer=optimizer)
     with pytest.raises(Interrupted, match="stopped by SIGINT at step 4"):
         train(again, on_log=ctrl_c_at_step_4)
     assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()) == ["4"]
@@ -216,10 +219,10 @@ def test_dropout_and_bfloat16_base_train_export_and_resume(synthetic, tmp_path):
 
 
 def test_the_train_step_draws_dropout_masks_from_the_run_seed():
+    from rmflow.schemas.train_config import OptimizerConfig
     from rmflow.trainer.batching import stack_micro_batches
     from rmflow.trainer.data import Collate
     from rmflow.trainer.modeling.llama import RewardTransformer
-    from rmflow.trainer.optimizer import OptimConfig
     from rmflow.trainer.step import Trainer
 
     from tests.test_step import CFG, records
@@ -230,7 +233,8 @@ def test_the_train_step_draws_dropout_masks_from_the_run_seed():
         model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
         cfg = lora.LoraConfig(rank=4, alpha=8, dropout=dropout, target_modules=("q_proj", "v_proj"))
         lora.apply(model, cfg)
-        t = Trainer(model, OptimConfig(learning_rate=1e-2, total_steps=2), seed=seed, trainable=lora.trainable_filter(cfg))
+        t = Trainer(model, OptimizerConfig(learning_rate=1e-2), total_steps=2, seed=seed,
+                    trainable=lora.trainable_filter(cfg))
         state, _ = t.train_step(t.init_state, batch)
         return jax.tree.leaves(state.params)
 

@@ -14,9 +14,10 @@ import jax
 import numpy as np
 import pytest
 from rmflow.pipelines.preprocess import run as preprocess
-from rmflow.schemas.config import ConfigError, PreprocessConfig, TrainConfig
+from rmflow.schemas.config import ConfigError, PreprocessConfig
 from rmflow.schemas.manifest import Manifest
 from rmflow.schemas.sources import DataSource, parse_eval_data
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.data import make_loader
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.train import run as train
@@ -58,19 +59,23 @@ def test_data_spellings_read_as_the_same_sets():
     want = (DataSource("hh", "s/hh", 0.5), DataSource("uf", "gs://b/uf", 0.25))
     for data in ("s/hh=0.5,gs://b/uf=0.25", {"s/hh": 0.5, "gs://b/uf": 0.25},
                  {"hh": {"path": "s/hh", "weight": 0.5}, "uf": {"path": "gs://b/uf", "weight": 0.25}}):
-        cfg = TrainConfig(data=data, model="micro", output="o")
+        cfg = TrainConfig(data={"train": data}, model="micro", output="o")
         assert cfg.sources == want
         assert TrainConfig.from_dict(json.loads(cfg.to_json())).sources == want  # stored and read back
     one = TrainConfig(data="shards/hh", model="micro", output="o")
-    assert one.data == "shards/hh" and one.sources == (DataSource("hh", "shards/hh", 1.0),)
+    assert one.data.train == "shards/hh" and one.sources == (DataSource("hh", "shards/hh", 1.0),)
     assert TrainConfig(data="x", model="micro", output="o").with_overrides(["data=p/a=1,p/b=3"]).sources[1].weight == 3
     for bad, words in (("a=0,b=1", "positive number"), ({"x/a": 1, "y/a": 2}, "two sets are named"),
                        ({"a b": {"path": "p", "weight": 1}}, "name 'a b'"), ({"a": {"weight": 1}}, "path"),
                        ("", "required"), ("hh=1,uf=nan", "'uf' is nan"), ("hh=1,uf=inf", "'uf' is inf"),
-                       ("hh=1,uf=", "'uf=' is not folder=weight"), ("hh=1,uf=lots", "'uf=lots' is not folder=weight"), ("hh=1,hh=2", "hh is given twice"),
+                       ("hh=1,uf=", "'uf=' is not folder=weight"), ("hh=1,uf=lots",
+                        "'uf=lots' is not folder=weight"), ("hh=1,hh=2", "hh is given twice"),
                        ("hh,uf=1", "'hh' is not folder=weight")):
         with pytest.raises(ConfigError, match=words):
-            TrainConfig(data=bad, model="micro", output="o")
+            TrainConfig(data={"train": bad}, model="micro", output="o")
+    with pytest.raises(ConfigError, match=r"unknown DataConfig keys \['s/hh'\].*a mixture of shard sets goes under "
+                                          "data.train"):  # the mixture mapping where the section belongs
+        TrainConfig(data={"s/hh": 1}, model="micro", output="o")
     from rmflow.trainer.errors import TrainError
     from rmflow.trainer.setup import read_manifest
 
@@ -126,8 +131,8 @@ def test_each_set_is_drawn_in_its_own_passes_and_processes_split_every_set(sets)
 
 
 def _cli(run_dir, data, **sets_):
-    args = {"max_steps": 24, "save_steps": 6, "eval_steps": 12, "logging_steps": 6, "batch_size": 8,
-            "learning_rate": 3e-4, "warmup_steps": 4, **sets_}
+    args = {"max_steps": 24, "checkpoint.save_steps": 6, "eval_steps": 12, "logging.steps": 6, "batch_size": 8,
+            "optimizer.learning_rate": 3e-4, "optimizer.warmup_steps": 4, **sets_}
     return [sys.executable, "-m", "rmflow.cli", "train", "--data", data, "--model", "micro", "--output",
             str(run_dir)] + [f"--set={k}={v}" for k, v in args.items()]
 
@@ -146,10 +151,10 @@ def test_a_mixture_trains_logs_each_set_and_resumes_exactly_after_kill_9(sets, t
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL and not (killed / "checkpoints" / "24").exists()
 
-    kw = dict(model="micro", max_steps=24, save_steps=6, eval_steps=12, logging_steps=6, batch_size=8,
-              learning_rate=3e-4, warmup_steps=4)
-    resumed = train(TrainConfig(data=data, output=str(killed), **kw), resume=True)
-    straight = train(TrainConfig(data=data, output=str(tmp_path / "straight"), **kw))
+    kw = {"model": "micro", "max_steps": 24, "checkpoint.save_steps": 6, "eval_steps": 12, "logging.steps": 6,
+          "batch_size": 8, "optimizer.learning_rate": 3e-4, "optimizer.warmup_steps": 4}
+    resumed = train(TrainConfig.from_dict({"data": data, "output": str(killed), **kw}), resume=True)
+    straight = train(TrainConfig.from_dict({"data": data, "output": str(tmp_path / "straight"), **kw}))
     for x, y in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     timing_free = [[{k: v for k, v in h.items() if k != "tokens_per_second"} for h in r.history]
@@ -173,8 +178,8 @@ def test_a_mixture_trains_logs_each_set_and_resumes_exactly_after_kill_9(sets, t
 
     # Resuming with other weights changes the trajectory: refused unless allowed
     with pytest.raises(TrainError, match="other sets or weights"):
-        train(TrainConfig(data=f"{sets['a']}=0.5,{sets['b']}=0.5", output=str(killed),
-                          **{**kw, "max_steps": 30}), resume=True)
+        train(TrainConfig.from_dict({"data": f"{sets['a']}=0.5,{sets['b']}=0.5", "output": str(killed),
+                                     **{**kw, "max_steps": 30}}), resume=True)
 
 
 def test_sets_preprocessed_unlike_are_refused_naming_them(sets, tmp_path, tokenizer_dir):
@@ -184,7 +189,8 @@ def test_sets_preprocessed_unlike_are_refused_naming_them(sets, tmp_path, tokeni
     base.mkdir()
     other = _set(base, "b", tokenizer_dir, chat_template=str(template))
     with pytest.raises(TrainError, match=r"not preprocessed alike: tokenizer and chat template differ \(a: .*, b: "):
-        train(TrainConfig(data={"a": {"path": str(sets["a"]), "weight": 1}, "b": {"path": str(other), "weight": 1}},
+        train(TrainConfig(data={"train": {"a": {"path": str(sets["a"]), "weight": 1},
+                                          "b": {"path": str(other), "weight": 1}}},
                           model="micro", output=str(tmp_path / "run"), max_steps=2, batch_size=8))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -214,14 +220,14 @@ def test_named_eval_sets_and_the_best_checkpoint_kept_resumed_and_exported(sets,
     run_dir = tmp_path / "run"
     # eval/held/pairs is the same at every eval: ranked by it, the earliest checkpoint is the best, so the
     # kept set is certain to hold one the newest-only rule would delete
-    kw = dict(data=str(sets["a"]), model="micro", output=str(run_dir), batch_size=8, learning_rate=3e-4,
-              warmup_steps=2, logging_steps=4, eval_steps=4, save_steps=4, save_total_limit=1,
-              metric_for_best="eval/held/pairs",
-              eval_data={"held": [str(sets["b"])], "raw": [str(sets["b"].parent / "b.jsonl")]})
+    kw = {"data.train": str(sets["a"]), "model": "micro", "output": str(run_dir), "batch_size": 8,
+          "optimizer.learning_rate": 3e-4, "optimizer.warmup_steps": 2, "logging.steps": 4, "eval_steps": 4,
+          "checkpoint.save_steps": 4, "checkpoint.keep_newest": 1, "checkpoint.metric_for_best": "eval/held/pairs",
+          "data.eval": {"held": [str(sets["b"])], "raw": [str(sets["b"].parent / "b.jsonl")]}}
     with pytest.raises(TrainError, match="raw: .*b.jsonl is not a shard folder"):
-        train(TrainConfig(max_steps=12, **kw))
-    cfg = preprocess_eval_sets(TrainConfig(max_steps=12, **kw))
-    assert cfg.eval_data["raw"] == [str(run_dir / "eval_data" / "raw")]
+        train(TrainConfig.from_dict({**kw, "max_steps": 12}))
+    cfg = preprocess_eval_sets(TrainConfig.from_dict({**kw, "max_steps": 12}))
+    assert cfg.data.eval["raw"] == [str(run_dir / "eval_data" / "raw")]
     result = train(cfg)
     for h in result.history:  # the whole of b, once from its shards, once from its raw file
         assert h["eval/held/pairs"] == h["eval/raw/pairs"] == SIZES["b"]
@@ -236,13 +242,14 @@ def test_named_eval_sets_and_the_best_checkpoint_kept_resumed_and_exported(sets,
     train(dataclasses.replace(cfg, max_steps=20), resume=True, allow_config_change=True)
     assert sorted(checkpoint_manager(str(run_dir)).all_steps()) == [4, 20]
 
-    for bad, words in ((dict(metric_for_best="eval/nope/accuracy"), "is not a metric this run's evals log; for example eval_loss"),
-                       (dict(eval_data={"x": [str(sets["a"])]}), "is training data"),
-                       (dict(eval_data={"held": [str(sets["b"])]}, data={"a": {"path": str(sets["a"]), "weight": 1},
-                                                                          "held": {"path": str(sets["b"]),
-                                                                                   "weight": 1}}),
+    for bad, words in (({"checkpoint.metric_for_best": "eval/nope/accuracy"},
+                        "is not a metric this run's evals log; for example eval_loss"),
+                       ({"data.eval": {"x": [str(sets["a"])]}}, "is training data"),
+                       ({"data.eval": {"held": [str(sets["b"])]},
+                         "data.train": {"a": {"path": str(sets["a"]), "weight": 1},
+                                        "held": {"path": str(sets["b"]), "weight": 1}}},
                         "a set of the mixture has this name")):
         with pytest.raises(TrainError, match=words):
-            train(dataclasses.replace(cfg, output=str(tmp_path / "other"), **bad))
+            train(TrainConfig.from_dict({**cfg.flat(), "output": str(tmp_path / "other"), **bad}))
     with pytest.raises(ConfigError, match="save_steps 6 must be a multiple of eval_steps 4"):
-        TrainConfig(**{**kw, "save_steps": 6})
+        TrainConfig.from_dict({**kw, "checkpoint.save_steps": 6})

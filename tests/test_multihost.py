@@ -24,11 +24,12 @@ STEPS = 10
 WORKER = textwrap.dedent('''
     import sys
     STEPS = @STEPS@
-    from rmflow.schemas.config import TrainConfig
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.train import run
     data, output, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    run(TrainConfig(data=data, model="micro", output=output, max_steps=STEPS, batch_size=8, save_steps=2,
-                    logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack"), resume=resume)
+    run(TrainConfig(data={"train": data, "packing": "pack"}, model="micro", output=output, max_steps=STEPS,
+                    batch_size=8, checkpoint={"save_steps": 2}, logging={"steps": 1},
+                    optimizer={"learning_rate": 1e-3, "adam_eps": 1e-6}), resume=resume)
     print("WORKER DONE")
 ''').replace("@STEPS@", str(STEPS))
 
@@ -37,7 +38,7 @@ REFERENCE = textwrap.dedent('''
     STEPS = @STEPS@
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from rmflow.schemas.config import TrainConfig
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.data import lengths_per_doubling, make_loader
     from rmflow.trainer.batching import stack_micro_batches
     from rmflow.trainer.batching import widen as _widen
@@ -45,8 +46,9 @@ REFERENCE = textwrap.dedent('''
     from rmflow.trainer.step import make_trainer
     from rmflow.trainer.checkpoints import load_trained_model
     data, run_dir = sys.argv[1], sys.argv[2]
-    cfg = TrainConfig(data=data, model="micro", output=run_dir, max_steps=STEPS, batch_size=8, save_steps=2,
-                      logging_steps=1, learning_rate=1e-3, adam_eps=1e-6, packing="pack")
+    cfg = TrainConfig(data={"train": data, "packing": "pack"}, model="micro", output=run_dir, max_steps=STEPS,
+                      batch_size=8, checkpoint={"save_steps": 2}, logging={"steps": 1},
+                      optimizer={"learning_rate": 1e-3, "adam_eps": 1e-6})
     manifest = read_manifest(data)
     trainer = make_trainer(cfg, build_model(cfg, manifest), STEPS)
     paths = shard_paths(data, manifest, "train")
@@ -91,7 +93,8 @@ def start_two_processes(data: pathlib.Path, output: pathlib.Path, resume: bool) 
     port = _free_port()
     procs = []
     for i in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip(),
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip(),
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(data), str(output), "1" if resume else "0"],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

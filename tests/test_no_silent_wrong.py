@@ -22,9 +22,10 @@ from rmflow.pipelines.io import iter_records, list_inputs
 from rmflow.pipelines.preprocess import run as preprocess
 from rmflow.rendering.formats import BadRecord, candidate_formats, detect_format, normalize
 from rmflow.rendering.tokenize import RecordTokenizer
-from rmflow.schemas.config import ConfigError, EvalConfig, PreprocessConfig, TrainConfig
+from rmflow.schemas.config import ConfigError, EvalConfig, PreprocessConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.outputs import OutputBusy, output_lock, staged_output
+from rmflow.schemas.train_config import TrainConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO = ROOT / "rmflow" / "demo"
@@ -174,18 +175,18 @@ def test_a_job_refused_before_it_starts_leaves_nothing_behind(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"adam_b1": 1.5}, "adam_b1 1.5: must be in"),
-    ({"adam_b2": -0.1}, "adam_b2"),
-    ({"adam_eps": 0.0}, "adam_eps"),
-    ({"learning_rate": "1e-5"}, "learning_rate '1e-5': must be a finite number"),
-    ({"learning_rate": float("nan")}, "learning_rate nan"),
-    ({"max_steps": 10, "warmup_steps": 10}, "warmup_steps 10 >= max_steps 10"),
-    ({"gradient_checkpointing": "no"}, "gradient_checkpointing 'no': must be true or false"),
+    ({"optimizer.adam_b1": 1.5}, "optimizer.adam_b1 1.5: must be in"),
+    ({"optimizer.adam_b2": -0.1}, "adam_b2"),
+    ({"optimizer.adam_eps": 0.0}, "adam_eps"),
+    ({"optimizer.learning_rate": "1e-5"}, "optimizer.learning_rate '1e-5': must be a finite number"),
+    ({"optimizer.learning_rate": float("nan")}, "learning_rate nan"),
+    ({"max_steps": 10, "optimizer.warmup_steps": 10}, "warmup_steps 10 >= max_steps 10"),
+    ({"model.gradient_checkpointing": "no"}, "model.gradient_checkpointing 'no': must be true or false"),
     ({"batch_size": True}, "batch_size True: must be an integer"),
 ])
 def test_values_no_model_should_see_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(data="d", model="micro", output="o", **overrides)
+        TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", **overrides})
 
 
 def test_margins_beyond_reward_units_are_refused():
@@ -222,7 +223,7 @@ def test_workflow_lists_only_real_config_changes(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text(cfg.to_json())  # tuples stored as lists
     assert changed_keys(str(tmp_path / "run"), cfg) == []
-    assert changed_keys(str(tmp_path / "run"), TrainConfig(**{**cfg.to_dict(), "seed": 3})) == ["seed: 0 -> 3"]
+    assert changed_keys(str(tmp_path / "run"), TrainConfig.from_dict({**cfg.to_dict(), "seed": 3})) == ["seed: 0 -> 3"]
 
 
 # --------------------------------------------------------------------------- 2, 9. output folders

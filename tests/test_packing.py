@@ -364,7 +364,8 @@ def _steps_compile_once_per_shape(compiles, trainer, records, stack_micro_batche
 
 
 def test_auto_packing_and_attention_resolve_by_backend():
-    from rmflow.schemas.config import ConfigError, TrainConfig
+    from rmflow.schemas.config import ConfigError
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.data import resolve_packing
     from rmflow.trainer.modeling.attention import resolve_attention
 
@@ -384,9 +385,9 @@ def test_auto_packing_and_attention_resolve_by_backend():
     assert resolve_attention("auto", jnp.bfloat16, "tpu", packed=True) == "blockwise"
     assert resolve_attention("cudnn", jnp.bfloat16, "gpu", packed=True) == "cudnn"  # asked for: kept
     with pytest.raises(ConfigError, match="packing 'tight'"):
-        TrainConfig(data="d", model="m", output="o", packing="tight")
+        TrainConfig(data={"train": "d", "packing": "tight"}, model="m", output="o")
     with pytest.raises(ConfigError, match="attention 'flash'"):
-        TrainConfig(data="d", model="m", output="o", attention="flash")
+        TrainConfig(data="d", model={"path": "m", "attention": "flash"}, output="o")
 
 
 @pytest.mark.parametrize("devices,dtype,packing,attention", [
@@ -397,14 +398,14 @@ def test_a_run_on_gpus_packs_and_builds_its_model_with_the_attention_for_its_row
     """The run's packing and the model's attention are decided together (``auto``): on one GPU a
     run packs and its model takes the Pallas kernels; over several, whose mesh the kernels cannot
     be partitioned over yet, it buckets with cuDNN (16-bit) or the blockwise kernel."""
-    from rmflow.schemas.config import TrainConfig
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer import setup
     from rmflow.trainer.data import resolve_packing
     from rmflow.trainer.modeling.config import ModelConfig
 
     monkeypatch.setattr(setup.jax, "default_backend", lambda: "gpu")
-    cfg = TrainConfig(data="d", model="micro", output="o", dtype=dtype)
-    resolved = resolve_packing(cfg.packing, "gpu", devices)
+    cfg = TrainConfig(data="d", model={"path": "micro", "dtype": dtype}, output="o")
+    resolved = resolve_packing(cfg.data.packing, "gpu", devices)
     model = setup.base_model(cfg, ModelConfig.preset("micro", vocab_size=64, num_labels=1), packing=resolved,
                              devices=devices)
     assert (resolved, model.model.attention) == (packing, attention)

@@ -23,15 +23,15 @@ SCRIPT = textwrap.dedent('''
     from rmflow.trainer.parallel import batch_shards, describe, make_mesh, shardings
     from rmflow.trainer.parallel.mesh import BATCH_AXES
     from rmflow.trainer.batching import stack_micro_batches
-    from rmflow.trainer.optimizer import OptimConfig
+    from rmflow.schemas.train_config import OptimizerConfig
     from rmflow.trainer.step import Trainer
 
     assert len(jax.devices()) == 8
     STEPS = 3
 
     def fresh():
-        return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5,
-                       weight_decay=0.01), center_coef=0.01)
+        return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)),
+                       OptimizerConfig(learning_rate=1e-3, weight_decay=0.01), total_steps=5, center_coef=0.01)
 
     def batches(collate):
         return [{k: np.asarray(v) for k, v in stack_micro_batches([collate(records(8, seed=s))]).items()}
@@ -130,7 +130,7 @@ def test_mesh_shape_resolution():
 RESUME_SCRIPT = textwrap.dedent('''
     import json, shutil, sys, pathlib
     import jax, numpy as np
-    from rmflow.schemas.config import TrainConfig
+    from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.checkpoints import load_trained_model
     from rmflow.trainer.train import run as train
 
@@ -138,14 +138,15 @@ RESUME_SCRIPT = textwrap.dedent('''
     # adam_eps 1e-6: AdamW divides by sqrt(v), so embedding rows with gradients near 1e-9 turn the
     # summation-order noise of another mesh into updates near lr (one element in 12.6M off by 1.3e-5
     # at eps 1e-8); the larger eps bounds that without changing what is compared.
-    common = dict(data=shards, model="micro", max_steps=4, batch_size=8, save_steps=2,
-                  learning_rate=1e-3, adam_eps=1e-6, logging_steps=1, packing="none", save_total_limit=2)
+    common = dict(data={"train": shards, "packing": "none"}, model="micro", max_steps=4, batch_size=8,
+                  checkpoint={"save_steps": 2, "keep_newest": 2}, optimizer={"learning_rate": 1e-3, "adam_eps": 1e-6},
+                  logging={"steps": 1})
     # The whole run on (1, 4, 2): parameters sharded over fsdp and tensor.
-    train(TrainConfig(output=str(base / "a"), mesh_data=1, mesh_fsdp=4, mesh_tensor=2, **common))
+    train(TrainConfig(output=str(base / "a"), mesh={"data": 1, "fsdp": 4, "tensor": 2}, **common))
     # Interrupted after its step-2 checkpoint, resumed on another mesh shape, (2, 1, 4).
     shutil.copytree(base / "a", base / "b")
     shutil.rmtree(base / "b" / "checkpoints" / "4")
-    train(TrainConfig(output=str(base / "b"), mesh_data=2, mesh_fsdp=1, mesh_tensor=4, **common), resume=True)
+    train(TrainConfig(output=str(base / "b"), mesh={"data": 2, "fsdp": 1, "tensor": 4}, **common), resume=True)
     (ma, _, _), (mb, _, _) = load_trained_model(str(base / "a")), load_trained_model(str(base / "b"))
     from flax import nnx
     for x, y in zip(jax.tree.leaves(nnx.state(ma)), jax.tree.leaves(nnx.state(mb))):

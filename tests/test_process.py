@@ -18,9 +18,10 @@ from rmflow.pipelines.preprocess import run as preprocess
 from rmflow.rendering.formats import BadRecord, CanonicalSteps, detect_format, normalize
 from rmflow.rendering.length import TooLong, apply_length_policy_steps
 from rmflow.rendering.tokenize import step_token_ends
-from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.manifest import Manifest
 from rmflow.schemas.record import RecordCorruptError, StepRecord, decode, encode, peek_lengths
+from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
 from rmflow.trainer.batching import stack_micro_batches
 from rmflow.trainer.data import StepCollate, StepPackCollate
 from rmflow.trainer.data.steps import record_step_values
@@ -29,7 +30,6 @@ from rmflow.trainer.loss import step_loss, step_metrics_of_sums
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
 from rmflow.trainer.objective import PROCESS
-from rmflow.trainer.optimizer import OptimConfig
 from rmflow.trainer.step import Trainer
 from rmflow.trainer.train import run as train
 
@@ -85,7 +85,8 @@ def test_stepwise_and_processbench_layouts():
     conv = normalize({**rec, "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}]},
                      "stepwise", source="f", line=1)
     assert conv.prompt == (("system", "s"), ("user", "p")) and conv.pair_id != s.pair_id
-    for bad, code in (({**rec, "labels": [True]}, "label_count"), ({**rec, "completions": ["a", None, "c"]}, "bad_type"),
+    for bad, code in (({**rec, "labels": [True]}, "label_count"),
+                      ({**rec, "completions": ["a", None, "c"]}, "bad_type"),
                       ({**rec, "completions": ["a", " ", "c"]}, "empty_step"), ({**rec, "completions": []}, "no_steps"),
                       ({**rec, "labels": [1, 2, 0]}, "bad_label")):
         with pytest.raises(BadRecord) as e:
@@ -233,7 +234,7 @@ def test_process_gradient_accumulation_equals_one_big_batch():
     recs = step_records(8, seed=1)
 
     def fresh():
-        return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=10),
+        return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimizerConfig(learning_rate=1e-3), total_steps=10,
                        objective=PROCESS)
 
     t = fresh()
@@ -245,7 +246,8 @@ def test_process_gradient_accumulation_equals_one_big_batch():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     assert float(m_big["steps"]) == float(m_acc["steps"]) == sum(len(r.step_ends) for r in recs)
     with pytest.raises(ValueError, match="score head of 2"):
-        Trainer(RewardTransformer(ModelConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0)), OptimConfig(), objective=PROCESS)
+        Trainer(RewardTransformer(ModelConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0)), OptimizerConfig(),
+                objective=PROCESS)
 
 
 SHARDED = '''
@@ -259,11 +261,12 @@ from rmflow.trainer.objective import PROCESS
 from rmflow.trainer.parallel import make_mesh
 from rmflow.trainer.parallel.mesh import BATCH_AXES
 from rmflow.trainer.batching import stack_micro_batches
-from rmflow.trainer.optimizer import OptimConfig
+from rmflow.schemas.train_config import OptimizerConfig
 from rmflow.trainer.step import Trainer
 
 def fresh():
-    return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5), objective=PROCESS)
+    return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimizerConfig(learning_rate=1e-3), total_steps=5,
+                   objective=PROCESS)
 
 for collate in (StepCollate(8, 64), StepPackCollate(8, 64, rows=8)):
     batches = [stack_micro_batches([collate(step_records(8, seed=s))], PROCESS) for s in range(3)]
@@ -339,8 +342,9 @@ def synthetic_steps(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="module")
 def process_run(synthetic_steps):
     cfg = TrainConfig(data=str(synthetic_steps / "shards"), model="micro", output=str(synthetic_steps / "run"),
-                      batch_size=16, learning_rate=2e-3, warmup_steps=10, max_steps=60, eval_steps=60,
-                      save_steps=60, logging_steps=20, seed=0)  # eval figures 1.0 from step 40 (was 120 steps)
+                      batch_size=16, optimizer={"learning_rate": 2e-3, "warmup_steps": 10}, max_steps=60,
+                      eval_steps=60, checkpoint={"save_steps": 60}, logging={"steps": 20},
+                      seed=0)  # eval figures 1.0 from step 40 (was 120 steps)
     return train(cfg), synthetic_steps / "run"
 
 
@@ -487,9 +491,7 @@ def test_lora_process_model_exports_a_token_classification_adapter(synthetic_ste
     from rmflow.trainer.export import export
 
     run_dir = tmp_path / "lora"
-    train(TrainConfig(data=str(synthetic_steps / "shards"), model="micro", output=str(run_dir), batch_size=8,
-                      learning_rate=3e-3, max_steps=6, save_steps=6, logging_steps=6, seed=0,
-                      lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
+    train(TrainConfig(data=str(synthetic_steps / "shards"), model="micro", output=str(run_dir), batch_size=8, optimizer={"learning_rate": 3e-3}, max_steps=6, checkpoint={"save_steps": 6}, logging={"steps": 6}, seed=0, lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
     model, _, _ = load_trained_model(str(run_dir))
     _, records = _read_all(synthetic_steps / "shards")
     r = records[0]
@@ -519,7 +521,7 @@ def test_the_workflow_runs_a_process_model(synthetic_steps, tmp_path, tokenizer_
         "output": str(tmp_path / "out"),
         "preprocess": {"inputs": [str(tmp_path / "steps.jsonl")], "tokenizer": tokenizer_dir, "max_length": 128,
                        "eval_fraction": 0.25},
-        "train": {"model": "micro", "max_steps": 3, "batch_size": 4, "logging_steps": 1},
+        "train": {"model": "micro", "max_steps": 3, "batch_size": 4, "logging": {"steps": 1}},
         "eval": {"split": "eval"}, "export": True})
     logs = []
     assert run(wf, log=logs.append) == {"preprocess": "ran", "train": "ran", "eval": "ran", "export": "ran"}

@@ -8,7 +8,8 @@ import shutil
 import struct
 
 import pytest
-from rmflow.schemas.config import ConfigError, TrainConfig
+from rmflow.schemas.config import ConfigError
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.train import run as train
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "rmflow" / "demo"
@@ -61,7 +62,8 @@ def test_wandb_gets_the_same_metrics_and_the_config(demo_shards, tmp_path, monke
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = TrainConfig(data=str(shards), model="micro", output=str(tmp_path / "run"), max_steps=4, batch_size=4,
-                      logging_steps=1, eval_steps=2, save_steps=2, report_to=("tensorboard", "wandb"))
+                      logging={"steps": 1, "report_to": ("tensorboard", "wandb")}, eval_steps=2,
+                      checkpoint={"save_steps": 2})
     train(cfg)
     run_id, history, config = logged(tmp_path / "run")
     jsonl = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
@@ -70,7 +72,8 @@ def test_wandb_gets_the_same_metrics_and_the_config(demo_shards, tmp_path, monke
         for key in ("loss", "accuracy", "learning_rate", "tokens_per_second"):
             assert history[step][key] == pytest.approx(rec[key], rel=1e-12)
     assert history[2]["eval_accuracy"] == pytest.approx(jsonl[2]["eval_accuracy"])
-    assert config["learning_rate"] == cfg.learning_rate and config["data"] == str(shards)
+    assert config["optimizer"]["learning_rate"] == cfg.optimizer.learning_rate
+    assert config["data"]["train"] == str(shards)
     assert (tmp_path / "run" / "tensorboard").is_dir()
     assert run_id == (tmp_path / "run" / "wandb_id").read_text().strip()
 
@@ -84,12 +87,11 @@ def test_wandb_gets_the_same_metrics_and_the_config(demo_shards, tmp_path, monke
 
 def test_report_to_values(demo_shards, tmp_path):
     shards = demo_shards
-    assert TrainConfig(data="d", model="micro", output="o").report_to == ("tensorboard",)
-    assert TrainConfig(data="d", model="micro", output="o", report_to=["none"]).report_to == ()
-    cfg = TrainConfig(data="d", model="micro", output="o").with_overrides(["report_to=tensorboard,wandb"])
-    assert cfg.report_to == ("tensorboard", "wandb")
+    assert TrainConfig(data="d", model="micro", output="o").logging.report_to == ("tensorboard",)
+    assert TrainConfig(data="d", model="micro", output="o", logging={"report_to": ["none"]}).logging.report_to == ()
+    cfg = TrainConfig(data="d", model="micro", output="o").with_overrides(["logging.report_to=tensorboard,wandb"])
+    assert cfg.logging.report_to == ("tensorboard", "wandb")
     with pytest.raises(ConfigError, match="report_to \\['mlflow'\\]"):
-        TrainConfig(data="d", model="micro", output="o", report_to=("mlflow",))
-    train(TrainConfig(data=str(shards), model="micro", output=str(tmp_path / "quiet"), max_steps=1, batch_size=2,
-                      report_to=()))
+        TrainConfig(data="d", model="micro", output="o", logging={"report_to": ("mlflow",)})
+    train(TrainConfig(data=str(shards), model="micro", output=str(tmp_path / "quiet"), max_steps=1, batch_size=2, logging={"report_to": ()}))
     assert not (tmp_path / "quiet" / "tensorboard").exists() and (tmp_path / "quiet" / "metrics.jsonl").exists()

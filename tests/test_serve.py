@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import requests
 from rmflow.rendering.formats import parse_hh_transcript
-from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.train import run as train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

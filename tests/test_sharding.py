@@ -15,12 +15,12 @@ SCRIPT = textwrap.dedent('''
     from rmflow.trainer.data import Collate, PackCollate
     from rmflow.trainer.modeling.llama import RewardTransformer
     from rmflow.trainer.batching import stack_micro_batches
-    from rmflow.trainer.optimizer import OptimConfig
+    from rmflow.schemas.train_config import OptimizerConfig
     from rmflow.trainer.step import Trainer
 
     assert len(jax.devices()) == 8
     def fresh():
-        return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=1e-3, total_steps=5),
+        return Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimizerConfig(learning_rate=1e-3), total_steps=5,
                        center_coef=0.01)
     host = {k: np.asarray(v) for k, v in stack_micro_batches([Collate(8, 64)(records(7))]).items()}
     t = fresh()

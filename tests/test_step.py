@@ -5,6 +5,7 @@ import optax
 import pytest
 from flax import nnx
 from rmflow.schemas.record import PairRecord
+from rmflow.schemas.train_config import OptimizerConfig
 from rmflow.trainer import step as step_module
 from rmflow.trainer.batching import stack_micro_batches
 from rmflow.trainer.data import Collate
@@ -12,7 +13,6 @@ from rmflow.trainer.loss import pair_metrics_of_sums
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.llama import RewardTransformer
 from rmflow.trainer.optimizer import (
-    OptimConfig,
     decay_mask,
     hyperparameters,
     learning_rate_schedule,
@@ -37,7 +37,7 @@ def records(n, seed=0):
 
 def trainer(**optim):
     model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
-    return Trainer(model, OptimConfig(learning_rate=1e-3, total_steps=10, **optim), center_coef=0.01)
+    return Trainer(model, OptimizerConfig(learning_rate=1e-3, **optim), total_steps=10, center_coef=0.01)
 
 
 def copy_state(state):
@@ -69,7 +69,8 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_no_weight_decay_on_norms_and_biases():
-    params = nnx.state(RewardTransformer(CFG.__class__(**{**CFG.__dict__, "qkv_bias": True}), rngs=nnx.Rngs(0)), nnx.Param)
+    params = nnx.state(RewardTransformer(CFG.__class__(**{**CFG.__dict__, "qkv_bias": True}), rngs=nnx.Rngs(0)),
+                       nnx.Param)
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(decay_mask(params))}
     assert flat["model.layers.0.self_attn.q_proj.kernel"] is True
     assert flat["model.layers.0.self_attn.q_proj.bias"] is False
@@ -79,25 +80,26 @@ def test_no_weight_decay_on_norms_and_biases():
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_warmup_then_decay_to_end(schedule):
-    s = learning_rate_schedule(OptimConfig(learning_rate=1.0, learning_rate_end=0.1, warmup_steps=10,
-                                           total_steps=110, lr_schedule=schedule))
+    s = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, learning_rate_end=0.1, warmup_steps=10,
+                                               schedule=schedule), total_steps=110)
     assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5)
     assert float(s(10)) == pytest.approx(1.0) and float(s(110)) == pytest.approx(0.1, abs=1e-6)
     assert float(s(60)) == pytest.approx(0.55, abs=1e-6)  # halfway: both schedules give the midpoint
 
 
-def _optax_schedule(c: OptimConfig) -> optax.Schedule:
+def _optax_schedule(c: OptimizerConfig, total_steps: int) -> optax.Schedule:
     """The schedule from optax's own functions, its numbers Python floats."""
-    decay_steps = max(c.total_steps - c.warmup_steps, 1)
+    decay_steps = max(total_steps - c.warmup_steps, 1)
     decay = (optax.cosine_decay_schedule(c.learning_rate, decay_steps, alpha=c.learning_rate_end / c.learning_rate)
-             if c.lr_schedule == "cosine" else optax.linear_schedule(c.learning_rate, c.learning_rate_end, decay_steps))
+             if c.schedule == "cosine" else optax.linear_schedule(c.learning_rate, c.learning_rate_end, decay_steps))
     return optax.join_schedules([optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps), decay],
                                 [c.warmup_steps]) if c.warmup_steps else decay
 
 
-def _optax_adamw(c: OptimConfig) -> optax.GradientTransformation:
+def _optax_adamw(c: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
     """AdamW from optax's own functions, the optimizer's numbers Python floats."""
-    return optax.chain(optax.identity(), optax.adamw(_optax_schedule(c), b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
+    return optax.chain(optax.identity(),
+                       optax.adamw(_optax_schedule(c, total_steps), b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
                                                      weight_decay=c.weight_decay, mask=decay_mask))
 
 
@@ -106,15 +108,16 @@ def _optax_adamw(c: OptimConfig) -> optax.GradientTransformation:
 def test_the_optimizer_with_its_numbers_as_arguments_is_optax_s_to_the_bit(schedule, warmup, weight_decay):
     """The step gets the optimizer's numbers as arrays (one program for every learning rate);
     its updates and learning rates equal optax's AdamW built from Python floats, bit for bit."""
-    c = OptimConfig(learning_rate=3e-4, learning_rate_end=1e-5, warmup_steps=warmup, lr_schedule=schedule,
-                    weight_decay=weight_decay, adam_eps=1e-6, total_steps=12)
+    c = OptimizerConfig(learning_rate=3e-4, learning_rate_end=1e-5, warmup_steps=warmup, schedule=schedule,
+                        weight_decay=weight_decay, adam_eps=1e-6)
+    steps = 12
     params = {"dense": {"kernel": jnp.ones((4, 3))}, "norm": {"weight": jnp.ones(3)}}
-    ours, reference = make_optimizer(c), _optax_adamw(c)
+    ours, reference = make_optimizer(c, steps), _optax_adamw(c, steps)
     state, ref_state = ours.init(params), reference.init(params)
     assert jax.tree.structure(state) == jax.tree.structure(ref_state)  # checkpoints keep their layout
-    update = jax.jit(lambda g, s, p, h: make_optimizer(c, h).update(g, s, p))
+    update = jax.jit(lambda g, s, p, h: make_optimizer(c, hyper=h).update(g, s, p))
     ref_update = jax.jit(reference.update)
-    hyper, rng, p, ref_p = hyperparameters(c), np.random.default_rng(0), params, params
+    hyper, rng, p, ref_p = hyperparameters(c, steps), np.random.default_rng(0), params, params
     for _ in range(14):  # past the end of the schedule
         g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
         u, state = update(g, state, p, hyper)
@@ -122,7 +125,7 @@ def test_the_optimizer_with_its_numbers_as_arguments_is_optax_s_to_the_bit(sched
         p, ref_p = optax.apply_updates(p, u), optax.apply_updates(ref_p, ref_u)
         for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
             np.testing.assert_array_equal(a, b)
-    ours_lr, ref_lr = learning_rate_schedule(c), _optax_schedule(c)
+    ours_lr, ref_lr = learning_rate_schedule(c, steps), _optax_schedule(c, steps)
     assert [float(ours_lr(i)) for i in range(16)] == [float(ref_lr(i)) for i in range(16)]
 
 
@@ -133,8 +136,8 @@ def test_runs_that_differ_in_the_optimizer_s_numbers_share_one_compiled_step():
     a = trainer()
     first, m_a = a.train_step(copy_state(a.init_state), batch)
     compiled = step_module._TRAIN_JIT._cache_size()
-    b = Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimConfig(learning_rate=3e-3, warmup_steps=2, total_steps=50,
-                adam_eps=1e-6, max_grad_norm=0.5), center_coef=0.1)
+    b = Trainer(RewardTransformer(CFG, rngs=nnx.Rngs(0)), OptimizerConfig(learning_rate=3e-3, warmup_steps=2,
+                adam_eps=1e-6, max_grad_norm=0.5), total_steps=50, center_coef=0.1)
     second, m_b = b.train_step(copy_state(b.init_state), batch)
     assert step_module._TRAIN_JIT._cache_size() == compiled
     assert float(m_a["learning_rate"]) == pytest.approx(1e-3) and float(m_b["learning_rate"]) == 0.0  # warmup
@@ -146,19 +149,17 @@ def test_runs_that_differ_in_the_optimizer_s_numbers_share_one_compiled_step():
         assert s["loss_sum"] == pytest.approx(s["bt_loss_sum"] + coef * s["center_sum"], rel=1e-5)
 
 
-def test_optimizer_settings_are_the_train_config_s():
-    """OptimConfig holds TrainConfig's fields of the same names, defaults included: one source."""
-    import dataclasses
+def test_a_run_s_trainer_takes_the_optimizer_section_and_planned_steps():
+    """make_trainer builds the optimizer from the config's optimizer section (its one definition)
+    over the run's planned steps."""
+    from rmflow.schemas.train_config import TrainConfig
+    from rmflow.trainer.step import make_trainer
 
-    from rmflow.schemas.config import TrainConfig
-
-    train = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    for f in dataclasses.fields(OptimConfig):
-        if f.name != "total_steps":
-            assert f.name in train and f.default == train[f.name], f.name
-    cfg = TrainConfig(data="d", model="micro", output="o", learning_rate=3e-4, lr_schedule="cosine", adam_b2=0.95)
-    o = OptimConfig.of(cfg, 7)
-    assert (o.learning_rate, o.lr_schedule, o.adam_b2, o.total_steps) == (3e-4, "cosine", 0.95, 7)
+    cfg = TrainConfig(data="d", model="micro", output="o",
+                      optimizer={"learning_rate": 3e-4, "schedule": "cosine", "adam_b2": 0.95})
+    t = make_trainer(cfg, RewardTransformer(CFG, rngs=nnx.Rngs(0)), 7)
+    assert (t.program.lr_schedule, t.program.adam_b2) == ("cosine", 0.95)
+    assert float(t.hyper["learning_rate"]) == pytest.approx(3e-4) and int(t.hyper["total_steps"]) == 7
 
 
 def test_a_shape_compiled_ahead_is_compiled_off_the_training_thread_and_trains_alike():

@@ -9,7 +9,7 @@ import pathlib
 
 import fsspec
 import pytest
-from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer import storage
 from rmflow.trainer.train import run as train
 
@@ -29,15 +29,14 @@ def remote_shards(demo_shards, tmp_path, monkeypatch):
 def test_train_eval_export_with_remote_shards_and_run(remote_shards, tmp_path):
     shards, bucket = remote_shards
     run_url = f"{bucket}/runs/r1"
-    train(TrainConfig(data=shards, model="micro", output=run_url, max_steps=3, batch_size=4, save_steps=1,
-                      save_total_limit=1, logging_steps=1))
+    train(TrainConfig(data=shards, model="micro", output=run_url, max_steps=3, batch_size=4, checkpoint={"save_steps": 1, "keep_newest": 1}, logging={"steps": 1}))
     fs = fsspec.filesystem("memory")
     remote = {p.split("/runs/r1/", 1)[1] for p in fs.find(run_url.removeprefix("memory://"))}
     assert {"config.json", "model_config.json", "metrics.jsonl", "tokenizer/tokenizer.json"} <= remote
     assert any(p.startswith("checkpoints/3/") for p in remote)
     assert not any(p.startswith(("checkpoints/1/", "checkpoints/2/")) for p in remote)  # pruned remotely too
     cfg = json.loads(fs.cat_file(run_url.removeprefix("memory://") + "/config.json"))
-    assert cfg["data"] == shards and cfg["output"] == run_url  # the run names the remote paths
+    assert cfg["data"]["train"] == shards and cfg["output"] == run_url  # the run names the remote paths
     assert len(fs.cat_file(run_url.removeprefix("memory://") + "/metrics.jsonl").splitlines()) == 3
 
     # The shards were staged once; a second staging reuses the copy.
@@ -63,8 +62,8 @@ def test_train_eval_export_with_remote_shards_and_run(remote_shards, tmp_path):
     assert sorted(fs.find(run_url.removeprefix("memory://"))) == before
 
     # Resume brings the remote run down first: more steps continue from step 3.
-    train(TrainConfig(data=shards, model="micro", output=run_url, max_steps=3, batch_size=4, save_steps=1,
-                      save_total_limit=1, logging_steps=1), resume=True)  # already complete: nothing lost
+    train(TrainConfig(data=shards, model="micro", output=run_url, max_steps=3, batch_size=4, checkpoint={"save_steps": 1, "keep_newest": 1}, logging={"steps": 1}),
+          resume=True)  # already complete: nothing lost
     assert len(fs.cat_file(run_url.removeprefix("memory://") + "/metrics.jsonl").splitlines()) == 3
 
 

@@ -18,7 +18,8 @@ from rmflow.pipelines.template import (
     main,
     metadata,
 )
-from rmflow.schemas.config import PreprocessConfig, help_for
+from rmflow.schemas.config import PreprocessConfig
+from rmflow.schemas.options import help_for
 
 from rmflow.cli import app
 

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from rmflow.pipelines.io import write_array_record_shard
 from rmflow.pipelines.preprocess import run as preprocess
-from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.record import decode, encode
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.train import METRICS_FILE
 from rmflow.trainer.train import run as train
@@ -45,12 +46,15 @@ def synthetic(tmp_path_factory, tokenizer_dir):
 
 
 def config(data, out, **kw):
-    base = dict(data=str(data), model="micro", output=str(out), batch_size=16, learning_rate=1e-3,
-                logging_steps=10, seed=0)
-    base.update(kw)
+    """A run on ``data``: ``kw`` over these options (a section given as a mapping updates that section's)."""
+    base = {"data": str(data), "model": "micro", "output": str(out), "batch_size": 16, "seed": 0,
+            "optimizer": {"learning_rate": 1e-3}, "logging": {"steps": 10}}
+    for key, value in kw.items():
+        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and isinstance(value, dict) else value
     steps = base.get("max_steps", 0)
-    base.setdefault("warmup_steps", 10 if not steps or steps > 20 else steps // 2)  # a warmup shorter than the run
-    return TrainConfig(**base)
+    # a warmup shorter than the run
+    base["optimizer"].setdefault("warmup_steps", 10 if not steps or steps > 20 else steps // 2)
+    return TrainConfig.from_dict(base)
 
 
 def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
@@ -87,13 +91,14 @@ def test_a_run_is_planned_without_a_device(synthetic, tmp_path):
     cpu = plan_run(cfg, mesh_shape={"data": 1, "fsdp": 1, "tensor": 1}, processes=1, backend="cpu")
     gpu = plan_run(cfg, mesh_shape={"data": 4, "fsdp": 2, "tensor": 1}, processes=2, backend="gpu")
     assert cpu.total_steps == gpu.total_steps == 2000 and cpu.evaluations == frozenset(range(5, 2001, 5))
-    assert (cpu.train_rounding, gpu.train_rounding) == (8, 2) and (cpu.eval_rounding, gpu.eval_rounding) == ({"": 8}, {"": 2})
+    assert (cpu.train_rounding, gpu.train_rounding) == (8, 2) and (cpu.eval_rounding, gpu.eval_rounding) == ({"": 8},
+            {"": 2})
     assert (cpu.packing, gpu.packing) == ("pack", "bucket")
     assert (cpu.rows, cpu.local_batch, gpu.rows, gpu.local_batch) == (1, 16, 4, 8)
     with pytest.raises(TrainError, match=r"batch_size 16 must be a multiple of the 32 batch shards \(mesh data x fsdp = 8 x 4\)"):
         plan_run(cfg, mesh_shape={"data": 8, "fsdp": 4, "tensor": 1}, processes=1, backend="gpu")
     with pytest.raises(TrainError, match=r"warmup_steps 100000 >= the run's \d+ steps"):  # one epoch's steps
-        plan_run(config(synthetic, tmp_path / "w", max_steps=0, num_epochs=1, warmup_steps=100_000),
+        plan_run(config(synthetic, tmp_path / "w", max_steps=0, num_epochs=1, optimizer={"warmup_steps": 100_000}),
                  mesh_shape={"data": 1, "fsdp": 1, "tensor": 1}, processes=1, backend="cpu")
 
 
@@ -143,7 +148,7 @@ def test_a_run_builds_its_model_for_the_rows_its_packing_makes(synthetic, tmp_pa
 @pytest.mark.slow
 def test_learning_works_on_a_synthetic_preference(synthetic, tmp_path):
     # Eval accuracy is 1.0 from about step 20 on: 60 steps leave a wide margin (150 did too, at 2.5x the time).
-    result = train(config(synthetic, tmp_path / "run", max_steps=60, eval_steps=20, save_steps=60))
+    result = train(config(synthetic, tmp_path / "run", max_steps=60, eval_steps=20, checkpoint={"save_steps": 60}))
     final = result.history[-1]
     assert final["step"] == 60 and final["eval_pairs"] > 40
     assert final["eval_accuracy"] > 0.95, final
@@ -161,11 +166,12 @@ def timing_free(history):
 
 @pytest.mark.slow
 def test_kill_9_then_resume_equals_an_uninterrupted_run(synthetic, tmp_path):
-    kw = dict(max_steps=60, save_steps=10, eval_steps=30, learning_rate=3e-4)
+    kw = dict(max_steps=60, checkpoint={"save_steps": 10}, eval_steps=30, optimizer={"learning_rate": 3e-4})
     run_dir = tmp_path / "killed"
+    flags = {"max_steps": 60, "checkpoint.save_steps": 10, "eval_steps": 30, "optimizer.learning_rate": 3e-4,
+             "batch_size": 16, "optimizer.warmup_steps": 10, "logging.steps": 10}
     args = [sys.executable, "-m", "rmflow.cli", "train", "--data", str(synthetic), "--model", "micro",
-            "--output", str(run_dir)] + [f"--set={k}={v}" for k, v in
-                                         {**kw, "batch_size": 16, "warmup_steps": 10, "logging_steps": 10}.items()]
+            "--output", str(run_dir)] + [f"--set={k}={v}" for k, v in flags.items()]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     deadline = time.time() + 300
@@ -187,10 +193,10 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(synthetic, tmp_path):
 
 
 def test_existing_run_needs_resume(synthetic, tmp_path):
-    train(config(synthetic, tmp_path / "r", max_steps=2, logging_steps=1))
+    train(config(synthetic, tmp_path / "r", max_steps=2, logging={"steps": 1}))
     before = {f: (tmp_path / "r" / f).read_bytes() for f in ("config.json", "model_config.json", METRICS_FILE)}
     with pytest.raises(TrainError, match="--resume"):  # a different config, refused
-        train(config(synthetic, tmp_path / "r", max_steps=3, logging_steps=1, learning_rate=0.5))
+        train(config(synthetic, tmp_path / "r", max_steps=3, logging={"steps": 1}, optimizer={"learning_rate": 0.5}))
     # nothing of the existing run was touched before the refusal (it can still be exported)
     assert {f: (tmp_path / "r" / f).read_bytes() for f in before} == before
 
@@ -206,7 +212,7 @@ def test_nan_loss_stops_with_the_step_and_saves_nothing_corrupt(synthetic, tmp_p
         shard.unlink()
         write_array_record_shard(str(shard), [encode(r) for r in recs])
     with pytest.raises(TrainError, match=r"loss is nan at step \d+") as e:
-        train(config(data, tmp_path / "d", max_steps=50, save_steps=1, logging_steps=1))
+        train(config(data, tmp_path / "d", max_steps=50, checkpoint={"save_steps": 1}, logging={"steps": 1}))
     bad_step = int(re.search(r"at step (\d+)", str(e.value)).group(1))
     assert bad_step > 1
     saved = sorted(int(s) for s in os.listdir(tmp_path / "d" / "checkpoints") if s.isdigit())
@@ -226,7 +232,7 @@ def test_shards_must_match_the_run(synthetic, tmp_path, tokenizer_dir):
     with pytest.raises(TrainError, match="COMPLETED"):
         train(config(incomplete, tmp_path / "a", max_steps=1))
     with pytest.raises(TrainError, match="max_length 32 .shards. > 16"):
-        train(config(synthetic, tmp_path / "b", max_steps=1, max_length=16))
+        train(config(synthetic, tmp_path / "b", max_steps=1, **{"data.max_length": 16}))
 
     def checkpoint(folder, vocab, tokenizer_patch):
         torch.manual_seed(0)
@@ -246,7 +252,7 @@ def test_shards_must_match_the_run(synthetic, tmp_path, tokenizer_dir):
     with pytest.raises(TrainError, match="49152 tokens, the model's embedding only 1000"):
         train(config(synthetic, tmp_path / "d", model=str(tmp_path / "small-vocab"), max_steps=1))
     checkpoint(tmp_path / "same", 49152, tokenizer_patch=False)
-    result = train(config(synthetic, tmp_path / "e", model=str(tmp_path / "same"), max_steps=2, logging_steps=1))
+    result = train(config(synthetic, tmp_path / "e", model=str(tmp_path / "same"), max_steps=2, logging={"steps": 1}))
     assert [h["step"] for h in result.history] == [1, 2]
 
 
@@ -292,17 +298,16 @@ def test_a_second_run_compiles_nothing_the_first_compiled(synthetic, tmp_path):
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     jax.monitoring.register_event_listener(on_event)
-    other = dict(learning_rate=3e-4, learning_rate_end=1e-5, warmup_steps=2,
+    other = dict(optimizer={"learning_rate": 3e-4, "learning_rate_end": 1e-5, "warmup_steps": 2},
                  center_rewards_coefficient=0.01)  # adam's betas and the schedule's kind are the program's
     try:
         cache = tmp_path / "cache"
         forget_compiled()
-        first = train(config(synthetic, tmp_path / "a", max_steps=6, logging_steps=3, compilation_cache=str(cache)))
+        first = train(config(synthetic, tmp_path / "a", max_steps=6, logging={"steps": 3}, compilation_cache=str(cache)))
         assert events["executables"] > events["read"] and os.listdir(cache)
         events.update(executables=0, read=0)
         forget_compiled()  # as a new process
-        second = train(config(synthetic, tmp_path / "b", max_steps=6, logging_steps=3, compilation_cache=str(cache),
-                              **other))
+        second = train(config(synthetic, tmp_path / "b", max_steps=6, logging={"steps": 3}, compilation_cache=str(cache), **other))
         assert events["read"] >= 2 and events["executables"] == events["read"], events  # none compiled
         lr = [json.loads(x)["learning_rate"] for x in open(tmp_path / "b" / "metrics.jsonl") if "loss" in x]
         assert lr and lr != [json.loads(x)["learning_rate"] for x in open(tmp_path / "a" / "metrics.jsonl")
@@ -310,7 +315,7 @@ def test_a_second_run_compiles_nothing_the_first_compiled(synthetic, tmp_path):
         assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(first.state.params),
                                                            jax.tree.leaves(second.state.params)))
         events.update(executables=0, read=0)
-        train(config(synthetic, tmp_path / "b2", max_steps=6, logging_steps=3, compilation_cache=str(cache)))
+        train(config(synthetic, tmp_path / "b2", max_steps=6, logging={"steps": 3}, compilation_cache=str(cache)))
         assert events == {"executables": 0, "read": 0}, events  # in the same process: nothing at all
         forget_compiled()
         train(config(synthetic, tmp_path / "c", max_steps=1, compilation_cache="off"))  # one step shows it
@@ -327,12 +332,11 @@ def test_compiling_ahead_trains_and_resumes_exactly_as_without(synthetic, tmp_pa
 
     assert compile_ahead_steps(-1, "cpu", 1) == 0 and compile_ahead_steps(-1, "gpu", 1) == 8
     assert compile_ahead_steps(3, "cpu", 1) == 3 and compile_ahead_steps(3, "gpu", 2) == 0
-    plain = train(config(synthetic, tmp_path / "plain", max_steps=8, logging_steps=2, compile_ahead=0))
-    ahead = train(config(synthetic, tmp_path / "ahead", max_steps=8, logging_steps=2, save_steps=4,
-                         compile_ahead=3))
+    plain = train(config(synthetic, tmp_path / "plain", max_steps=8, logging={"steps": 2}, compile_ahead=0))
+    ahead = train(config(synthetic, tmp_path / "ahead", max_steps=8, logging={"steps": 2}, checkpoint={"save_steps": 4}, compile_ahead=3))
     shutil.rmtree(tmp_path / "ahead" / "checkpoints" / "8")  # as if stopped after step 4's save
-    resumed = train(config(synthetic, tmp_path / "ahead", max_steps=8, logging_steps=2, save_steps=4,
-                           compile_ahead=3), resume=True)
+    resumed = train(config(synthetic, tmp_path / "ahead", max_steps=8, logging={"steps": 2}, checkpoint={"save_steps": 4}, compile_ahead=3),
+                    resume=True)
     for result in (ahead, resumed):
         assert timing_free(result.history) == timing_free(plain.history)
         for a, b in zip(jax.tree.leaves(result.state.params), jax.tree.leaves(plain.state.params)):

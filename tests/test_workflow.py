@@ -23,7 +23,7 @@ def small(tmp_path, **train):
         "output": str(tmp_path / "out"),
         "preprocess": {"inputs": [str(tmp_path / "pairs.jsonl")], "tokenizer": str(DEMO / "tokenizer"),
                        "max_length": 128, "eval_fraction": 0.25, "max_bad_fraction": 1.0},
-        "train": {"model": "micro", "max_steps": 3, "batch_size": 4, "logging_steps": 1, **train},
+        "train": {"model": "micro", "max_steps": 3, "batch_size": 4, "logging": {"steps": 1}, **train},
         "eval": {"split": "eval"},
     }
 

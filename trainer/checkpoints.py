@@ -5,7 +5,6 @@ one (for evaluation, export and scoring as much as for resuming).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 from typing import Any
@@ -60,18 +59,19 @@ def steps_to_keep(steps, history: list[dict[str, Any]], *, newest: int, metric: 
 
 def prune(manager, history: list[dict[str, Any]], cfg) -> None:
     """Delete the checkpoints ``steps_to_keep`` does not keep (every process alike)."""
-    keep = steps_to_keep(manager.all_steps(), history, newest=cfg.save_total_limit, metric=cfg.metric_for_best,
-                         best=cfg.keep_best)
+    keep = steps_to_keep(manager.all_steps(), history, newest=cfg.checkpoint.keep_newest,
+                         metric=cfg.checkpoint.metric_for_best,
+                         best=cfg.checkpoint.keep_best)
     for step in sorted(set(manager.all_steps()) - keep):
         manager.delete(step)
 
 
 def best_step(run_dir: str, run: RunFiles, steps) -> int:
     """The checkpoint the run's ``metric_for_best`` ranks first (``--step best``)."""
-    metric = run.config.metric_for_best
+    metric = run.config.checkpoint.metric_for_best
     if not metric:
-        raise TrainError(f"--step best: {run_dir} was trained without metric_for_best, so no checkpoint is ranked; "
-                         f"give a step ({', '.join(map(str, sorted(steps)))}) or train with --set metric_for_best=...")
+        raise TrainError(f"--step best: {run_dir} was trained without checkpoint.metric_for_best, so no checkpoint is ranked; "
+                         f"give a step ({', '.join(map(str, sorted(steps)))}) or train with --checkpoint.metric-for-best METRIC")
     history = read_history(os.path.join(run_dir, METRICS_FILE))
     ranked = steps_to_keep(steps, history, newest=0, metric=metric, best=1)
     if not ranked:
@@ -111,13 +111,13 @@ def load_trained_model(run_dir: str, step: int | str | None = None) -> tuple[Rew
     latest = existing_checkpoint(run_dir)
     if latest is None:
         raise TrainError(f"{run_dir} has no checkpoint yet: training stopped before its first save "
-                         "(resume it with `rmflow train --resume`, or set save_steps)")
-    lora_cfg = run.config.lora_config
+                         "(resume it with `rmflow train --resume`, or set checkpoint.save_steps)")
+    lora_cfg = run.config.lora
     if lora_cfg is not None:  # frozen base weights come from the base model, adapters from here
-        model = base_model(dataclasses.replace(run.config, dtype="float32", gradient_checkpointing=False),
+        model = base_model(run.config.with_overrides(["model.dtype=float32", "model.gradient_checkpointing=false"]),
                            run.model_config, num_labels=run.model_config.num_labels)
     else:
-        model = RewardTransformer(run.model_config, rngs=nnx.Rngs(0), attention=run.config.attention,
+        model = RewardTransformer(run.model_config, rngs=nnx.Rngs(0), attention=run.config.model.attention,
                                   scan_layers=run.config.scans_layers(training=False))
     manager = checkpoint_manager(run_dir)
     step = latest if step is None else best_step(run_dir, run, manager.all_steps()) if step == "best" else step

@@ -129,11 +129,11 @@ def export(cfg: ExportConfig) -> str:
 def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: int, adapter: bool) -> str:
     check_destination(output)
     model, run, step = load_trained_model(run_dir, step)
-    if adapter and run.config.lora_config is None:
+    if adapter and run.config.lora is None:
         raise ExportError(f"{run_dir} is not a LoRA run: --adapter exports LoRA adapters; export it without --adapter")
     base = run.base_config
-    if base is None and not is_preset(run.config.model):  # a run from before runs kept base_config.json
-        with open(os.path.join(resolve(run.config.model), "config.json")) as f:
+    if base is None and not is_preset(run.config.model.path):  # a run from before runs kept base_config.json
+        with open(os.path.join(resolve(run.config.model.path), "config.json")) as f:
             base = json.load(f)
     if run.tokenizer_dir is None:
         warnings.warn(f"{run_dir} has no tokenizer files; the export will have none: copy the tokenizer the "
@@ -142,13 +142,13 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
     kind = kind_named(run.manifest.kind)  # the run's own: its Hugging Face head, as TRL and Axolotl export that kind
     with staged_output(output) as staging:  # swapped in whole; an interrupted export leaves the old one
         if adapter:
-            base_path = os.path.abspath(resolve(run.config.model)) if not is_preset(run.config.model) else None
+            base_path = os.path.abspath(resolve(run.config.model.path)) if not is_preset(run.config.model.path) else None
             if base_path is None:  # a preset's random base exists nowhere else: ship it, in base/
                 plain = nnx.clone(model)
                 lora.strip(plain)
                 _write_checkpoint(plain, os.path.join(staging, "base"), base, pad, kind, max_shard_bytes)
                 base_path = os.path.join(output, "base")
-            write_adapter(model, staging, run.config.lora_config, base_path, kind)
+            write_adapter(model, staging, run.config.lora, base_path, kind)
         else:
             lora.merge(model)  # a LoRA run exports W + A B alpha/rank: a plain checkpoint
             _write_checkpoint(model, staging, base, pad, kind, max_shard_bytes)
@@ -157,7 +157,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
                 shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
         with open(os.path.join(staging, EXPORT_INFO), "w") as f:
             json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
-                       "data": run.config.data, "tokenizer_sha256": run.manifest.tokenizer.sha256,
+                       "data": run.config.data.train, "tokenizer_sha256": run.manifest.tokenizer.sha256,
                        "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.kind,
                        "step_separator": run.manifest.step_separator, "render": dataclasses.asdict(run.manifest.render),
                        "max_length": run.manifest.max_length}, f, indent=2)

@@ -126,7 +126,7 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
     if is_run_dir(path):
         model, run, step = load_trained_model(path, step)
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
-                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model})", path,
+                           f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model.path})", path,
                            run.manifest.render, step, os.path.abspath(path),
                            run.manifest.max_length, run.manifest.kind)
     if not os.path.isdir(path):

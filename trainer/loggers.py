@@ -13,7 +13,7 @@ import os
 import uuid
 from typing import Any
 
-from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.tensorboard import summary_writer
 
@@ -22,19 +22,19 @@ WANDB_ID_FILE = "wandb_id"
 
 def check_available(cfg: TrainConfig) -> None:
     """Before anything is written: every reporter asked for can be imported."""
-    if "wandb" in cfg.report_to:
+    if "wandb" in cfg.logging.report_to:
         try:
             import wandb  # noqa: F401
         except ImportError as e:
 
-            raise TrainError("report_to includes wandb, which is not installed: pip install 'rmflow[wandb]'") from e
+            raise TrainError("logging.report_to includes wandb, which is not installed: pip install 'rmflow[wandb]'") from e
 
 
 class Reporters:
     def __init__(self, cfg: TrainConfig, run_dir: str, *, purge_step: int | None):
         self.tensorboard = summary_writer(os.path.join(run_dir, "tensorboard"), purge_step=purge_step) \
-            if "tensorboard" in cfg.report_to else None
-        self.wandb = _wandb_run(cfg, run_dir) if "wandb" in cfg.report_to else None
+            if "tensorboard" in cfg.logging.report_to else None
+        self.wandb = _wandb_run(cfg, run_dir) if "wandb" in cfg.logging.report_to else None
 
     def log(self, record: dict[str, Any], step: int) -> None:
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
@@ -67,6 +67,6 @@ def _wandb_run(cfg: TrainConfig, run_dir: str):
         run_id = uuid.uuid4().hex[:16]
         with open(id_path, "w") as f:
             f.write(run_id + "\n")
-    return wandb.init(project=os.environ.get("WANDB_PROJECT") or cfg.wandb_project,
+    return wandb.init(project=os.environ.get("WANDB_PROJECT") or cfg.logging.wandb_project,
                       name=os.path.basename(cfg.output.rstrip("/")), id=run_id, resume="allow",
                       config=cfg.to_dict(), dir=run_dir, settings=wandb.Settings(console="off"))

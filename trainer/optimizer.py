@@ -1,59 +1,30 @@
-"""The optimizer: AdamW with a linear or cosine schedule after a linear warmup, its numbers as
-the train step's runtime arguments, and the gradient clipping the step applies.
-
-``OptimConfig`` holds ``TrainConfig``'s optimizer fields (defaults included) and the run's
-planned steps; ``make_optimizer`` builds the optax transformation from it.
-"""
+"""The optimizer: AdamW with a linear or cosine schedule after a linear warmup, built from the
+train config's ``optimizer`` section and the run's planned steps; its numbers as the train
+step's runtime arguments, and the gradient clipping the step applies."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from rmflow.schemas.config import TrainConfig
-
-_TRAIN = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """The optimizer's settings: ``TrainConfig``'s fields of the same names (defaults included),
-    plus the run's planned ``total_steps``."""
-
-    learning_rate: float = _TRAIN["learning_rate"]
-    learning_rate_end: float = _TRAIN["learning_rate_end"]
-    warmup_steps: int = _TRAIN["warmup_steps"]
-    lr_schedule: str = _TRAIN["lr_schedule"]
-    weight_decay: float = _TRAIN["weight_decay"]
-    adam_b1: float = _TRAIN["adam_b1"]
-    adam_b2: float = _TRAIN["adam_b2"]
-    adam_eps: float = _TRAIN["adam_eps"]
-    max_grad_norm: float = _TRAIN["max_grad_norm"]
-    total_steps: int = 1000  # planned per run (trainer.setup.plan_steps)
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, total_steps: int) -> OptimConfig:
-        return cls(total_steps=total_steps, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)
-                                               if f.name != "total_steps"})
-
+from rmflow.schemas.train_config import OptimizerConfig
 
 # The optimizer's numbers passed to the compiled step. Adam's betas stay constants of the program:
 # optax computes 1 - beta from them, which in float32 would round otherwise than from a Python float.
-HYPER_KEYS = ("learning_rate", "learning_rate_end", "warmup_steps", "total_steps", "weight_decay", "adam_eps",
-              "max_grad_norm")
+HYPER_KEYS = ("learning_rate", "learning_rate_end", "warmup_steps", "weight_decay", "adam_eps", "max_grad_norm")
 
 
-def hyperparameters(c: OptimConfig) -> dict[str, np.ndarray]:
+def hyperparameters(c: OptimizerConfig, total_steps: int) -> dict[str, np.ndarray]:
     """The optimizer's numbers as the train step's runtime argument: runs that differ only in them
     (a learning-rate sweep, a resumed run given more steps) share one compiled program per shape.
     The schedule's derived constants are computed here in double precision, as optax computes
     them from Python floats, so the learning rate is optax's to the bit."""
     steps = ("warmup_steps", "total_steps")
     out = {k: np.asarray(getattr(c, k), np.int32 if k in steps else np.float32) for k in HYPER_KEYS}
+    out["total_steps"] = np.asarray(total_steps, np.int32)
     alpha = c.learning_rate_end / c.learning_rate if c.learning_rate else 0.0
     out.update(lr_span=np.float32(c.learning_rate - c.learning_rate_end), cosine_alpha=np.float32(alpha),
                cosine_keep=np.float32(1 - alpha))
@@ -79,12 +50,10 @@ def learning_rate_at(step: jax.Array, hyper: dict[str, Any], kind: str) -> jax.A
     return jnp.where(step < warmup, warm, decay)
 
 
-def learning_rate_schedule(c: OptimConfig) -> optax.Schedule:
-    """The schedule of ``c`` as a function of the step."""
-    if c.lr_schedule not in ("linear", "cosine"):
-        raise ValueError(f"schedule {c.lr_schedule!r}: use 'linear' or 'cosine'")
-    hyper = hyperparameters(c)
-    return lambda step: learning_rate_at(jnp.asarray(step, jnp.int32), hyper, c.lr_schedule)
+def learning_rate_schedule(c: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """The schedule of ``c`` over ``total_steps`` as a function of the step."""
+    hyper = hyperparameters(c, total_steps)
+    return lambda step: learning_rate_at(jnp.asarray(step, jnp.int32), hyper, c.schedule)
 
 
 def decay_mask(params: Any) -> Any:
@@ -96,16 +65,18 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(c: OptimConfig, hyper: dict[str, Any] | None = None) -> optax.GradientTransformation:
+def make_optimizer(c: OptimizerConfig, total_steps: int = 0, hyper: dict[str, Any] | None = None
+                   ) -> optax.GradientTransformation:
     """AdamW. Gradient clipping is not in this chain: the step applies it together with the
     division by the number of pairs, in one pass over the gradients (``clip_scale``). Inside the
-    jitted step the numbers come from ``hyper`` (arrays); what shapes the program comes from ``c``:
+    jitted step the numbers come from ``hyper`` (arrays; default: ``c``'s over ``total_steps``);
+    what shapes the program comes from ``c``:
     the schedule's kind, Adam's betas, and whether there is weight decay at all. The state's
     layout is the same either way."""
-    h = hyperparameters(c) if hyper is None else hyper
+    h = hyperparameters(c, total_steps) if hyper is None else hyper
     return optax.chain(
         optax.identity(),  # where the clipping transform stood: checkpoints keep their layout
-        optax.adamw(lambda step: learning_rate_at(step, h, c.lr_schedule), b1=c.adam_b1, b2=c.adam_b2,
+        optax.adamw(lambda step: learning_rate_at(step, h, c.schedule), b1=c.adam_b1, b2=c.adam_b2,
                     eps=h["adam_eps"], weight_decay=h["weight_decay"] if c.weight_decay else 0.0, mask=decay_mask),
     )
 

@@ -16,10 +16,10 @@ import os
 import warnings
 from collections.abc import Mapping
 
-from rmflow.schemas.config import TrainConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import MANIFEST_FILE, Manifest, ManifestError
 from rmflow.schemas.sources import DataSource
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.data import count_records, lengths_per_doubling, resolve_packing
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.objective import Objective, objective_for
@@ -89,7 +89,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     check_same_preprocessing(sources, manifests)
     manifest = max(manifests, key=lambda m: m.max_length)
     primary = sources[manifests.index(manifest)].path
-    max_length = cfg.max_length or manifest.max_length
+    max_length = cfg.data.max_length or manifest.max_length
     for source, m in zip(sources, manifests):
         try:
             m.check_compatible(max_length=max_length)
@@ -103,10 +103,10 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     eval_sets = {(s.name if mixture else ""): paths for s, m in zip(sources, manifests)
                  if (paths := shard_paths(s.path, m, "eval"))}
     data_evals = tuple(eval_sets)
-    eval_sets.update(_named_eval_sets(cfg.eval_data or {}, sources, manifest, eval_sets, max_length, objective))
-    _check_metric_for_best(cfg.metric_for_best, objective, data_evals, eval_sets)
+    eval_sets.update(_named_eval_sets(cfg.data.eval or {}, sources, manifest, eval_sets, max_length, objective))
+    _check_metric_for_best(cfg.checkpoint.metric_for_best, objective, data_evals, eval_sets)
     if not objective.kind.pairwise and cfg.center_rewards_coefficient:
-        raise TrainError(f"{cfg.data} holds {objective.kind.data} ({objective.kind.description}): "
+        raise TrainError(f"{cfg.data.train} holds {objective.kind.data} ({objective.kind.description}): "
                          "center_rewards_coefficient applies to pairwise (outcome) reward models; set it to 0")
     if cfg.batch_size % shards:
         raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {shards} batch shards "
@@ -116,8 +116,8 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     local_batch = cfg.batch_size // processes
     train_units = tuple(m.splits["train"].records for m in manifests)
     total_steps = plan_steps(cfg, sum(train_units))
-    if cfg.warmup_steps >= total_steps:
-        raise TrainError(f"warmup_steps {cfg.warmup_steps} >= the run's {total_steps} steps: the learning "
+    if cfg.optimizer.warmup_steps >= total_steps:
+        raise TrainError(f"optimizer.warmup_steps {cfg.optimizer.warmup_steps} >= the run's {total_steps} steps: the learning "
                          "rate would never reach its peak; use fewer warmup steps")
     evaluations = frozenset(step for step in range(1, total_steps + 1) if evaluates_at(cfg, step, total_steps))
     # How finely each loader rounds its rows, by the batches its shapes serve (the run's steps; an
@@ -129,38 +129,39 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     return RunPlan(cfg=cfg, sources=sources, manifests=tuple(manifests), manifest=manifest, primary=primary,
                    max_length=max_length, objective=objective, train_sets=train_sets, train_units=train_units,
                    eval_sets=eval_sets, data_evals=data_evals, rows=shards // processes, local_batch=local_batch,
-                   packing=resolve_packing(cfg.packing, backend, math.prod(mesh_shape.values())), total_steps=total_steps,
+                   packing=resolve_packing(cfg.data.packing, backend,
+                                           math.prod(mesh_shape.values())), total_steps=total_steps,
                    evaluations=evaluations, train_rounding=lengths_per_doubling(total_steps, backend),
                    eval_rounding=eval_rounding, pad_id=manifest.tokenizer.pad_token_id or 0)
 
 
 def _named_eval_sets(eval_data: dict[str, list[str]], sources, manifest: Manifest, data_sets: dict[str, list[str]],
                      max_length: int, objective: Objective) -> dict[str, list[str]]:
-    """``eval_data``'s shard folders (raw files were preprocessed before the run: ``rmflow.eval.sets``),
+    """``data.eval``'s shard folders (raw files were preprocessed before the run: ``rmflow.eval.sets``),
     each evaluated whole (every split) under its name."""
     training = {os.path.realpath(s.path): s.name for s in sources}
     out = {}
     for name, paths in eval_data.items():
         folder = paths[0]
         if len(paths) != 1 or not os.path.exists(os.path.join(folder, MANIFEST_FILE)):
-            raise TrainError(f"eval_data {name}: {', '.join(paths)} is not a shard folder (no manifest.json): "
+            raise TrainError(f"data.eval {name}: {', '.join(paths)} is not a shard folder (no manifest.json): "
                              "`rmflow train` and `rmflow run` preprocess raw files first "
                              "(rmflow.eval.sets.preprocess_eval_sets); or give a folder of `rmflow preprocess`")
         if name in data_sets:
-            raise TrainError(f"eval_data {name}: a set of the mixture has this name (its eval split is logged "
+            raise TrainError(f"data.eval {name}: a set of the mixture has this name (its eval split is logged "
                              f"as eval/{name}/...); give the eval set another name")
         if os.path.realpath(folder) in training:
-            raise TrainError(f"eval_data {name}: {folder} is training data; its eval split is evaluated already "
+            raise TrainError(f"data.eval {name}: {folder} is training data; its eval split is evaluated already "
                              "(eval_*); name only held-out sets")
         named = read_manifest(folder)
         check_same_preprocessing((DataSource("the data", ""), DataSource(name, folder)), [manifest, named])
         try:
             named.check_compatible(max_length=max_length)
         except ManifestError as e:
-            raise TrainError(f"eval_data {name} ({folder}): {e}") from e
+            raise TrainError(f"data.eval {name} ({folder}): {e}") from e
         found = [p for split in named.splits for p in shard_paths(folder, named, split)]
         if not found:
-            raise TrainError(f"eval_data {name}: {folder} holds no {objective.kind.units}")
+            raise TrainError(f"data.eval {name}: {folder} holds no {objective.kind.units}")
         out[name] = found
     return out
 
@@ -175,4 +176,4 @@ def _check_metric_for_best(metric: str, objective: Objective, data_evals: tuple[
         [f"eval/{s}/{m}" for s in eval_sets if s for m in names]
     if metric not in logged:
         shown = ", ".join(k for k in logged if k.endswith(("accuracy", "loss"))) or "none: the run has no eval set"
-        raise TrainError(f"metric_for_best {metric!r} is not a metric this run's evals log; for example {shown}")
+        raise TrainError(f"checkpoint.metric_for_best {metric!r} is not a metric this run's evals log; for example {shown}")

@@ -25,7 +25,7 @@ import os
 import shutil
 from typing import Any
 
-from rmflow.schemas.config import ConfigError, TrainConfig
+from rmflow.schemas.config import ConfigError
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.manifest import (
     MANIFEST_FILE,
@@ -38,6 +38,7 @@ from rmflow.schemas.manifest import (
 )
 from rmflow.schemas.paths import is_url
 from rmflow.schemas.sources import DataSource
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.modeling.config import ModelConfig, ModelConfigError
 
 CONFIG = "config.json"
@@ -48,16 +49,6 @@ EVAL_DATA = "eval_data"  # raw eval_data files, preprocessed before the run (rmf
 CONFIG_HISTORY = "config_history.jsonl"
 METRICS_FILE = "metrics.jsonl"  # the metric history: one record per logging or eval step, rewritten on resume  # every config the run has trained under, from which step
 
-# TrainConfig keys a resumed run may change without changing what it computes (where it logs and
-# saves, how it runs on the hardware); any other change alters the run's trajectory.
-RESUME_FREE_KEYS = frozenset({
-    "output", "data", "logging_steps", "eval_steps", "save_steps", "save_total_limit", "loader_workers",
-    "eval_data", "metric_for_best", "keep_best",
-    "compile_ahead", "compilation_cache", "report_to", "wandb_project", "distributed", "coordinator_address",
-    "num_processes", "mesh_data", "mesh_fsdp", "mesh_tensor", "attention", "gradient_checkpointing", "scan_layers",
-})
-# Keys whose change gives the parameters other shapes: a checkpoint cannot continue under them.
-RESUME_SHAPE_KEYS = frozenset({"model", "lora"})
 BASE_CONFIG = "base_config.json"
 CHECKPOINTS = "checkpoints"
 
@@ -93,8 +84,8 @@ def tokenizer_fingerprint(folder: str, *, with_template: bool = True) -> str | N
 def write_run_files(run_dir: str, cfg: TrainConfig, model_config: ModelConfig, base_folder: str | None,
                     data_dir: str | None = None) -> None:
     """Everything a run needs besides its checkpoints; called once the run's checks passed.
-    ``data_dir``: where the shards are read (a local copy of remote ones); default ``cfg.data``."""
-    data_dir = data_dir or cfg.data
+    ``data_dir``: where the shards are read (a local copy of remote ones); default ``cfg.data.train``."""
+    data_dir = data_dir or cfg.data.train
     os.makedirs(run_dir, exist_ok=True)
     _write_json(os.path.join(run_dir, MODEL_CONFIG), dataclasses.asdict(model_config))
     shutil.copyfile(os.path.join(data_dir, MANIFEST_FILE), os.path.join(run_dir, DATA_MANIFEST))
@@ -129,30 +120,29 @@ def _mixture_identity(sets) -> list[tuple[str, float, str]]:
 
 
 def resume_changes(run_dir: str, cfg: TrainConfig, sources: tuple[DataSource, ...]) -> dict[str, tuple[Any, Any]]:
-    """What a resumed run would change: {key: (stored, new)} for every config key that alters the
-    run's trajectory, and ``data`` when the shards differ from those the run began with: another
+    """What a resumed run would change: {option: (stored, new)} for every option that alters the
+    run's trajectory (``TrainConfig.resume_changes``), and ``data.train`` when the shards differ from those the run began with: another
     manifest, or for a mixture other sets, names or proportions (``sources``: the sets as read,
     local copies of remote ones). Another path to identical shards is no change."""
     try:
         stored = _read_json(run_dir, CONFIG)
     except RunDirError:
         return {}
-    new = json.loads(cfg.to_json())
-    changes = {k: (stored.get(k), new[k]) for k in sorted(new)
-               if k not in RESUME_FREE_KEYS and stored.get(k) != new[k]}
+    changes = cfg.resume_changes(stored)
+    before, new = TrainConfig.from_stored(stored).data.train, cfg.data.train
     if os.path.exists(os.path.join(run_dir, MIXTURE)) or len(sources) > 1:
         before = _mixture_identity(_read_json(run_dir, MIXTURE)["sets"]) \
             if os.path.exists(os.path.join(run_dir, MIXTURE)) else None
         now = _mixture_identity([{"name": s.name, "weight": s.weight, "manifest_sha256": _manifest_sha256(s.path)}
                                  for s in sources]) if len(sources) > 1 else None
         if before != now:
-            changes["data"] = (stored.get("data"), f"{new['data']} (other sets or weights)")
+            changes["data.train"] = (before, f"{new} (other sets or weights)")
         return changes
     old_manifest = os.path.join(run_dir, DATA_MANIFEST)
     if os.path.exists(old_manifest):
         with open(old_manifest, "rb") as a, open(os.path.join(sources[0].path, MANIFEST_FILE), "rb") as b:
             if a.read() != b.read():
-                changes["data"] = (stored.get("data"), f"{new['data']} (other shards)")
+                changes["data.train"] = (before, f"{new} (other shards)")
     return changes
 
 
@@ -190,7 +180,7 @@ def read_run(run_dir: str) -> RunFiles:
                           "folder of `rmflow train`")
     raw_cfg = _read_json(run_dir, CONFIG)
     try:
-        cfg = TrainConfig.from_dict(raw_cfg)
+        cfg = TrainConfig.from_stored(raw_cfg)
     except ConfigError as e:
         raise RunDirError(f"{os.path.join(run_dir, CONFIG)}: {e}") from e
     model_config = _model_config(run_dir, _read_json(run_dir, MODEL_CONFIG))

@@ -14,10 +14,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from rmflow.schemas.config import TrainConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
 from rmflow.schemas.presets import is_preset
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.modeling import lora
@@ -80,9 +80,9 @@ def build_model(cfg: TrainConfig, manifest: Manifest, packing: str | None = None
     ``packing`` (resolved) over ``devices``."""
     vocab = manifest.tokenizer.vocab_size
     labels = objective_for(manifest.kind).num_labels
-    preset = ModelConfig.preset(cfg.model, vocab_size=vocab, num_labels=labels) if is_preset(cfg.model) else None
+    preset = ModelConfig.preset(cfg.model.path, vocab_size=vocab, num_labels=labels) if is_preset(cfg.model.path) else None
     if preset is None:
-        folder = resolve(cfg.model)
+        folder = resolve(cfg.model.path)
         model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
         check_tokenizer(manifest, folder, "the model", with_template=False)
         check_model_fits(manifest, model_config)  # before any weight is read
@@ -97,18 +97,19 @@ def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, num_l
     ``num_labels``: the score head's outputs (2 for a process reward model); ``packing`` (resolved)
     and ``devices``: the rows the model will run on (training's packing, split over the mesh), for
     which ``attention: auto`` is resolved (None: one sequence a row, as scoring has them)."""
-    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    attention = resolve_attention(cfg.attention, dtype, jax.default_backend(), packed=packing == "pack",
+    dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+    attention = resolve_attention(cfg.model.attention, dtype, jax.default_backend(), packed=packing == "pack",
                                   devices=devices)
-    if is_preset(cfg.model):
-        model = RewardTransformer(preset_config, dtype=dtype, remat=cfg.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
+    if is_preset(cfg.model.path):
+        model = RewardTransformer(preset_config, dtype=dtype, remat=cfg.model.gradient_checkpointing,
+                                  rngs=nnx.Rngs(cfg.seed),
                                   attention=attention, scan_layers=cfg.scans_layers())
     else:
-        model = load_reward_model(resolve(cfg.model), dtype=dtype, remat=cfg.gradient_checkpointing,
+        model = load_reward_model(resolve(cfg.model.path), dtype=dtype, remat=cfg.model.gradient_checkpointing,
                                   seed=cfg.seed, attention=attention, num_labels=num_labels,
                                   scan_layers=cfg.scans_layers())
-    if cfg.lora_config is not None:
-        lora.apply(model, cfg.lora_config, seed=cfg.seed)
+    if cfg.lora is not None:
+        lora.apply(model, cfg.lora, seed=cfg.seed)
     return model
 
 

@@ -20,16 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from rmflow.schemas.config import TrainConfig
+from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.llama import RewardTransformer
 from rmflow.trainer.objective import OUTCOME, Objective, objective_for, pair_rewards
 from rmflow.trainer.optimizer import (
-    OptimConfig,
     clip_scale,
     hyperparameters,
     learning_rate_at,
-    learning_rate_schedule,
     make_optimizer,
 )
 
@@ -68,8 +66,8 @@ class StepProgram:
         return nnx.merge(self.graphdef, params, frozen, others)
 
     def optimizer(self, hyper: dict[str, Any]) -> optax.GradientTransformation:
-        return make_optimizer(OptimConfig(lr_schedule=self.lr_schedule, adam_b1=self.adam_b1, adam_b2=self.adam_b2,
-                                          weight_decay=float(self.decays)), hyper)
+        return make_optimizer(OptimizerConfig(schedule=self.lr_schedule, adam_b1=self.adam_b1, adam_b2=self.adam_b2,
+                                              weight_decay=float(self.decays)), hyper=hyper)
 
 
 def _objective(program: StepProgram, params, mb, frozen, others, center_coef, key=None):
@@ -138,23 +136,24 @@ def _avals(tree: Any) -> tuple:
 class Trainer:
     """Holds the model's static structure and runs the process-wide jitted steps over a TrainState pytree."""
 
-    def __init__(self, model: RewardTransformer, optim: OptimConfig, *, center_coef: float = 0.0, seed: int = 0,
-                 trainable=nnx.Param, objective: Objective = OUTCOME):
+    def __init__(self, model: RewardTransformer, optim: OptimizerConfig, *, total_steps: int = 1000,
+                 center_coef: float = 0.0, seed: int = 0, trainable=nnx.Param, objective: Objective = OUTCOME):
         """``trainable``: an NNX filter of the parameters to train (all, or with LoRA the adapters and
         the score head); the other parameters are frozen: no gradient, no optimizer state, passed
         to the jitted steps as an argument (never baked into the compiled program). ``objective``:
         an outcome or a process reward model's loss and batch (``trainer.objective``). The
-        optimizer's numbers and ``center_coef`` are arguments of the step too."""
+        optimizer's numbers (its schedule over ``total_steps``) and ``center_coef`` are arguments
+        of the step too."""
         if model.config.num_labels != objective.num_labels:
             raise ValueError(f"a {objective.kind.name} reward model needs a score head of {objective.num_labels} "
                              f"output(s); this model has {model.config.num_labels}")
-        learning_rate_schedule(optim)  # an unknown schedule is refused here, not at the first step
         self.objective = objective
         self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)
-        self.program = StepProgram(self.graphdef, objective.kind.name, optim.lr_schedule, optim.adam_b1,
+        self.program = StepProgram(self.graphdef, objective.kind.name, optim.schedule, optim.adam_b1,
                                    optim.adam_b2, bool(optim.weight_decay), bool(optim.max_grad_norm))
-        self.hyper = jax.tree.map(jnp.asarray, {**hyperparameters(optim), "center_coef": np.float32(center_coef)})
-        self.tx = make_optimizer(optim)
+        hyper = hyperparameters(optim, total_steps)
+        self.hyper = jax.tree.map(jnp.asarray, {**hyper, "center_coef": np.float32(center_coef)})
+        self.tx = make_optimizer(optim, hyper=hyper)
         self.init_state = TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
             rng=jax.random.key_data(jax.random.key(seed)),
@@ -261,6 +260,6 @@ def make_trainer(cfg: TrainConfig, model: RewardTransformer, total_steps: int, o
                  ) -> Trainer:
     """The jitted trainer of a run's config: its optimizer, centering, seed, LoRA's trainable
     parameters and the objective of its kind (an outcome model's by default)."""
-    return Trainer(model, OptimConfig.of(cfg, total_steps), center_coef=cfg.center_rewards_coefficient, seed=cfg.seed,
-                   trainable=lora.trainable_filter(cfg.lora_config),
+    return Trainer(model, cfg.optimizer, total_steps=total_steps, center_coef=cfg.center_rewards_coefficient,
+                   seed=cfg.seed, trainable=lora.trainable_filter(cfg.lora),
                    objective=objective or OUTCOME)

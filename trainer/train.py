@@ -25,13 +25,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from rmflow.schemas.config import TrainConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.outputs import output_lock
 from rmflow.schemas.presets import is_preset
 from rmflow.schemas.sources import canonical_data, with_paths
 from rmflow.schemas.stops import at_step_boundaries
+from rmflow.schemas.train_config import RESUME_SHAPE_KEYS, TrainConfig
 from rmflow.trainer import storage
 from rmflow.trainer.batching import stack_micro_batches, widen
 from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, prune, reading_checkpoint
@@ -47,7 +47,6 @@ from rmflow.trainer.plan import plan_run
 from rmflow.trainer.rundir import (
     CONFIG_HISTORY,
     METRICS_FILE,
-    RESUME_SHAPE_KEYS,
     append_history,
     read_history,
     record_config,
@@ -81,7 +80,7 @@ class Run:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.mesh = make_mesh(cfg.mesh_shape)
+        self.mesh = make_mesh(cfg.mesh.shape)
         self.plan = plan = plan_run(cfg, mesh_shape=dict(self.mesh.shape), processes=jax.process_count(),
                                     backend=jax.default_backend())
         self.objective = plan.objective
@@ -101,7 +100,7 @@ class Run:
     def loader(self, paths, *, train: bool, per_doubling: int, weights=None):
         plan = self.plan
         return make_loader(paths, batch_size=plan.local_batch, max_length=plan.max_length, seed=self.cfg.seed,
-                           num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.loader_workers,
+                           num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.data.workers,
                            pad_id=plan.pad_id, packing=plan.packing, rows=plan.rows, kind=self.objective.kind.name,
                            weights=weights, per_doubling=per_doubling)
 
@@ -158,7 +157,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     A resume whose config would change the run's trajectory is refused unless ``allow_config_change``;
     every config a run trains under is kept in config_history.jsonl."""
     cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
-    distributed.initialize(cfg.distributed, cfg.coordinator_address, cfg.num_processes)  # before any backend use
+    distributed.initialize(cfg.mesh.distributed, cfg.mesh.coordinator_address, cfg.mesh.num_processes)  # before any backend use
     lock = output_lock(cfg.output, "rmflow train") if distributed.is_primary() else contextlib.nullcontext()
     with lock, at_step_boundaries() as stop:  # from here a signal stops the run at its next step boundary
         return _run(cfg, resume, on_log, on_start, allow_config_change, stop)
@@ -194,15 +193,16 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
                          "with the run's own values, or pass --allow-config-change (recorded in "
                          f"{CONFIG_HISTORY})")
     local_evals = {name: [storage.stage_shards(paths[0])] if storage.is_shard_folder(paths) else paths
-                   for name, paths in (cfg.eval_data or {}).items()} or None
-    r = Run(dataclasses.replace(cfg, data=canonical_data(local_sources), eval_data=local_evals, output=run_dir))
+                   for name, paths in (cfg.data.eval or {}).items()} or None
+    r = Run(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=canonical_data(local_sources), eval=local_evals),
+                                output=run_dir))
     check_available(cfg)
     if resume and latest is None:
         warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
                       RmflowWarning, stacklevel=2)
     if primary:  # one writer for the run's own files; every process takes part in checkpoints
         write_run_files(run_dir, cfg, r.trainer.model(r.trainer.init_state.params).config,
-                        None if is_preset(cfg.model) else resolve(cfg.model), data_dir=r.plan.primary)
+                        None if is_preset(cfg.model.path) else resolve(cfg.model.path), data_dir=r.plan.primary)
         if r.plan.mixture:
             write_mixture(run_dir, cfg.sources, local_sources, r.plan.train_units,
                           drawn=r.plan.total_steps * cfg.batch_size * cfg.grad_accum)
@@ -285,7 +285,7 @@ class Loop:
         return state  # a stop asked for during the last step: the run is complete, saved
 
     def saves_at(self, step: int) -> bool:
-        return bool(self.cfg.save_steps and step % self.cfg.save_steps == 0) or step == self.run.plan.total_steps
+        return bool(self.cfg.checkpoint.save_steps and step % self.cfg.checkpoint.save_steps == 0) or step == self.run.plan.total_steps
 
     def train_step(self, state: TrainState, step: int) -> TrainState:
         """One step: the next micro-batches to the device (the coming shapes compiled ahead),
@@ -312,7 +312,7 @@ class Loop:
         return state
 
     def log(self, step: int, state: TrainState, record: dict) -> None:
-        if step % self.cfg.logging_steps == 0 or self.saves_at(step):  # windows end at saves: resumed runs log alike
+        if step % self.cfg.logging.steps == 0 or self.saves_at(step):  # windows end at saves: resumed runs log alike
             record.update({"step": step, **self.window.finish()})
 
     def evaluate(self, step: int, state: TrainState, record: dict) -> None:

@@ -1,4 +1,4 @@
-"""A training run's named eval sets (``eval_data``) given as raw files: preprocessed, before the
+"""A training run's named eval sets (``data.eval``) given as raw files: preprocessed, before the
 run, into ``RUN/eval_data/NAME`` with the training data's own tokenizer (its chat template as
 used), max_length, length policy and step separator, all in one split; shard folders are used
 as they are. `rmflow train` and `rmflow run` call this; the trainer reads only shard folders.
@@ -17,9 +17,10 @@ import os
 import shutil
 import warnings
 
-from rmflow.schemas.config import PreprocessConfig, TrainConfig
+from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import ERRORS_FILE, TOKENIZER_DIR
+from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.rundir import EVAL_DATA
@@ -27,10 +28,10 @@ from rmflow.trainer.setup import read_manifest
 
 
 def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with every raw ``eval_data`` set replaced by its shard folder (``RUN/eval_data/NAME``;
+    """``cfg`` with every raw ``data.eval`` set replaced by its shard folder (``RUN/eval_data/NAME``;
     for a remote run, a local cache folder). The bad records of each are counted in that folder's
     errors file, as `rmflow preprocess` counts them."""
-    raw = {name: paths for name, paths in (cfg.eval_data or {}).items() if not storage.is_shard_folder(paths)}
+    raw = {name: paths for name, paths in (cfg.data.eval or {}).items() if not storage.is_shard_folder(paths)}
     if not raw:
         return cfg
     from rmflow.pipelines.preprocess import PreprocessError
@@ -41,7 +42,7 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
     manifest = read_manifest(data)
     root = storage.cache_dir(cfg.output, EVAL_DATA) if storage.is_remote(cfg.output) \
         else os.path.join(cfg.output, EVAL_DATA)
-    evals = dict(cfg.eval_data)
+    evals = dict(cfg.data.eval)
     for name, paths in raw.items():
         folder = os.path.join(root, name)
         kept = folder + "." + ERRORS_FILE  # a failed set's reasons (an earlier run's are stale now)
@@ -50,7 +51,7 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
         try:
             result = preprocess(PreprocessConfig(
                 inputs=tuple(paths), output=folder, tokenizer=os.path.join(data, TOKENIZER_DIR),
-                max_length=cfg.max_length or manifest.max_length, length_policy=manifest.length_policy,
+                max_length=cfg.data.max_length or manifest.max_length, length_policy=manifest.length_policy,
                 step_separator=manifest.step_separator, eval_fraction=0.0,
                 max_bad_fraction=1.0, overwrite=True))
         except PreprocessError as e:
@@ -59,11 +60,11 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
                     shutil.copy(os.path.join(staging, ERRORS_FILE), kept)
                 shutil.rmtree(staging, ignore_errors=True)
             where = f"; every record and its reason: {kept}" if os.path.exists(kept) else ""
-            raise TrainError(f"eval_data {name!r} ({', '.join(paths)}): {e.reason or e}{where}") from e
+            raise TrainError(f"data.eval {name!r} ({', '.join(paths)}): {e.reason or e}{where}") from e
         counts = result.stats["counts"]
         if counts["errors"]:
-            warnings.warn(f"eval_data {name!r}: {counts['errors']} of {counts['records_read']} records cannot be "
+            warnings.warn(f"data.eval {name!r}: {counts['errors']} of {counts['records_read']} records cannot be "
                           f"used (each with its reason in {os.path.join(folder, ERRORS_FILE)}); evaluating on the "
                           f"{counts['pairs_written']} others", RmflowWarning, stacklevel=2)
         evals[name] = [folder]
-    return dataclasses.replace(cfg, eval_data=evals)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval=evals))

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grain
-from rmflow.schemas.config import PACKING
 from rmflow.schemas.kinds import OUTCOME, PROCESS
 from rmflow.schemas.record import PairRecord, StepRecord, decode
+from rmflow.schemas.train_config import PACKING
 from rmflow.trainer.data.bucketing import LengthBucketSampler
 from rmflow.trainer.data.collate import FINEST, Collate
 from rmflow.trainer.data.mixture import Labelled, LabelledBatch, MixtureSampler

@@ -36,7 +36,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from rmflow.schemas.config import ATTENTION  # one list: the config validates against it
+from rmflow.schemas.train_config import ATTENTION  # one list: the config validates against it
 from rmflow.trainer.modeling.masking import allowed, dense_mask  # noqa: F401 - the rules, imported from here too
 
 BLOCK = 128

@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from rmflow.schemas.config import LORA_TARGETS as TARGETS
-from rmflow.schemas.config import LoraConfig
+from rmflow.schemas.train_config import LORA_TARGETS as TARGETS
+from rmflow.schemas.train_config import LoraConfig
 
-__all__ = ["TARGETS", "LoraConfig", "adapters", "apply", "delta", "current_key", "dropout_key", "keep_mask", "layer_key", "lora_linears",
+__all__ = ["TARGETS", "LoraConfig", "adapters", "apply", "delta", "current_key", "dropout_key", "keep_mask",
+           "layer_key", "lora_linears",
            "merge", "strip", "trainable_filter"]
 
 _DROPOUT_KEYS: list = []  # the key of the train step being traced (innermost last)

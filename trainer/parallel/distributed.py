@@ -38,9 +38,9 @@ def initialize(mode: str = "auto", coordinator_address: str = "", num_processes:
         jax.distributed.initialize(coordinator_address=address or None, num_processes=count, process_id=pid)
     except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError/ValueError with a cryptic text
         raise DistributedError(
-            f"jax.distributed.initialize failed ({type(e).__name__}: {e}). Check coordinator_address "
-            f"({address or 'unset'}), num_processes ({count or 'unset'}) and JAX_PROCESS_ID ({pid}) on every "
-            "process, or set distributed=off for one process") from e
+            f"jax.distributed.initialize failed ({type(e).__name__}: {e}). Check mesh.coordinator_address "
+            f"({address or 'unset'}), mesh.num_processes ({count or 'unset'}) and JAX_PROCESS_ID ({pid}) on every "
+            "process, or set mesh.distributed=off for one process") from e
     return jax.process_count() > 1
 
 

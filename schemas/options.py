@@ -1,0 +1,283 @@
+"""Config dataclasses as option trees: one definition per option, read by every surface.
+
+A command's config is a frozen dataclass whose fields are options (``option``) or sections
+(``section``: a nested config dataclass, e.g. ``TrainConfig.optimizer``). From that one tree
+come: the typed YAML / JSON form (``Config.from_dict``: nested mappings or dotted keys, unknown
+keys refused, keys of the flat layout of before named with their new place), ``--set key=value``
+(``Config.with_overrides``), the CLI's flags (``rmflow.cli_options``, from ``leaves``) and the
+docs' config reference (``rmflow.reference``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from rmflow.schemas.errors import RmflowError
+
+
+class ConfigError(RmflowError, ValueError):
+    """A configuration value is invalid; the message says which and how to fix it."""
+
+
+def option(default: Any, help: str, *, flags: tuple[str, ...] = (), was: str = "", required: bool = False,
+           resume_free: bool = False) -> Any:
+    """A config field. ``help``: its one description (CLI help, docs reference). ``flags``: the
+    CLI's names for it (default ``--name-with-dashes``; a train option also keeps its dotted
+    ``--section.name``). ``was``: its key in the flat train config of before, when that differs
+    from its name. ``required``: the CLI asks for it. ``resume_free``: a resumed run may change
+    it without changing what the run computes (where it logs, how it uses the hardware)."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "flags": tuple(flags), "was": was, "required": required, "resume_free": resume_free})
+
+
+def section(cls: type, help: str, *, optional: bool = False, was_flat: bool = True) -> Any:
+    """A nested config: ``cls``'s defaults unless given (``optional``: absent, None, unless given).
+    ``was_flat``: its options were top-level keys of the flat train config of before (``was``)."""
+    meta = {"help": help, "section": cls, "optional": optional, "was_flat": was_flat}
+    if optional:
+        return dataclasses.field(default=None, metadata=meta)
+    return dataclasses.field(default_factory=cls, metadata=meta)
+
+
+def help_for(cls: type, name: str) -> str:
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+def section_of(f: dataclasses.Field) -> type | None:
+    return f.metadata.get("section")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One option of a config tree: its dotted path and its field."""
+
+    path: str
+    field: dataclasses.Field
+    was_flat: bool = True  # a top-level key of the flat train config of before
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def type(self) -> str:
+        return str(self.field.type)
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+    @property
+    def help(self) -> str:
+        return self.field.metadata["help"]
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return self.field.metadata.get("flags", ())
+
+    @property
+    def required(self) -> bool:
+        return self.field.metadata.get("required", False)
+
+    @property
+    def resume_free(self) -> bool:
+        return self.field.metadata.get("resume_free", False)
+
+    @property
+    def was(self) -> str:
+        """Its key in the flat train config of before."""
+        return self.field.metadata.get("was") or self.name
+
+
+def leaves(cls: type, prefix: str = "", was_flat: bool = True) -> Iterator[Leaf]:
+    """Every option of ``cls``, sections' options included (dotted paths), in declaration order."""
+    for f in dataclasses.fields(cls):
+        sub = section_of(f)
+        if sub is not None:
+            yield from leaves(sub, f"{prefix}{f.name}.", was_flat and f.metadata["was_flat"])
+        else:
+            yield Leaf(prefix + f.name, f, was_flat)
+
+
+def sections(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if section_of(f) is not None}
+
+
+def moved_keys(cls: type) -> dict[str, str]:
+    """The flat key of before -> the option's dotted path now, for every option that moved."""
+    return {leaf.was: leaf.path for leaf in leaves(cls) if leaf.was_flat and leaf.was != leaf.path}
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
+
+
+def _nest(data: Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """``{"a.b": 1, "a": {"c": 2}}`` -> ``{"a": {"b": 1, "c": 2}}`` for the sections ``a`` of
+    ``cls`` (dotted keys, as ``--set`` takes; deeper levels are their section's to split)."""
+    subs = sections(cls)
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        head, dot, rest = str(key).partition(".")
+        if not dot or head not in subs:
+            if head in subs and isinstance(out.get(head), dict):
+                value = {**out[head], **_as_mapping(subs[head], value)}
+            out[key] = value
+            continue
+        inner = _as_mapping(subs[head], out.get(head))
+        inner[rest] = value
+        out[head] = inner
+    return out
+
+
+def _as_mapping(f: dataclasses.Field, value: Any) -> dict[str, Any]:
+    """A section's value as a mapping: a scalar is its scalar form, None is empty."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    cls = section_of(f)
+    if isinstance(value, cls):
+        return value.to_dict()
+    scalar = getattr(cls, "SCALAR_FORM", "")
+    return {scalar: value} if scalar else value
+
+
+class Config:
+    """to_dict / to_json / from_dict / with_overrides and type checks for the config dataclasses."""
+
+    # A section given as a scalar: the field of the section it sets (``model: micro`` = ``model: {path: micro}``).
+    SCALAR_FORM: str = ""
+    UNKNOWN_HINT: str = ""  # what an unknown key most likely meant
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def flat(self) -> dict[str, Any]:
+        """{dotted path: value} of every option (an absent optional section: its path -> None)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Config):
+                out.update({f"{f.name}.{k}": v for k, v in value.flat().items()})
+            else:
+                out[f.name] = value
+        return out
+
+    def _check_types(self) -> None:
+        """Each option holds a value of its declared type (a YAML ``"no"`` where a bool belongs, a
+        quoted number, a bool where a number belongs are refused); floats are finite; a whole
+        float where an int belongs (``1e3`` from YAML) is taken as that int. Sections given as
+        mappings (or their scalar form) become their dataclass, errors named by their path."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            sub = section_of(f)
+            if sub is not None:
+                object.__setattr__(self, f.name, _section_value(sub, f, value))
+                continue
+            kind = str(f.type)
+            if (value is None and "None" in kind) or "|" in kind.replace(" | None", ""):
+                continue  # a union of value types (data, step) is checked by its own parser
+            if kind.startswith("int"):
+                if isinstance(value, float) and value.is_integer():
+                    object.__setattr__(self, f.name, int(value))
+                    continue
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif kind.startswith("float"):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                if ok:
+                    object.__setattr__(self, f.name, float(value))
+            elif kind.startswith("bool"):
+                ok = isinstance(value, bool)
+            elif kind.startswith("str"):
+                ok = isinstance(value, str)
+            elif kind.startswith("tuple[str"):
+                if isinstance(value, str):
+                    value = (value,)
+                ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+                if ok:
+                    object.__setattr__(self, f.name, tuple(value))
+            else:
+                continue
+            if not ok:
+                raise ConfigError(f"{f.name} {value!r}: must be {_TYPE_WORDS.get(kind.split(' ')[0], kind)}"
+                                  + (" (unquoted true or false)" if kind.startswith("bool") else ""))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        """The config of a mapping: nested sections or dotted keys (``optimizer.learning_rate``).
+        An unknown key is refused, and a key of the flat train config of before is named with
+        the option's place now."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{cls.__name__}: a mapping of option: value, not {data!r}")
+        data = _nest(data, cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = [k for k in data if k not in fields]
+        if unknown:
+            moved = moved_keys(cls)
+            renamed = [f"{k} is now {moved[k]}" for k in unknown if k in moved]
+            if renamed:
+                raise ConfigError(f"{cls.__name__}: {'; '.join(renamed)} (options are grouped in sections: "
+                                  "write them nested in YAML, or dotted in --set)")
+            hint = f"; {cls.UNKNOWN_HINT}" if cls.UNKNOWN_HINT else ""
+            raise ConfigError(f"unknown {cls.__name__} keys {sorted(unknown)}; known: {sorted(fields)}{hint}")
+        return cls(**data)
+
+    def with_overrides(self, pairs: list[str]):
+        """Apply ``key=value`` strings (``--set``), each parsed as its option's type."""
+        types = {leaf.path: leaf.type for leaf in leaves(type(self))}
+        scalar = {name: f"{name}.{section_of(f).SCALAR_FORM}" for name, f in sections(type(self)).items()
+                  if getattr(section_of(f), "SCALAR_FORM", "")}  # --set data=folder: data.train
+        moved = moved_keys(type(self))
+        data = self.flat()
+        for pair in pairs:
+            key, sep, text = pair.partition("=")
+            key = scalar.get(key.strip(), key.strip())
+            if sep and key in moved and key not in types:
+                raise ConfigError(f"--set {pair!r}: {key} is now {moved[key]}")
+            if not sep or key not in types:
+                raise ConfigError(f"--set {pair!r}: use key=value with a key from {sorted(types)}")
+            data[key] = parse_text(text, types[key], key)
+        return type(self).from_dict(data)
+
+
+def _section_value(cls: type, f: dataclasses.Field, value: Any) -> Any:
+    if isinstance(value, cls) or (value is None and f.metadata.get("optional")):
+        return value
+    if value is None:
+        return cls()
+    scalar = getattr(cls, "SCALAR_FORM", "")
+    if scalar and not isinstance(value, Mapping):
+        value = {scalar: value}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{f.name} {value!r}: a mapping of {', '.join(x.name for x in dataclasses.fields(cls))}")
+    try:
+        return cls.from_dict(value)
+    except ConfigError as e:
+        raise ConfigError(f"{f.name}.{e}" if not str(e).startswith(("unknown", cls.__name__))
+                          else f"{f.name}: {e}") from e
+
+
+def parse_text(text: str, type_name: str, key: str) -> Any:
+    """A ``--set`` value as its option's type (a union of types: the text, for its own parser)."""
+    try:
+        if type_name == "int":
+            return int(text)
+        if type_name == "float":
+            return float(text)
+        if type_name.startswith("tuple[str"):
+            return tuple(p.strip() for p in text.split(",") if p.strip())
+        if type_name == "bool":
+            lowered = text.strip().lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return lowered in ("true", "1", "yes")
+    except ValueError as e:
+        raise ConfigError(f"--set {key}={text}: not a valid {type_name}") from e
+    return text

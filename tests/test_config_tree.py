@@ -1,0 +1,75 @@
+"""The train config as a tree of sections: one definition per option read as YAML (nested or
+dotted), --set, a stored run's config.json (before and after the sections), and the resume check."""
+
+import json
+
+import pytest
+from rmflow.schemas.options import ConfigError, leaves, moved_keys
+from rmflow.schemas.train_config import LoraConfig, OptimizerConfig, TrainConfig
+
+BASE = {"data": "d", "model": "micro", "output": "o"}
+
+
+def test_nested_dotted_and_scalar_forms_are_one_config():
+    nested = TrainConfig.from_dict({**BASE, "optimizer": {"learning_rate": 3e-4, "schedule": "cosine"},
+                                    "data": {"train": "d", "packing": "pack"}, "mesh": {"fsdp": 2}})
+    dotted = TrainConfig.from_dict({"data.train": "d", "data.packing": "pack", "model.path": "micro", "output": "o",
+                                    "optimizer.learning_rate": 3e-4, "optimizer.schedule": "cosine", "mesh.fsdp": 2})
+    overridden = TrainConfig.from_dict(BASE).with_overrides(
+        ["optimizer.learning_rate=3e-4", "optimizer.schedule=cosine", "data.packing=pack", "mesh.fsdp=2"])
+    assert nested == dotted == overridden
+    assert nested.optimizer == OptimizerConfig(learning_rate=3e-4, schedule="cosine")
+    assert TrainConfig.from_dict(json.loads(nested.to_json())) == nested  # stored and read back
+    # a mixture under data.train keeps the dots of its folders; a section set by its scalar form
+    mix = TrainConfig.from_dict({**BASE, "data": {"train": {"../shards/v1.2": 1, "b": 3}}})
+    assert [s.path for s in mix.sources] == ["../shards/v1.2", "b"]
+    assert TrainConfig.from_dict(BASE).with_overrides(["data=x=1,y=3"]).sources[1].weight == 3
+
+
+def test_every_flat_key_of_before_is_refused_naming_its_place_and_a_stored_flat_config_still_reads():
+    moved = moved_keys(TrainConfig)
+    assert moved["learning_rate"] == "optimizer.learning_rate" and moved["save_total_limit"] == "checkpoint.keep_newest"
+    assert moved["mesh_fsdp"] == "mesh.fsdp" and moved["eval_data"] == "data.eval" and "rank" not in moved
+    for old, new in moved.items():
+        if old in ("data", "model"):  # still the sections' names: their scalar form sets data.train, model.path
+            continue
+        with pytest.raises(ConfigError, match=f"{old} is now {new}"):
+            TrainConfig.from_dict({**BASE, old: 1})
+        with pytest.raises(ConfigError, match=f"{old} is now {new}"):
+            TrainConfig.from_dict(BASE).with_overrides([f"{old}=1"])
+    stored = {**BASE, "learning_rate": 2e-5, "lr_schedule": "cosine", "mesh_fsdp": 2, "save_total_limit": 3,
+              "logging_steps": 5, "eval_data": {"x": ["p"]}, "lora": {"rank": 4, "target_modules": ["q_proj"]},
+              "report_to": ["tensorboard"], "loader_workers": 1}
+    cfg = TrainConfig.from_stored(stored)
+    assert (cfg.optimizer.learning_rate, cfg.optimizer.schedule, cfg.mesh.fsdp, cfg.checkpoint.keep_newest,
+            cfg.logging.steps, cfg.data.eval, cfg.data.workers) == (2e-5, "cosine", 2, 3, 5, {"x": ["p"]}, 1)
+    assert cfg.lora == LoraConfig(rank=4, target_modules=("q_proj",))
+    assert TrainConfig.from_stored(json.loads(cfg.to_json())) == cfg
+
+
+def test_errors_name_the_option_by_its_path():
+    for spec, said in (({"optimizer": {"learning_rate": "x"}}, "optimizer.learning_rate 'x': must be a finite number"),
+                       ({"mesh": {"data": 0}}, r"data, fsdp, tensor = \(0, 1, 1\)"),
+                       ({"lora": {"rank": 0}}, "lora.rank 0"),
+                       ({"optimizer": 3}, "optimizer 3: a mapping of learning_rate"),
+                       ({"data": {"train": "d", "sets": 1}}, r"data: unknown DataConfig keys \['sets'\]"),
+                       ({"checkpoint": {"save_steps": 6, "metric_for_best": "eval_loss"}, "eval_steps": 4},
+                        "checkpoint.save_steps 6 must be a multiple of eval_steps 4")):
+        with pytest.raises(ConfigError, match=said):
+            TrainConfig.from_dict({**BASE, **spec})
+    with pytest.raises(ConfigError, match=r"--set 'nope=1': use key=value with a key from \[.*'optimizer.schedule'"):
+        TrainConfig.from_dict(BASE).with_overrides(["nope=1"])
+
+
+def test_resume_changes_ignore_where_a_run_logs_and_count_lora_as_one_option():
+    cfg = TrainConfig.from_dict(BASE)
+    free = cfg.with_overrides(["logging.steps=3", "checkpoint.save_steps=5", "mesh.fsdp=2", "model.attention=xla",
+                               "data.workers=2", "output=elsewhere"])
+    assert free.resume_changes(cfg.to_dict()) == {}
+    changed = cfg.with_overrides(["optimizer.learning_rate=1e-4", "lora.rank=2"]).resume_changes(cfg.to_dict())
+    assert set(changed) == {"optimizer.learning_rate", "lora"} and changed["lora"][0] is None
+    flat_before = {**BASE, "learning_rate": 1e-5, "logging_steps": 7}  # a run stored before the sections
+    assert cfg.resume_changes(flat_before) == {}
+    # every option says whether a resumed run may change it: the sections' trajectory options do not
+    free_paths = {leaf.path for leaf in leaves(TrainConfig) if leaf.resume_free}
+    assert "optimizer.learning_rate" not in free_paths and "logging.steps" in free_paths
