@@ -341,9 +341,9 @@ class TrainConfig(Config):
                                    output=absolute(self.output), model=dataclasses.replace(self.model, path=path))
 
     def resume_changes(self, stored: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """{option: (stored, new)} for every option whose change alters the run's trajectory
-        (``lora`` counts as one option: any change of it is one of the parameters' shapes)."""
-        free = {leaf.path for leaf in leaves(TrainConfig) if leaf.resume_free}
+        """{option: (stored, new)} for every option whose change alters the run's trajectory or
+        that a checkpoint cannot continue under (``RESUME_FIXED``); ``lora`` counts as one option."""
+        free = {leaf.path for leaf in leaves(TrainConfig) if leaf.resume_free} - set(RESUME_FIXED)
         before, now = _lora_as_one(TrainConfig.from_stored(stored).flat()), _lora_as_one(self.flat())
         return {k: (before.get(k), now[k]) for k in sorted(now) if k not in free and before.get(k) != now[k]}
 
@@ -353,5 +353,10 @@ def _lora_as_one(flat: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if not k.startswith("lora")} | {"lora": lora}
 
 
-# Options whose change gives the parameters other shapes: a checkpoint cannot continue under them.
-RESUME_SHAPE_KEYS = frozenset({"model.path", "lora"})
+# Options a checkpoint cannot continue under, and why (even with --allow-config-change).
+RESUME_FIXED = {
+    "model.path": "the checkpoint's parameters have other shapes",
+    "lora": "the checkpoint's parameters have other shapes",
+    "data.workers": "the loader's saved position is kept per worker process (the batches are the same with any "
+                    "count)",
+}

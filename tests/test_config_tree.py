@@ -64,8 +64,10 @@ def test_errors_name_the_option_by_its_path():
 def test_resume_changes_ignore_where_a_run_logs_and_count_lora_as_one_option():
     cfg = TrainConfig.from_dict(BASE)
     free = cfg.with_overrides(["logging.steps=3", "checkpoint.save_steps=5", "mesh.fsdp=2", "model.attention=xla",
-                               "data.workers=2", "output=elsewhere"])
+                               "output=elsewhere"])
     assert free.resume_changes(cfg.to_dict()) == {}
+    # the loader's saved position is per worker process: another count is named, as another model is
+    assert cfg.with_overrides(["data.workers=2"]).resume_changes(cfg.to_dict()) == {"data.workers": (0, 2)}
     changed = cfg.with_overrides(["optimizer.learning_rate=1e-4", "lora.rank=2"]).resume_changes(cfg.to_dict())
     assert set(changed) == {"optimizer.learning_rate", "lora"} and changed["lora"][0] is None
     flat_before = {**BASE, "learning_rate": 1e-5, "logging_steps": 7}  # a run stored before the sections

@@ -73,6 +73,8 @@ def test_decoding_in_worker_processes_is_deterministic_and_resumable(shards):
     full, _ = batches(n=6)
     again, _ = batches(n=6)
     assert all(np.array_equal(a, b) for a, b in zip(full, again))
+    here = iter(make_loader(shards, batch_size=2, max_length=64, seed=5, num_epochs=1, shard_by_process=False))
+    assert all(np.array_equal(a, next(here)["input_ids"]) for a in full)  # the same batches as in-process
     first, state = batches(n=3)
     rest, _ = batches(state, n=3)
     assert all(np.array_equal(a, b) for a, b in zip(first + rest, full))

@@ -114,18 +114,18 @@ def test_the_loader_mixes_by_weight_each_record_from_its_set(sets, packing):
 
 
 def test_each_set_is_drawn_in_its_own_passes_and_processes_split_every_set(sets):
-    import grain
-    from rmflow.trainer.data.mixture import MixtureSampler
+    from rmflow.trainer.data.loader import mixed_stream
 
     sizes = [108, 324]
-    one = MixtureSampler(sizes, [3.0, 1.0], shard_options=grain.sharding.NoSharding(), seed=0)
-    keys = [one[p].record_key for p in range(4 * 108)]
+    sources = [range(108), range(108, 432)]
+    one = mixed_stream(sources, [3.0, 1.0], shard=(0, 1), seed=0)
+    keys = [one[p][1] for p in range(4 * 108)]
     a = [k for k in keys if k < 108]
     assert len(a) == 324 and all(sorted(a[i:i + 108]) == list(range(108)) for i in range(0, 324, 108))
     assert len(set(k for k in keys if k >= 108)) == 108  # b: a third of it, no repeat
-    two = [MixtureSampler(sizes, [3.0, 1.0], seed=0, shard_options=grain.sharding.ShardOptions(i, 2, True))
-           for i in range(2)]
-    seen = [{two[i][p * 2 + i].record_key for p in range(400)} for i in range(2)]
+    assert {s for s, _ in (one[p] for p in range(40))} == {0, 1} and sum(sizes) == 432
+    two = [mixed_stream(sources, [3.0, 1.0], shard=(i, 2), seed=0) for i in range(2)]
+    seen = [{two[i][p][1] for p in range(400)} for i in range(2)]
     assert not seen[0] & seen[1]  # each process its own half of each set
     assert {k < 108 for k in seen[0]} == {True, False}
 

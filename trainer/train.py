@@ -31,13 +31,13 @@ from rmflow.schemas.outputs import output_lock
 from rmflow.schemas.presets import is_preset
 from rmflow.schemas.sources import canonical_data, with_paths
 from rmflow.schemas.stops import at_step_boundaries
-from rmflow.schemas.train_config import RESUME_SHAPE_KEYS, TrainConfig
+from rmflow.schemas.train_config import RESUME_FIXED, TrainConfig
 from rmflow.trainer import storage
 from rmflow.trainer.batching import stack_micro_batches, widen
 from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, prune, reading_checkpoint
 from rmflow.trainer.compilation import use_compilation_cache
 from rmflow.trainer.data import make_loader
-from rmflow.trainer.data.lookahead import Lookahead
+from rmflow.trainer.data.lookahead import Lookahead, checkpointable
 from rmflow.trainer.errors import Interrupted, TrainError
 from rmflow.trainer.loggers import Reporters, check_available
 from rmflow.trainer.memory import release_free_memory
@@ -182,11 +182,11 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
         raise TrainError(f"{cfg.output} already has checkpoints (step {latest}): pass --resume to continue "
                          "or choose another --output")
     changed = resume_changes(run_dir, cfg, local_sources) if latest is not None else {}
-    shapes = sorted(set(changed) & RESUME_SHAPE_KEYS)
-    if shapes:
-        raise TrainError(f"--resume with another {' and '.join(shapes)} than the run's checkpoints have "
-                         f"({'; '.join(f'{k}: {changed[k][0]!r} -> {changed[k][1]!r}' for k in shapes)}): its "
-                         "parameters have other shapes; start a new run (another --output)")
+    fixed = [k for k in changed if k in RESUME_FIXED]
+    if fixed:
+        raise TrainError(f"--resume with another {' and '.join(fixed)} than the run's checkpoints have: "
+                         + "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}: {RESUME_FIXED[k]}" for k in fixed)
+                         + ". Resume with the run's own values, or start a new run (another --output)")
     if changed and not allow_config_change:
         raise TrainError(f"--resume with a changed configuration would change the run's trajectory from step "
                          f"{latest}: {'; '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}. Resume "
@@ -223,7 +223,7 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
                     for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(r.trainer.state_shardings))]
         with reading_checkpoint(run_dir, latest):
             restored = manager.restore(latest, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
+                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(checkpointable(iterator))))
         state = jax.tree.unflatten(treedef, list(restored["state"]))
         history = [h for h in read_history(metrics_path) if h["step"] <= latest]
     if primary:
@@ -339,7 +339,7 @@ class Loop:
 
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(jax.tree.leaves(state)),
-            data=grain.checkpoint.CheckpointSave(self.iterator)))
+            data=grain.checkpoint.CheckpointSave(checkpointable(self.iterator))))
         self.manager.wait_until_finished()
         prune(self.manager, self.history, self.cfg)
         if self.primary and storage.is_remote(self.cfg.output):

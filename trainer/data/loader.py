@@ -1,4 +1,6 @@
-"""The Grain DataLoader: ArrayRecord shards to micro-batches (layout: ``trainer.data.collate``).
+"""The Grain input pipeline (Grain's dataset API: ``MapDataset`` sources, sliced per process,
+shuffled, mixed, batched; an ``IterDataset`` to iterate): ArrayRecord shards to micro-batches
+(layout: ``trainer.data.collate``).
 
 ``packing`` picks how pairs become rows (``PACKING``):
 
@@ -15,6 +17,8 @@ modes: one solution a row, or packed (``COLLATES``: the collations of each rewar
 In every mode a micro-batch holds exactly ``batch_size`` pairs (solutions) (fewer only at the end of a
 finite pass, the rest weight 0) and the loader's state, checkpointed with the run, resumes on
 exactly the next batch. Records are decoded (and CRC-checked) in Grain's worker processes.
+Every position of the stream maps to one record by a pure function of the seed, the sets'
+sizes and weights and the position, so no sampler's state or repr is checked on a restore.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import grain
 from rmflow.schemas.kinds import OUTCOME, PROCESS
 from rmflow.schemas.record import PairRecord, StepRecord, decode
 from rmflow.schemas.train_config import PACKING
-from rmflow.trainer.data.bucketing import LengthBucketSampler
+from rmflow.trainer.data.bucketing import LengthBuckets
 from rmflow.trainer.data.collate import FINEST, Collate
-from rmflow.trainer.data.mixture import Labelled, LabelledBatch, MixtureSampler
+from rmflow.trainer.data.mixture import LabelledBatch
 from rmflow.trainer.data.packing import PackCollate
 from rmflow.trainer.data.steps import StepCollate, StepPackCollate
 
@@ -45,6 +49,16 @@ class DecodeRecord(grain.transforms.Map):
 class DecodeLabelled(grain.transforms.Map):
     def map(self, item: tuple[int, bytes]) -> tuple[int, PairRecord | StepRecord]:
         return item[0], decode(item[1])
+
+
+class Tag(grain.transforms.Map):
+    """A record paired with the index of its set (a mixture's)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def map(self, raw: bytes) -> tuple[int, bytes]:
+        return self.index, raw
 
 
 def resolve_packing(packing: str, backend: str, devices: int = 1) -> str:
@@ -83,6 +97,42 @@ def count_records(paths: Sequence[str]) -> int:
     return len(grain.sources.ArrayRecordDataSource(list(paths)))
 
 
+def _shard(sharding: tuple[int, int] | None, by_process: bool) -> tuple[int, int]:
+    """(index, count) of this process's slice of every stream."""
+    if sharding is not None:
+        return sharding
+    if by_process:
+        opts = grain.sharding.ShardByJaxProcess(drop_remainder=True)
+        return opts.shard_index, opts.shard_count
+    return 0, 1
+
+
+def _stream(source, *, shard: tuple[int, int], shuffle: bool, seed: int, num_epochs: int | None,
+            tag: int | None = None) -> grain.MapDataset:
+    """One set's records in this process's order: the process's slice of the set (every
+    ``count``-th record from ``index``, the set first cut to a multiple of the processes, so
+    each gets as many and no record goes to two), shuffled anew each pass (``shuffle``),
+    repeated ``num_epochs`` times (None: endlessly). ``tag``: each record paired with its set."""
+    index, count = shard
+    ds = grain.MapDataset.source(source)
+    ds = ds[: len(ds) - len(ds) % count][index::count]
+    if tag is not None:
+        ds = ds.map(Tag(tag))
+    if shuffle:
+        ds = ds.shuffle(seed)
+    return ds.repeat(num_epochs)
+
+
+def mixed_stream(sources: Sequence, weights: Sequence[float], *, shard: tuple[int, int], seed: int
+                 ) -> grain.MapDataset:
+    """The sets' streams (``_stream``, endless, each tagged with its set) mixed by ``weights``."""
+    if len(weights) != len(sources) or not weights:
+        raise ValueError("a mixture needs one weight per set")
+    sets = [_stream(source, shard=shard, shuffle=True, seed=(seed + i) % 2**31, num_epochs=None, tag=i)
+            for i, source in enumerate(sources)]
+    return grain.MapDataset.mix(sets, [float(w) for w in weights]) if len(sets) > 1 else sets[0]
+
+
 def make_loader(
     shard_paths: Sequence[str],
     *,
@@ -100,48 +150,38 @@ def make_loader(
     kind: str = OUTCOME.name,
     weights: Sequence[float] | None = None,
     per_doubling: int = FINEST,
-) -> grain.DataLoader:
-    """A Grain DataLoader over the shards: seeded global shuffle, epochs, one shard of the data
-    per JAX process, decoding in ``worker_count`` processes (0: in this process). ``rows``:
-    packed rows per micro-batch (``pack``; a multiple of the data-parallel devices).
+) -> grain.IterDataset:
+    """The shards as a Grain dataset of micro-batches (iterate it; its iterator's state, saved
+    with each checkpoint, resumes on exactly the next batch): one slice of the records per JAX
+    process (``shard``: an explicit (index, count)), in a seeded order reshuffled each epoch,
+    records decoded in ``worker_count`` processes (0: in this process; the batches are the same
+    either way). ``rows``: packed rows per micro-batch (``pack``; a multiple of the
+    data-parallel devices).
 
     With ``weights``, ``shard_paths`` holds one list of shards per set and the loader draws
-    from the sets mixed by those weights, endlessly (``trainer.data.mixture``); each batch then
-    counts its records per set in ``source_counts``."""
+    from the sets mixed by those weights (``grain.MapDataset.mix``), endlessly, each set in
+    its own shuffled passes; each batch then counts its records per set in ``source_counts``."""
+    collate = collate_fn(packing, batch_size=batch_size, max_length=max_length, pad_id=pad_id, rows=rows, kind=kind,
+                         per_doubling=per_doubling)
+    where = _shard(shard, shard_by_process)
+    if weights is None:
+        ds = _stream(grain.sources.ArrayRecordDataSource(list(shard_paths)), shard=where, shuffle=shuffle, seed=seed,
+                     num_epochs=num_epochs)
+        decode_op = DecodeRecord()
+    else:
+        if num_epochs is not None or not shuffle:
+            raise ValueError("a mixture is drawn endlessly and shuffled (num_epochs=None, shuffle=True)")
+        ds = mixed_stream([grain.sources.ArrayRecordDataSource(list(paths)) for paths in shard_paths], weights,
+                          shard=where, seed=seed)
+        decode_op, collate = DecodeLabelled(), LabelledBatch(collate, len(shard_paths))
+    if packing == "bucket":
+        ds = LengthBuckets(ds, batch_size=batch_size, window=BUCKET_WINDOW, seed=seed)
+    ds = ds.map(decode_op).batch(batch_size, drop_remainder=False, batch_fn=collate)
+    out = ds.to_iter_dataset(READ_OPTIONS)
     if worker_count:
         from absl import flags
 
         if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we do not run under absl.app
             flags.FLAGS.mark_as_parsed()
-    collate = collate_fn(packing, batch_size=batch_size, max_length=max_length, pad_id=pad_id, rows=rows, kind=kind,
-                         per_doubling=per_doubling)
-    sets = [list(p) for p in shard_paths] if weights is not None else [list(shard_paths)]
-    source = grain.sources.ArrayRecordDataSource([p for paths in sets for p in paths])
-    if shard is not None:  # an explicit (index, count): what process ``index`` of ``count`` would read
-        sharding = grain.sharding.ShardOptions(shard_index=shard[0], shard_count=shard[1], drop_remainder=True)
-    elif shard_by_process:
-        sharding = grain.sharding.ShardByJaxProcess(drop_remainder=True)
-    else:
-        sharding = grain.sharding.NoSharding()
-    decode_op, reads = DecodeRecord(), source
-    if weights is None:
-        sampler = grain.samplers.IndexSampler(
-            num_records=len(source), shard_options=sharding, shuffle=shuffle, num_epochs=num_epochs, seed=seed
-        )
-    else:
-        if num_epochs is not None or not shuffle:
-            raise ValueError("a mixture is drawn endlessly and shuffled (num_epochs=None, shuffle=True)")
-        sizes = [count_records(paths) for paths in sets]
-        sampler = MixtureSampler(sizes, weights, shard_options=sharding, seed=seed)
-        reads, decode_op = Labelled(source, sampler.offsets), DecodeLabelled()
-        collate = LabelledBatch(collate, len(sizes))
-    if packing == "bucket":
-        sampler = LengthBucketSampler(sampler, source, batch_size=batch_size, window=BUCKET_WINDOW, seed=seed)
-    return grain.DataLoader(
-        data_source=reads,
-        sampler=sampler,
-        operations=[decode_op, grain.transforms.Batch(batch_size, drop_remainder=False, batch_fn=collate)],
-        worker_count=worker_count,
-        shard_options=sharding,
-        read_options=READ_OPTIONS,
-    )
+        out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+    return out

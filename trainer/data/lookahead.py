@@ -9,12 +9,13 @@ been read ahead, so a run saved and resumed continues on exactly the next batch.
 from __future__ import annotations
 
 import collections
+import json
 from typing import Any
 
 
 class Lookahead:
-    """Wraps a Grain DataLoader iterator (anything with ``__next__``, ``get_state`` and
-    ``set_state``), keeping up to ``depth`` batches read ahead."""
+    """Wraps a Grain iterator (anything with ``__next__``, ``get_state`` and ``set_state``),
+    keeping up to ``depth`` batches read ahead; checkpoint it as ``checkpointable(it)``."""
 
     def __init__(self, iterator, depth: int):
         self._it = iterator
@@ -57,3 +58,28 @@ class Lookahead:
         start = getattr(self._it, "start_prefetch", None)
         if start is not None:
             start()
+
+
+class JsonState:
+    """An iterator as Grain's checkpoint handler takes one that is not a Grain dataset iterator
+    (a ``Lookahead``): its state (a dataset iterator's mapping) as JSON bytes."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.iterator.get_state()).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.iterator.set_state(json.loads(state))
+
+    def start_prefetch(self) -> None:
+        self.iterator.start_prefetch()
+
+
+def checkpointable(iterator):
+    """``iterator`` as Grain's checkpoint handler saves and restores it."""
+    import grain
+
+    return iterator if isinstance(iterator, grain.DatasetIterator) else JsonState(iterator)
+
