@@ -11,8 +11,9 @@ kind names or head widths itself.
   cross-entropy over 2 classes, exported as a token classifier as TRL and Axolotl do.
 
 A new kind (say, a multi-attribute regression model) is one entry here, its record type in
-``schemas/record.py``, its objective in ``trainer/objective.py`` and its metrics and report in
-``rmflow/eval/evaluation.py``'s ``EVALUATORS``; the test names any table that lacks it.
+``schemas/record.py``, its rendering recipe (``rendering``), its objective in
+``trainer/objective.py``, its scoring core in ``trainer/inference.py`` and its handler set in
+``rmflow/handlers.py``; ``tests/test_kinds.py`` names any that lacks it.
 """
 
 from __future__ import annotations

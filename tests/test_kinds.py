@@ -26,17 +26,13 @@ PACKAGES = ("schemas", "rendering", "pipelines", "trainer", "rmflow")
 
 
 def _per_kind_tables():
-    from rmflow.trainer.data.loader import COLLATES
     from rmflow.trainer.inference import SCORING_CORES
     from rmflow.trainer.objective import OBJECTIVES
 
-    from rmflow.eval.evaluation import EVALUATORS
-    from rmflow.eval.reports import SUMMARIES
-    from rmflow.scoring.scorers import SCORERS
+    from rmflow.handlers import HANDLERS
 
-    return {"trainer.objective.OBJECTIVES": OBJECTIVES, "trainer.data.loader.COLLATES": COLLATES,
-            "rmflow.eval.evaluation.EVALUATORS": EVALUATORS, "rmflow.eval.reports.SUMMARIES": SUMMARIES,
-            "rmflow.scoring.scorers.SCORERS": SCORERS, "trainer.inference.SCORING_CORES": SCORING_CORES}
+    return {"trainer.objective.OBJECTIVES": OBJECTIVES, "rmflow.handlers.HANDLERS": HANDLERS,
+            "trainer.inference.SCORING_CORES": SCORING_CORES}
 
 
 def test_every_per_kind_table_covers_exactly_the_kinds():
@@ -46,6 +42,20 @@ def test_every_per_kind_table_covers_exactly_the_kinds():
 
     for name, objective in OBJECTIVES.items():
         assert objective.kind is KINDS[name] and objective.num_labels == KINDS[name].num_labels
+
+
+def test_every_kind_s_handlers_resolve_and_agree():
+    """Each kind's handler set (rmflow.handlers) names a part of each capability that exists, and
+    its server response reads fields its scorer writes."""
+    from rmflow.handlers import HANDLERS, PARTS, handler
+    from rmflow.scoring.scorers import Scorer
+    from rmflow.server.protocol import Native
+
+    for name in HANDLERS:
+        parts = {part: handler(name, part) for part in PARTS}
+        assert callable(parts["evaluate"]) and callable(parts["summary"]), name
+        assert isinstance(parts["scorer"], Scorer) and isinstance(parts["protocol"], Native), name
+        assert set(parts["protocol"].columns.values()) <= set(parts["scorer"].fields), name
 
 
 def test_lookups_round_trip_and_refuse_what_no_kind_is():

@@ -1,5 +1,5 @@
 """What a run trains, by the kind of its shards (the manifest's ``kind``, ``schemas.kinds``):
-the batch keys, loss and metrics of each reward model kind.
+each reward model kind's training strategy, its batch keys, loss, metrics and collations.
 
 * ``outcome``: preference pairs; Bradley-Terry with margin and reward centering
   (``trainer.loss.pairwise_loss``); normalised by the number of pairs.
@@ -16,6 +16,9 @@ from typing import Any
 
 from rmflow.schemas import kinds
 from rmflow.schemas.kinds import ModelKind
+from rmflow.trainer.data.collate import Collate
+from rmflow.trainer.data.packing import PackCollate
+from rmflow.trainer.data.steps import StepCollate, StepPackCollate
 from rmflow.trainer.loss import (
     STEP_SUM_KEYS,
     SUM_KEYS,
@@ -57,6 +60,8 @@ class Objective:
     metrics: Callable[[dict[str, float]], dict[str, Any]]
     # (model, micro-batch, center_coef) -> (summed objective to differentiate, metric sums)
     loss: Callable[[Any, dict[str, Any], float], tuple[Any, dict[str, Any]]]
+    padded: type  # the collation of one record a padded row (trainer.data: none and bucket modes)
+    packed: type  # the collation of records packed into long rows (pack mode)
 
     @property
     def num_labels(self) -> int:
@@ -74,9 +79,10 @@ def greater_is_better(metric: str) -> bool:
 
 
 OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight"), (), SUM_KEYS, "pairs",
-                    pair_metrics_of_sums, _pairwise)
+                    pair_metrics_of_sums, _pairwise, Collate, PackCollate)
 PROCESS = Objective(kinds.PROCESS, (*ROW_KEYS, "reward_index", "step_labels", "step_weight"),
-                    ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", step_metrics_of_sums, _stepwise)
+                    ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", step_metrics_of_sums, _stepwise,
+                    StepCollate, StepPackCollate)
 OBJECTIVES = {o.kind.name: o for o in (OUTCOME, PROCESS)}
 
 

@@ -22,10 +22,11 @@ import numpy as np
 from rmflow.eval.metrics import pair_metrics, process_metrics
 from rmflow.eval.reports import rewardbench_v2_markdown, write_eval, write_process_report, write_report
 from rmflow.eval.rewardbench import TIES, best_of_n_credit, ties_score, v1_scores, v2_scores
+from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.kinds import OUTCOME, PROCESS, kind_of_record
+from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import ERRORS_FILE, MANIFEST_FILE
 from rmflow.schemas.outputs import output_lock, staged_output
 from rmflow.schemas.record import decode
@@ -149,7 +150,7 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
         if found is not kind:
             raise EvalError(f"{cfg.data[0]} holds {found.data}, which {found.description} scores; {cfg.model} is "
                             f"{kind.description}: evaluate it on {kind.data}")
-        metrics, write = EVALUATORS[kind.name](cfg, loaded, records)
+        metrics, write = handler(kind.name, "evaluate")(cfg, loaded, records)
     metrics = {"kind": kind.name, **metrics}
     if input_summary is not None:
         metrics["input"] = input_summary
@@ -166,7 +167,7 @@ def _subsets(records) -> list[str] | None:
     return subsets
 
 
-def _eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Writer]:
+def eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Writer]:
     if cfg.mode == "rewardbench-v1":
         unlabeled = sum(r.subset is None for r in records)
         if unlabeled:
@@ -193,7 +194,7 @@ def _eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str
     return metrics, write
 
 
-def _eval_process(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Writer]:
+def eval_process(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Writer]:
     p_correct = score_steps(loaded.model, records, batch_size=cfg.batch_size, pad_id=loaded.pad_id)
     labels = [r.step_labels for r in records]
     metrics = process_metrics(p_correct, labels, subsets=_subsets(records))
@@ -201,10 +202,6 @@ def _eval_process(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[s
               "split": cfg.split, "batch_size": cfg.batch_size, "mode": "process"}
     return metrics, lambda m, output: write_process_report(m, p_correct, labels, output, config)
 
-
-# Each reward model kind's (schemas.kinds) evaluation: (config, model, records) -> (metrics, the
-# writer of its eval folder, called with the final metrics).
-EVALUATORS = {OUTCOME.name: _eval_pairs, PROCESS.name: _eval_process}
 
 
 def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any], Writer]:

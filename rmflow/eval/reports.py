@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from rmflow.schemas.kinds import OUTCOME, PROCESS, ModelKind
+from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.outputs import EVAL_FILE, REPORT_FILE
 
 
@@ -214,7 +214,7 @@ def rewardbench_v2_markdown(m: dict[str, Any], model: str = "", data: list[str] 
 # --------------------------------------------------------------------------- the summary `rmflow eval` prints
 
 
-def _pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+def pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     if "rewardbench_v2" in m:
         return (f"rmflow eval: RewardBench 2, {m['examples']:,} examples",
                 [("RewardBench 2 score", f"{m['rewardbench_v2']['score']:.2f}")])
@@ -236,7 +236,7 @@ def _pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     return f"rmflow eval: {m['pairs']:,} pairs", rows
 
 
-def _process_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+def process_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     rows = [("step accuracy", _fmt(m["step_accuracy"])), ("step cross-entropy", _fmt(m["loss"])),
             ("incorrect steps: precision", _fmt(m["incorrect_precision"])),
             ("incorrect steps: recall", _fmt(m["incorrect_recall"])), ("incorrect steps: F1", _fmt(m["incorrect_f1"])),
@@ -247,13 +247,12 @@ def _process_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     return f"rmflow eval (process reward model): {m['solutions']:,} solutions, {m['steps']:,} steps", rows
 
 
-# Each reward model kind's (schemas.kinds) summary: eval metrics -> (title, rows of (label, value)).
-SUMMARIES = {OUTCOME.name: _pair_summary, PROCESS.name: _process_summary}
-
 
 def eval_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     """The title and rows of the table `rmflow eval` prints for an eval's metrics."""
-    return SUMMARIES[m["kind"]](m)
+    from rmflow.handlers import handler
+
+    return handler(m["kind"], "summary")(m)
 
 
 def training_progress(kind: ModelKind, rec: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ import apache_beam as beam
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
 from apache_beam.pvalue import TaggedOutput
 
+from rmflow.handlers import every, handler
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.publication import FAILED_FILE, publish, published, refuse
 from rmflow.pipelines.runner import launched, new_pipeline, runner_options
@@ -44,14 +45,14 @@ from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
 from rmflow.schemas.paths import is_url
 from rmflow.scoring.api import BadConversation, RewardModel
-from rmflow.scoring.scorers import SCORERS, echoed
+from rmflow.scoring.scorers import echoed
 
 SCORES_PREFIX = "scores"
 BEST_FILE = "best.jsonl"
 PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = "summary.json"
 PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
-SCORE_FIELDS = (*PAIR_FIELDS, *(f for s in SCORERS.values() for f in s.fields))  # last, in this order
+SCORE_FIELDS = (*PAIR_FIELDS, *(f for s in every("scorer").values() for f in s.fields))  # last, in this order
 JOB_FIELDS = frozenset({"source", "line", "error", *SCORE_FIELDS})  # rmflow's: a record's own is input_<name>
 CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps")  # not echoed back
 
@@ -92,7 +93,7 @@ def encode_record(rm: RewardModel, obj: Any, source: str, line: int, truncate: s
     """(what the record is, its encoded sequences): a conversation (one), a preference pair
     (chosen and rejected, each with the prompt), or, for a process model, a solution (one).
     Raises BadConversation or BadRecord."""
-    scorer = SCORERS[rm.kind]
+    scorer = handler(rm.kind, "scorer")
     if not kind_named(rm.kind).pairwise:
         return "solution", [scorer.encode(rm, obj, truncate=truncate)]
     if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj:
@@ -142,7 +143,7 @@ class RewardModelHandler(ModelHandler):
 
     def run_inference(self, batch: Sequence[tuple[str, int, str]], model: RewardModel,
                       inference_args: dict[str, Any] | None = None) -> Iterable[PredictionResult]:
-        scorer = SCORERS[model.kind]
+        scorer = handler(model.kind, "scorer")
         shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget)
         out: list[dict[str, Any]] = [{} for _ in batch]
         flat, owner, kinds = [], [], {}

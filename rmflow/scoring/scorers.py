@@ -26,10 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 from rmflow.eval.metrics import first_error
+from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.kinds import OUTCOME, PROCESS
 from rmflow.schemas.metrics import STEP_THRESHOLD
 from rmflow.schemas.stops import refuse_if_stopping
 from rmflow.scoring.api import BadConversation, RewardModel
@@ -80,7 +80,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
         raise ScoreError(f"--output {output_path} is the input file: give another path (the scores are written "
                          "beside, then renamed over it)")
     rm = RewardModel.load(model_path, step)
-    scorer = SCORERS[rm.kind]
+    scorer = handler(rm.kind, "scorer")
     rows: list[dict[str, Any]] = []
     seqs, where = [], []
     for line_no, text, problem in _lines(input_path):
@@ -147,13 +147,12 @@ class Scorer:
     group: Callable[[Any], int] = lambda x: 0
 
 
-# Each reward model kind's (schemas.kinds) scoring of one input (a JSONL line, a server request item).
-SCORERS = {
-    OUTCOME.name: Scorer(RewardModel.encode, len, _run_outcome, ("score", "score_normalized"), _warm),
-    PROCESS.name: Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
-                         _warm, _step_slots),
-}
-OUTPUT_FIELDS = frozenset(f for s in SCORERS.values() for f in s.fields)  # rmflow's: never a record's own
+# Each reward model kind's scoring of one input (a JSONL line, a server request item): its part
+# of the kind's handlers (rmflow.handlers).
+OUTCOME_SCORER = Scorer(RewardModel.encode, len, _run_outcome, ("score", "score_normalized"), _warm)
+PROCESS_SCORER = Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
+                        _warm, _step_slots)
+OUTPUT_FIELDS = frozenset(f for s in (OUTCOME_SCORER, PROCESS_SCORER) for f in s.fields)  # rmflow's: never a record's own
 
 
 def _write(path: str, rows: list[dict[str, Any]]) -> None:

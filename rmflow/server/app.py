@@ -34,12 +34,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import ServeConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
 from rmflow.server.metrics import ServerMetrics
-from rmflow.server.protocol import NATIVE, Parsed, RequestError, read_classify, read_get_reward, read_native
+from rmflow.server.protocol import Parsed, RequestError, read_classify, read_get_reward, read_native
 
 log = logging.getLogger("rmflow.serve")
 RETRY_AFTER_S = 1
@@ -70,7 +71,6 @@ class Service:
 
     def load(self) -> None:
         from rmflow.scoring.api import RewardModel
-        from rmflow.scoring.scorers import SCORERS
 
         cfg = self.cfg
         rm = RewardModel.load(cfg.model, cfg.step)
@@ -82,7 +82,7 @@ class Service:
             raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
                                     "--normalize` on it first")
         shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=True)
-        scorer = SCORERS[rm.kind]
+        scorer = handler(rm.kind, "scorer")
         scorer.warm_up(rm, shapes)
         _ = rm.assistant_marker  # rendered once, before the first request
         self.rm, self.shapes = rm, shapes
@@ -212,7 +212,7 @@ def create_app(service: Service) -> Starlette:
 
     def respond_native(parsed: Parsed, results: list) -> dict[str, Any]:
         out = {}
-        for column, field in NATIVE[service.rm.kind].columns.items():
+        for column, field in handler(service.rm.kind, "protocol").columns.items():
             if field == "score_normalized" and not parsed.options.get("normalized"):
                 continue
             out[column] = [r[field] for r in results]

@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rmflow.handlers import every, handler
 from rmflow.schemas.config import SCORE_TRUNCATE
-from rmflow.schemas.kinds import OUTCOME, PROCESS, kind_named
+from rmflow.schemas.kinds import OUTCOME, kind_named
 from rmflow.scoring.api import BadConversation, RewardModel
-from rmflow.scoring.scorers import SCORERS
 
 
 class RequestError(Exception):
@@ -99,26 +99,24 @@ def _kind_check(rm: RewardModel, wanted, endpoint: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class Native:
     """A reward model kind's native request and response: the request's list key, each item's
-    encoding, and the response columns (name -> the scoring field, ``rmflow.scoring.scorers.SCORERS``)."""
+    encoding, and the response columns (name -> the scoring field of the kind's scorer)."""
 
     key: str
     what: str  # one item, in error messages
     columns: dict[str, str]
 
 
-# Each kind (schemas.kinds) on POST /v1/score.
-NATIVE = {
-    OUTCOME.name: Native("conversations", "conversation", {"scores": "score", "normalized_scores": "score_normalized"}),
-    PROCESS.name: Native("solutions", "solution", {"step_scores": "step_scores", "first_errors": "first_error"}),
-}
+# Each kind on POST /v1/score: its part of the kind's handlers (rmflow.handlers).
+OUTCOME_NATIVE = Native("conversations", "conversation", {"scores": "score", "normalized_scores": "score_normalized"})
+PROCESS_NATIVE = Native("solutions", "solution", {"step_scores": "step_scores", "first_errors": "first_error"})
 
 
 def read_native(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     """``{"conversations": [...], "normalized": false, "truncate": "error"}`` (an outcome model)
     or ``{"solutions": [{"prompt": ..., "completions": [...]}, ...]}`` (a process model)."""
     body = _object(body)
-    native = NATIVE[rm.kind]
-    for other in NATIVE.values():
+    native = handler(rm.kind, "protocol")
+    for other in every("protocol").values():
         if other is not native and other.key in body and native.key not in body:
             raise RequestError(400, f"this is {kind_named(rm.kind).description}: send '{native.key}', not "
                                     f"'{other.key}'", reason="wrong_kind")
@@ -130,8 +128,9 @@ def read_native(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     truncate = body.get("truncate", "error")
     if truncate not in SCORE_TRUNCATE:
         raise RequestError(400, f"'truncate' must be one of {', '.join(map(repr, SCORE_TRUNCATE))}, got {truncate!r}")
-    encoded = _encode_all(items, lambda x: SCORERS[rm.kind].encode(rm, x, truncate=truncate), native.what)
-    return Parsed(encoded, [SCORERS[rm.kind].size(x) for x in encoded], {"normalized": normalized})
+    scorer = handler(rm.kind, "scorer")
+    encoded = _encode_all(items, lambda x: scorer.encode(rm, x, truncate=truncate), native.what)
+    return Parsed(encoded, [scorer.size(x) for x in encoded], {"normalized": normalized})
 
 
 def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: bool) -> list[Any]:

@@ -12,7 +12,8 @@ shuffled, mixed, batched; an ``IterDataset`` to iterate): ArrayRecord shards to 
   with no padding between pairs (``trainer.data.packing``).
 
 Stepwise solutions (process reward models) are collated by ``trainer.data.steps`` in the same
-modes: one solution a row, or packed (``COLLATES``: the collations of each reward model kind).
+modes: one solution a row, or packed (each reward model kind's collations are its objective's,
+``trainer.objective``).
 
 In every mode a micro-batch holds exactly ``batch_size`` pairs (solutions) (fewer only at the end of a
 finite pass, the rest weight 0) and the loader's state, checkpointed with the run, resumes on
@@ -26,14 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grain
-from rmflow.schemas.kinds import OUTCOME, PROCESS
+from rmflow.schemas.kinds import OUTCOME
 from rmflow.schemas.record import PairRecord, StepRecord, decode
 from rmflow.schemas.train_config import PACKING
 from rmflow.trainer.data.bucketing import LengthBuckets
-from rmflow.trainer.data.collate import FINEST, Collate
+from rmflow.trainer.data.collate import FINEST
 from rmflow.trainer.data.mixture import LabelledBatch
-from rmflow.trainer.data.packing import PackCollate
-from rmflow.trainer.data.steps import StepCollate, StepPackCollate
 
 BUCKET_WINDOW = 32  # micro-batches whose pairs are sorted by length together in bucket mode
 # Record reads per process: Grain's default (16 threads, 500 records ahead) holds memory in 16
@@ -75,15 +74,15 @@ def resolve_packing(packing: str, backend: str, devices: int = 1) -> str:
     return "pack" if backend == "cpu" or (backend == "gpu" and devices == 1) else "bucket"
 
 
-# Each reward model kind's (schemas.kinds) collations: (one record a padded row, packed rows).
-COLLATES = {OUTCOME.name: (Collate, PackCollate), PROCESS.name: (StepCollate, StepPackCollate)}
-
-
 def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int, kind: str = OUTCOME.name,
                per_doubling: int = FINEST):
-    """The collation of a packing mode for the records of a reward model kind (``schemas.kinds``);
-    ``per_doubling``: how finely ``pack`` and ``bucket`` round row lengths (``fine_length``)."""
-    padded, packed = COLLATES[kind]
+    """The collation of a packing mode for the records of a reward model kind (its objective's,
+    ``trainer.objective``); ``per_doubling``: how finely ``pack`` and ``bucket`` round row
+    lengths (``fine_length``)."""
+    from rmflow.trainer.objective import objective_for  # not in Grain's workers: they get the collation
+
+    objective = objective_for(kind)
+    padded, packed = objective.padded, objective.packed
     if packing == "pack":
         return packed(batch_size, max_length, pad_id, rows, per_doubling=per_doubling)
     if packing in ("none", "bucket"):
