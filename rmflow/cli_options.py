@@ -41,7 +41,7 @@ def _param(leaf: Leaf, *, dotted: bool, positional: bool) -> inspect.Parameter:
         return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=_annotation(leaf, False))
     if dotted:  # a tree read from --config too: a flag not given leaves the value to the file or the default
         default: Any = None
-        shown = f"{leaf.help} [default: {_shown(leaf.default)}]"
+        shown = f"{leaf.help} \\[default: {_shown(leaf.default)}]"  # escaped: rich would read it as markup
     else:
         default = ... if leaf.required else list(leaf.default) if isinstance(leaf.default, tuple) else leaf.default
         shown = leaf.help
@@ -71,7 +71,8 @@ def config_options(cls: type, *, dotted: bool = False, positional: tuple[str, ..
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def command(**kwargs):
-            options = {paths[k]: v for k, v in kwargs.items() if k in paths and (v is not None or not dotted)}
+            options = {paths[k]: _commas(v) if dotted else v for k, v in kwargs.items()
+                       if k in paths and (v is not None or not dotted)}
             return fn(options, **{k: v for k, v in kwargs.items() if k not in paths})
 
         command.__signature__ = inspect.Signature(params)
@@ -80,6 +81,13 @@ def config_options(cls: type, *, dotted: bool = False, positional: tuple[str, ..
         return command
 
     return decorate
+
+
+def _commas(value: Any) -> Any:
+    """A list flag's values, each split at commas (``--logging.report-to tensorboard,wandb``)."""
+    if isinstance(value, (list, tuple)):
+        return [part.strip() for v in value for part in str(v).split(",") if part.strip()]
+    return value
 
 
 def parameter(name: str, annotation: Any, info: Any) -> inspect.Parameter:

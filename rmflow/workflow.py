@@ -99,7 +99,10 @@ class Workflow:
                               "shard sets, run `rmflow train --data set=weight,...` (README, Mixtures)")
         if "output" in spec:
             raise ConfigError("train.output: a workflow sets it (its run goes to OUTPUT/run); drop it")
-        train = TrainConfig.from_dict({**spec, "data.train": pre.output, "output": os.path.join(out, "run")})
+        try:
+            train = TrainConfig.from_dict({**spec, "data.train": pre.output, "output": os.path.join(out, "run")})
+        except ConfigError as e:
+            raise ConfigError(f"train: {e}") from e
         model = train.model.path
         if not is_preset(model) and os.path.exists(_path(model, base_dir)):  # relative to the workflow file
             train = dataclasses.replace(train, model=dataclasses.replace(train.model, path=_path(model, base_dir)))
@@ -182,7 +185,7 @@ def _run(wf: Workflow, log) -> dict[str, str]:
     os.makedirs(wf.output, exist_ok=True)
     status: dict[str, str] = {}
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
-    h_train = _hash({**wf.train.to_dict(), "model_identity": model_identity(wf.train.model.path)}, h_pre)
+    h_train = _hash({**wf.train.identity(), "model_identity": model_identity(wf.train.model.path)}, h_pre)
     options = {k: v for k, v in wf.eval.to_dict().items() if k not in ("model", "output", "data")}
     shards = wf.preprocess.output  # the workflow's own: in h_pre already (and not there yet when hashing)
     data = ["<the workflow's shards>" if p == shards else p for p in wf.eval.data]
@@ -327,14 +330,20 @@ def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
 
 
 def changed_keys(run_dir: str, cfg: TrainConfig) -> list[str]:
-    """``key: old -> new`` for each train option that differs from the run's stored config.json."""
+    """``option: old -> new`` for each train option that differs from the run's stored config.json
+    (by its dotted name, whichever layout stored it)."""
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
-            old = json.load(f)
-    except (OSError, ValueError):
+            old = TrainConfig.from_stored(json.load(f)).flat()
+    except (OSError, ValueError):  # ConfigError is a ValueError: a config this rmflow cannot read
         return []
-    new = json.loads(cfg.to_json())  # as stored: tuples are lists there, not changes
-    return [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k]]
+    new = cfg.flat()
+
+    def shown(value: Any) -> Any:  # as stored: tuples are lists there, not changes
+        return json.loads(json.dumps(value, default=str))
+
+    return [f"{k}: {shown(old.get(k))!r} -> {shown(new[k])!r}" for k in sorted(new)
+            if shown(old.get(k)) != shown(new[k])]
 
 
 def _set_aside(wf: Workflow, old_hash: str, log) -> None:

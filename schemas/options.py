@@ -143,7 +143,9 @@ def _as_mapping(f: dataclasses.Field, value: Any) -> dict[str, Any]:
     if isinstance(value, cls):
         return value.to_dict()
     scalar = getattr(cls, "SCALAR_FORM", "")
-    return {scalar: value} if scalar else value
+    if not scalar:
+        raise ConfigError(f"{f.name} {value!r}: a mapping of {', '.join(x.name for x in dataclasses.fields(cls))}")
+    return {scalar: value}
 
 
 class Config:
@@ -206,8 +208,10 @@ class Config:
             else:
                 continue
             if not ok:
-                raise ConfigError(f"{f.name} {value!r}: must be {_TYPE_WORDS.get(kind.split(' ')[0], kind)}"
-                                  + (" (unquoted true or false)" if kind.startswith("bool") else ""))
+                hint = " (unquoted true or false)" if kind.startswith("bool") else ""
+                if kind.startswith(("float", "int")) and isinstance(value, str) and _number_text(value):
+                    hint = " (unquoted; YAML reads 1e-4 as text: write 1.0e-4)"
+                raise ConfigError(f"{f.name} {value!r}: must be {_TYPE_WORDS.get(kind.split(' ')[0], kind)}{hint}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]):
@@ -230,15 +234,20 @@ class Config:
         return cls(**data)
 
     def with_overrides(self, pairs: list[str]):
-        """Apply ``key=value`` strings (``--set``), each parsed as its option's type."""
+        """Apply ``key=value`` strings (``--set``), each parsed as its option's type; an optional
+    section set to none (``--set lora=none``) is removed."""
         types = {leaf.path: leaf.type for leaf in leaves(type(self))}
         scalar = {name: f"{name}.{section_of(f).SCALAR_FORM}" for name, f in sections(type(self)).items()
                   if getattr(section_of(f), "SCALAR_FORM", "")}  # --set data=folder: data.train
         moved = moved_keys(type(self))
+        optional = {name for name, f in sections(type(self)).items() if f.metadata.get("optional")}
         data = self.flat()
         for pair in pairs:
             key, sep, text = pair.partition("=")
             key = scalar.get(key.strip(), key.strip())
+            if sep and key in optional and text.strip().lower() in ("", "none", "null"):
+                data = {k: v for k, v in data.items() if k != key and not k.startswith(f"{key}.")} | {key: None}
+                continue
             if sep and key in moved and key not in types:
                 raise ConfigError(f"--set {pair!r}: {key} is now {moved[key]}")
             if not sep or key not in types:
@@ -247,8 +256,18 @@ class Config:
         return type(self).from_dict(data)
 
 
+def _number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _section_value(cls: type, f: dataclasses.Field, value: Any) -> Any:
-    if isinstance(value, cls) or (value is None and f.metadata.get("optional")):
+    if f.metadata.get("optional") and (value is None or (isinstance(value, Mapping) and not value)):
+        return None  # an optional section given as {} is absent, as a flat lora: {} was
+    if isinstance(value, cls):
         return value
     if value is None:
         return cls()
@@ -260,8 +279,10 @@ def _section_value(cls: type, f: dataclasses.Field, value: Any) -> Any:
     try:
         return cls.from_dict(value)
     except ConfigError as e:
-        raise ConfigError(f"{f.name}.{e}" if not str(e).startswith(("unknown", cls.__name__))
-                          else f"{f.name}: {e}") from e
+        text = str(e)
+        if text.startswith((f"{f.name} ", f"{f.name}.", f"{f.name}:")):  # named by its path already
+            raise
+        raise ConfigError(f"{f.name}: {text}" if text.startswith(("unknown", cls.__name__)) else f"{f.name}.{text}") from e
 
 
 def parse_text(text: str, type_name: str, key: str) -> Any:

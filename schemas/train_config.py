@@ -285,8 +285,9 @@ class TrainConfig(Config):
                                             "JAX_COMPILATION_CACHE_DIR, else ~/.cache/rmflow/jax), off, or a folder.",
                                     resume_free=True)
     optimizer: OptimizerConfig = section(OptimizerConfig, "AdamW and its learning-rate schedule.")
-    lora: LoraConfig | None = section(LoraConfig, "LoRA (absent: full fine-tuning). As a flag or --set, any "
-                                                  "lora.* option turns it on.", optional=True, was_flat=False)
+    lora: LoraConfig | None = section(LoraConfig, "LoRA (absent, null or {}: full fine-tuning). As a flag or --set, "
+                                                  "any lora.* option turns it on; --set lora=none turns it off.",
+                                      optional=True, was_flat=False)
     mesh: MeshConfig = section(MeshConfig, "The device mesh and the processes of a distributed run.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints: when they are saved, which are kept.")
     logging: LoggingConfig = section(LoggingConfig, "Metrics: how often, and where besides metrics.jsonl.")
@@ -340,6 +341,14 @@ class TrainConfig(Config):
         return dataclasses.replace(self, data=dataclasses.replace(self.data, train=train, eval=evals),
                                    output=absolute(self.output), model=dataclasses.replace(self.model, path=path))
 
+    def identity(self) -> dict[str, Any]:
+        """The config in the flat layout of before: each option under its key of then, LoRA as
+        one mapping. A workflow's stage hash covers this, so that stages finished before the
+        options were grouped in sections stay done."""
+        paths = {leaf.path: leaf.was for leaf in leaves(TrainConfig) if leaf.was_flat}
+        out = {paths[k]: v for k, v in self.flat().items() if k in paths}
+        return out | {"lora": dataclasses.asdict(self.lora) if self.lora is not None else None}
+
     def resume_changes(self, stored: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
         """{option: (stored, new)} for every option whose change alters the run's trajectory or
         that a checkpoint cannot continue under (``RESUME_FIXED``); ``lora`` counts as one option."""
@@ -350,6 +359,8 @@ class TrainConfig(Config):
 
 def _lora_as_one(flat: dict[str, Any]) -> dict[str, Any]:
     lora = {k.partition(".")[2]: v for k, v in flat.items() if k.startswith("lora.")} or None
+    if lora is not None:  # the same projections in another order are the same adapters
+        lora["target_modules"] = sorted(lora["target_modules"])
     return {k: v for k, v in flat.items() if not k.startswith("lora")} | {"lora": lora}
 
 

@@ -126,11 +126,13 @@ def test_every_option_of_a_command_reaches_its_config(tmp_path):
         r = runner.invoke(app, ["train", "--data", "d", "--model", "micro", "-o", "o", "--config",
                                 str(tmp_path / "t.yaml"), "--optimizer.learning-rate", "3e-4", "--batch-size", "4",
                                 "--lora.rank", "2", "--model.gradient-checkpointing", "--data.eval", "x=y",
+                                "--lora.target-modules", "q_proj,v_proj", "--lora.target-modules", "o_proj",
                                 "--set", "batch_size=2", "--set", "logging.report_to=none"])
     assert isinstance(r.exception, Stop), r.output
     cfg = built[-1]
     assert (cfg.optimizer.learning_rate, cfg.optimizer.warmup_steps, cfg.batch_size, cfg.mesh.fsdp) == (3e-4, 3, 2, 2)
     assert cfg.lora.rank == 2 and cfg.model.gradient_checkpointing and cfg.data.eval == {"x": ["y"]}
+    assert cfg.lora.target_modules == ("q_proj", "v_proj", "o_proj")  # a list flag: repeated, or comma-separated
     assert cfg.logging.report_to == () and cfg.data.train == "d" and cfg.model.path == "micro"
     (tmp_path / "old.yaml").write_text("learning_rate: 1.0e-4\nsave_total_limit: 3\n")
     for args, said in ((["--config", str(tmp_path / "old.yaml")], "learning_rate is now optimizer.learning_rate; "

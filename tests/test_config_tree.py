@@ -75,3 +75,33 @@ def test_resume_changes_ignore_where_a_run_logs_and_count_lora_as_one_option():
     # every option says whether a resumed run may change it: the sections' trajectory options do not
     free_paths = {leaf.path for leaf in leaves(TrainConfig) if leaf.resume_free}
     assert "optimizer.learning_rate" not in free_paths and "logging.steps" in free_paths
+
+
+def test_what_a_break_it_pass_found_stays_fixed():
+    """Each input a review found mishandled: read as meant, or refused in one line by its path."""
+    # an optional section given as {} is absent (as a flat lora: {} was); --set lora=none removes it
+    assert TrainConfig.from_dict({**BASE, "lora": {}}).lora is None
+    assert TrainConfig.from_stored({**BASE, "lora": {}}).lora is None
+    on = TrainConfig.from_dict({**BASE, "lora": {"rank": 2}})
+    assert on.with_overrides(["lora=none"]).lora is None and on.with_overrides(["lora.rank=4"]).lora.rank == 4
+    # the same projections in another order are no change on resume
+    stored = {**BASE, "lora": {"rank": 2, "target_modules": ["v_proj", "q_proj"]}}
+    again = TrainConfig.from_dict({**BASE, "lora": {"rank": 2, "target_modules": ["q_proj", "v_proj"]}})
+    assert again.resume_changes(stored) == {}
+    for spec, said in (({"lora": True, "lora.rank": 4}, "lora True: a mapping of rank"),
+                       ({"optimizer": [1], "optimizer.learning_rate": 1e-4}, r"optimizer \[1\]: a mapping"),
+                       ({"data": {"train": "d", "eval": "abc"}}, r"^data.eval 'abc'"),
+                       ({"optimizer": {"learning_rate": "1e-4"}}, "YAML reads 1e-4 as text: write 1.0e-4")):
+        with pytest.raises(ConfigError, match=said):
+            TrainConfig.from_dict({**BASE, **spec})
+
+
+def test_a_workflow_s_train_identity_is_the_flat_layout_of_before():
+    """The workflow's train hash covers ``identity()``: the flat layout of before, so a stage
+    finished before the sections stays done (compared with the layout an older rmflow stored)."""
+    flat = {"data": "s/hh", "model": "micro", "output": "/o", "learning_rate": 3e-4, "lr_schedule": "cosine",
+            "mesh_fsdp": 2, "save_total_limit": 3, "logging_steps": 5, "eval_data": {"x": ["p"]},
+            "lora": {"rank": 4, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj"], "base_dtype": "float32"}}
+    identity = json.loads(json.dumps(TrainConfig.from_stored(flat).identity(), default=str))
+    assert {k: identity[k] for k in flat} == flat
+    assert set(identity) == {leaf.was for leaf in leaves(TrainConfig) if leaf.was_flat} | {"lora"}
