@@ -41,9 +41,9 @@ from rmflow.rendering.formats import (
     CanonicalPair,
     CanonicalSteps,
     detect_format,
-    normalize,
     parse_json_object,
 )
+from rmflow.rendering.responses import normalize_all
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import DECONTAMINATE_METHODS
 
@@ -92,7 +92,7 @@ def prompt_text(record: Any, source: str, line: int) -> str:
     if isinstance(record, str):
         return record
     try:
-        item = normalize(record, detect_format(record), source=source, line=line)
+        item = normalize_all(record, detect_format(record), source=source, line=line, pairs_from="best-worst")[0][0]
         return prompt_of(item.prompt)
     except BadRecord:
         for field in PROMPT_FIELDS:

@@ -152,7 +152,7 @@ def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
     if None not in layouts and not layouts & set(SCORED_LAYOUTS):
         flags = ", ".join("--" + name.replace("_", "-") for name in asked)
         raise PreprocessError(f"{flags}: acts on layouts with scores ({', '.join(SCORED_LAYOUTS)}: score_chosen and "
-                              f"score_rejected), and the inputs are {', '.join(sorted(layouts))}: it would do "
+                              f"score_rejected, or K scored responses), and the inputs are {', '.join(sorted(layouts))}: it would do "
                               "nothing; drop it, or give scored data")
 
 

@@ -27,9 +27,9 @@ from rmflow.rendering.formats import (
     Duplicate,
     Tie,
     detect_format,
-    normalize,
     parse_json_object,
 )
+from rmflow.rendering.responses import normalize_all
 from rmflow.rendering.tokenize import RecordTokenizer, Rendered, TokenizerAssets, build_tokenizer
 from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.kinds import kind_of_record
@@ -137,7 +137,20 @@ class ReadPreferenceData(beam.PTransform):
 # --------------------------------------------------------------------------- normalize
 
 
-NOTED = "noted"  # the tag of records written and counted for a reason (a score tie kept)
+NOTED = "noted"  # the tag of records written and counted for a reason (a score tie kept, pairs made)
+
+
+class Made(BadRecord):
+    """Not an error: the extra pairs one record made (its K responses' pairs, past the first),
+    counted (``count``) so that records read plus pairs made equals what was written or not."""
+
+    category = "made"
+
+
+class Merged(BadRecord):
+    """Not an error: a response given twice in one record with the same score, kept once."""
+
+    category = "merged"
 
 
 class NormalizeFn(beam.DoFn):
@@ -150,14 +163,22 @@ class NormalizeFn(beam.DoFn):
     def process(self, element):
         source, line, fmt, raw = element
         try:
-            pair = normalize(parse_json_object(raw), fmt, source=source, line=line, **self.options)
+            pairs, merged = normalize_all(parse_json_object(raw), fmt, source=source, line=line, **self.options)
         except Exception as e:  # noqa: BLE001 - contained to this record
             yield TaggedOutput(DEAD, dead_letter(f"normalize:{fmt}", source, line, raw, as_bad_record(e)))
             return
-        if getattr(pair, "score_gap", None) == 0:
-            note = Tie("score_tie_kept", "score_chosen = score_rejected (kept; --drop-score-ties drops it)")
-            yield TaggedOutput(NOTED, dead_letter(f"normalize:{fmt}", source, line, "", note))
-        yield dataclasses.replace(pair, raw=raw)
+        if merged:  # written all the same: counted, never silent
+            note = Merged("duplicate_response", f"{merged} response(s) given twice with the same score, kept once")
+            yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", note), "count": merged})
+        if len(pairs) > 1:  # the pairs of a prompt's K responses: counted, so the job reconciles exactly
+            made = Made("pairs_from_responses", f"{len(pairs)} pairs made of one prompt's responses")
+            yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", made),
+                                       "count": len(pairs) - 1})
+        for pair in pairs:  # one, or the pairs of a prompt's K responses
+            if getattr(pair, "score_gap", None) == 0:
+                note = Tie("score_tie_kept", "score_chosen = score_rejected (kept; --drop-score-ties drops it)")
+                yield TaggedOutput(NOTED, dead_letter(f"normalize:{fmt}", source, line, "", note))
+            yield dataclasses.replace(pair, raw=raw)
 
 
 class NormalizePairs(beam.PTransform):
@@ -343,7 +364,7 @@ class LengthPolicyFn(beam.DoFn):
         truncated = record.prompt_len != tp.prompt_len
         if truncated:
             self.truncated.inc()
-        yield record, encoded, (p.source, p.line), truncated, tp.special_text
+        yield record, encoded, (p.source, p.line), truncated, tp.special_text, p.split_key
 
 
 class ApplyLengthPolicy(beam.PTransform):
@@ -361,15 +382,16 @@ class ApplyLengthPolicy(beam.PTransform):
 
 
 def _to_shard_entry(item, eval_fraction: float, seed: int, shard_counts: dict[str, int]):
-    rec, encoded, (source, line), truncated, special_text = item
-    split = assign_split(rec.record_id, eval_fraction, seed)
+    rec, encoded, (source, line), truncated, special_text, split_key = item
+    split = assign_split(split_key, eval_fraction, seed)  # a pair's content, or its prompt's (K responses)
     key = (split, assign_shard(rec.record_id, shard_counts[split]))
     return key, ((rec.record_id, source, line), encoded, rec.stat_lengths(), truncated,
                  kind_of_record(rec).name, special_text)
 
 
 class SplitTrainEval(beam.PTransform):
-    """Deterministic split by a salted hash of the pair id, then a shard key per pair."""
+    """Deterministic split by a salted hash of each record's split key (its content; the prompt's
+    for the pairs of one prompt's K responses), then a shard key per record."""
 
     def __init__(self, eval_fraction: float, seed: int, shard_counts: dict[str, int]):
         super().__init__()
@@ -458,6 +480,8 @@ def _summary_items(files, dead, shards, marked) -> Iterable:
         _counts_by_reason(dead, "DeadByFile", "dead_by_file", key=("source", "category")),
         shards | "ShardItems" >> beam.Map(lambda s: ("shard", s)),
         _counts_by_reason(marked, "Marked", "marked"),
+        _counts_by_reason(marked | "MadeOnly" >> beam.Filter(lambda d: d["category"] == Made.category),
+                          "MadeByFile", "made_by_file", key=("source", "category")),
     )
 
 
@@ -483,7 +507,7 @@ def _counts_by_reason(letters, label: str, kind: str, key: tuple[str, str] = ("c
     """(kind, ((a, b), count)) for each value of the ``key`` fields among dead-letter-shaped entries."""
     return (
         letters
-        | f"{label}Key" >> beam.Map(lambda d: ((d[key[0]], d[key[1]]), 1))
+        | f"{label}Key" >> beam.Map(lambda d: ((d[key[0]], d[key[1]]), d.get("count", 1)))
         | f"Count{label}" >> beam.CombinePerKey(sum)
         | f"{label}Items" >> beam.Map(lambda kv, kind=kind: (kind, kv))
     )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rmflow.schemas import jsontext
-from rmflow.schemas.config import FORMATS, STEP_FORMATS
+from rmflow.schemas.config import FORMATS, MULTI_FORMATS, STEP_FORMATS
 
 Message = tuple[str, ...]  # (role, content), or (role, content, tool calls as canonical JSON)
 ROLES = ("system", "user", "assistant", "tool")
@@ -76,6 +76,7 @@ class CanonicalPair:
     rejected_ids: tuple[int, ...] | None = None
     prompt_len: int | None = None
     score_gap: float | None = None  # score_chosen - score_rejected, for layouts that carry scores
+    group: str | None = None  # the prompt's hash, for pairs made from one multi-response record
     raw: str = dataclasses.field(default="", compare=False, repr=False)  # for the errors file
 
     @property
@@ -87,6 +88,12 @@ class CanonicalPair:
         """The text of each reply (its messages' text, a line each): what decontamination and
         near-duplicate detection compare beside the prompt. A tokenized pair has none to give."""
         return ("\n".join(m[1] for m in self.chosen), "\n".join(m[1] for m in self.rejected))
+
+    @property
+    def split_key(self) -> str:
+        """What decides the pair's split: its content, or with the other pairs of its prompt's
+        responses (``group``), so that no prompt is in both splits."""
+        return self.group or self.pair_id
 
     @property
     def pair_id(self) -> str:
@@ -118,6 +125,10 @@ class CanonicalSteps:
     def reply_texts(self) -> tuple[str, ...]:
         """The solution as one reply: its steps, a line each."""
         return ("\n".join(self.steps),)
+
+    @property
+    def split_key(self) -> str:
+        return self.pair_id
 
     @property
     def pair_id(self) -> str:
@@ -160,7 +171,13 @@ _SIGNATURES: dict[str, Callable[[Mapping[str, Any], set[str]], bool]] = {
     "conversational": lambda r, k: {"prompt", "chosen", "rejected"} <= k and isinstance(r["prompt"], (list, tuple))
     and not {"score_chosen", "score_rejected"} <= k,
     "text": lambda r, k: {"prompt", "chosen", "rejected"} <= k and isinstance(r["prompt"], str)
-    and not {"score_chosen", "score_rejected"} <= k,
+    and not isinstance(r["chosen"], (list, tuple)) and not {"score_chosen", "score_rejected"} <= k,
+    # K responses per prompt (rendering.responses)
+    "responses": lambda r, k: "responses" in k and ("scores" in k or "ranks" in k),
+    "rewardbench2": lambda r, k: {"prompt", "chosen", "rejected"} <= k and _strings(r["chosen"])
+    and _strings(r["rejected"]),
+    "nectar": lambda r, k: {"prompt", "answers"} <= k,
+    "ultrafeedback-raw": lambda r, k: {"instruction", "completions"} <= k,
     "axolotl": lambda r, k: {"input", "chosen", "rejected"} <= k,
     "implicit": lambda r, k: {"chosen", "rejected"} <= k and not {"prompt", "input"} & k
     and isinstance(r["chosen"], (list, tuple)) and not {"score_chosen", "score_rejected"} <= k,
@@ -169,13 +186,18 @@ _SIGNATURES: dict[str, Callable[[Mapping[str, Any], set[str]], bool]] = {
 assert set(_SIGNATURES) == set(FORMATS)
 
 
+def _strings(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value)
+
+
 def candidate_formats(record: Mapping[str, Any]) -> list[str]:
     """Every layout whose signature the record fits, in FORMATS order."""
     keys = set(record)
     return [fmt for fmt in FORMATS if _SIGNATURES[fmt](record, keys)]
 
 
-SCORED_LAYOUTS = ("ultrafeedback",)  # layouts whose records carry score_chosen / score_rejected
+# layouts whose records carry scores: score_chosen / score_rejected, or K scored responses
+SCORED_LAYOUTS = ("ultrafeedback", *MULTI_FORMATS)
 
 
 def detect_format(record: Mapping[str, Any]) -> str:
@@ -403,7 +425,7 @@ _ADAPTERS: dict[str, Callable] = {
     "axolotl": _axolotl,
     "ultrafeedback": _implicit,
 }
-assert set(_ADAPTERS) | {"tokenized"} | set(STEP_FORMATS) == set(FORMATS)
+assert set(_ADAPTERS) | {"tokenized"} | set(STEP_FORMATS) | set(MULTI_FORMATS) == set(FORMATS)
 
 
 def _steps_list(value: Any, name: str) -> tuple[str, ...]:
@@ -518,6 +540,8 @@ def normalize(
     ``score_gap`` 0), a gap under ``min_score_gap`` a weak label."""
     if not isinstance(record, Mapping):
         raise BadRecord("not_an_object", f"record is a JSON {type(record).__name__}, not an object")
+    if fmt in MULTI_FORMATS:  # K responses: rendering.responses.normalize_all makes its pairs
+        raise BadRecord("multi_response", f"layout {fmt} holds K responses per prompt, not one pair")
     margin = score_gap = None
     if record.get("margin") is not None:
         margin = _number(record, "margin")

@@ -197,6 +197,10 @@ def print_summary(stats: dict, output: str) -> None:
             table.add_row(what if key == "errors" else f"dropped: {what}", f"{c.get(key, 0):,}")
     if c.get("contaminated_marked"):
         table.add_row("written, marked contaminated (contamination.jsonl)", f"{c['contaminated_marked']:,}")
+    if c.get("pairs_from_responses"):
+        table.add_row("pairs made beyond one a prompt (--pairs-from, K responses)", f"{c['pairs_from_responses']:,}")
+    if c.get("responses_merged"):
+        table.add_row("responses given twice with one score, kept once", f"{c['responses_merged']:,}")
     if c.get("score_ties_kept"):
         table.add_row("kept with equal scores (--drop-score-ties drops them)", f"{c['score_ties_kept']:,}")
     for eval_file, n in stats.get("contaminated_by_eval_file", {}).items():
@@ -216,7 +220,8 @@ def print_summary(stats: dict, output: str) -> None:
             t.add_column(col, justify="left" if col == "file" else "right")
         for path, f in files.items():
             longer = f["chosen_longer_fraction"]
-            t.add_row(os.path.basename(path), f"{f['read']:,}", f"{f['written']:,}", f"{f['read'] - f['written']:,}",
+            t.add_row(os.path.basename(path), f"{f['read']:,}", f"{f['written']:,}",
+                      f"{f['read'] + f.get('made', 0) - f['written']:,}",
                       "-" if longer is None else f"{longer:.1%}")
         console.print(t)
     reasons = stats["dead_letters"]

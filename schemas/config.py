@@ -26,7 +26,14 @@ FORMATS = (
     "tokenized",       # chosen_ids / rejected_ids, already tokenized
     "stepwise",        # prompt, completions (steps), labels (one bool per step): process reward models (TRL)
     "processbench",    # problem, steps, label (index of the first wrong step, -1: none): ProcessBench
+    # K rated or ranked responses per prompt (rendering.responses), trained as pairs (pairs_from):
+    "responses",       # prompt, responses, scores (higher is better) or ranks (1 is best)
+    "rewardbench2",    # prompt, chosen (a list), rejected (a list): RewardBench 2, RM-Bench
+    "nectar",          # prompt (HH transcript), answers [{answer, rank, model}]: Nectar
+    "ultrafeedback-raw",  # instruction, completions [{response, fine-grained_score, annotations ...}]
 )
+MULTI_FORMATS = ("responses", "rewardbench2", "nectar", "ultrafeedback-raw")
+PAIRS_FROM = ("", "expand", "best-worst", "best-random")
 STEP_FORMATS = ("stepwise", "processbench")
 LENGTH_POLICIES = ("drop", "truncate-prompt")
 MAX_BAD_FRACTION = 0.05  # preprocess and score: the share of bad records a job accepts (counted, written aside)
@@ -105,6 +112,12 @@ class PreprocessConfig(Config):
     runner: str = option("DirectRunner", "Beam runner, e.g. DirectRunner or DataflowRunner.")
     beam_args: tuple[str, ...] = option((), "Extra Beam pipeline options, passed through unchanged.")
     batch_size: int = option(128, "Pairs per tokenizer batch call.")
+    pairs_from: str = option(
+        "", "Multi-response layouts (K rated or ranked responses per prompt): expand (every pair of responses whose "
+        "scores differ, the better one chosen: all the signal, each prompt computed once per pair), best-worst (the "
+        "best against the worst), or best-random (the best against one lower-scored response, picked by a hash of "
+        "the record). Every pair of one prompt goes to one split. Needed for these layouts (training on all K "
+        "responses at once is not built yet).")
     step_separator: str = option(
         STEP_SEPARATOR, "Stepwise layouts (process reward models): text after every step; each step is scored at the "
         "last token of the step and its separator."
@@ -125,6 +138,11 @@ class PreprocessConfig(Config):
             raise ConfigError("output: give an output directory (--output)")
         if not self.tokenizer:
             raise ConfigError("tokenizer: give a tokenizer directory or hub id (--tokenizer)")
+        if self.pairs_from not in PAIRS_FROM:
+            raise ConfigError(f"pairs_from {self.pairs_from!r}: use one of {', '.join(p for p in PAIRS_FROM if p)}")
+        if self.format in MULTI_FORMATS and not self.pairs_from:
+            raise ConfigError(f"format {self.format}: K responses per prompt train as pairs: add --pairs-from expand "
+                              "(every pair whose scores differ), best-worst or best-random")
         if self.format != "auto" and self.format not in FORMATS:
             raise ConfigError(f"format {self.format!r}: use 'auto' or one of {', '.join(FORMATS)}")
         if self.length_policy not in LENGTH_POLICIES:
@@ -184,13 +202,13 @@ def checkpoint_step(value: Any) -> int | str | None:
     return value
 
 
-# PreprocessConfig fields that decide how a raw record becomes a pair (rendering.formats.normalize).
-NORMALIZE_OPTIONS = ("margin_from_scores", "min_score_gap", "drop_score_ties")
+# PreprocessConfig fields that decide how a raw record becomes a pair (rendering.formats.normalize_all).
+NORMALIZE_OPTIONS = ("margin_from_scores", "min_score_gap", "drop_score_ties", "pairs_from")
 EVAL_MODES = ("pairs", "rewardbench-v1", "rewardbench-v2")
 EVAL_SPLITS = ("eval", "train", "all")
 # PreprocessConfig fields that `rmflow eval` takes for raw files (the tokenizer, max_length and
 # step separator come from the model): their defaults and help are PreprocessConfig's.
-RAW_INPUT_OPTIONS = ("format", "margin_from_scores")
+RAW_INPUT_OPTIONS = ("format", "margin_from_scores", "pairs_from")
 _PRE = {f.name: f for f in dataclasses.fields(PreprocessConfig)}
 
 
@@ -217,6 +235,7 @@ class EvalConfig(Config):
     format: str = option(_PRE["format"].default, "Raw files: " + _PRE["format"].metadata["help"])
     margin_from_scores: bool = option(_PRE["margin_from_scores"].default,
                                     "Raw files: " + _PRE["margin_from_scores"].metadata["help"])
+    pairs_from: str = option(_PRE["pairs_from"].default, "Raw files: " + _PRE["pairs_from"].metadata["help"])
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):

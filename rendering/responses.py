@@ -1,0 +1,260 @@
+"""Multi-response layouts: one prompt with K rated or ranked responses, read into one
+``CanonicalResponses``, and turned into preference pairs (``to_pairs``): every ordered pair
+with a score difference (``expand``), or one pair a prompt (``best-worst``, ``best-random``).
+
+Layouts, as they are published (``schemas.config.MULTI_FORMATS``; detected by their signatures in
+``rendering.formats``):
+
+* ``responses``: ``prompt`` (a string, messages, or an HH transcript), ``responses`` (K strings
+  or message lists) and ``scores`` (K numbers, higher is better) or ``ranks`` (K integers, 1 is
+  best).
+* ``rewardbench2``: ``prompt``, ``chosen`` and ``rejected`` as lists of strings (RewardBench 2,
+  RM-Bench): every chosen response scores 1, every rejected one 0.
+* ``nectar``: ``prompt`` (an HH transcript) and ``answers``: ``[{"answer", "rank", "model"}]``.
+* ``ultrafeedback-raw``: ``instruction`` and ``completions``: ``[{"response", "fine-grained_score",
+  "overall_score", "annotations"}]``; a completion's score is its ``fine-grained_score`` (the
+  mean of its aspects' ratings), else the mean of its annotations' ``Rating``s, else its
+  ``overall_score``.
+
+A response given twice with the same score is kept once (counted: ``merged``); twice with other
+scores, the record's labels contradict and it is refused.
+
+Pure functions, no Beam. Bad input raises ``BadRecord`` with a code: ``too_few_responses``,
+``missing_score``, ``bad_value``, ``duplicate_response``, ``all_tied`` (a ``Tie``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from rmflow.rendering.formats import (
+    BadRecord,
+    CanonicalPair,
+    CanonicalSteps,
+    Message,
+    Tie,
+    normalize,
+    parse_hh_transcript,
+    read_messages,
+)
+from rmflow.schemas.config import MULTI_FORMATS, PAIRS_FROM
+
+PAIR_MODES = tuple(m for m in PAIRS_FROM if m)
+
+
+@dataclasses.dataclass(frozen=True)
+class CanonicalResponses:
+    """One prompt and its K >= 2 responses, each with a score (higher is better; a rank r is
+    scored -r)."""
+
+    source: str
+    line: int
+    prompt: tuple[Message, ...]
+    responses: tuple[tuple[Message, ...], ...]
+    scores: tuple[float, ...]
+    subset: str | None = None
+    merged: int = 0  # responses given twice (the same text, scored alike), kept once
+
+    @property
+    def group(self) -> str:
+        """The prompt's content hash: every pair made from this prompt goes to one split."""
+        blob = json.dumps(["prompt", self.prompt], ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def _prompt(value: Any, name: str) -> tuple[Message, ...]:
+    """A prompt: messages, an HH transcript (its open last Assistant turn dropped) or plain text."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise BadRecord("empty_prompt", f"'{name}' is empty")
+        if "\n\nHuman:" in value or value.startswith("Human:"):
+            msgs = parse_hh_transcript(value, name)
+            if msgs and msgs[-1][0] == "assistant" and not msgs[-1][1]:
+                msgs = msgs[:-1]
+            if not msgs or msgs[-1][0] != "user":
+                raise BadRecord("bad_transcript", f"'{name}' does not end with a Human turn")
+            return msgs
+        return (("user", value),)
+    msgs = read_messages(value, name)
+    if not msgs:
+        raise BadRecord("empty_prompt", f"'{name}' has no messages")
+    return msgs
+
+
+def _response(value: Any, name: str) -> tuple[Message, ...]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise BadRecord("empty_reply", f"{name} is empty")
+        return (("assistant", value),)
+    msgs = read_messages(value, name)
+    if not msgs or msgs[0][0] != "assistant" or not msgs[-1][1].strip():
+        raise BadRecord("empty_reply", f"{name} must be assistant messages ending in a non-empty reply")
+    return msgs
+
+
+def _score(value: Any, name: str) -> float:
+    if value is None:
+        raise BadRecord("missing_score", f"{name} has no score")
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise BadRecord("bad_value", f"{name} {value!r} is not a number") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRecord("bad_value", f"{name} {value!r} is not a finite number")
+    return float(value)
+
+
+def _list(record: Mapping[str, Any], name: str) -> list:
+    value = record.get(name)
+    if not isinstance(value, (list, tuple)):
+        raise BadRecord("bad_type" if name in record else "missing_field",
+                        f"field '{name}' must be a list" + ("" if name in record else ", and is missing"))
+    return list(value)
+
+
+def _responses(r):
+    responses = _list(r, "responses")
+    if "scores" in r and "ranks" in r:
+        raise BadRecord("bad_value", "give 'scores' or 'ranks', not both")
+    if "ranks" in r:
+        ranks = _list(r, "ranks")
+        scores = [-_score(x, f"ranks[{i}]") for i, x in enumerate(ranks)]
+        if any(s > -1 or not float(s).is_integer() for s in scores):
+            raise BadRecord("bad_value", f"ranks {ranks}: integers from 1 (the best)")
+    else:
+        scores = [_score(x, f"scores[{i}]") for i, x in enumerate(_list(r, "scores"))]
+    if len(scores) != len(responses):
+        raise BadRecord("bad_value", f"{len(responses)} responses but {len(scores)} scores: one score each")
+    return _prompt(r.get("prompt"), "prompt"), [_response(x, f"responses[{i}]") for i, x in enumerate(responses)], scores
+
+
+def _rewardbench2(r):
+    chosen, rejected = _list(r, "chosen"), _list(r, "rejected")
+    responses = [_response(x, f"chosen[{i}]") for i, x in enumerate(chosen)]
+    responses += [_response(x, f"rejected[{i}]") for i, x in enumerate(rejected)]
+    if not chosen or not rejected:
+        raise BadRecord("too_few_responses", "a record needs at least one chosen and one rejected response")
+    return _prompt(r.get("prompt"), "prompt"), responses, [1.0] * len(chosen) + [0.0] * len(rejected)
+
+
+def _nectar(r):
+    answers = _list(r, "answers")
+    responses, scores = [], []
+    for i, a in enumerate(answers):
+        if not isinstance(a, Mapping):
+            raise BadRecord("bad_type", f"answers[{i}] must be an object with 'answer' and 'rank'")
+        responses.append(_response(a.get("answer"), f"answers[{i}].answer"))
+        rank = _score(a.get("rank"), f"answers[{i}].rank")
+        if rank < 1 or not rank.is_integer():
+            raise BadRecord("bad_value", f"answers[{i}].rank {rank:g}: an integer from 1 (the best)")
+        scores.append(-rank)
+    return _prompt(r.get("prompt"), "prompt"), responses, scores
+
+
+def _completion_score(c: Mapping[str, Any], name: str) -> float:
+    if c.get("fine-grained_score") is not None:
+        return _score(c["fine-grained_score"], f"{name}.fine-grained_score")
+    notes = c.get("annotations")
+    if isinstance(notes, Mapping) and notes:
+        ratings = [_score((v or {}).get("Rating") if isinstance(v, Mapping) else None, f"{name}.annotations.{k}")
+                   for k, v in notes.items()]
+        return sum(ratings) / len(ratings)
+    return _score(c.get("overall_score"), f"{name}.overall_score")
+
+
+def _ultrafeedback_raw(r):
+    completions = _list(r, "completions")
+    responses, scores = [], []
+    for i, c in enumerate(completions):
+        if not isinstance(c, Mapping):
+            raise BadRecord("bad_type", f"completions[{i}] must be an object with 'response'")
+        responses.append(_response(c.get("response"), f"completions[{i}].response"))
+        scores.append(_completion_score(c, f"completions[{i}]"))
+    return _prompt(r.get("instruction"), "instruction"), responses, scores
+
+
+_READERS = {"responses": _responses, "rewardbench2": _rewardbench2, "nectar": _nectar,
+            "ultrafeedback-raw": _ultrafeedback_raw}
+assert set(_READERS) == set(MULTI_FORMATS)
+
+def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: int) -> CanonicalResponses:
+    """One raw record of multi-response layout ``fmt``; raises BadRecord (a Tie when every score
+    is equal: no pair to learn from)."""
+    prompt, given, given_scores = _READERS[fmt](record)
+    seen: dict[tuple, int] = {}
+    responses, scores = [], []
+    for i, (resp, score) in enumerate(zip(given, given_scores)):
+        if resp in seen:  # the same text twice: one response if scored alike, contradicting labels if not
+            first = seen[resp]
+            if given_scores[first] != score:
+                raise BadRecord("duplicate_response", f"responses {first} and {i} are the same text, scored "
+                                f"{given_scores[first]:g} and {score:g}: the labels contradict")
+            continue
+        seen[resp] = i
+        responses.append(resp)
+        scores.append(score)
+    if len(responses) < 2:
+        raise BadRecord("too_few_responses", f"{len(responses)} distinct response(s): a record needs at least 2")
+    if len(set(scores)) == 1:
+        raise Tie("all_tied", f"all {len(scores)} responses score {scores[0]:g}: no preference to learn")
+    subset = record.get("subset")
+    if subset is not None and not isinstance(subset, str):
+        raise BadRecord("bad_type", f"field 'subset' must be str, got {type(subset).__name__}")
+    return CanonicalResponses(source, line, prompt, tuple(responses), tuple(scores), subset,
+                              merged=len(given) - len(responses))
+
+
+def to_pairs(r: CanonicalResponses, mode: str, *, margin_from_scores: bool = False,
+             min_score_gap: float = 0.0) -> list[CanonicalPair]:
+    """The preference pairs of ``r``: ``expand``, every ordered pair whose scores differ by at least
+    ``min_score_gap`` (and by more than 0); ``best-worst``, the best response against the worst;
+    ``best-random``, the best against one of the lower-scored, picked by a hash of the record.
+    Ties among the best (or the worst) go to the first. Each pair is in ``r``'s group (split
+    with its prompt), with ``score_gap`` its score difference and, with ``margin_from_scores``,
+    that difference as its margin. Raises BadRecord when no pair clears ``min_score_gap``."""
+    s = r.scores
+    if mode == "expand":
+        order = [(i, j) for i in range(len(s)) for j in range(len(s))
+                 if s[i] > s[j] and s[i] - s[j] >= min_score_gap]
+    elif mode in ("best-worst", "best-random"):
+        best = max(range(len(s)), key=lambda i: (s[i], -i))
+        lower = [j for j in range(len(s)) if s[best] - s[j] >= max(min_score_gap, 1e-300) and s[j] < s[best]]
+        if not lower:
+            order = []
+        elif mode == "best-worst":
+            order = [(best, min(lower, key=lambda j: (s[j], j)))]
+        else:
+            pick = int(hashlib.blake2b(f"{r.group}:{r.source}:{r.line}".encode(), digest_size=8).hexdigest(), 16)
+            order = [(best, lower[pick % len(lower)])]
+    else:
+        raise ValueError(f"mode {mode!r}: use one of {', '.join(PAIR_MODES)}")
+    if not order:
+        raise BadRecord("weak_label", f"no two responses' scores differ by --min-score-gap {min_score_gap:g}")
+    return [CanonicalPair(r.source, r.line, r.prompt, r.responses[i], r.responses[j],
+                          margin=s[i] - s[j] if margin_from_scores else None, subset=r.subset,
+                          score_gap=s[i] - s[j], group=r.group) for i, j in order]
+
+
+def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_scores: bool = False,
+                  min_score_gap: float = 0.0, drop_score_ties: bool = False, pairs_from: str = ""
+                  ) -> tuple[list[CanonicalPair | CanonicalSteps], int]:
+    """One raw record in layout ``fmt`` to its canonical records: one (``formats.normalize``), or
+    for a multi-response layout the pairs ``pairs_from`` makes of it; and how many of its
+    responses were given twice and kept once. Raises BadRecord."""
+    if fmt not in MULTI_FORMATS:
+        return [normalize(record, fmt, source=source, line=line, margin_from_scores=margin_from_scores,
+                          min_score_gap=min_score_gap, drop_score_ties=drop_score_ties)], 0
+    if not isinstance(record, Mapping):
+        raise BadRecord("not_an_object", f"record is a JSON {type(record).__name__}, not an object")
+    if not pairs_from:
+        raise BadRecord("multi_response", f"layout {fmt} holds K responses per prompt: preprocess with --pairs-from "
+                        "expand, best-worst or best-random")
+    responses = read_responses(record, fmt, source=source, line=line)
+    pairs = to_pairs(responses, pairs_from, margin_from_scores=margin_from_scores, min_score_gap=min_score_gap)
+    return pairs, responses.merged

@@ -1,0 +1,149 @@
+"""K rated or ranked responses per prompt (rendering.responses): each published layout read,
+bad input refused with its reason, pairs made from it (--pairs-from), and the pairs of one
+prompt kept in one split by `rmflow preprocess`."""
+
+import gzip
+import pathlib
+
+import pytest
+from rmflow.rendering.formats import BadRecord, Tie, detect_format, normalize
+from rmflow.rendering.responses import normalize_all, read_responses, to_pairs
+from rmflow.schemas.config import ConfigError, PreprocessConfig
+
+SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "multi_response"
+
+# One record of each layout, as published (the shared README spells them out).
+LAYOUTS = {
+    "responses": {"prompt": "Name a colour.", "responses": ["Blue.", "A colour.", "Seven."], "scores": [9, 5, 1],
+                  "subset": "chat"},
+    "rewardbench2": {"prompt": "2+2?", "chosen": ["4", "Four."], "rejected": ["5", "22", "3"]},
+    "nectar": {"prompt": "\n\nHuman: Say hi.\n\nAssistant: ",
+               "answers": [{"answer": "Hello!", "rank": 2, "model": "a"}, {"answer": "Hi there!", "rank": 1, "model": "b"},
+                           {"answer": "Go away.", "rank": 3, "model": "c"}]},
+    "ultrafeedback-raw": {"instruction": "Explain rain.", "completions": [
+        {"response": "Water falls from clouds.", "fine-grained_score": 4.25, "overall_score": 7},
+        {"response": "It is wet.", "annotations": {"helpfulness": {"Rating": "2"}, "honesty": {"Rating": "3"}}},
+        {"response": "Clouds cry.", "overall_score": 1}]},
+}
+
+
+def test_each_layout_is_detected_and_read_with_its_scores():
+    for fmt, record in LAYOUTS.items():
+        assert detect_format(record) == fmt, fmt
+        r = read_responses(record, fmt, source="s", line=1)
+        assert len(r.responses) == len(r.scores) >= 3 and r.prompt[-1][0] == "user", fmt
+    nectar = read_responses(LAYOUTS["nectar"], "nectar", source="s", line=1)
+    assert nectar.prompt == (("user", "Say hi."),) and nectar.scores == (-2.0, -1.0, -3.0)  # rank r scores -r
+    uf = read_responses(LAYOUTS["ultrafeedback-raw"], "ultrafeedback-raw", source="s", line=1)
+    assert uf.scores == (4.25, 2.5, 1.0)  # fine-grained_score, else the annotations' mean, else overall_score
+    rb = read_responses(LAYOUTS["rewardbench2"], "rewardbench2", source="s", line=1)
+    assert rb.scores == (1.0, 1.0, 0.0, 0.0, 0.0)
+    ranked = read_responses({"prompt": [{"role": "user", "content": "q"}], "responses": ["a", "b"], "ranks": [2, 1]},
+                            "responses", source="s", line=1)
+    assert ranked.scores == (-2.0, -1.0)
+    # a pair layout's text reply is not mistaken for a list of responses
+    assert detect_format({"prompt": "p", "chosen": "c", "rejected": "r"}) == "text"
+
+
+@pytest.mark.parametrize("record, code", [
+    ({"prompt": "p", "responses": ["a"], "scores": [1]}, "too_few_responses"),
+    ({"prompt": "p", "responses": ["a", "a"], "scores": [1, 0]}, "duplicate_response"),  # the labels contradict
+    ({"prompt": "p", "responses": ["a", "a"], "scores": [1, 1]}, "too_few_responses"),  # one distinct response
+    ({"prompt": "p", "responses": ["a", "b"], "scores": [1, 1]}, "all_tied"),
+    ({"prompt": "p", "responses": ["a", "b"], "scores": [1, "high"]}, "bad_value"),
+    ({"prompt": "p", "responses": ["a", "b"], "scores": [1, None]}, "missing_score"),
+    ({"prompt": "p", "responses": ["a", "b"], "scores": [1, float("nan")]}, "bad_value"),
+    ({"prompt": "p", "responses": ["a", "b"], "scores": [1]}, "bad_value"),
+    ({"prompt": "p", "responses": ["a", "b"], "ranks": [1, 0]}, "bad_value"),
+    ({"prompt": "p", "responses": ["a", ""], "scores": [1, 0]}, "empty_reply"),
+    ({"prompt": "", "responses": ["a", "b"], "scores": [1, 0]}, "empty_prompt"),
+])
+def test_bad_records_are_refused_with_their_reason(record, code):
+    with pytest.raises(BadRecord) as e:
+        normalize_all(record, detect_format(record), source="s", line=1, pairs_from="expand")
+    assert e.value.code == code
+    assert isinstance(e.value, Tie) == (code == "all_tied")
+
+
+def test_a_response_given_twice_with_one_score_is_kept_once_and_counted():
+    pairs, merged = normalize_all({"prompt": "p", "responses": ["a", "a", "b"], "scores": [1, 1, 0]}, "responses",
+                                  source="s", line=1, pairs_from="expand")
+    assert merged == 1 and [(p.chosen[0][1], p.rejected[0][1]) for p in pairs] == [("a", "b")]
+
+
+def test_pairs_from_expand_best_worst_and_best_random():
+    rb = read_responses(LAYOUTS["rewardbench2"], "rewardbench2", source="s", line=1)
+    pairs = to_pairs(rb, "expand")
+    assert len(pairs) == 2 * 3 and {p.chosen[0][1] for p in pairs} == {"4", "Four."}  # every chosen x rejected
+    assert len({p.group for p in pairs}) == 1 and pairs[0].split_key == rb.group != pairs[0].pair_id
+    scored = read_responses(LAYOUTS["responses"], "responses", source="s", line=1)
+    expanded = to_pairs(scored, "expand", margin_from_scores=True)
+    assert [(p.chosen[0][1], p.rejected[0][1], p.margin) for p in expanded] == \
+        [("Blue.", "A colour.", 4.0), ("Blue.", "Seven.", 8.0), ("A colour.", "Seven.", 4.0)]
+    assert [p.subset for p in expanded] == ["chat"] * 3 and expanded[0].score_gap == 4.0
+    assert len(to_pairs(scored, "expand", min_score_gap=5)) == 1
+    (bw,) = to_pairs(scored, "best-worst")
+    assert (bw.chosen[0][1], bw.rejected[0][1], bw.margin) == ("Blue.", "Seven.", None)
+    (br,) = to_pairs(scored, "best-random")
+    assert br.chosen[0][1] == "Blue." and br == to_pairs(scored, "best-random")[0]  # deterministic
+    with pytest.raises(BadRecord, match="min-score-gap"):
+        to_pairs(scored, "best-worst", min_score_gap=100)
+
+
+def test_a_multi_response_layout_needs_a_pairs_mode():
+    with pytest.raises(BadRecord) as e:
+        normalize_all(LAYOUTS["nectar"], "nectar", source="s", line=1)
+    assert e.value.code == "multi_response" and "--pairs-from" in str(e.value)
+    with pytest.raises(BadRecord, match="K responses"):  # the one-pair reader says what it is
+        normalize(LAYOUTS["nectar"], "nectar", source="s", line=1)
+    with pytest.raises(ConfigError, match="--pairs-from expand"):
+        PreprocessConfig(inputs=("x",), output="o", tokenizer="t", format="nectar")
+    with pytest.raises(ConfigError, match="pairs_from 'all'"):
+        PreprocessConfig(inputs=("x",), output="o", tokenizer="t", pairs_from="all")
+
+
+@pytest.mark.slow
+def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_split(tmp_path, tokenizer_dir):
+    """60 RM-Bench prompts (3 chosen, 3 rejected each) from the shared data: 9 pairs a prompt
+    (less what the length policy drops), every pair of a prompt in the same split."""
+    from rmflow.pipelines.preprocess import run
+    from rmflow.schemas.record import decode
+
+    rows = gzip.open(SHARED / "rmbench_dev.jsonl.gz", "rt").read().splitlines()[:60]
+    src = tmp_path / "rmbench.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    result = run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "out"), tokenizer=tokenizer_dir,
+                                  max_length=1024, eval_fraction=0.3, pairs_from="expand", num_shards=1))
+    counts = result.stats["counts"]
+    made, merged = counts["pairs_from_responses"], counts["responses_merged"]
+    assert counts["records_read"] == 60 and counts["errors"] == 0 and merged > 0, counts  # RM-Bench repeats some
+    # every record's pairs, its chosen x rejected (9, fewer where a response was given twice), written or too long
+    assert counts["pairs_written"] + counts["dropped_too_long"] == 60 + made and 60 + made > 60 * 8, counts
+    files = result.stats["per_file"]
+    assert sum(f["read"] + f["made"] - f["written"] for f in files.values()) == counts["dropped_too_long"]
+    assert counts["pairs_written_eval"] > 0 and counts["pairs_written_train"] > 0
+    prompts = {}
+    for split in ("train", "eval"):
+        from rmflow.trainer.setup import read_manifest, shard_paths
+
+        manifest = read_manifest(str(tmp_path / "out"))
+        import grain
+
+        for path in shard_paths(str(tmp_path / "out"), manifest, split):
+            for raw in grain.sources.ArrayRecordDataSource([path]):
+                rec = decode(raw)
+                prompts.setdefault(split, set()).add(tuple(rec.chosen_ids[:rec.prompt_len]))
+    assert not prompts["train"] & prompts["eval"]  # no prompt in both splits
+    assert 60 * 0.1 < len(prompts["eval"]) < 60 * 0.6
+    # trained on those pairs, a model is evaluated on the raw file's every pair of responses (the
+    # eval preprocesses raw files in-process with the same --pairs-from)
+    from rmflow.eval.evaluation import run_eval
+    from rmflow.schemas.config import EvalConfig
+    from rmflow.schemas.train_config import TrainConfig
+    from rmflow.trainer.train import run as train
+
+    train(TrainConfig(data=str(tmp_path / "out"), model="micro", output=str(tmp_path / "run"), max_steps=2,
+                      batch_size=4))
+    metrics = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(src),), output=str(tmp_path / "eval"),
+                                  pairs_from="expand"))
+    assert metrics["pairs"] == counts["pairs_written"] and 0 <= metrics["accuracy"] <= 1
