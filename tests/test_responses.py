@@ -106,8 +106,15 @@ def test_a_multi_response_layout_needs_a_pairs_mode():
 def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_split(tmp_path, tokenizer_dir):
     """60 RM-Bench prompts (3 chosen, 3 rejected each) from the shared data: 9 pairs a prompt
     (less what the length policy drops), every pair of a prompt in the same split."""
+    import grain
     from rmflow.pipelines.preprocess import run
+    from rmflow.schemas.config import EvalConfig
     from rmflow.schemas.record import decode
+    from rmflow.schemas.train_config import TrainConfig
+    from rmflow.trainer.setup import read_manifest, shard_paths
+    from rmflow.trainer.train import run as train
+
+    from rmflow.eval.evaluation import run_eval
 
     rows = gzip.open(SHARED / "rmbench_dev.jsonl.gz", "rt").read().splitlines()[:60]
     src = tmp_path / "rmbench.jsonl"
@@ -123,12 +130,8 @@ def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_s
     assert sum(f["read"] + f["made"] - f["written"] for f in files.values()) == counts["dropped_too_long"]
     assert counts["pairs_written_eval"] > 0 and counts["pairs_written_train"] > 0
     prompts = {}
+    manifest = read_manifest(str(tmp_path / "out"))
     for split in ("train", "eval"):
-        from rmflow.trainer.setup import read_manifest, shard_paths
-
-        manifest = read_manifest(str(tmp_path / "out"))
-        import grain
-
         for path in shard_paths(str(tmp_path / "out"), manifest, split):
             for raw in grain.sources.ArrayRecordDataSource([path]):
                 rec = decode(raw)
@@ -137,11 +140,6 @@ def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_s
     assert 60 * 0.1 < len(prompts["eval"]) < 60 * 0.6
     # trained on those pairs, a model is evaluated on the raw file's every pair of responses (the
     # eval preprocesses raw files in-process with the same --pairs-from)
-    from rmflow.eval.evaluation import run_eval
-    from rmflow.schemas.config import EvalConfig
-    from rmflow.schemas.train_config import TrainConfig
-    from rmflow.trainer.train import run as train
-
     train(TrainConfig(data=str(tmp_path / "out"), model="micro", output=str(tmp_path / "run"), max_steps=2,
                       batch_size=4))
     metrics = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(src),), output=str(tmp_path / "eval"),
