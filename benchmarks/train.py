@@ -26,8 +26,9 @@ import grain  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from rmflow.pipelines.preprocess import run as preprocess  # noqa: E402
-from rmflow.schemas.config import PreprocessConfig, TrainConfig  # noqa: E402
+from rmflow.schemas.config import PreprocessConfig  # noqa: E402
 from rmflow.schemas.record import decode  # noqa: E402
+from rmflow.schemas.train_config import TrainConfig  # noqa: E402
 from rmflow.trainer.data import make_loader  # noqa: E402
 from rmflow.trainer.train import run as train  # noqa: E402
 
