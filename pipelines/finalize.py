@@ -180,14 +180,17 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
         # pairs made beyond one a record: a prompt's K responses as several pairs (--pairs-from)
         "pairs_from_responses": sum(d["count"] for d in summary["marked"] if d["category"] == "made"),
         "responses_merged": sum(d["count"] for d in summary["marked"] if d["category"] == "merged"),
+        # rows of a response-a-row layout read into their prompt's record (beyond its first row)
+        "rows_grouped": sum(d["count"] for d in summary["marked"] if d["category"] == "grouped"),
         "prompt_truncated": sum(s.get("truncated", 0) for s in summary["shards"]),  # written, prompt cut
         # written, with special-token text in a message (kept as text, never as control tokens)
         "special_token_text": sum(s.get("special_text", 0) for s in summary["shards"]),
     }
     accounted = counts["pairs_written"] + sum(counts[key] for key, _, _ in NOT_WRITTEN)
-    if accounted != read + counts["pairs_from_responses"]:
-        raise PreprocessError(f"internal error: {read} records read (and {counts['pairs_from_responses']} more pairs "
-                              f"made of their responses) but {accounted} accounted for ({counts})")
+    if accounted != read + counts["pairs_from_responses"] - counts["rows_grouped"]:
+        raise PreprocessError(f"internal error: {read} records read ({counts['rows_grouped']} rows grouped into their "
+                              f"prompts' records, {counts['pairs_from_responses']} more pairs made of responses) but "
+                              f"{accounted} accounted for ({counts})")
     if kind.counts_steps:  # every written solution's steps, and how many of them are labelled incorrect
         for name, field in (("steps_written", "steps"), ("incorrect_steps", "incorrect")):
             counts[name] = sum(k * n for split in lengths.values() for k, n in split.get(field, {}).items())
@@ -217,15 +220,17 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
 
 def per_file(summary: dict[str, Any], pairwise: bool = True) -> dict[str, dict[str, Any]]:
     """Each input file's records: read, pairs made beyond one a record (``made``: a prompt's K
-    responses as several pairs), written, not written by reason (NOT_WRITTEN's keys), and
+    responses as several pairs), rows read into another row's record (``grouped``: a
+    response-a-row layout), written, not written by reason (NOT_WRITTEN's keys), and
     the fraction of its written pairs whose chosen sequence is longer in tokens than the rejected
     one (the length bias a reward model trained on it may learn)."""
     key_of = {category: key for key, category, _ in NOT_WRITTEN}
-    out = collections.defaultdict(lambda: {"read": 0, "made": 0, "written": 0, **dict.fromkeys(key_of.values(), 0)})
+    out = collections.defaultdict(lambda: {"read": 0, "made": 0, "grouped": 0, "written": 0,
+                                           **dict.fromkeys(key_of.values(), 0)})
     for path, n in sorted(summary["files"].items()):
         out[path]["read"] = n
-    for d in summary.get("made_by_file", []):  # pairs beyond one a record (K responses): written or not
-        out[d["source"]]["made"] += d["count"]
+    for d in summary.get("made_by_file", []):  # pairs beyond one a record (K responses), rows grouped
+        out[d["source"]][d["category"]] += d["count"]
     longer: collections.Counter = collections.Counter()
     for s in summary["shards"]:
         for source, (written, chosen_longer) in s.get("sources", {}).items():

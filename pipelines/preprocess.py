@@ -51,7 +51,7 @@ from rmflow.pipelines.transforms import (
 )
 from rmflow.rendering.formats import SCORED_LAYOUTS, BadRecord, detect_format, parse_json_object
 from rmflow.rendering.tokenize import TokenizerAssets, build_tokenizer, tokenizer_info
-from rmflow.schemas.config import NORMALIZE_OPTIONS, SCORE_OPTIONS, PreprocessConfig
+from rmflow.schemas.config import NORMALIZE_OPTIONS, SCORE_OPTIONS, PreprocessConfig, parse_weights
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import (
     COMPLETED_FILE,
@@ -222,7 +222,8 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
     and the last step that reconciles, writes the manifest and publishes (``finalize``)."""
     fin = fin or finalization(cfg, plan)
     read = p | "Read" >> ReadPreferenceData([f for f, _ in plan.files], cfg.format)
-    norm = read["main"] | "NormalizePairs" >> NormalizePairs({k: getattr(cfg, k) for k in NORMALIZE_OPTIONS})
+    norm = read["main"] | "NormalizePairs" >> NormalizePairs({k: getattr(cfg, k) for k in NORMALIZE_OPTIONS},
+                                                             parse_weights(cfg.attribute_weights))
     pairs, dead = norm["main"], [read["dead"], norm["dead"]]
     marked = None  # with decontaminate_mark_only: the records found contaminated and kept
     if cfg.decontaminate:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,9 +30,9 @@ from rmflow.rendering.formats import (
     detect_format,
     parse_json_object,
 )
-from rmflow.rendering.responses import normalize_all
+from rmflow.rendering.responses import group_rows, normalize_all, read_row
 from rmflow.rendering.tokenize import RecordTokenizer, Rendered, TokenizerAssets, build_tokenizer
-from rmflow.schemas.config import STEP_SEPARATOR
+from rmflow.schemas.config import ROW_FORMATS, STEP_SEPARATOR
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import shard_name
 from rmflow.schemas.record import encode
@@ -140,6 +141,13 @@ class ReadPreferenceData(beam.PTransform):
 NOTED = "noted"  # the tag of records written and counted for a reason (a score tie kept, pairs made)
 
 
+class Grouped(BadRecord):
+    """Not an error: a row of a response-a-row layout, read into its prompt's record (counted, so
+    that rows read = records made of them + these)."""
+
+    category = "grouped"
+
+
 class Made(BadRecord):
     """Not an error: the extra pairs one record made (its K responses' pairs, past the first),
     counted (``count``) so that records read plus pairs made equals what was written or not."""
@@ -181,16 +189,67 @@ class NormalizeFn(beam.DoFn):
             yield dataclasses.replace(pair, raw=raw)
 
 
-class NormalizePairs(beam.PTransform):
-    """``options``: the NORMALIZE_OPTIONS of the config. Outputs main, dead and noted."""
+class ReadRowFn(beam.DoFn):
+    """A response-a-row layout's row, keyed by its prompt; a bad row is a dead letter."""
 
-    def __init__(self, options: dict[str, Any]):
+    def __init__(self, weights: dict[str, float]):
+        self.weights = weights
+
+    def process(self, element):
+        source, line, fmt, raw = element
+        try:
+            row = read_row(parse_json_object(raw), source=source, line=line, weights=self.weights)
+        except Exception as e:  # noqa: BLE001 - contained to this row
+            yield TaggedOutput(DEAD, dead_letter(f"normalize:{fmt}", source, line, raw, as_bad_record(e)))
+            return
+        yield row.key, row
+
+
+class GroupedFn(beam.DoFn):
+    """One prompt's rows as one ``responses`` record, named by its first row; each other row is
+    counted (``Grouped``), so that the job reconciles its rows read exactly."""
+
+    def process(self, element):
+        _, rows = element
+        rows = sorted(rows, key=lambda r: (r.source, r.line))
+        first = rows[0]
+        for r in rows[1:]:
+            note = Grouped("response_row", f"a response of the prompt of {os.path.basename(first.source)}:{first.line}")
+            yield TaggedOutput(NOTED, dead_letter("group", r.source, r.line, "", note))
+        yield first.source, first.line, "responses", json.dumps(group_rows(rows), ensure_ascii=False)
+
+
+class GroupRows(beam.PTransform):
+    """The rows of a response-a-row layout (``ROW_FORMATS``) grouped by their prompt (GroupByKey)
+    into one record each. Outputs main (records in the ``responses`` layout), dead and noted."""
+
+    def __init__(self, weights: dict[str, float]):
         super().__init__()
-        self.options = options
+        self.weights = weights
+
+    def expand(self, rows):
+        keyed = rows | "ReadRows" >> beam.ParDo(ReadRowFn(self.weights)).with_outputs(DEAD, main="main")
+        out = (keyed.main | "GroupByPrompt" >> beam.GroupByKey()
+               | "ToRecords" >> beam.ParDo(GroupedFn()).with_outputs(NOTED, main="main"))
+        return {"main": out.main, "dead": keyed[DEAD], "noted": out[NOTED]}
+
+
+class NormalizePairs(beam.PTransform):
+    """``options``: the NORMALIZE_OPTIONS of the config; ``weights``: its attribute weights (the
+    rows of response-a-row layouts are grouped first). Outputs main, dead and noted."""
+
+    def __init__(self, options: dict[str, Any], weights: dict[str, float] | None = None):
+        super().__init__()
+        self.options, self.weights = options, weights or {"helpfulness": 1.0}
 
     def expand(self, records):
+        single, rows = records | "ByLayout" >> beam.Partition(lambda r, _: int(r[2] in ROW_FORMATS), 2)
+        grouped = rows | "GroupRows" >> GroupRows(self.weights)
+        records = (single, grouped["main"]) | "WithGrouped" >> beam.Flatten()
         out = records | "Normalize" >> beam.ParDo(NormalizeFn(self.options)).with_outputs(DEAD, NOTED, main="main")
-        return {"main": out.main, "dead": out[DEAD], "noted": out[NOTED]}
+        dead = (out[DEAD], grouped["dead"]) | "NormalizeDead" >> beam.Flatten()
+        noted = (out[NOTED], grouped["noted"]) | "NormalizeNoted" >> beam.Flatten()
+        return {"main": out.main, "dead": dead, "noted": noted}
 
 
 # --------------------------------------------------------------------------- dedup
@@ -480,7 +539,8 @@ def _summary_items(files, dead, shards, marked) -> Iterable:
         _counts_by_reason(dead, "DeadByFile", "dead_by_file", key=("source", "category")),
         shards | "ShardItems" >> beam.Map(lambda s: ("shard", s)),
         _counts_by_reason(marked, "Marked", "marked"),
-        _counts_by_reason(marked | "MadeOnly" >> beam.Filter(lambda d: d["category"] == Made.category),
+        _counts_by_reason(marked | "MadeOrGrouped" >> beam.Filter(lambda d: d["category"] in (Made.category,
+                                                                                            Grouped.category)),
                           "MadeByFile", "made_by_file", key=("source", "category")),
     )
 

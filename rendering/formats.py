@@ -178,6 +178,7 @@ _SIGNATURES: dict[str, Callable[[Mapping[str, Any], set[str]], bool]] = {
     and _strings(r["rejected"]),
     "nectar": lambda r, k: {"prompt", "answers"} <= k,
     "ultrafeedback-raw": lambda r, k: {"instruction", "completions"} <= k,
+    "helpsteer": lambda r, k: {"prompt", "response", "helpfulness"} <= k,
     "axolotl": lambda r, k: {"input", "chosen", "rejected"} <= k,
     "implicit": lambda r, k: {"chosen", "rejected"} <= k and not {"prompt", "input"} & k
     and isinstance(r["chosen"], (list, tuple)) and not {"score_chosen", "score_rejected"} <= k,

@@ -11,6 +11,10 @@ Layouts, as they are published (``schemas.config.MULTI_FORMATS``; detected by th
 * ``rewardbench2``: ``prompt``, ``chosen`` and ``rejected`` as lists of strings (RewardBench 2,
   RM-Bench): every chosen response scores 1, every rejected one 0.
 * ``nectar``: ``prompt`` (an HH transcript) and ``answers``: ``[{"answer", "rank", "model"}]``.
+* ``helpsteer``: one row per response (HelpSteer2): ``prompt``, ``response`` and integer
+  attributes (``helpfulness``, ``correctness``, ``coherence``, ``complexity``, ``verbosity``); the
+  rows of one prompt are grouped into one record (``group_rows``, in the pipeline a GroupByKey),
+  each response scored by a weighted sum of its attributes (``--attribute-weights``).
 * ``ultrafeedback-raw``: ``instruction`` and ``completions``: ``[{"response", "fine-grained_score",
   "overall_score", "annotations"}]``; a completion's score is its ``fine-grained_score`` (the
   mean of its aspects' ratings), else the mean of its annotations' ``Rating``s, else its
@@ -42,7 +46,7 @@ from rmflow.rendering.formats import (
     parse_hh_transcript,
     read_messages,
 )
-from rmflow.schemas.config import MULTI_FORMATS, PAIRS_FROM
+from rmflow.schemas.config import MULTI_FORMATS, PAIRS_FROM, ROW_FORMATS
 
 PAIR_MODES = tuple(m for m in PAIRS_FROM if m)
 
@@ -181,7 +185,40 @@ def _ultrafeedback_raw(r):
 
 _READERS = {"responses": _responses, "rewardbench2": _rewardbench2, "nectar": _nectar,
             "ultrafeedback-raw": _ultrafeedback_raw}
-assert set(_READERS) == set(MULTI_FORMATS)
+assert set(_READERS) == set(MULTI_FORMATS) - set(ROW_FORMATS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One response of a response-a-row layout, and the key of its prompt."""
+
+    source: str
+    line: int
+    prompt: tuple[Message, ...]
+    response: tuple[Message, ...]
+    score: float
+
+    @property
+    def key(self) -> str:
+        """The prompt as canonical JSON: the rows of one prompt share it."""
+        return json.dumps(self.prompt, ensure_ascii=False, separators=(",", ":"))
+
+
+def read_row(record: Any, *, source: str, line: int, weights: Mapping[str, float]) -> Row:
+    """One ``helpsteer`` row; its score the weighted sum of its attributes. Raises BadRecord."""
+    if not isinstance(record, Mapping):
+        raise BadRecord("not_an_object", f"record is a JSON {type(record).__name__}, not an object")
+    score = sum(w * _score(record.get(name), f"attribute '{name}'") for name, w in weights.items())
+    return Row(source, line, _prompt(record.get("prompt"), "prompt"), _response(record.get("response"), "response"),
+               score)
+
+
+def group_rows(rows: list[Row]) -> dict[str, Any]:
+    """The rows of one prompt as one ``responses`` record (the first row's place names it)."""
+    rows = sorted(rows, key=lambda r: (r.source, r.line))
+    return {"prompt": [{"role": m[0], "content": m[1]} for m in rows[0].prompt],
+            "responses": [[{"role": m[0], "content": m[1]} for m in r.response] for r in rows],
+            "scores": [r.score for r in rows]}
 
 def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: int) -> CanonicalResponses:
     """One raw record of multi-response layout ``fmt``; raises BadRecord (a Tie when every score
@@ -255,6 +292,9 @@ def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_
     if not pairs_from:
         raise BadRecord("multi_response", f"layout {fmt} holds K responses per prompt: preprocess with --pairs-from "
                         "expand, best-worst or best-random")
+    if fmt in ROW_FORMATS:  # grouped by their prompt before (group_rows): one row alone is no record
+        raise BadRecord("response_row", f"layout {fmt} has one response a row; `rmflow preprocess` groups the rows "
+                        "of each prompt")
     responses = read_responses(record, fmt, source=source, line=line)
     pairs = to_pairs(responses, pairs_from, margin_from_scores=margin_from_scores, min_score_gap=min_score_gap)
     return pairs, responses.merged

@@ -199,6 +199,8 @@ def print_summary(stats: dict, output: str) -> None:
         table.add_row("written, marked contaminated (contamination.jsonl)", f"{c['contaminated_marked']:,}")
     if c.get("pairs_from_responses"):
         table.add_row("pairs made beyond one a prompt (--pairs-from, K responses)", f"{c['pairs_from_responses']:,}")
+    if c.get("rows_grouped"):
+        table.add_row("rows read into their prompt's record (a response a row)", f"{c['rows_grouped']:,}")
     if c.get("responses_merged"):
         table.add_row("responses given twice with one score, kept once", f"{c['responses_merged']:,}")
     if c.get("score_ties_kept"):
@@ -221,7 +223,7 @@ def print_summary(stats: dict, output: str) -> None:
         for path, f in files.items():
             longer = f["chosen_longer_fraction"]
             t.add_row(os.path.basename(path), f"{f['read']:,}", f"{f['written']:,}",
-                      f"{f['read'] + f.get('made', 0) - f['written']:,}",
+                      f"{f['read'] + f.get('made', 0) - f.get('grouped', 0) - f['written']:,}",
                       "-" if longer is None else f"{longer:.1%}")
         console.print(t)
     reasons = stats["dead_letters"]

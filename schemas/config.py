@@ -8,6 +8,7 @@ manifest), so an output always says how it was made.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -31,8 +32,10 @@ FORMATS = (
     "rewardbench2",    # prompt, chosen (a list), rejected (a list): RewardBench 2, RM-Bench
     "nectar",          # prompt (HH transcript), answers [{answer, rank, model}]: Nectar
     "ultrafeedback-raw",  # instruction, completions [{response, fine-grained_score, annotations ...}]
+    "helpsteer",       # one row per response: prompt, response, attributes (helpfulness ...): HelpSteer2
 )
-MULTI_FORMATS = ("responses", "rewardbench2", "nectar", "ultrafeedback-raw")
+MULTI_FORMATS = ("responses", "rewardbench2", "nectar", "ultrafeedback-raw", "helpsteer")
+ROW_FORMATS = ("helpsteer",)  # a response a row: the rows of one prompt are grouped (GroupByKey) into one record
 PAIRS_FROM = ("", "expand", "best-worst", "best-random")
 STEP_FORMATS = ("stepwise", "processbench")
 LENGTH_POLICIES = ("drop", "truncate-prompt")
@@ -118,6 +121,10 @@ class PreprocessConfig(Config):
         "best against the worst), or best-random (the best against one lower-scored response, picked by a hash of "
         "the record). Every pair of one prompt goes to one split. Needed for these layouts (training on all K "
         "responses at once is not built yet).")
+    attribute_weights: str = option(
+        "helpfulness=1", "Layouts that rate each response on several attributes (helpsteer): the score that orders "
+        "a prompt's responses, a weighted sum name=weight,name=weight (HelpSteer2's published weights: "
+        "helpfulness=0.65,correctness=0.8,coherence=0.45,complexity=0.55,verbosity=-0.4).")
     step_separator: str = option(
         STEP_SEPARATOR, "Stepwise layouts (process reward models): text after every step; each step is scored at the "
         "last token of the step and its separator."
@@ -138,6 +145,7 @@ class PreprocessConfig(Config):
             raise ConfigError("output: give an output directory (--output)")
         if not self.tokenizer:
             raise ConfigError("tokenizer: give a tokenizer directory or hub id (--tokenizer)")
+        parse_weights(self.attribute_weights)  # refused here, not per record
         if self.pairs_from not in PAIRS_FROM:
             raise ConfigError(f"pairs_from {self.pairs_from!r}: use one of {', '.join(p for p in PAIRS_FROM if p)}")
         if self.format in MULTI_FORMATS and not self.pairs_from:
@@ -192,6 +200,23 @@ class PreprocessConfig(Config):
         return d
 
 
+def parse_weights(text: str) -> dict[str, float]:
+    """``name=weight,name=weight`` -> {name: weight}; a ConfigError names what is wrong."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not sep or not name.strip() or not math.isfinite(weight) or name.strip() in out:
+            raise ConfigError(f"attribute_weights {part!r}: write name=weight (a finite number), each name once")
+        out[name.strip()] = weight
+    if not out or not any(out.values()):
+        raise ConfigError(f"attribute_weights {text!r}: give at least one name=weight with a weight that is not 0")
+    return out
+
+
 def checkpoint_step(value: Any) -> int | str | None:
     """A checkpoint step as given (an int, digits, or ``best``): an int, ``"best"`` or None."""
     if value is None or value == "best":
@@ -208,7 +233,7 @@ EVAL_MODES = ("pairs", "rewardbench-v1", "rewardbench-v2")
 EVAL_SPLITS = ("eval", "train", "all")
 # PreprocessConfig fields that `rmflow eval` takes for raw files (the tokenizer, max_length and
 # step separator come from the model): their defaults and help are PreprocessConfig's.
-RAW_INPUT_OPTIONS = ("format", "margin_from_scores", "pairs_from")
+RAW_INPUT_OPTIONS = ("format", "margin_from_scores", "pairs_from", "attribute_weights")
 _PRE = {f.name: f for f in dataclasses.fields(PreprocessConfig)}
 
 
@@ -236,6 +261,8 @@ class EvalConfig(Config):
     margin_from_scores: bool = option(_PRE["margin_from_scores"].default,
                                     "Raw files: " + _PRE["margin_from_scores"].metadata["help"])
     pairs_from: str = option(_PRE["pairs_from"].default, "Raw files: " + _PRE["pairs_from"].metadata["help"])
+    attribute_weights: str = option(_PRE["attribute_weights"].default,
+                                    "Raw files: " + _PRE["attribute_weights"].metadata["help"])
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):

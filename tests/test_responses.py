@@ -3,6 +3,7 @@ bad input refused with its reason, pairs made from it (--pairs-from), and the pa
 prompt kept in one split by `rmflow preprocess`."""
 
 import gzip
+import json
 import pathlib
 
 import pytest
@@ -145,3 +146,48 @@ def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_s
     metrics = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(src),), output=str(tmp_path / "eval"),
                                   pairs_from="expand"))
     assert metrics["pairs"] == counts["pairs_written"] and 0 <= metrics["accuracy"] <= 1
+
+
+def _helpsteer_rows():
+    rows = []
+    for prompt, scored in (("Name a fruit.", [("Apple.", 4, 4), ("A fruit.", 1, 3), ("Carrot.", 0, 2)]),
+                           ("Say hi.", [("Hi!", 3, 4), ("Bye.", 1, 4)]),
+                           ("Alone?", [("Yes.", 2, 2)])):
+        rows += [{"prompt": prompt, "response": text, "helpfulness": h, "correctness": c, "coherence": 4,
+                  "complexity": 1, "verbosity": 1} for text, h, c in scored]
+    rows.insert(3, {"prompt": "Say hi.", "response": "Hey.", "correctness": 4})  # no helpfulness: a bad row
+    return rows
+
+
+def test_response_rows_are_read_scored_by_weights_and_grouped():
+    from rmflow.rendering.responses import group_rows, read_row
+
+    rows = [read_row(r, source="h", line=i + 1, weights={"helpfulness": 0.5, "correctness": 1.0})
+            for i, r in enumerate(_helpsteer_rows()) if "helpfulness" in r]
+    assert detect_format(_helpsteer_rows()[0]) == "helpsteer" and rows[0].score == 6.0
+    first = [r for r in rows if r.key == rows[0].key]
+    record = group_rows(first[::-1])  # in file order whatever order the group comes in
+    assert detect_format(record) == "responses" and record["scores"] == [6.0, 3.5, 2.0]
+    assert [m[0]["content"] for m in record["responses"]] == ["Apple.", "A fruit.", "Carrot."]
+    with pytest.raises(BadRecord, match="attribute 'helpfulness'"):
+        read_row(_helpsteer_rows()[3], source="h", line=4, weights={"helpfulness": 1.0})
+    with pytest.raises(ConfigError, match="attribute_weights"):
+        PreprocessConfig(inputs=("x",), output="o", tokenizer="t", attribute_weights="helpfulness=high")
+
+
+def test_preprocess_groups_a_prompt_s_rows_and_counts_every_row(tmp_path, tokenizer_dir):
+    """HelpSteer-style rows: 7 read; the rows of each prompt made one record (4 grouped into
+    another's); a bad row and a prompt with one response are errors; every row accounted for."""
+    from rmflow.pipelines.preprocess import run
+
+    src = tmp_path / "helpsteer.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in _helpsteer_rows()))
+    result = run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "out"), tokenizer=tokenizer_dir,
+                                  max_length=128, eval_fraction=0.0, pairs_from="expand", max_bad_fraction=1.0))
+    c = result.stats["counts"]
+    assert (c["records_read"], c["rows_grouped"], c["errors"]) == (7, 3, 2), c  # the bad row; 'Alone?' (K = 1)
+    assert c["pairs_written"] == 3 + 1 and c["pairs_from_responses"] == 2, c  # 3 pairs of the fruits, 1 hi/bye
+    codes = {d["code"] for d in result.stats["dead_letters"]}
+    assert codes == {"missing_score", "too_few_responses"}, codes
+    (f,) = result.stats["per_file"].values()
+    assert f["read"] + f["made"] - f["grouped"] - f["written"] == c["errors"]
