@@ -7,7 +7,7 @@ Layouts, as they are published (``schemas.config.MULTI_FORMATS``; detected by th
 
 * ``responses``: ``prompt`` (a string, messages, or an HH transcript), ``responses`` (K strings
   or message lists) and ``scores`` (K numbers, higher is better) or ``ranks`` (K integers, 1 is
-  best).
+  best); both, when they order the responses alike.
 * ``rewardbench2``: ``prompt``, ``chosen`` and ``rejected`` as lists of strings (RewardBench 2,
   RM-Bench): every chosen response scores 1, every rejected one 0.
 * ``nectar``: ``prompt`` (an HH transcript) and ``answers``: ``[{"answer", "rank", "model"}]``.
@@ -124,15 +124,19 @@ def _list(record: Mapping[str, Any], name: str) -> list:
 
 def _responses(r):
     responses = _list(r, "responses")
-    if "scores" in r and "ranks" in r:
-        raise BadRecord("bad_value", "give 'scores' or 'ranks', not both")
+    ranked = None
     if "ranks" in r:
         ranks = _list(r, "ranks")
-        scores = [-_score(x, f"ranks[{i}]") for i, x in enumerate(ranks)]
-        if any(s > -1 or not float(s).is_integer() for s in scores):
+        ranked = [-_score(x, f"ranks[{i}]") for i, x in enumerate(ranks)]
+        if any(s > -1 or not float(s).is_integer() for s in ranked):
             raise BadRecord("bad_value", f"ranks {ranks}: integers from 1 (the best)")
-    else:
+    if "scores" in r:  # with ranks too (Nectar as published beside its scores), they must order alike
         scores = [_score(x, f"scores[{i}]") for i, x in enumerate(_list(r, "scores"))]
+        if ranked is not None and (len(ranked) != len(scores) or any(
+                (a > b) != (c > d) for a, c in zip(scores, ranked) for b, d in zip(scores, ranked))):
+            raise BadRecord("bad_value", "'scores' and 'ranks' order the responses differently: give one")
+    else:
+        scores = ranked
     if len(scores) != len(responses):
         raise BadRecord("bad_value", f"{len(responses)} responses but {len(scores)} scores: one score each")
     return _prompt(r.get("prompt"), "prompt"), [_response(x, f"responses[{i}]") for i, x in enumerate(responses)], scores

@@ -229,7 +229,7 @@ def checkpoint_step(value: Any) -> int | str | None:
 
 # PreprocessConfig fields that decide how a raw record becomes a pair (rendering.formats.normalize_all).
 NORMALIZE_OPTIONS = ("margin_from_scores", "min_score_gap", "drop_score_ties", "pairs_from")
-EVAL_MODES = ("pairs", "rewardbench-v1", "rewardbench-v2")
+EVAL_MODES = ("pairs", "rewardbench-v1", "rewardbench-v2", "responses")
 EVAL_SPLITS = ("eval", "train", "all")
 # PreprocessConfig fields that `rmflow eval` takes for raw files (the tokenizer, max_length and
 # step separator come from the model): their defaults and help are PreprocessConfig's.
@@ -255,8 +255,9 @@ class EvalConfig(Config):
     normalize: bool = option(False, "Store the mean and std of the rewards on this data with the model "
                                   "(reward_normalization.json), to standardise scores.")
     mode: str = option("pairs", "pairs; rewardbench-v1 (subset accuracies, section scores weighted as RewardBench "
-                              "does); rewardbench-v2 (best-of-4, 1/k credit for ties). Raw inputs are never "
-                              "truncated.")
+                              "does); rewardbench-v2 (best-of-4, 1/k credit for ties); responses (raw files of K "
+                              "scored responses per prompt: pairwise and best-of-K accuracy, Kendall's tau, "
+                              "Spearman's rho, beside the length-only baseline). Raw inputs are never truncated.")
     format: str = option(_PRE["format"].default, "Raw files: " + _PRE["format"].metadata["help"])
     margin_from_scores: bool = option(_PRE["margin_from_scores"].default,
                                     "Raw files: " + _PRE["margin_from_scores"].metadata["help"])

@@ -56,6 +56,7 @@ def test_each_layout_is_detected_and_read_with_its_scores():
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1, float("nan")]}, "bad_value"),
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1]}, "bad_value"),
     ({"prompt": "p", "responses": ["a", "b"], "ranks": [1, 0]}, "bad_value"),
+    ({"prompt": "p", "responses": ["a", "b"], "ranks": [1, 2], "scores": [0, 1]}, "bad_value"),  # they disagree
     ({"prompt": "p", "responses": ["a", ""], "scores": [1, 0]}, "empty_reply"),
     ({"prompt": "", "responses": ["a", "b"], "scores": [1, 0]}, "empty_prompt"),
 ])
@@ -105,7 +106,7 @@ def test_a_multi_response_layout_needs_a_pairs_mode():
 
 @pytest.mark.slow
 def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_split(tmp_path, tokenizer_dir):
-    """60 RM-Bench prompts (3 chosen, 3 rejected each) from the shared data: 9 pairs a prompt
+    """30 RM-Bench prompts (every 18th: several subsets; 3 chosen, 3 rejected each) from the shared data: 9 pairs a prompt
     (less what the length policy drops), every pair of a prompt in the same split."""
     import grain
     from rmflow.pipelines.preprocess import run
@@ -117,16 +118,17 @@ def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_s
 
     from rmflow.eval.evaluation import run_eval
 
-    rows = gzip.open(SHARED / "rmbench_dev.jsonl.gz", "rt").read().splitlines()[:60]
+    N = 30
+    rows = gzip.open(SHARED / "rmbench_dev.jsonl.gz", "rt").read().splitlines()[::18][:N]
     src = tmp_path / "rmbench.jsonl"
     src.write_text("\n".join(rows) + "\n")
     result = run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "out"), tokenizer=tokenizer_dir,
                                   max_length=1024, eval_fraction=0.3, pairs_from="expand", num_shards=1))
     counts = result.stats["counts"]
     made, merged = counts["pairs_from_responses"], counts["responses_merged"]
-    assert counts["records_read"] == 60 and counts["errors"] == 0 and merged > 0, counts  # RM-Bench repeats some
+    assert counts["records_read"] == N and counts["errors"] == 0 and merged > 0, counts  # RM-Bench repeats some
     # every record's pairs, its chosen x rejected (9, fewer where a response was given twice), written or too long
-    assert counts["pairs_written"] + counts["dropped_too_long"] == 60 + made and 60 + made > 60 * 8, counts
+    assert counts["pairs_written"] + counts["dropped_too_long"] == N + made and N + made > N * 8, counts
     files = result.stats["per_file"]
     assert sum(f["read"] + f["made"] - f["written"] for f in files.values()) == counts["dropped_too_long"]
     assert counts["pairs_written_eval"] > 0 and counts["pairs_written_train"] > 0
@@ -138,14 +140,22 @@ def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_s
                 rec = decode(raw)
                 prompts.setdefault(split, set()).add(tuple(rec.chosen_ids[:rec.prompt_len]))
     assert not prompts["train"] & prompts["eval"]  # no prompt in both splits
-    assert 60 * 0.1 < len(prompts["eval"]) < 60 * 0.6
+    assert N * 0.1 < len(prompts["eval"]) < N * 0.6
     # trained on those pairs, a model is evaluated on the raw file's every pair of responses (the
     # eval preprocesses raw files in-process with the same --pairs-from)
     train(TrainConfig(data=str(tmp_path / "out"), model="micro", output=str(tmp_path / "run"), max_steps=2,
                       batch_size=4))
     metrics = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(src),), output=str(tmp_path / "eval"),
                                   pairs_from="expand"))
-    assert metrics["pairs"] == counts["pairs_written"] and 0 <= metrics["accuracy"] <= 1
+    # (every pair: a raw file is read at the model's own positions, which hold every pair of these)
+    assert metrics["pairs"] == N + made and 0 <= metrics["accuracy"] <= 1
+    # --mode responses: each prompt's responses scored and ranked against their labels, beside length alone
+    ranked = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(src),), output=str(tmp_path / "ranked"),
+                                 mode="responses"))["responses"]
+    assert ranked["prompts"] == N and ranked["scored_pairs"] == counts["pairs_written"] + counts["dropped_too_long"]
+    assert 0 <= ranked["pair_accuracy"] <= 1 and 0 <= ranked["best_of_k_accuracy"] <= 1
+    assert len(ranked["subsets"]) > 1 and "length_baseline" in ranked
+    assert "best-of-K accuracy" in (tmp_path / "ranked" / "report.md").read_text()
 
 
 def _helpsteer_rows():
@@ -191,3 +201,19 @@ def test_preprocess_groups_a_prompt_s_rows_and_counts_every_row(tmp_path, tokeni
     assert codes == {"missing_score", "too_few_responses"}, codes
     (f,) = result.stats["per_file"].values()
     assert f["read"] + f["made"] - f["grouped"] - f["written"] == c["errors"]
+
+
+def test_ranking_metrics_by_hand():
+    import numpy as np
+
+    from rmflow.eval.metrics import kendall_tau_b, ranking_metrics, spearman
+
+    # prompt 1: labels 3 > 2 > 1, rewards order two of its three pairs right; prompt 2: a reward tie at the top
+    m = ranking_metrics([np.array([0.9, 0.1, 0.5]), np.array([1.0, 1.0, 0.0])],
+                        [np.array([3.0, 2.0, 1.0]), np.array([1.0, 0.0, 0.0])])
+    assert m["scored_pairs"] == 3 + 2
+    assert m["pair_accuracy"] == pytest.approx((2 + 0.5 + 1) / 5)  # 1-2 right, 1-3 right, 2-3 wrong; tie, right
+    assert m["best_of_k_accuracy"] == pytest.approx((1 + 0.5) / 2)  # the top reward shared with a worse response
+    assert kendall_tau_b(np.array([0.9, 0.1, 0.5]), np.array([3.0, 2.0, 1.0])) == pytest.approx(1 / 3)
+    assert spearman(np.array([0.9, 0.1, 0.5]), np.array([3.0, 2.0, 1.0])) == pytest.approx(0.5)
+    assert kendall_tau_b(np.array([1.0, 1.0]), np.array([1.0, 0.0])) is None  # a constant side: no tau

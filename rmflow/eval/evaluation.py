@@ -141,6 +141,10 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
     input_summary = None
     if cfg.mode == "rewardbench-v2":
         metrics, write = run_rewardbench_v2(cfg, loaded)
+    elif cfg.mode == "responses":
+        from rmflow.eval.responses import run_responses
+
+        metrics, write = run_responses(cfg, loaded)
     else:
         with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:
             records, input_summary = load_records(list(cfg.data), cfg.split, loaded.model, loaded.tokenizer_dir,

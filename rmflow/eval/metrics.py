@@ -168,3 +168,57 @@ def process_metrics(p_correct: Sequence[np.ndarray], labels: Sequence[np.ndarray
         out["subsets"] = {name: _first_error_figures(pred_first[names == name], true_first[names == name])
                           for name in sorted(set(names.tolist()))}
     return out
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Average ranks (ties share the mean of their positions), as Spearman's rho takes them."""
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x), np.float64)
+    ranks[order] = np.arange(len(x), dtype=np.float64)
+    for value in np.unique(x):
+        tied = x == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def kendall_tau_b(a: np.ndarray, b: np.ndarray) -> float | None:
+    """Kendall's tau-b of two score vectors (ties corrected); None when either is constant."""
+    da, db = np.sign(a[:, None] - a[None, :]), np.sign(b[:, None] - b[None, :])
+    upper = np.triu_indices(len(a), 1)
+    da, db = da[upper], db[upper]
+    denom = np.sqrt(np.count_nonzero(da) * np.count_nonzero(db))
+    return float((da * db).sum() / denom) if denom else None
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
+    ra, rb = _ranks(a), _ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def ranking_metrics(rewards: Sequence[np.ndarray], scores: Sequence[np.ndarray]) -> dict[str, Any]:
+    """How well each prompt's rewards order its K responses against their labelled scores:
+    pairwise accuracy over every pair whose scores differ (a reward tie counts half), from exact
+    counts; best-of-K accuracy (the top reward is on a best-scored response; a top shared with
+    other responses earns its share, as RewardBench 2 credits ties); Kendall's tau-b and
+    Spearman's rho, averaged over the prompts where both vary."""
+    correct = total = 0.0
+    best, taus, rhos = [], [], []
+    for r, s in zip(rewards, scores):
+        r, s = np.asarray(r, np.float64), np.asarray(s, np.float64)
+        ds, dr = s[:, None] - s[None, :], r[:, None] - r[None, :]
+        pairs = ds > 0
+        total += pairs.sum()
+        correct += (dr[pairs] > 0).sum() + 0.5 * (dr[pairs] == 0).sum()
+        top = r == r.max()
+        best.append(float((top & (s == s.max())).sum() / top.sum()))
+        for fn, out in ((kendall_tau_b, taus), (spearman, rhos)):
+            value = fn(r, s)
+            if value is not None:
+                out.append(value)
+    return {"prompts": len(best), "scored_pairs": int(total),
+            "pair_accuracy": correct / total if total else float("nan"),
+            "best_of_k_accuracy": float(np.mean(best)) if best else float("nan"),
+            "kendall_tau": float(np.mean(taus)) if taus else float("nan"),
+            "spearman": float(np.mean(rhos)) if rhos else float("nan")}

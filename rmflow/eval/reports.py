@@ -218,6 +218,12 @@ def pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     if "rewardbench_v2" in m:
         return (f"rmflow eval: RewardBench 2, {m['examples']:,} examples",
                 [("RewardBench 2 score", f"{m['rewardbench_v2']['score']:.2f}")])
+    if "responses" in m:
+        r = m["responses"]
+        return (f"rmflow eval: {r['prompts']:,} prompts, {r['responses']:,} responses",
+                [(label, f"{r[key]:.4f} (length-only: {r['length_baseline'][key]:.4f})")
+                 for key, label in (("pair_accuracy", "pairwise accuracy"), ("best_of_k_accuracy", "best-of-K accuracy"),
+                                    ("kendall_tau", "Kendall's tau"), ("spearman", "Spearman's rho"))])
     lo, hi = m["accuracy_ci95"]
     rows = [("accuracy", f"{m['accuracy']:.4f}"), ("  95% interval", f"{lo:.4f} – {hi:.4f}"),
             ("ties", f"{m['ties']:,}"), ("loss", f"{m['loss']:.4f}"),

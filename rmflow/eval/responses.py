@@ -1,0 +1,116 @@
+"""`rmflow eval --mode responses`: a reward model on raw files of K rated or ranked responses per
+prompt (every multi-response layout ``rmflow preprocess`` reads): each response scored with its
+prompt, then per prompt how the rewards order the responses against their labels (pairwise
+accuracy over every scored pair, best-of-K accuracy, Kendall's tau, Spearman's rho), overall and
+per subset, beside the same figures for the length-only baseline (reward = the response's tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rmflow.eval.metrics import ranking_metrics
+from rmflow.eval.reports import write_eval
+from rmflow.schemas import jsontext
+from rmflow.schemas.config import MULTI_FORMATS, ROW_FORMATS, EvalConfig, parse_weights
+from rmflow.schemas.errors import RmflowError
+from rmflow.trainer.inference import LoadedModel, require_tokenizer, score_sequences
+
+
+class ResponsesEvalError(RmflowError):
+    """A file given to ``--mode responses`` holds a record that is not K scored responses."""
+
+
+def read_prompts(paths: list[str], fmt: str, weights: dict[str, float]) -> list:
+    """Every record of ``paths`` as CanonicalResponses (a response-a-row layout's rows grouped by
+    their prompt); the first bad record is a one-line error naming its file and line."""
+    from rmflow.pipelines.io import expand_inputs, iter_records
+    from rmflow.rendering.formats import BadRecord, detect_format
+    from rmflow.rendering.responses import group_rows, read_responses, read_row
+
+    out, rows = [], {}
+    for path, _ in expand_inputs(tuple(paths)):
+        for line, raw, problem in iter_records(path):
+            try:
+                if problem:
+                    raise BadRecord("bad_encoding", problem)
+                record = jsontext.loads(raw)
+                layout = detect_format(record) if fmt == "auto" else fmt
+                if layout not in MULTI_FORMATS:
+                    raise BadRecord("not_multi_response", f"a {layout} record, not K scored responses (layouts: "
+                                    f"{', '.join(MULTI_FORMATS)})")
+                if layout in ROW_FORMATS:
+                    row = read_row(record, source=path, line=line, weights=weights)
+                    rows.setdefault(row.key, []).append(row)
+                else:
+                    out.append(read_responses(record, layout, source=path, line=line))
+            except (BadRecord, ValueError, RecursionError) as e:
+                raise ResponsesEvalError(f"{path}:{line}: {getattr(e, 'message', e)}") from e
+    for group in rows.values():
+        first = min(group, key=lambda r: (r.source, r.line))
+        try:
+            out.append(read_responses(group_rows(group), "responses", source=first.source, line=first.line))
+        except BadRecord as e:
+            raise ResponsesEvalError(f"{first.source}:{first.line}: {e.message}") from e
+    if not out:
+        raise ResponsesEvalError(f"{', '.join(paths)}: no records")
+    return out
+
+
+def run_responses(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any], Callable]:
+    from transformers import AutoTokenizer
+
+    from rmflow.rendering.formats import BadRecord
+    from rmflow.rendering.tokenize import RecordTokenizer
+
+    prompts = read_prompts(list(cfg.data), cfg.format, parse_weights(cfg.attribute_weights))
+    tok = AutoTokenizer.from_pretrained(require_tokenizer(cfg.model, loaded.tokenizer_dir, "--mode responses"))
+    renderer = RecordTokenizer(tok, loaded.step_separator)  # as preprocessing renders: message text is text
+    positions = loaded.model.config.max_position_embeddings
+    seqs, spans = [], []
+    for p in prompts:
+        start = len(seqs)
+        for response in p.responses:
+            try:
+                ids = renderer.encode_conversation(p.prompt + response)
+            except BadRecord as e:
+                raise ResponsesEvalError(f"{p.source}:{p.line}: {e.message}") from e
+            if len(ids) > positions:
+                raise ResponsesEvalError(f"{p.source}:{p.line}: a response of {len(ids):,} tokens with its prompt, "
+                                         f"past the model's {positions:,} positions: drop it or use a model with more")
+            seqs.append(ids)
+        spans.append((start, len(seqs)))
+    rewards = score_sequences(loaded.model, seqs, batch_size=cfg.batch_size, pad_id=loaded.pad_id)
+    lengths = np.asarray([len(s) for s in seqs], np.float64)
+    by = [(rewards[a:b], lengths[a:b], np.asarray(p.scores)) for p, (a, b) in zip(prompts, spans)]
+    subsets = [p.subset or "all" for p in prompts]
+
+    def figures(keep: list[bool]) -> dict[str, Any]:
+        chosen = [x for x, k in zip(by, keep) if k]
+        return {**ranking_metrics([r for r, _, _ in chosen], [s for _, _, s in chosen]),
+                "length_baseline": ranking_metrics([n for _, n, _ in chosen], [s for _, _, s in chosen])}
+
+    metrics = {"responses": {**figures([True] * len(by)), "responses": len(seqs),
+                             "subsets": {name: figures([s == name for s in subsets])
+                                         for name in sorted(set(subsets))} if len(set(subsets)) > 1 else {}}}
+    config = {**cfg.to_dict(), "model_description": loaded.description}
+    return metrics, lambda m, out: write_eval(out, m, config, markdown(m, loaded.description, list(cfg.data)))
+
+
+def markdown(m: dict[str, Any], model: str, data: list[str]) -> str:
+    r = m["responses"]
+    lines = ["# K responses per prompt", "", f"Model: {model}.  ", f"Data: {', '.join(data)}.  ",
+             f"{r['prompts']:,} prompts, {r['responses']:,} responses, {r['scored_pairs']:,} pairs whose labels "
+             "differ.", "", "| | model | length-only baseline |", "| --- | ---: | ---: |"]
+    for key, label in (("pair_accuracy", "pairwise accuracy"), ("best_of_k_accuracy", "best-of-K accuracy"),
+                       ("kendall_tau", "Kendall's tau"), ("spearman", "Spearman's rho")):
+        lines.append(f"| {label} | {r[key]:.4f} | {r['length_baseline'][key]:.4f} |")
+    if r["subsets"]:
+        lines += ["", "| subset | prompts | pairwise accuracy | best-of-K | length baseline (pairwise) |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {v['prompts']:,} | {v['pair_accuracy']:.4f} | {v['best_of_k_accuracy']:.4f} | "
+                  f"{v['length_baseline']['pair_accuracy']:.4f} |" for k, v in r["subsets"].items()]
+    return "\n".join(lines) + "\n"
