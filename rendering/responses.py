@@ -169,10 +169,12 @@ def _completion_score(c: Mapping[str, Any], name: str) -> float:
     if c.get("fine-grained_score") is not None:
         return _score(c["fine-grained_score"], f"{name}.fine-grained_score")
     notes = c.get("annotations")
-    if isinstance(notes, Mapping) and notes:
-        ratings = [_score((v or {}).get("Rating") if isinstance(v, Mapping) else None, f"{name}.annotations.{k}")
-                   for k, v in notes.items()]
-        return sum(ratings) / len(ratings)
+    if isinstance(notes, Mapping) and notes:  # an aspect rated "N/A" (as UltraFeedback has some) is left out
+        ratings = [_score(v.get("Rating") if isinstance(v, Mapping) else None, f"{name}.annotations.{k}")
+                   for k, v in notes.items()
+                   if not (isinstance(v, Mapping) and str(v.get("Rating")).strip().upper() == "N/A")]
+        if ratings:
+            return sum(ratings) / len(ratings)
     return _score(c.get("overall_score"), f"{name}.overall_score")
 
 

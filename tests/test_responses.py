@@ -23,7 +23,8 @@ LAYOUTS = {
                            {"answer": "Go away.", "rank": 3, "model": "c"}]},
     "ultrafeedback-raw": {"instruction": "Explain rain.", "completions": [
         {"response": "Water falls from clouds.", "fine-grained_score": 4.25, "overall_score": 7},
-        {"response": "It is wet.", "annotations": {"helpfulness": {"Rating": "2"}, "honesty": {"Rating": "3"}}},
+        {"response": "It is wet.", "annotations": {"helpfulness": {"Rating": "2"}, "honesty": {"Rating": "3"},
+                                                   "truthfulness": {"Rating": "N/A"}}},
         {"response": "Clouds cry.", "overall_score": 1}]},
 }
 
