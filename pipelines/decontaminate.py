@@ -319,7 +319,7 @@ class Decontaminate(beam.PTransform):
         return {"main": checked.main, "dead": checked[DEAD], "marked": checked[MARKED]}
 
     def _join(self, pairs, files):
-        keyed = pairs | "KeyByRecord" >> beam.Map(lambda p: ((p.source, p.line), p))
+        keyed = pairs | "KeyByRecord" >> beam.Map(lambda p: ((p.source, p.line, p.pair_id), p))  # one record: several pairs
         eval_grams = files | "EvalNgrams" >> beam.ParDo(_EvalGramsFn(self.n))
         train_grams = keyed | "RecordNgrams" >> beam.FlatMap(_record_grams, self.n, self.replies)
         hits = (

@@ -276,9 +276,11 @@ def _example(letter: dict[str, Any]) -> str:
 
 def check_quality(stats: dict[str, Any], cfg: PreprocessConfig, staging: str) -> None:
     counts = stats["counts"]
-    read, errors = counts["records_read"], counts["errors"]
+    errors = counts["errors"]
+    # in the unit errors count in: records, the pairs made of K responses, less rows grouped into one
+    read = counts["records_read"] + counts.get("pairs_from_responses", 0) - counts.get("rows_grouped", 0)
     errors_file = f"{staging}/{ERRORS_FILE}"
-    if read == 0:
+    if counts["records_read"] == 0:
         raise PreprocessError(f"the inputs hold no records; staging left at {staging}",
                               reason="the inputs hold no records")
     if errors / read > cfg.max_bad_fraction:

@@ -85,10 +85,12 @@ def _similar_in_bucket(bucket, threshold: float):
     """(record key, (earliest similar key, similarity)) for each member near the bucket's earliest."""
     _, members = bucket
     members = sorted(members, key=lambda m: m[0])
-    first_key, first_sig = members[0]
-    for key, sig in members[1:]:
-        if (s := similarity(sig, first_sig)) >= threshold:
-            yield key, (first_key, s)
+    for i, (key, sig) in enumerate(members):
+        # the earliest member of another record: the pairs made of one record's K responses share
+        # its prompt by design, and are never each other's near-duplicates
+        first = next(((k, g) for k, g in members[:i] if k[:2] != key[:2]), None)
+        if first is not None and (s := similarity(sig, first[1])) >= threshold:
+            yield key, (first[0], s)
 
 
 class _DropFn(beam.DoFn):
@@ -118,7 +120,7 @@ class DropNearDuplicates(beam.PTransform):
         self.mode, self.threshold = mode, threshold
 
     def expand(self, pairs):
-        keyed = pairs | "KeyByRecord" >> beam.Map(lambda p: ((p.source, p.line), p))
+        keyed = pairs | "KeyByRecord" >> beam.Map(lambda p: ((p.source, p.line, p.pair_id), p))  # one record: several pairs
         near = (
             keyed
             | "MinHash" >> beam.FlatMap(_signed, self.mode)

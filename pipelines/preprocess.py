@@ -51,7 +51,13 @@ from rmflow.pipelines.transforms import (
 )
 from rmflow.rendering.formats import SCORED_LAYOUTS, BadRecord, detect_format, parse_json_object
 from rmflow.rendering.tokenize import TokenizerAssets, build_tokenizer, tokenizer_info
-from rmflow.schemas.config import NORMALIZE_OPTIONS, SCORE_OPTIONS, PreprocessConfig, parse_weights
+from rmflow.schemas.config import (
+    MULTI_FORMATS,
+    NORMALIZE_OPTIONS,
+    SCORE_OPTIONS,
+    PreprocessConfig,
+    parse_weights,
+)
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import (
     COMPLETED_FILE,
@@ -116,6 +122,7 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
     except BadRecord as e:
         raise PreprocessError(f"--decontaminate: {e.message}") from e
     check_score_options(cfg, [path for path, _ in files])
+    check_pairs_from(cfg, [path for path, _ in files])
     assets = load_tokenizer_assets(cfg.tokenizer, cfg.chat_template)
     if not assets.has_chat_template and cfg.format != "tokenized":  # now, not after every record failed
         raise PreprocessError(f"tokenizer {cfg.tokenizer} has no chat template, which renders conversations into "
@@ -154,6 +161,18 @@ def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
         raise PreprocessError(f"{flags}: acts on layouts with scores ({', '.join(SCORED_LAYOUTS)}: score_chosen and "
                               f"score_rejected, or K scored responses), and the inputs are {', '.join(sorted(layouts))}: it would do "
                               "nothing; drop it, or give scored data")
+
+
+def check_pairs_from(cfg: PreprocessConfig, files: list[str]) -> None:
+    """A multi-response input without --pairs-from is refused before the job (each of its records
+    would be an error), as far as the sampled files' layouts tell (``check_score_options``)."""
+    if cfg.pairs_from or cfg.format != "auto" or len(files) > LAYOUT_SAMPLE_FILES:
+        return  # a forced --format is checked by the config itself
+    multi = sorted({(layout, path) for path in files if (layout := _first_layout(path)) in MULTI_FORMATS})
+    if multi:
+        layout, path = multi[0]
+        raise PreprocessError(f"{path} holds K responses per prompt (layout {layout}): add --pairs-from expand "
+                              "(every pair whose scores differ), best-worst or best-random")
 
 
 def _first_layout(path: str, records: int = 100) -> str | None:

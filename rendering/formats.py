@@ -171,14 +171,14 @@ _SIGNATURES: dict[str, Callable[[Mapping[str, Any], set[str]], bool]] = {
     "conversational": lambda r, k: {"prompt", "chosen", "rejected"} <= k and isinstance(r["prompt"], (list, tuple))
     and not {"score_chosen", "score_rejected"} <= k,
     "text": lambda r, k: {"prompt", "chosen", "rejected"} <= k and isinstance(r["prompt"], str)
-    and not isinstance(r["chosen"], (list, tuple)) and not {"score_chosen", "score_rejected"} <= k,
+    and not _rewardbench2(r, k) and not {"score_chosen", "score_rejected"} <= k,
     # K responses per prompt (rendering.responses)
     "responses": lambda r, k: "responses" in k and ("scores" in k or "ranks" in k),
-    "rewardbench2": lambda r, k: {"prompt", "chosen", "rejected"} <= k and _strings(r["chosen"])
-    and _strings(r["rejected"]),
+    "rewardbench2": lambda r, k: _rewardbench2(r, k),
     "nectar": lambda r, k: {"prompt", "answers"} <= k,
-    "ultrafeedback-raw": lambda r, k: {"instruction", "completions"} <= k,
-    "helpsteer": lambda r, k: {"prompt", "response", "helpfulness"} <= k,
+    "ultrafeedback-raw": lambda r, k: {"instruction", "completions"} <= k and isinstance(r["completions"], list)
+    and all(isinstance(c, Mapping) for c in r["completions"]),
+    "helpsteer": lambda r, k: {"prompt", "response", "helpfulness"} <= k and not {"chosen", "rejected"} & k,
     "axolotl": lambda r, k: {"input", "chosen", "rejected"} <= k,
     "implicit": lambda r, k: {"chosen", "rejected"} <= k and not {"prompt", "input"} & k
     and isinstance(r["chosen"], (list, tuple)) and not {"score_chosen", "score_rejected"} <= k,
@@ -188,7 +188,12 @@ assert set(_SIGNATURES) == set(FORMATS)
 
 
 def _strings(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value)
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(x, str) for x in value)
+
+
+def _rewardbench2(r: Mapping[str, Any], k: set[str]) -> bool:
+    return {"prompt", "chosen", "rejected"} <= k and isinstance(r["prompt"], str) and _strings(r["chosen"]) \
+        and _strings(r["rejected"])
 
 
 def candidate_formats(record: Mapping[str, Any]) -> list[str]:

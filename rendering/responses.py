@@ -33,10 +33,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from rmflow.rendering.formats import (
+    MAX_MARGIN,
     BadRecord,
     CanonicalPair,
     CanonicalSteps,
@@ -49,6 +51,7 @@ from rmflow.rendering.formats import (
 from rmflow.schemas.config import MULTI_FORMATS, PAIRS_FROM, ROW_FORMATS
 
 PAIR_MODES = tuple(m for m in PAIRS_FROM if m)
+MAX_SCORE = 1e15  # a rating or rank; past this a score difference loses its meaning in float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,17 +104,25 @@ def _response(value: Any, name: str) -> tuple[Message, ...]:
     return msgs
 
 
+_NUMBER = re.compile(r"\s*[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\s*")
+
+
 def _score(value: Any, name: str) -> float:
     if value is None:
         raise BadRecord("missing_score", f"{name} has no score")
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise BadRecord("bad_value", f"{name} {value!r} is not a number") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadRecord("bad_value", f"{name} {value!r} is not a finite number")
-    return float(value)
+    if isinstance(value, str):  # a number written as text ("4", as UltraFeedback's ratings are)
+        if not _NUMBER.fullmatch(value):
+            raise BadRecord("bad_value", f"{name} {value!r} is not a number")
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRecord("bad_value", f"{name} {value!r} is not a number")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise BadRecord("bad_value", f"{name} is a number too large to be a score") from None
+    if not math.isfinite(value) or abs(value) > MAX_SCORE:
+        raise BadRecord("bad_value", f"{name} {value!r} is not a finite number within +-{MAX_SCORE:g}")
+    return value
 
 
 def _list(record: Mapping[str, Any], name: str) -> list:
@@ -165,17 +176,18 @@ def _nectar(r):
     return _prompt(r.get("prompt"), "prompt"), responses, scores
 
 
-def _completion_score(c: Mapping[str, Any], name: str) -> float:
+def _completion_score(c: Mapping[str, Any], name: str) -> tuple[str, float]:
+    """(where the score came from, the score): one scale per record (``_ultrafeedback_raw``)."""
     if c.get("fine-grained_score") is not None:
-        return _score(c["fine-grained_score"], f"{name}.fine-grained_score")
+        return "fine-grained_score", _score(c["fine-grained_score"], f"{name}.fine-grained_score")
     notes = c.get("annotations")
     if isinstance(notes, Mapping) and notes:  # an aspect rated "N/A" (as UltraFeedback has some) is left out
         ratings = [_score(v.get("Rating") if isinstance(v, Mapping) else None, f"{name}.annotations.{k}")
                    for k, v in notes.items()
                    if not (isinstance(v, Mapping) and str(v.get("Rating")).strip().upper() == "N/A")]
         if ratings:
-            return sum(ratings) / len(ratings)
-    return _score(c.get("overall_score"), f"{name}.overall_score")
+            return "fine-grained_score", sum(ratings) / len(ratings)  # the same mean, on the same 1-5 scale
+    return "overall_score", _score(c.get("overall_score"), f"{name}.overall_score")
 
 
 def _ultrafeedback_raw(r):
@@ -186,7 +198,11 @@ def _ultrafeedback_raw(r):
             raise BadRecord("bad_type", f"completions[{i}] must be an object with 'response'")
         responses.append(_response(c.get("response"), f"completions[{i}].response"))
         scores.append(_completion_score(c, f"completions[{i}]"))
-    return _prompt(r.get("instruction"), "instruction"), responses, scores
+    scales = {where for where, _ in scores}
+    if len(scales) > 1:  # overall_score is 1-10, the aspects' ratings 1-5: not comparable
+        raise BadRecord("mixed_scores", "some completions are scored by their aspects' ratings and some by "
+                        "overall_score, on another scale: give one kind of score for every completion")
+    return _prompt(r.get("instruction"), "instruction"), responses, [s for _, s in scores]
 
 
 _READERS = {"responses": _responses, "rewardbench2": _rewardbench2, "nectar": _nectar,
@@ -272,13 +288,17 @@ def to_pairs(r: CanonicalResponses, mode: str, *, margin_from_scores: bool = Fal
             order = []
         elif mode == "best-worst":
             order = [(best, min(lower, key=lambda j: (s[j], j)))]
-        else:
-            pick = int(hashlib.blake2b(f"{r.group}:{r.source}:{r.line}".encode(), digest_size=8).hexdigest(), 16)
+        else:  # picked by the record's content: the same pair wherever the file is and whatever its order
+            content = json.dumps([r.group, r.responses, r.scores], ensure_ascii=False).encode("utf-8")
+            pick = int(hashlib.blake2b(content, digest_size=8).hexdigest(), 16)
             order = [(best, lower[pick % len(lower)])]
     else:
         raise ValueError(f"mode {mode!r}: use one of {', '.join(PAIR_MODES)}")
     if not order:
         raise BadRecord("weak_label", f"no two responses' scores differ by --min-score-gap {min_score_gap:g}")
+    if margin_from_scores and any(s[i] - s[j] > MAX_MARGIN for i, j in order):
+        raise BadRecord("bad_value", f"a score difference beyond {MAX_MARGIN:g} as a margin: a margin is in reward "
+                        "units, where anything near this size only saturates the loss (rescale the scores)")
     return [CanonicalPair(r.source, r.line, r.prompt, r.responses[i], r.responses[j],
                           margin=s[i] - s[j] if margin_from_scores else None, subset=r.subset,
                           score_gap=s[i] - s[j], group=r.group) for i, j in order]

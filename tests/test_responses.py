@@ -25,7 +25,7 @@ LAYOUTS = {
         {"response": "Water falls from clouds.", "fine-grained_score": 4.25, "overall_score": 7},
         {"response": "It is wet.", "annotations": {"helpfulness": {"Rating": "2"}, "honesty": {"Rating": "3"},
                                                    "truthfulness": {"Rating": "N/A"}}},
-        {"response": "Clouds cry.", "overall_score": 1}]},
+        {"response": "Clouds cry.", "annotations": {"helpfulness": {"Rating": "1"}}, "overall_score": 2}]},
 }
 
 
@@ -37,7 +37,7 @@ def test_each_layout_is_detected_and_read_with_its_scores():
     nectar = read_responses(LAYOUTS["nectar"], "nectar", source="s", line=1)
     assert nectar.prompt == (("user", "Say hi."),) and nectar.scores == (-2.0, -1.0, -3.0)  # rank r scores -r
     uf = read_responses(LAYOUTS["ultrafeedback-raw"], "ultrafeedback-raw", source="s", line=1)
-    assert uf.scores == (4.25, 2.5, 1.0)  # fine-grained_score, else the annotations' mean, else overall_score
+    assert uf.scores == (4.25, 2.5, 1.0)  # fine-grained_score, else the annotations' mean (N/A left out)
     rb = read_responses(LAYOUTS["rewardbench2"], "rewardbench2", source="s", line=1)
     assert rb.scores == (1.0, 1.0, 0.0, 0.0, 0.0)
     ranked = read_responses({"prompt": [{"role": "user", "content": "q"}], "responses": ["a", "b"], "ranks": [2, 1]},
@@ -202,6 +202,10 @@ def test_preprocess_groups_a_prompt_s_rows_and_counts_every_row(tmp_path, tokeni
     assert codes == {"missing_score", "too_few_responses"}, codes
     (f,) = result.stats["per_file"].values()
     assert f["read"] + f["made"] - f["grouped"] - f["written"] == c["errors"]
+    from rmflow.pipelines.finalize import PreprocessError
+
+    with pytest.raises(PreprocessError, match=r"holds K responses per prompt \(layout helpsteer\): add --pairs-from"):
+        run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "none"), tokenizer=tokenizer_dir))
 
 
 def test_ranking_metrics_by_hand():
@@ -218,3 +222,82 @@ def test_ranking_metrics_by_hand():
     assert kendall_tau_b(np.array([0.9, 0.1, 0.5]), np.array([3.0, 2.0, 1.0])) == pytest.approx(1 / 3)
     assert spearman(np.array([0.9, 0.1, 0.5]), np.array([3.0, 2.0, 1.0])) == pytest.approx(0.5)
     assert kendall_tau_b(np.array([1.0, 1.0]), np.array([1.0, 0.0])) is None  # a constant side: no tau
+
+
+def test_what_a_break_it_pass_found_in_multi_response_data_stays_fixed(tmp_path):
+    """Each input a review found mishandled, read as meant or refused with its reason."""
+    scored = read_responses(LAYOUTS["responses"], "responses", source="/a/x.jsonl", line=1)
+    moved = read_responses(LAYOUTS["responses"], "responses", source="gs://b/y.jsonl", line=9)
+    # best-random picks by the record's content, not by where the file is
+    assert to_pairs(scored, "best-random")[0].rejected == to_pairs(moved, "best-random")[0].rejected
+    with pytest.raises(BadRecord, match="beyond 1000"):
+        to_pairs(read_responses({"prompt": "p", "responses": ["a", "b"], "scores": [5000, 0]}, "responses",
+                                source="s", line=1), "expand", margin_from_scores=True)
+    for bad in ({"prompt": "p", "responses": ["a", "b"], "scores": ["1_0", 0]},
+                {"prompt": "p", "responses": ["a", "b"], "scores": [10 ** 400, 0]},
+                {"prompt": "p", "responses": ["a", "b"], "scores": [1e300, 0]}):
+        with pytest.raises(BadRecord) as e:
+            read_responses(bad, "responses", source="s", line=1)
+        assert e.value.code == "bad_value"
+    mixed = {"instruction": "q", "completions": [{"response": "a", "annotations": {"h": {"Rating": "4"}}},
+                                                 {"response": "b", "overall_score": 7}]}
+    with pytest.raises(BadRecord) as e:
+        read_responses(mixed, "ultrafeedback-raw", source="s", line=1)
+    assert e.value.code == "mixed_scores"
+    # detection: the pair layouts read as before
+    assert detect_format({"prompt": "p", "chosen": [{"role": "assistant", "content": "c"}],
+                          "rejected": [{"role": "assistant", "content": "r"}]}) == "text"
+    assert detect_format({"prompt": "p", "completions": ["s1"], "labels": [True], "instruction": "x"}) == "stepwise"
+    # eval --mode responses skips and counts what cannot be ranked; another layout is one line
+    from rmflow.eval.responses import ResponsesEvalError, read_prompts
+
+    f = tmp_path / "mixed.jsonl"
+    f.write_text("\n".join([json.dumps(LAYOUTS["responses"]), "null", "[1]",
+                            json.dumps({"prompt": "p", "responses": ["a", "a"], "scores": [1, 0]}),
+                            json.dumps(LAYOUTS["nectar"])]) + "\n")
+    prompts, skipped = read_prompts([str(f)], "auto", {"helpfulness": 1.0})
+    assert len(prompts) == 2 and skipped["count"] == 3
+    assert skipped["reasons"] == {"not_an_object": 2, "duplicate_response": 1}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"}) + "\n")
+    with pytest.raises(ResponsesEvalError, match="a text record, not K scored responses"):
+        read_prompts([str(tmp_path / "pairs.jsonl")], "auto", {"helpfulness": 1.0})
+
+
+def test_bad_fraction_counts_in_the_unit_errors_count_in(tmp_path):
+    """Errors after expansion count pairs: the fraction is over records read plus pairs made."""
+    from rmflow.pipelines.finalize import PreprocessError, check_quality
+
+    cfg = PreprocessConfig(inputs=("x",), output="o", tokenizer="t", pairs_from="expand", max_bad_fraction=0.6)
+    stats = {"counts": {"records_read": 20, "pairs_from_responses": 20, "rows_grouped": 0, "errors": 21,
+                        "pairs_written": 19},
+             "dead_letters": [{"category": "error", "code": "template", "count": 21,
+                               "example": {"source": "s", "line": 1, "reason": "r"}}]}
+    check_quality(stats, cfg, str(tmp_path))  # 21 of 40, under 60%
+    with pytest.raises(PreprocessError, match="21 of 40"):
+        check_quality(stats, PreprocessConfig(inputs=("x",), output="o", tokenizer="t", pairs_from="expand",
+                                              max_bad_fraction=0.5), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_near_dedup_and_both_decontamination_methods_take_a_prompt_s_pairs(tmp_path, tokenizer_dir):
+    """The pairs of one prompt are not each other's near-duplicates (nor did the chain of them end),
+    and a reply's contamination drops only the pairs that hold that reply, whichever method."""
+    from rmflow.pipelines.preprocess import run
+
+    hit = "the quick brown fox jumps over the lazy dog near the old river bank today"
+    records = [{"prompt": f"Question {i} about topic {i}?", "responses": [f"Answer {i} one.", f"Answer {i} two.",
+                                                                          f"Answer {i} three."], "scores": [3, 2, 1]}
+               for i in range(6)]
+    records[0]["responses"][2] = hit
+    src, evals = tmp_path / "multi.jsonl", tmp_path / "eval.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    evals.write_text(json.dumps({"prompt": hit, "chosen": "x", "rejected": "y"}) + "\n")
+    base = dict(inputs=(str(src),), tokenizer=tokenizer_dir, max_length=128, eval_fraction=0.0, pairs_from="expand")
+    near = run(PreprocessConfig(output=str(tmp_path / "near"), near_dedup="pair", **base)).stats["counts"]
+    assert near["pairs_written"] == 6 * 3 and near["duplicates"] == 0, near
+    written = {}
+    for method in ("side-input", "join"):
+        c = run(PreprocessConfig(output=str(tmp_path / method), decontaminate=(str(evals),),
+                                 decontaminate_replies=True, decontaminate_method=method, **base)).stats["counts"]
+        written[method] = (c["pairs_written"], c["contaminated"])
+    assert written["side-input"] == written["join"] == (6 * 3 - 2, 2)  # the two pairs holding the reply

@@ -220,7 +220,8 @@ def pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
                 [("RewardBench 2 score", f"{m['rewardbench_v2']['score']:.2f}")])
     if "responses" in m:
         r = m["responses"]
-        return (f"rmflow eval: {r['prompts']:,} prompts, {r['responses']:,} responses",
+        skipped = f", {r['skipped']['count']:,} records skipped (report.md says why)" if r["skipped"]["count"] else ""
+        return (f"rmflow eval: {r['prompts']:,} prompts, {r['responses']:,} responses{skipped}",
                 [(label, f"{r[key]:.4f} (length-only: {r['length_baseline'][key]:.4f})")
                  for key, label in (("pair_accuracy", "pairwise accuracy"), ("best_of_k_accuracy", "best-of-K accuracy"),
                                     ("kendall_tau", "Kendall's tau"), ("spearman", "Spearman's rho"))])

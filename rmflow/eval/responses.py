@@ -24,40 +24,52 @@ class ResponsesEvalError(RmflowError):
     """A file given to ``--mode responses`` holds a record that is not K scored responses."""
 
 
-def read_prompts(paths: list[str], fmt: str, weights: dict[str, float]) -> list:
+def read_prompts(paths: list[str], fmt: str, weights: dict[str, float]) -> tuple[list, dict[str, Any]]:
     """Every record of ``paths`` as CanonicalResponses (a response-a-row layout's rows grouped by
-    their prompt); the first bad record is a one-line error naming its file and line."""
+    their prompt), and those that cannot be one: {"count", "reasons": {code: n}, "first": where
+    and why}, as preprocessing counts them. A file of another layout is a one-line error."""
     from rmflow.pipelines.io import expand_inputs, iter_records
     from rmflow.rendering.formats import BadRecord, detect_format
     from rmflow.rendering.responses import group_rows, read_responses, read_row
 
-    out, rows = [], {}
+    out, rows, skipped = [], {}, {"count": 0, "reasons": {}, "first": None}
+
+    def skip(where: str, e: Exception) -> None:
+        code = getattr(e, "code", "bad_record")
+        skipped["count"] += 1
+        skipped["reasons"][code] = skipped["reasons"].get(code, 0) + 1
+        skipped["first"] = skipped["first"] or f"{where}: {getattr(e, 'message', e)}"
+
     for path, _ in expand_inputs(tuple(paths)):
         for line, raw, problem in iter_records(path):
             try:
                 if problem:
                     raise BadRecord("bad_encoding", problem)
                 record = jsontext.loads(raw)
+                if not isinstance(record, dict):
+                    raise BadRecord("not_an_object", f"a JSON {type(record).__name__}, not an object")
                 layout = detect_format(record) if fmt == "auto" else fmt
                 if layout not in MULTI_FORMATS:
-                    raise BadRecord("not_multi_response", f"a {layout} record, not K scored responses (layouts: "
-                                    f"{', '.join(MULTI_FORMATS)})")
+                    raise ResponsesEvalError(f"{path}:{line}: a {layout} record, not K scored responses: --mode "
+                                             f"responses reads {', '.join(MULTI_FORMATS)}")
                 if layout in ROW_FORMATS:
                     row = read_row(record, source=path, line=line, weights=weights)
                     rows.setdefault(row.key, []).append(row)
                 else:
                     out.append(read_responses(record, layout, source=path, line=line))
-            except (BadRecord, ValueError, RecursionError) as e:
-                raise ResponsesEvalError(f"{path}:{line}: {getattr(e, 'message', e)}") from e
+            except (BadRecord, ValueError, TypeError, AttributeError, OverflowError, RecursionError) as e:
+                skip(f"{path}:{line}", e)
     for group in rows.values():
         first = min(group, key=lambda r: (r.source, r.line))
         try:
             out.append(read_responses(group_rows(group), "responses", source=first.source, line=first.line))
         except BadRecord as e:
-            raise ResponsesEvalError(f"{first.source}:{first.line}: {e.message}") from e
+            skip(f"{first.source}:{first.line}", e)
     if not out:
-        raise ResponsesEvalError(f"{', '.join(paths)}: no records")
-    return out
+        raise ResponsesEvalError(f"{', '.join(paths)}: no record holds K scored responses"
+                                 + (f" ({skipped['count']} bad; the first, {skipped['first']})" if skipped["count"]
+                                    else ""))
+    return out, skipped
 
 
 def run_responses(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any], Callable]:
@@ -66,7 +78,7 @@ def run_responses(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any],
     from rmflow.rendering.formats import BadRecord
     from rmflow.rendering.tokenize import RecordTokenizer
 
-    prompts = read_prompts(list(cfg.data), cfg.format, parse_weights(cfg.attribute_weights))
+    prompts, skipped = read_prompts(list(cfg.data), cfg.format, parse_weights(cfg.attribute_weights))
     tok = AutoTokenizer.from_pretrained(require_tokenizer(cfg.model, loaded.tokenizer_dir, "--mode responses"))
     renderer = RecordTokenizer(tok, loaded.step_separator)  # as preprocessing renders: message text is text
     positions = loaded.model.config.max_position_embeddings
@@ -93,7 +105,7 @@ def run_responses(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any],
         return {**ranking_metrics([r for r, _, _ in chosen], [s for _, _, s in chosen]),
                 "length_baseline": ranking_metrics([n for _, n, _ in chosen], [s for _, _, s in chosen])}
 
-    metrics = {"responses": {**figures([True] * len(by)), "responses": len(seqs),
+    metrics = {"responses": {**figures([True] * len(by)), "responses": len(seqs), "skipped": skipped,
                              "subsets": {name: figures([s == name for s in subsets])
                                          for name in sorted(set(subsets))} if len(set(subsets)) > 1 else {}}}
     config = {**cfg.to_dict(), "model_description": loaded.description}
@@ -104,7 +116,10 @@ def markdown(m: dict[str, Any], model: str, data: list[str]) -> str:
     r = m["responses"]
     lines = ["# K responses per prompt", "", f"Model: {model}.  ", f"Data: {', '.join(data)}.  ",
              f"{r['prompts']:,} prompts, {r['responses']:,} responses, {r['scored_pairs']:,} pairs whose labels "
-             "differ.", "", "| | model | length-only baseline |", "| --- | ---: | ---: |"]
+             "differ." + (f" {r['skipped']['count']:,} records skipped ("
+                          + ", ".join(f"{k} x{v}" for k, v in sorted(r["skipped"]["reasons"].items()))
+                          + f"; the first, {r['skipped']['first']})." if r["skipped"]["count"] else ""),
+             "", "| | model | length-only baseline |", "| --- | ---: | ---: |"]
     for key, label in (("pair_accuracy", "pairwise accuracy"), ("best_of_k_accuracy", "best-of-K accuracy"),
                        ("kendall_tau", "Kendall's tau"), ("spearman", "Spearman's rho")):
         lines.append(f"| {label} | {r[key]:.4f} | {r['length_baseline'][key]:.4f} |")
