@@ -179,7 +179,12 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
         "score_ties_kept": sum(d["count"] for d in summary["marked"] if d["category"] == "tie"),
         # pairs made beyond one a record: a prompt's K responses as several pairs (--pairs-from)
         "pairs_from_responses": sum(d["count"] for d in summary["marked"] if d["category"] == "made"),
-        "responses_merged": sum(d["count"] for d in summary["marked"] if d["category"] == "merged"),
+        "responses_merged": sum(d["count"] for d in summary["marked"]
+                                if d["category"] == "merged" and d["code"] == "duplicate_response"),
+        "responses_empty": sum(d["count"] for d in summary["marked"]
+                               if d["category"] == "merged" and d["code"] == "empty_response"),
+        "responses_contradicted": sum(d["count"] for d in summary["marked"]
+                                      if d["category"] == "merged" and d["code"] == "contradicting_response"),
         # rows of a response-a-row layout read into their prompt's record (beyond its first row)
         "rows_grouped": sum(d["count"] for d in summary["marked"] if d["category"] == "grouped"),
         "prompt_truncated": sum(s.get("truncated", 0) for s in summary["shards"]),  # written, prompt cut

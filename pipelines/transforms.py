@@ -171,13 +171,18 @@ class NormalizeFn(beam.DoFn):
     def process(self, element):
         source, line, fmt, raw = element
         try:
-            pairs, merged = normalize_all(parse_json_object(raw), fmt, source=source, line=line, **self.options)
+            pairs, responses = normalize_all(parse_json_object(raw), fmt, source=source, line=line, **self.options)
         except Exception as e:  # noqa: BLE001 - contained to this record
             yield TaggedOutput(DEAD, dead_letter(f"normalize:{fmt}", source, line, raw, as_bad_record(e)))
             return
-        if merged:  # written all the same: counted, never silent
-            note = Merged("duplicate_response", f"{merged} response(s) given twice with the same score, kept once")
-            yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", note), "count": merged})
+        for n, note in ((responses.merged if responses else 0,
+                         Merged("duplicate_response", "a response given twice with the same score, kept once")),
+                        (responses.dropped if responses else 0,
+                         Merged("empty_response", "an empty response, left out of its record")),
+                        (responses.contradicted if responses else 0,
+                         Merged("contradicting_response", "the same text scored two ways, left out of its record"))):
+            if n:  # the record is written all the same: counted, never silent
+                yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", note), "count": n})
         if len(pairs) > 1:  # the pairs of a prompt's K responses: counted, so the job reconciles exactly
             made = Made("pairs_from_responses", f"{len(pairs)} pairs made of one prompt's responses")
             yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", made),

@@ -20,8 +20,9 @@ Layouts, as they are published (``schemas.config.MULTI_FORMATS``; detected by th
   mean of its aspects' ratings), else the mean of its annotations' ``Rating``s, else its
   ``overall_score``.
 
-A response given twice with the same score is kept once (counted: ``merged``); twice with other
-scores, the record's labels contradict and it is refused.
+A response given twice with the same score is kept once (counted: ``merged``); given twice with
+other scores, its labels contradict and every copy is left out (``contradicted``), as is an empty
+response (``dropped``); the record is kept while two responses remain.
 
 Pure functions, no Beam. Bad input raises ``BadRecord`` with a code: ``too_few_responses``,
 ``missing_score``, ``bad_value``, ``duplicate_response``, ``all_tied`` (a ``Tie``).
@@ -66,6 +67,8 @@ class CanonicalResponses:
     scores: tuple[float, ...]
     subset: str | None = None
     merged: int = 0  # responses given twice (the same text, scored alike), kept once
+    dropped: int = 0  # empty responses, left out
+    contradicted: int = 0  # copies of a text scored two ways (its labels contradict), left out
 
     @property
     def group(self) -> str:
@@ -93,13 +96,16 @@ def _prompt(value: Any, name: str) -> tuple[Message, ...]:
     return msgs
 
 
+EMPTY: tuple = ()  # an empty response: dropped from its record (counted), the others kept
+
+
 def _response(value: Any, name: str) -> tuple[Message, ...]:
     if isinstance(value, str):
-        if not value.strip():
-            raise BadRecord("empty_reply", f"{name} is empty")
-        return (("assistant", value),)
+        return (("assistant", value),) if value.strip() else EMPTY
     msgs = read_messages(value, name)
-    if not msgs or msgs[0][0] != "assistant" or not msgs[-1][1].strip():
+    if not msgs or (len(msgs) == 1 and not msgs[0][1].strip() and len(msgs[0]) < 3):
+        return EMPTY
+    if msgs[0][0] != "assistant" or not msgs[-1][1].strip():
         raise BadRecord("empty_reply", f"{name} must be assistant messages ending in a non-empty reply")
     return msgs
 
@@ -231,8 +237,10 @@ def read_row(record: Any, *, source: str, line: int, weights: Mapping[str, float
     if not isinstance(record, Mapping):
         raise BadRecord("not_an_object", f"record is a JSON {type(record).__name__}, not an object")
     score = sum(w * _score(record.get(name), f"attribute '{name}'") for name, w in weights.items())
-    return Row(source, line, _prompt(record.get("prompt"), "prompt"), _response(record.get("response"), "response"),
-               score)
+    response = _response(record.get("response"), "response")
+    if response == EMPTY:  # a row is one response: an empty one is a bad row
+        raise BadRecord("empty_reply", "'response' is empty")
+    return Row(source, line, _prompt(record.get("prompt"), "prompt"), response, score)
 
 
 def group_rows(rows: list[Row]) -> dict[str, Any]:
@@ -246,27 +254,32 @@ def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: in
     """One raw record of multi-response layout ``fmt``; raises BadRecord (a Tie when every score
     is equal: no pair to learn from)."""
     prompt, given, given_scores = _READERS[fmt](record)
-    seen: dict[tuple, int] = {}
-    responses, scores = [], []
-    for i, (resp, score) in enumerate(zip(given, given_scores)):
-        if resp in seen:  # the same text twice: one response if scored alike, contradicting labels if not
-            first = seen[resp]
-            if given_scores[first] != score:
-                raise BadRecord("duplicate_response", f"responses {first} and {i} are the same text, scored "
-                                f"{given_scores[first]:g} and {score:g}: the labels contradict")
-            continue
-        seen[resp] = i
-        responses.append(resp)
-        scores.append(score)
+    scored: dict[tuple, set] = {}
+    for resp, score in zip(given, given_scores):
+        scored.setdefault(resp, set()).add(score)
+    seen: set[tuple] = set()
+    responses, scores, empty, contradicted = [], [], 0, 0
+    for resp, score in zip(given, given_scores):
+        if resp == EMPTY:  # nothing to score: left out, counted
+            empty += 1
+        elif len(scored[resp]) > 1:  # the same text scored two ways: its labels contradict; every copy left out
+            contradicted += 1
+        elif resp not in seen:  # the same text twice, scored alike: one response
+            seen.add(resp)
+            responses.append(resp)
+            scores.append(score)
     if len(responses) < 2:
-        raise BadRecord("too_few_responses", f"{len(responses)} distinct response(s): a record needs at least 2")
+        why = f" ({contradicted} left out: the same text scored two ways)" if contradicted else ""
+        raise BadRecord("duplicate_response" if contradicted else "too_few_responses",
+                        f"{len(responses)} distinct response(s){why}: a record needs at least 2")
     if len(set(scores)) == 1:
         raise Tie("all_tied", f"all {len(scores)} responses score {scores[0]:g}: no preference to learn")
     subset = record.get("subset")
     if subset is not None and not isinstance(subset, str):
         raise BadRecord("bad_type", f"field 'subset' must be str, got {type(subset).__name__}")
     return CanonicalResponses(source, line, prompt, tuple(responses), tuple(scores), subset,
-                              merged=len(given) - len(responses))
+                              merged=len(given) - len(responses) - empty - contradicted, dropped=empty,
+                              contradicted=contradicted)
 
 
 def to_pairs(r: CanonicalResponses, mode: str, *, margin_from_scores: bool = False,
@@ -306,13 +319,13 @@ def to_pairs(r: CanonicalResponses, mode: str, *, margin_from_scores: bool = Fal
 
 def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_scores: bool = False,
                   min_score_gap: float = 0.0, drop_score_ties: bool = False, pairs_from: str = ""
-                  ) -> tuple[list[CanonicalPair | CanonicalSteps], int]:
+                  ) -> tuple[list[CanonicalPair | CanonicalSteps], CanonicalResponses | None]:
     """One raw record in layout ``fmt`` to its canonical records: one (``formats.normalize``), or
-    for a multi-response layout the pairs ``pairs_from`` makes of it; and how many of its
-    responses were given twice and kept once. Raises BadRecord."""
+    for a multi-response layout the pairs ``pairs_from`` makes of it, with the responses they
+    were made of (what was merged or dropped). Raises BadRecord."""
     if fmt not in MULTI_FORMATS:
         return [normalize(record, fmt, source=source, line=line, margin_from_scores=margin_from_scores,
-                          min_score_gap=min_score_gap, drop_score_ties=drop_score_ties)], 0
+                          min_score_gap=min_score_gap, drop_score_ties=drop_score_ties)], None
     if not isinstance(record, Mapping):
         raise BadRecord("not_an_object", f"record is a JSON {type(record).__name__}, not an object")
     if not pairs_from:
@@ -323,4 +336,4 @@ def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_
                         "of each prompt")
     responses = read_responses(record, fmt, source=source, line=line)
     pairs = to_pairs(responses, pairs_from, margin_from_scores=margin_from_scores, min_score_gap=min_score_gap)
-    return pairs, responses.merged
+    return pairs, responses

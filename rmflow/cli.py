@@ -201,6 +201,10 @@ def print_summary(stats: dict, output: str) -> None:
         table.add_row("pairs made beyond one a prompt (--pairs-from, K responses)", f"{c['pairs_from_responses']:,}")
     if c.get("rows_grouped"):
         table.add_row("rows read into their prompt's record (a response a row)", f"{c['rows_grouped']:,}")
+    if c.get("responses_contradicted"):
+        table.add_row("responses scored two ways (the same text), left out", f"{c['responses_contradicted']:,}")
+    if c.get("responses_empty"):
+        table.add_row("empty responses left out of their prompt's record", f"{c['responses_empty']:,}")
     if c.get("responses_merged"):
         table.add_row("responses given twice with one score, kept once", f"{c['responses_merged']:,}")
     if c.get("score_ties_kept"):

@@ -49,7 +49,7 @@ def test_each_layout_is_detected_and_read_with_its_scores():
 
 @pytest.mark.parametrize("record, code", [
     ({"prompt": "p", "responses": ["a"], "scores": [1]}, "too_few_responses"),
-    ({"prompt": "p", "responses": ["a", "a"], "scores": [1, 0]}, "duplicate_response"),  # the labels contradict
+    ({"prompt": "p", "responses": ["a", "a", "b"], "scores": [1, 0, 0]}, "duplicate_response"),  # 'a' contradicts
     ({"prompt": "p", "responses": ["a", "a"], "scores": [1, 1]}, "too_few_responses"),  # one distinct response
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1, 1]}, "all_tied"),
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1, "high"]}, "bad_value"),
@@ -58,7 +58,7 @@ def test_each_layout_is_detected_and_read_with_its_scores():
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1]}, "bad_value"),
     ({"prompt": "p", "responses": ["a", "b"], "ranks": [1, 0]}, "bad_value"),
     ({"prompt": "p", "responses": ["a", "b"], "ranks": [1, 2], "scores": [0, 1]}, "bad_value"),  # they disagree
-    ({"prompt": "p", "responses": ["a", ""], "scores": [1, 0]}, "empty_reply"),
+    ({"prompt": "p", "responses": ["a", ""], "scores": [1, 0]}, "too_few_responses"),  # the empty one left out
     ({"prompt": "", "responses": ["a", "b"], "scores": [1, 0]}, "empty_prompt"),
 ])
 def test_bad_records_are_refused_with_their_reason(record, code):
@@ -69,9 +69,12 @@ def test_bad_records_are_refused_with_their_reason(record, code):
 
 
 def test_a_response_given_twice_with_one_score_is_kept_once_and_counted():
-    pairs, merged = normalize_all({"prompt": "p", "responses": ["a", "a", "b"], "scores": [1, 1, 0]}, "responses",
-                                  source="s", line=1, pairs_from="expand")
-    assert merged == 1 and [(p.chosen[0][1], p.rejected[0][1]) for p in pairs] == [("a", "b")]
+    pairs, responses = normalize_all({"prompt": "p", "responses": ["a", "a", "b", " ", "c", "c"],
+                                      "scores": [1, 1, 0, 3, 2, 0]}, "responses", source="s", line=1,
+                                     pairs_from="expand")
+    # the repeat kept once; the empty one, and both copies of the text scored two ways, left out
+    assert (responses.merged, responses.dropped, responses.contradicted) == (1, 1, 2)
+    assert [(p.chosen[0][1], p.rejected[0][1]) for p in pairs] == [("a", "b")]
 
 
 def test_pairs_from_expand_best_worst_and_best_random():
@@ -257,7 +260,7 @@ def test_what_a_break_it_pass_found_in_multi_response_data_stays_fixed(tmp_path)
                             json.dumps(LAYOUTS["nectar"])]) + "\n")
     prompts, skipped = read_prompts([str(f)], "auto", {"helpfulness": 1.0})
     assert len(prompts) == 2 and skipped["count"] == 3
-    assert skipped["reasons"] == {"not_an_object": 2, "duplicate_response": 1}
+    assert skipped["reasons"] == {"not_an_object": 2, "duplicate_response": 1}  # its only two responses contradict
     (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"}) + "\n")
     with pytest.raises(ResponsesEvalError, match="a text record, not K scored responses"):
         read_prompts([str(tmp_path / "pairs.jsonl")], "auto", {"helpfulness": 1.0})
