@@ -250,6 +250,16 @@ def group_rows(rows: list[Row]) -> dict[str, Any]:
             "responses": [[{"role": m[0], "content": m[1]} for m in r.response] for r in rows],
             "scores": [r.score for r in rows]}
 
+def raw_responses(record: Mapping[str, Any], fmt: str) -> tuple[tuple[Message, ...], list[tuple[Message, ...]]]:
+    """The prompt and every response of a record as given (none left out: to score them all).
+    Raises BadRecord, an empty response among them included."""
+    prompt, responses, _ = _READERS[fmt](record)
+    for i, r in enumerate(responses):
+        if r == EMPTY:
+            raise BadRecord("empty_reply", f"response {i} is empty: nothing to score")
+    return prompt, responses
+
+
 def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: int) -> CanonicalResponses:
     """One raw record of multi-response layout ``fmt``; raises BadRecord (a Tie when every score
     is equal: no pair to learn from)."""

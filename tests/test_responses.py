@@ -160,6 +160,18 @@ def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_s
     assert 0 <= ranked["pair_accuracy"] <= 1 and 0 <= ranked["best_of_k_accuracy"] <= 1
     assert len(ranked["subsets"]) > 1 and "length_baseline" in ranked
     assert "best-of-K accuracy" in (tmp_path / "ranked" / "report.md").read_text()
+    # rmflow score: a record of K responses scored in one call, each response as its own conversation scores
+    from rmflow.scoring.scorers import score_file
+
+    record = json.loads(rows[0])
+    alone = [[{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": r}]
+             for r in record["responses"]]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in [record, *alone, {"responses": 3}]) + "\n")
+    counts = score_file(str(tmp_path / "run"), str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"))
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert counts == {"scored": 1 + len(alone), "errors": 1} and "error" in out[-1]
+    assert out[0]["response_scores"] == pytest.approx([o["score"] for o in out[1:-1]], abs=1e-5)
+    assert out[0]["best_response"] == max(range(len(alone)), key=lambda k: out[0]["response_scores"][k])
 
 
 def _helpsteer_rows():

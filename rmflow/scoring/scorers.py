@@ -30,6 +30,7 @@ from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.metrics import STEP_THRESHOLD
 from rmflow.schemas.stops import refuse_if_stopping
 from rmflow.scoring.api import BadConversation, RewardModel
@@ -92,10 +93,11 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
                 obj = jsontext.loads(text, allow_nan=False)
             except (ValueError, RecursionError) as e:  # NotJsonText is a ValueError
                 raise BadConversation(f"not valid JSON text: {e}") from e
-            ids = scorer.encode(rm, obj, truncate=truncate)
+            conversations = responses_of(obj) if kind_named(rm.kind).normalizable else None
+            encoded = [scorer.encode(rm, c, truncate=truncate) for c in (conversations or [obj])]
             rows.append(echoed(obj if isinstance(obj, dict) else {"messages": obj}, OUTPUT_FIELDS | LINE_FIELDS))
-            seqs.append(ids)
-            where.append(len(rows) - 1)
+            seqs.extend(encoded)
+            where.extend((len(rows) - 1, k if conversations else None) for k in range(len(encoded)))
         except Exception as e:  # noqa: BLE001 - every bad line is reported, none is lost
             reason = str(e) if isinstance(e, BadConversation) else f"{type(e).__name__}: {e}"
             kept = echoed(obj, OUTPUT_FIELDS | LINE_FIELDS) \
@@ -105,11 +107,40 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
     shapes = rm.shapes(batch_size)
     for batch in shapes.plan([scorer.size(x) for x in seqs]):
         for i, fields in zip(batch, scorer.run(rm, [seqs[i] for i in batch], shapes)):
-            rows[where[i]].update(fields)
+            row, k = where[i]
+            if k is None:
+                rows[row].update(fields)
+            else:  # one of a record's K responses
+                rows[row].setdefault(RESPONSE_SCORES, {})[k] = fields["score"]
         if progress:
             progress(len(batch))
+    for row in rows:
+        if RESPONSE_SCORES in row:
+            scores = [row[RESPONSE_SCORES][k] for k in range(len(row[RESPONSE_SCORES]))]
+            row.update({RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__)})
     _write(output_path, rows)
-    return {"scored": len(seqs), "errors": len(rows) - len(seqs)}
+    scored = len({row for row, _ in where})
+    return {"scored": scored, "errors": len(rows) - scored}
+
+
+
+def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
+    """A record of K responses to one prompt (a multi-response layout, ``rendering.responses``) as
+    its K conversations, the prompt and each response, to score in one call (in the given order,
+    left-out responses included: every response gets its score); None for any other record."""
+    from rmflow.rendering.formats import candidate_formats
+    from rmflow.schemas.config import MULTI_FORMATS, ROW_FORMATS
+
+    if not isinstance(obj, dict):
+        return None
+    layouts = [f for f in candidate_formats(obj) if f in MULTI_FORMATS and f not in ROW_FORMATS]
+    if len(layouts) != 1:
+        return None
+    from rmflow.rendering.responses import raw_responses
+
+    prompt, responses = raw_responses(obj, layouts[0])
+    as_dicts = [{"role": m[0], "content": m[1]} for m in prompt]
+    return [as_dicts + [{"role": m[0], "content": m[1]} for m in r] for r in responses]
 
 
 def _run_outcome(rm: RewardModel, seqs: list, shapes) -> list[dict[str, Any]]:
@@ -152,7 +183,9 @@ class Scorer:
 OUTCOME_SCORER = Scorer(RewardModel.encode, len, _run_outcome, ("score", "score_normalized"), _warm)
 PROCESS_SCORER = Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
                         _warm, _step_slots)
-OUTPUT_FIELDS = frozenset(f for s in (OUTCOME_SCORER, PROCESS_SCORER) for f in s.fields)  # rmflow's: never a record's own
+RESPONSE_SCORES, BEST_RESPONSE = "response_scores", "best_response"  # a K-response record's (responses_of)
+OUTPUT_FIELDS = frozenset({*(f for s in (OUTCOME_SCORER, PROCESS_SCORER) for f in s.fields), RESPONSE_SCORES,
+                           BEST_RESPONSE})  # rmflow's: never a record's own
 
 
 def _write(path: str, rows: list[dict[str, Any]]) -> None:
