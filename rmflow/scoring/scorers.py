@@ -129,6 +129,7 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
     its K conversations, the prompt and each response, to score in one call (in the given order,
     left-out responses included: every response gets its score); None for any other record."""
     from rmflow.rendering.formats import candidate_formats
+    from rmflow.rendering.responses import raw_responses
     from rmflow.schemas.config import MULTI_FORMATS, ROW_FORMATS
 
     if not isinstance(obj, dict):
@@ -136,8 +137,6 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
     layouts = [f for f in candidate_formats(obj) if f in MULTI_FORMATS and f not in ROW_FORMATS]
     if len(layouts) != 1:
         return None
-    from rmflow.rendering.responses import raw_responses
-
     prompt, responses = raw_responses(obj, layouts[0])
     as_dicts = [{"role": m[0], "content": m[1]} for m in prompt]
     return [as_dicts + [{"role": m[0], "content": m[1]} for m in r] for r in responses]
