@@ -78,6 +78,20 @@ NOT_WRITTEN = (
 )
 
 
+# What the job counts besides what it writes or drops (the noted entries' (category, code); code
+# None: any): (stats key, category, code, what the summary says).
+NOTED_COUNTS = (
+    ("contaminated_marked", "contaminated", None, "written, marked contaminated (contamination.jsonl)"),
+    ("pairs_from_responses", "made", None, "pairs made beyond one a prompt (--pairs-from, K responses)"),
+    ("rows_grouped", "grouped", None, "rows read into their prompt's record (a response a row)"),
+    ("responses_contradicted", "merged", "contradicting_response", "responses scored two ways (the same text), "
+                                                                   "left out"),
+    ("responses_empty", "merged", "empty_response", "empty responses left out of their prompt's record"),
+    ("responses_merged", "merged", "duplicate_response", "responses given twice with one score, kept once"),
+    ("score_ties_kept", "tie", None, "kept with equal scores (--drop-score-ties drops them)"),
+)
+
+
 def gather(items: list) -> dict[str, Any]:
     """The exact per-file, per-reason and per-shard counts gathered in the pipeline."""
     summary: dict[str, Any] = {"files": {}, "dead": [], "shards": [], "marked": [], "dead_by_file": []}
@@ -174,19 +188,8 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
         "pairs_written_train": written["train"],
         "pairs_written_eval": written["eval"],
         **{key: by_category[category] for key, category, _ in NOT_WRITTEN},
-        # written all the same, and counted: found contaminated (decontaminate_mark_only), scored alike
-        "contaminated_marked": sum(d["count"] for d in summary["marked"] if d["category"] == "contaminated"),
-        "score_ties_kept": sum(d["count"] for d in summary["marked"] if d["category"] == "tie"),
-        # pairs made beyond one a record: a prompt's K responses as several pairs (--pairs-from)
-        "pairs_from_responses": sum(d["count"] for d in summary["marked"] if d["category"] == "made"),
-        "responses_merged": sum(d["count"] for d in summary["marked"]
-                                if d["category"] == "merged" and d["code"] == "duplicate_response"),
-        "responses_empty": sum(d["count"] for d in summary["marked"]
-                               if d["category"] == "merged" and d["code"] == "empty_response"),
-        "responses_contradicted": sum(d["count"] for d in summary["marked"]
-                                      if d["category"] == "merged" and d["code"] == "contradicting_response"),
-        # rows of a response-a-row layout read into their prompt's record (beyond its first row)
-        "rows_grouped": sum(d["count"] for d in summary["marked"] if d["category"] == "grouped"),
+        **{key: sum(d["count"] for d in summary["marked"] if d["category"] == category and code in (None, d["code"]))
+           for key, category, code, _ in NOTED_COUNTS},
         "prompt_truncated": sum(s.get("truncated", 0) for s in summary["shards"]),  # written, prompt cut
         # written, with special-token text in a message (kept as text, never as control tokens)
         "special_token_text": sum(s.get("special_text", 0) for s in summary["shards"]),

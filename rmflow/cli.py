@@ -190,25 +190,14 @@ def print_summary(stats: dict, output: str) -> None:
     table.add_row("records read", f"{c['records_read']:,}")
     table.add_row("written (train / eval)",
                   f"{c['pairs_written']:,} ({c['pairs_written_train']:,} / {c['pairs_written_eval']:,})")
-    from rmflow.pipelines.finalize import NOT_WRITTEN
+    from rmflow.pipelines.finalize import NOT_WRITTEN, NOTED_COUNTS
 
     for key, _, what in NOT_WRITTEN:
         if key not in ("contaminated", "weak_labels") or c.get(key):  # filters asked for: a row when they dropped any
             table.add_row(what if key == "errors" else f"dropped: {what}", f"{c.get(key, 0):,}")
-    if c.get("contaminated_marked"):
-        table.add_row("written, marked contaminated (contamination.jsonl)", f"{c['contaminated_marked']:,}")
-    if c.get("pairs_from_responses"):
-        table.add_row("pairs made beyond one a prompt (--pairs-from, K responses)", f"{c['pairs_from_responses']:,}")
-    if c.get("rows_grouped"):
-        table.add_row("rows read into their prompt's record (a response a row)", f"{c['rows_grouped']:,}")
-    if c.get("responses_contradicted"):
-        table.add_row("responses scored two ways (the same text), left out", f"{c['responses_contradicted']:,}")
-    if c.get("responses_empty"):
-        table.add_row("empty responses left out of their prompt's record", f"{c['responses_empty']:,}")
-    if c.get("responses_merged"):
-        table.add_row("responses given twice with one score, kept once", f"{c['responses_merged']:,}")
-    if c.get("score_ties_kept"):
-        table.add_row("kept with equal scores (--drop-score-ties drops them)", f"{c['score_ties_kept']:,}")
+    for key, _, _, what in NOTED_COUNTS:
+        if c.get(key):
+            table.add_row(what, f"{c[key]:,}")
     for eval_file, n in stats.get("contaminated_by_eval_file", {}).items():
         table.add_row(f"  contaminated: overlapping {eval_file}", f"{n:,}")
     if kind.counts_steps:
