@@ -84,6 +84,9 @@ NOTED_COUNTS = (
     ("contaminated_marked", "contaminated", None, "written, marked contaminated (contamination.jsonl)"),
     ("pairs_from_responses", "made", None, "pairs made beyond one a prompt (--pairs-from, K responses)"),
     ("rows_grouped", "grouped", None, "rows read into their prompt's record (a response a row)"),
+    ("responses_capped", "merged", "capped_response", "responses past --max-responses, left out"),
+    ("responses_too_long", "merged", "long_response", "responses too long for max_length with their prompt, left "
+                                                      "out"),
     ("responses_contradicted", "merged", "contradicting_response", "responses scored two ways (the same text), "
                                                                    "left out"),
     ("responses_empty", "merged", "empty_response", "empty responses left out of their prompt's record"),
@@ -204,7 +207,7 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
             counts[name] = sum(k * n for split in lengths.values() for k, n in split.get(field, {}).items())
         for split in lengths.values():
             split.pop("incorrect", None)  # a count, not a length
-    tokens = sum(n * length for split in lengths.values() for f in ("chosen", "rejected", "sequence")
+    tokens = sum(n * length for split in lengths.values() for f in ("chosen", "rejected", "sequence", "tokens")
                  for length, n in split.get(f, {}).items())
     return {
         "kind": kind.name,

@@ -164,15 +164,18 @@ def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
 
 
 def check_pairs_from(cfg: PreprocessConfig, files: list[str]) -> None:
-    """A multi-response input without --pairs-from is refused before the job (each of its records
-    would be an error), as far as the sampled files' layouts tell (``check_score_options``)."""
+    """Inputs that mix K-response layouts and pairs (or stepwise data) without --pairs-from are
+    refused before the job (the first would be responses records, the rest another kind: the job
+    would fail at its end), as far as the sampled files' layouts tell (``check_score_options``)."""
     if cfg.pairs_from or cfg.format != "auto" or len(files) > LAYOUT_SAMPLE_FILES:
-        return  # a forced --format is checked by the config itself
-    multi = sorted({(layout, path) for path in files if (layout := _first_layout(path)) in MULTI_FORMATS})
-    if multi:
-        layout, path = multi[0]
-        raise PreprocessError(f"{path} holds K responses per prompt (layout {layout}): add --pairs-from expand "
-                              "(every pair whose scores differ), best-worst or best-random")
+        return  # one forced --format is one kind
+    layouts = {(layout, path) for path in files if (layout := _first_layout(path)) is not None}
+    multi = sorted((lay, path) for lay, path in layouts if lay in MULTI_FORMATS)
+    other = sorted((lay, path) for lay, path in layouts if lay not in MULTI_FORMATS)
+    if multi and other:
+        raise PreprocessError(f"{multi[0][1]} holds K responses per prompt (layout {multi[0][0]}) and {other[0][1]} "
+                              f"{other[0][0]} records: one output holds one kind. Add --pairs-from expand, best-worst "
+                              "or best-random to train on all of it as pairs, or preprocess them into separate outputs")
 
 
 def _first_layout(path: str, records: int = 100) -> str | None:
@@ -273,12 +276,13 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
     )
     all_dead = dead | "AllDeadLetters" >> beam.Flatten()
     after = all_dead | "WriteErrors" >> WriteErrors(f"{plan.staging}/{ERRORS_FILE}")
+    noted = (norm["noted"], fitted["noted"]) | "Noted" >> beam.Flatten()
     if marked is None:
-        marked = norm["noted"]
+        marked = noted
     else:
         listed = marked | "WriteContamination" >> WriteErrors(f"{plan.staging}/{CONTAMINATION_FILE}")
         after = (after, listed) | "Written" >> beam.Flatten()
-        marked = (marked, norm["noted"]) | "AllNoted" >> beam.Flatten()
+        marked = (marked, noted) | "AllNoted" >> beam.Flatten()
     (read["files"], all_dead, shards, marked) | "Finalize" >> Finalize(fin, after)
 
 

@@ -180,7 +180,9 @@ class NormalizeFn(beam.DoFn):
                         (responses.dropped if responses else 0,
                          Merged("empty_response", "an empty response, left out of its record")),
                         (responses.contradicted if responses else 0,
-                         Merged("contradicting_response", "the same text scored two ways, left out of its record"))):
+                         Merged("contradicting_response", "the same text scored two ways, left out of its record")),
+                        (responses.capped if responses else 0,
+                         Merged("capped_response", "a response past --max-responses, left out of its record"))):
             if n:  # the record is written all the same: counted, never silent
                 yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", note), "count": n})
         if len(pairs) > 1:  # the pairs of a prompt's K responses: counted, so the job reconciles exactly
@@ -428,18 +430,26 @@ class LengthPolicyFn(beam.DoFn):
         truncated = record.prompt_len != tp.prompt_len
         if truncated:
             self.truncated.inc()
+        left_out = len(getattr(p, "responses", ())) - getattr(record, "k", 0)
+        if left_out > 0:  # a prompt's responses too long to fit with it: the record is written without them
+            note = Merged("long_response", f"a response too long for max_length {self.max_length} with its prompt, "
+                          "left out of its record")
+            yield TaggedOutput(NOTED, {**dead_letter("length", p.source, p.line, "", note), "count": left_out})
         yield record, encoded, (p.source, p.line), truncated, tp.special_text, p.split_key
 
 
 class ApplyLengthPolicy(beam.PTransform):
+    """Outputs main (records that fit), dead (records that do not) and noted (responses left out
+    of a record that was written)."""
+
     def __init__(self, max_length: int, policy: str):
         super().__init__()
         self.max_length, self.policy = max_length, policy
 
     def expand(self, tokenized):
-        return _split_outputs(
-            tokenized | "Filter" >> beam.ParDo(LengthPolicyFn(self.max_length, self.policy)).with_outputs(DEAD, main="main")
-        )
+        out = tokenized | "Filter" >> beam.ParDo(LengthPolicyFn(self.max_length, self.policy)).with_outputs(
+            DEAD, NOTED, main="main")
+        return {"main": out.main, "dead": out[DEAD], "noted": out[NOTED]}
 
 
 # --------------------------------------------------------------------------- split + write

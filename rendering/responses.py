@@ -1,6 +1,8 @@
 """Multi-response layouts: one prompt with K rated or ranked responses, read into one
-``CanonicalResponses``, and turned into preference pairs (``to_pairs``): every ordered pair
-with a score difference (``expand``), or one pair a prompt (``best-worst``, ``best-random``).
+``CanonicalResponses``: kept whole (a responses record, trained listwise: at most
+``max_responses`` of them, ``cap_responses``), or turned into preference pairs (``to_pairs``):
+every ordered pair with a score difference (``expand``), or one pair a prompt (``best-worst``,
+``best-random``).
 
 Layouts, as they are published (``schemas.config.MULTI_FORMATS``; detected by their signatures in
 ``rendering.formats``):
@@ -69,12 +71,35 @@ class CanonicalResponses:
     merged: int = 0  # responses given twice (the same text, scored alike), kept once
     dropped: int = 0  # empty responses, left out
     contradicted: int = 0  # copies of a text scored two ways (its labels contradict), left out
+    capped: int = 0  # responses past --max-responses, left out (``cap_responses``)
+    raw: str = dataclasses.field(default="", compare=False, repr=False)  # for the errors file
+    margin = None  # a pair's field, absent here
+    is_tokenized = False
 
     @property
     def group(self) -> str:
         """The prompt's content hash: every pair made from this prompt goes to one split."""
         blob = json.dumps(["prompt", self.prompt], ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+    @property
+    def split_key(self) -> str:
+        """The prompt: its record goes to the split its pairs would (``to_pairs``), so that a
+        listwise run and a run on the same data as pairs hold out the same prompts."""
+        return self.group
+
+    @property
+    def pair_id(self) -> str:
+        """Stable 128-bit content hash of the prompt, its responses and their scores (the name is
+        the pairs': dedup keys on it)."""
+        blob = json.dumps(["responses", self.prompt, self.responses, self.scores], ensure_ascii=False,
+                          separators=(",", ":")).encode("utf-8")
+        return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+    @property
+    def reply_texts(self) -> tuple[str, ...]:
+        """The text of each response (its messages' text, a line each)."""
+        return tuple("\n".join(m[1] for m in r) for r in self.responses)
 
 
 def _prompt(value: Any, name: str) -> tuple[Message, ...]:
@@ -327,23 +352,39 @@ def to_pairs(r: CanonicalResponses, mode: str, *, margin_from_scores: bool = Fal
                           score_gap=s[i] - s[j], group=r.group) for i, j in order]
 
 
+def cap_responses(r: CanonicalResponses, most: int) -> CanonicalResponses:
+    """``r`` with at most ``most`` responses: the best, the worst, and the rest spread evenly over
+    the ranking between them (ties in the order given), kept in their order; the others are
+    counted (``capped``)."""
+    k = len(r.responses)
+    if k <= most:
+        return r
+    ranked = sorted(range(k), key=lambda i: (-r.scores[i], i))
+    keep = sorted({ranked[round(j * (k - 1) / (most - 1))] for j in range(most)})
+    return dataclasses.replace(r, responses=tuple(r.responses[i] for i in keep),
+                               scores=tuple(r.scores[i] for i in keep), capped=r.capped + k - len(keep))
+
+
 def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_scores: bool = False,
-                  min_score_gap: float = 0.0, drop_score_ties: bool = False, pairs_from: str = ""
-                  ) -> tuple[list[CanonicalPair | CanonicalSteps], CanonicalResponses | None]:
+                  min_score_gap: float = 0.0, drop_score_ties: bool = False, pairs_from: str = "",
+                  max_responses: int = 0) -> tuple[list[CanonicalPair | CanonicalSteps | CanonicalResponses],
+                                                   CanonicalResponses | None]:
     """One raw record in layout ``fmt`` to its canonical records: one (``formats.normalize``), or
-    for a multi-response layout the pairs ``pairs_from`` makes of it, with the responses they
-    were made of (what was merged or dropped). Raises BadRecord."""
+    for a multi-response layout the pairs ``pairs_from`` makes of it or (``pairs_from`` empty) the
+    record itself, at most ``max_responses`` of its responses (0: all); with the responses they
+    were made of (what was merged, dropped or capped). Raises BadRecord."""
     if fmt not in MULTI_FORMATS:
         return [normalize(record, fmt, source=source, line=line, margin_from_scores=margin_from_scores,
                           min_score_gap=min_score_gap, drop_score_ties=drop_score_ties)], None
     if not isinstance(record, Mapping):
         raise BadRecord("not_an_object", f"record is a JSON {type(record).__name__}, not an object")
-    if not pairs_from:
-        raise BadRecord("multi_response", f"layout {fmt} holds K responses per prompt: preprocess with --pairs-from "
-                        "expand, best-worst or best-random")
     if fmt in ROW_FORMATS:  # grouped by their prompt before (group_rows): one row alone is no record
         raise BadRecord("response_row", f"layout {fmt} has one response a row; `rmflow preprocess` groups the rows "
                         "of each prompt")
     responses = read_responses(record, fmt, source=source, line=line)
+    if not pairs_from:
+        if max_responses:
+            responses = cap_responses(responses, max_responses)
+        return [responses], responses
     pairs = to_pairs(responses, pairs_from, margin_from_scores=margin_from_scores, min_score_gap=min_score_gap)
     return pairs, responses

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 from rmflow.rendering.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
-from rmflow.rendering.length import apply_length_policy, apply_length_policy_steps
+from rmflow.rendering.length import TooLong, apply_length_policy, apply_length_policy_steps
+from rmflow.rendering.responses import CanonicalResponses
 from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.manifest import (
@@ -27,7 +28,7 @@ from rmflow.schemas.manifest import (
     tokenizer_sha256,
     vocabulary_sha256,
 )
-from rmflow.schemas.record import PairRecord, StepRecord
+from rmflow.schemas.record import PairRecord, ResponsesRecord, StepRecord
 
 # transformers announces at import that PyTorch is absent: irrelevant here (tokenizers only).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -155,6 +156,47 @@ class TokenizedSteps:
                           subset=p.subset)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenizedResponses:
+    canonical: CanonicalResponses  # the record it was tokenized from
+    sequences: tuple[np.ndarray, ...]  # the prompt and each response, whole
+    prompt_len: int  # leading tokens every sequence shares (the prompt)
+    head_len: int
+    special_text: bool = False
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    def fit(self, max_length: int, policy: str) -> ResponsesRecord:
+        """The shard record that fits ``max_length``: each response whose conversation (prompt and
+        response) is too long is left out (``drop``), or the oldest prompt tokens after the
+        template's leading ones are cut so that the longest response that can fit does
+        (``truncate-prompt``; a response too long even so is left out). Raises TooLong when fewer
+        than two responses, or only responses of one score, remain."""
+        if policy not in ("drop", "truncate-prompt"):
+            raise ValueError(f"unknown length policy {policy!r}")
+        p, seqs = self.prompt_len, self.sequences
+        room = 0 if policy == "drop" else p - min(self.head_len, p)  # prompt tokens that may go
+        keep = [i for i, s in enumerate(seqs) if len(s) - room <= max_length]
+        scores = self.canonical.scores
+        if len(keep) < 2 or len({scores[i] for i in keep}) < 2:
+            longest = max(len(s) for s in seqs)
+            raise TooLong("too_long" if policy == "drop" else "replies_too_long",
+                          f"{len(keep)} of {len(seqs)} responses fit max_length {max_length} with their prompt "
+                          f"(the longest has {longest} tokens)" + ("" if len(keep) < 2 else ", all of one score"))
+        cut = max(0, max(len(seqs[i]) for i in keep) - max_length)
+        head = min(self.head_len, p)
+        prompt = seqs[keep[0]][:p]
+        prompt = np.concatenate([prompt[:head], prompt[head + cut:]])
+        responses = [seqs[i][p:] for i in keep]
+        c = self.canonical
+        return ResponsesRecord(prompt_ids=prompt, responses=responses,
+                               lasts=[len(prompt) + len(r) - 1 for r in responses],
+                               scores=[scores[i] for i in keep], record_id=c.pair_id,
+                               source=os.path.basename(c.source), subset=c.subset)
+
+
 def step_token_ends(char_ends: Sequence[int], offsets: Sequence[tuple[int, int]], prompt_len: int) -> np.ndarray:
     """The token that scores each step: the last token that ends at or before the step's end (its
     text and separator), so it never covers text of a later step. Raises BadRecord when a step
@@ -245,13 +287,22 @@ class RecordTokenizer:
                 return [self._template_error(pairs[0])]
             return [r for p in pairs for r in self.render([p])]
 
-    def _render_batch(self, items: Sequence[CanonicalPair | CanonicalSteps]) -> list:
+    def _render_batch(self, items: Sequence[CanonicalPair | CanonicalSteps | CanonicalResponses]) -> list:
         text_pairs = [p for p in items if isinstance(p, CanonicalPair) and not p.is_tokenized]
         solutions = [p for p in items if isinstance(p, CanonicalSteps)]
+        prompts = [p for p in items if isinstance(p, CanonicalResponses)]
         pairs = iter(self._render_pairs(text_pairs)) if text_pairs else iter(())
         steps = iter(self._render_steps(solutions)) if solutions else iter(())
-        return [next(steps) if isinstance(p, CanonicalSteps) else Rendered(p) if p.is_tokenized else next(pairs)
-                for p in items]
+        lists = iter(self._render_responses(prompts)) if prompts else iter(())
+        return [next(steps) if isinstance(p, CanonicalSteps) else next(lists) if isinstance(p, CanonicalResponses)
+                else Rendered(p) if p.is_tokenized else next(pairs) for p in items]
+
+    def _render_responses(self, items: Sequence[CanonicalResponses]) -> list[RenderedResponses]:
+        """The prompt (with generation prompt), and the prompt with each response."""
+        prompts = self._render_many([p.prompt for p in items], True)
+        whole = iter(self._render_many([p.prompt + r for p in items for r in p.responses], False))
+        return [RenderedResponses(p, prompt, tuple(next(whole) for _ in p.responses))
+                for p, prompt in zip(items, prompts)]
 
     def _render_steps(self, items: Sequence[CanonicalSteps]) -> list[RenderedSteps | BadRecord]:
         """The prompt (with generation prompt) and the whole solution, every step followed by the
@@ -415,10 +466,28 @@ class RecordTokenizer:
             return e
         return TokenizedSteps(r.canonical, ids, ends, prompt_len, self.head_len(r.canonical.prompt))
 
-    def _tokenized(self, r: Rendered | RenderedSteps, enc_c: Any, enc_r: Any = None
-                   ) -> TokenizedPair | TokenizedSteps | BadRecord:
+    def _tokenized_responses(self, r: RenderedResponses, encs: Sequence[Any]) -> TokenizedResponses | BadRecord:
+        seqs = tuple(np.asarray(e.ids, np.int32) for e in encs)
+        if not all(len(s) for s in seqs):
+            return BadRecord("template_error", "the chat template rendered an empty sequence")
+        common = min(_common_prefix(seqs[0], s) for s in seqs[1:])
+        prompt_len = None
+        if all(t.startswith(r.prompt_text) for t in r.texts):
+            at = {e.char_to_token(len(r.prompt_text)) for e in encs}
+            if len(at) == 1 and None not in at and next(iter(at)) <= common:
+                prompt_len = next(iter(at))
+        if prompt_len is None:  # the template does not render the prompt as a prefix
+            prompt_len = common
+        prompt_len = min(prompt_len, min(len(s) for s in seqs) - 1)
+        return TokenizedResponses(r.canonical, seqs, prompt_len, self.head_len(r.canonical.prompt))
+
+    def _tokenized(self, r: Rendered | RenderedSteps | RenderedResponses, enc_c: Any, *more: Any
+                   ) -> TokenizedPair | TokenizedSteps | TokenizedResponses | BadRecord:
         if isinstance(r, RenderedSteps):
             return self._tokenized_steps(r, enc_c)
+        if isinstance(r, RenderedResponses):
+            return self._tokenized_responses(r, (enc_c, *more))
+        enc_r = more[0]
         chosen = np.asarray(enc_c.ids, np.int32)
         rejected = np.asarray(enc_r.ids, np.int32)
         if not len(chosen) or not len(rejected):
@@ -449,12 +518,14 @@ def message_dict(m: Message) -> dict[str, Any]:
     return d
 
 
-def _conversations(r: Rendered | RenderedSteps) -> list[list[str]]:
+def _conversations(r: Rendered | RenderedSteps | RenderedResponses) -> list[list[str]]:
     """The message texts (in order) of each text ``r.texts`` holds."""
     p = r.canonical
     prompt = [m[1] for m in p.prompt]
     if isinstance(r, RenderedSteps):
         return [prompt + list(p.steps)]
+    if isinstance(r, RenderedResponses):
+        return [prompt + [m[1] for m in resp] for resp in p.responses]
     return [prompt + [m[1] for m in p.chosen], prompt + [m[1] for m in p.rejected]]
 
 
@@ -494,3 +565,10 @@ class RenderedSteps:
     @property
     def texts(self) -> tuple[str, ...]:
         return (self.text,)
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedResponses:
+    canonical: CanonicalResponses
+    prompt_text: str
+    texts: tuple[str, ...]  # the prompt with each response

@@ -15,7 +15,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from rmflow.schemas.kinds import KINDS, OUTCOME, PROCESS, kind_named
+from rmflow.schemas.kinds import KINDS, OUTCOME, PROCESS, RESPONSES, kind_named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,9 @@ class KindHandlers:
 HANDLERS = {
     OUTCOME.name: KindHandlers("rmflow.eval.evaluation:eval_pairs", "rmflow.eval.reports:pair_summary",
                                "rmflow.scoring.scorers:OUTCOME_SCORER", "rmflow.server.protocol:OUTCOME_NATIVE"),
+    # K responses per prompt: evaluated as rankings; the model it trains scores and serves as an outcome model
+    RESPONSES.name: KindHandlers("rmflow.eval.responses:eval_records", "rmflow.eval.reports:pair_summary",
+                                 "rmflow.scoring.scorers:OUTCOME_SCORER", "rmflow.server.protocol:OUTCOME_NATIVE"),
     PROCESS.name: KindHandlers("rmflow.eval.evaluation:eval_process", "rmflow.eval.reports:process_summary",
                                "rmflow.scoring.scorers:PROCESS_SCORER", "rmflow.server.protocol:PROCESS_NATIVE"),
 }

@@ -116,11 +116,14 @@ class PreprocessConfig(Config):
     beam_args: tuple[str, ...] = option((), "Extra Beam pipeline options, passed through unchanged.")
     batch_size: int = option(128, "Pairs per tokenizer batch call.")
     pairs_from: str = option(
-        "", "Multi-response layouts (K rated or ranked responses per prompt): expand (every pair of responses whose "
-        "scores differ, the better one chosen: all the signal, each prompt computed once per pair), best-worst (the "
-        "best against the worst), or best-random (the best against one lower-scored response, picked by a hash of "
-        "the record). Every pair of one prompt goes to one split. Needed for these layouts (training on all K "
-        "responses at once is not built yet).")
+        "", "Multi-response layouts (K rated or ranked responses per prompt): empty (the default) keeps each prompt "
+        "whole, one responses record (its prompt computed once in training, a listwise loss); expand makes every "
+        "pair of responses whose scores differ, the better one chosen (each prompt computed once per pair); "
+        "best-worst the best against the worst; best-random the best against one lower-scored response, picked by a "
+        "hash of the record. Every pair of one prompt goes to one split, the split its record would go to.")
+    max_responses: int = option(
+        16, "Multi-response layouts kept whole: a prompt with more responses keeps this many, the best, the worst and "
+        "the rest spread evenly over the ranking (stats: responses_capped).")
     attribute_weights: str = option(
         "helpfulness=1", "Layouts that rate each response on several attributes (helpsteer): the score that orders "
         "a prompt's responses, a weighted sum name=weight,name=weight (HelpSteer2's published weights: "
@@ -148,9 +151,7 @@ class PreprocessConfig(Config):
         parse_weights(self.attribute_weights)  # refused here, not per record
         if self.pairs_from not in PAIRS_FROM:
             raise ConfigError(f"pairs_from {self.pairs_from!r}: use one of {', '.join(p for p in PAIRS_FROM if p)}")
-        if self.format in MULTI_FORMATS and not self.pairs_from:
-            raise ConfigError(f"format {self.format}: K responses per prompt train as pairs: add --pairs-from expand "
-                              "(every pair whose scores differ), best-worst or best-random")
+        check_int(self.max_responses, "max_responses", 2)
         if self.format != "auto" and self.format not in FORMATS:
             raise ConfigError(f"format {self.format!r}: use 'auto' or one of {', '.join(FORMATS)}")
         if self.length_policy not in LENGTH_POLICIES:
@@ -228,7 +229,7 @@ def checkpoint_step(value: Any) -> int | str | None:
 
 
 # PreprocessConfig fields that decide how a raw record becomes a pair (rendering.formats.normalize_all).
-NORMALIZE_OPTIONS = ("margin_from_scores", "min_score_gap", "drop_score_ties", "pairs_from")
+NORMALIZE_OPTIONS = ("margin_from_scores", "min_score_gap", "drop_score_ties", "pairs_from", "max_responses")
 EVAL_MODES = ("pairs", "rewardbench-v1", "rewardbench-v2", "responses")
 EVAL_SPLITS = ("eval", "train", "all")
 # PreprocessConfig fields that `rmflow eval` takes for raw files (the tokenizer, max_length and

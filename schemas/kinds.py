@@ -9,6 +9,10 @@ kind names or head widths itself.
 * ``outcome``: preference pairs (``PairRecord``); one score per conversation; Bradley-Terry.
 * ``process``: stepwise solutions (``StepRecord``); P(correct) at each step's end; per-step
   cross-entropy over 2 classes, exported as a token classifier as TRL and Axolotl do.
+* ``multi-response``: one prompt with K scored or ranked responses (``ResponsesRecord``), its prompt
+  computed once; a listwise loss (``trainer.objective``). The model it trains scores one
+  conversation as an outcome model does (``scores_as``): it evaluates, exports, scores and serves
+  as one.
 
 A new kind (say, a multi-attribute regression model) is one entry here, its record type in
 ``schemas/record.py``, its rendering recipe (``rendering``), its objective in
@@ -21,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.record import PairRecord, StepRecord
+from rmflow.schemas.record import PairRecord, ResponsesRecord, StepRecord
 
 
 class UnknownKind(RmflowError, ValueError):
@@ -48,6 +52,13 @@ class ModelKind:
     lengths: tuple[str, ...]  # the length histograms of its records' ``stat_lengths`` that a summary shows
     headline: tuple[str, ...]  # the eval metrics a workflow summary reports, in order
     api: str  # the Python API's scoring methods for it (``rmflow.RewardModel``), as users are told
+    scores_as: str = ""  # the kind of the model it trains, when another's (what a run records); "": itself
+
+    @property
+    def model(self) -> ModelKind:
+        """The kind of the model trained on these records: what inference, eval, export, scoring
+        and serving treat the run as."""
+        return kind_named(self.scores_as) if self.scores_as else self
 
 
 OUTCOME = ModelKind(
@@ -90,7 +101,28 @@ PROCESS = ModelKind(
     headline=("step_accuracy", "first_error_accuracy", "solutions"),
     api="score_steps([{'prompt': ..., 'completions': [step, ...]}]) (P(correct) for each step)",
 )
-KINDS: dict[str, ModelKind] = {k.name: k for k in (OUTCOME, PROCESS)}
+RESPONSES = ModelKind(
+    name="multi-response",
+    description="an outcome reward model trained on K responses per prompt (one score per conversation)",
+    record=ResponsesRecord,
+    num_labels=1,
+    unit="prompt",
+    units="prompts",
+    data="prompts with K scored responses",
+    hf_head="ForSequenceClassification",
+    head_bias=False,
+    hf_labels={"0": "LABEL_0"},
+    peft_task="SEQ_CLS",
+    eval_modes=("pairs", "responses"),
+    pairwise=True,
+    normalizable=True,
+    counts_steps=False,
+    lengths=("prompt", "longest", "responses"),
+    headline=("accuracy", "best_of_k_accuracy", "prompts"),
+    api="score or score_pairs (a score per whole reply)",
+    scores_as="outcome",
+)
+KINDS: dict[str, ModelKind] = {k.name: k for k in (OUTCOME, PROCESS, RESPONSES)}
 
 
 def kind_named(name: str) -> ModelKind:
@@ -107,9 +139,10 @@ def kind_of_record(record: object) -> ModelKind:
 
 
 def kind_of_head(num_labels: int) -> ModelKind:
-    """The kind a score head of ``num_labels`` outputs is trained as."""
+    """The kind of model a score head of ``num_labels`` outputs is (a kind that trains another
+    kind's model is never the answer)."""
     for k in KINDS.values():
-        if k.num_labels == num_labels:
+        if k.num_labels == num_labels and not k.scores_as:
             return k
     raise UnknownKind(f"a score head of {num_labels} outputs is no reward model kind rmflow knows "
                       f"({', '.join(f'{k.name}: {k.num_labels}' for k in KINDS.values())})")

@@ -158,6 +158,12 @@ class Manifest:
                 raise ManifestError(f"split {name}: shard record counts do not add up to {split.records}")
 
     @property
+    def model_kind(self) -> str:
+        """The kind of the model trained on these shards (``ModelKind.model``): what its run and
+        its export are scored, evaluated and served as."""
+        return KINDS[self.kind].model.name
+
+    @property
     def render(self) -> RenderSpec:
         """How these records were rendered (``RenderSpec``)."""
         t = self.tokenizer

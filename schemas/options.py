@@ -23,12 +23,15 @@ class ConfigError(RmflowError, ValueError):
     """A configuration value is invalid; the message says which and how to fix it."""
 
 
+NEW = "(new)"  # ``was`` of an option added after the flat train config: not in it (``TrainConfig.identity``)
+
+
 def option(default: Any, help: str, *, flags: tuple[str, ...] = (), was: str = "", required: bool = False,
            resume_free: bool = False) -> Any:
     """A config field. ``help``: its one description (CLI help, docs reference). ``flags``: the
     CLI's names for it (default ``--name-with-dashes``; a train option also keeps its dotted
     ``--section.name``). ``was``: its key in the flat train config of before, when that differs
-    from its name. ``required``: the CLI asks for it. ``resume_free``: a resumed run may change
+    from its name (``NEW``: it had none). ``required``: the CLI asks for it. ``resume_free``: a resumed run may change
     it without changing what the run computes (where it logs, how it uses the hardware)."""
     return dataclasses.field(default=default, metadata={
         "help": help, "flags": tuple(flags), "was": was, "required": required, "resume_free": resume_free})
@@ -109,7 +112,7 @@ def sections(cls: type) -> dict[str, dataclasses.Field]:
 
 def moved_keys(cls: type) -> dict[str, str]:
     """The flat key of before -> the option's dotted path now, for every option that moved."""
-    return {leaf.was: leaf.path for leaf in leaves(cls) if leaf.was_flat and leaf.was != leaf.path}
+    return {leaf.was: leaf.path for leaf in leaves(cls) if leaf.was_flat and leaf.was not in (leaf.path, NEW)}
 
 
 _TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}

@@ -1,5 +1,6 @@
 """Binary codecs for the units stored in shards: a tokenized preference pair (outcome reward
-models, ``PairRecord``) or a tokenized stepwise solution (process reward models, ``StepRecord``).
+models, ``PairRecord``), a tokenized stepwise solution (process reward models, ``StepRecord``)
+or one prompt with its K scored responses (``ResponsesRecord``).
 
 The record is read on the training hot path, so decoding is one ``struct`` unpack, one
 CRC check and two zero-copy ``numpy.frombuffer`` views. Layout (little endian)::
@@ -43,7 +44,29 @@ A step record (magic b"RMST", same version and CRC rules)::
     ..  labels       u8[n_steps]   1: the step is correct, 0: it is not; zero padding to 4 bytes
     -4  crc32        u32  of every byte before it
 
-``decode`` reads either kind (by magic); the manifest says which kind a shard folder holds.
+A responses record (magic b"RMKR", same version and CRC rules)::
+
+    0   magic        4s   b"RMKR"
+    4   version      u8   RECORD_VERSION
+    5   flags        u8   bit 1: subset present
+    6   reserved     u16  0
+    8   k            u32  responses (at least 2)
+    12  attributes   u32  N: rated attributes per response (0: none)
+    16  prompt_len   u32  tokens of the prompt, stored once
+    20  n_tokens     u32  tokens of all responses together (each the continuation after the prompt)
+    24  record_id    16s  stable content hash of the record
+    40  source_len   u16
+    42  subset_len   u16
+    44  source, subset    utf-8, then zero padding to a multiple of 4
+    ..  lengths      u32[k]     tokens of each response
+    ..  lasts        u32[k]     index, in prompt + response i, of the token whose score is its reward
+    ..  scores       f32[k]     each response's score, higher is better (a rank r is stored as -r)
+    ..  attributes   f32[k * N] each response's attribute ratings, row by row
+    ..  prompt ids   i32[prompt_len]
+    ..  response ids i32[n_tokens]
+    -4  crc32        u32  of every byte before it
+
+``decode`` reads any kind (by magic); the manifest says which kind a shard folder holds.
 """
 
 from __future__ import annotations
@@ -57,10 +80,12 @@ from rmflow.schemas.errors import RmflowError
 
 MAGIC = b"RMPR"
 STEP_MAGIC = b"RMST"
+RESPONSES_MAGIC = b"RMKR"
 RECORD_VERSION = 1
 
 _HEADER = struct.Struct("<4sBBHIIIIIf16sHH")
 _STEP_HEADER = struct.Struct("<4sBBHIII16sHH")
+_RESPONSES_HEADER = struct.Struct("<4sBBHIIII16sHH")
 _CRC = struct.Struct("<I")
 _FLAG_MARGIN = 1
 _FLAG_SUBSET = 2
@@ -176,6 +201,94 @@ class StepRecord:
         return int(wrong[0]) if wrong.size else -1
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResponsesRecord:
+    """One tokenized prompt and its K >= 2 responses, each with its score (higher is better) and
+    optionally N attribute ratings.
+
+    The prompt is stored once (``prompt_ids``); response i is the continuation ``responses[i]``
+    after it, so that ``sequence(i)`` (prompt, then response i) is what a pair record would hold
+    as one side. ``lasts[i]`` indexes the token of ``sequence(i)`` whose score is its reward.
+    """
+
+    prompt_ids: np.ndarray
+    responses: tuple[np.ndarray, ...]
+    lasts: np.ndarray
+    scores: np.ndarray
+    record_id: str
+    source: str = ""
+    subset: str | None = None
+    attributes: np.ndarray | None = None  # (K, N) float32; None or N = 0: no attributes
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", _token_array(self.prompt_ids, "prompt_ids"))
+        object.__setattr__(self, "responses", tuple(_token_array(r, f"responses[{i}]")
+                                                    for i, r in enumerate(self.responses)))
+        k = len(self.responses)
+        object.__setattr__(self, "lasts", np.asarray(self.lasts).astype(_TOKENS, copy=False))
+        object.__setattr__(self, "scores", np.asarray(self.scores, np.float32))
+        attrs = np.zeros((k, 0), np.float32) if self.attributes is None else np.asarray(self.attributes, np.float32)
+        if attrs.ndim == 1 and attrs.size == 0:
+            attrs = attrs.reshape(k, 0)
+        object.__setattr__(self, "attributes", attrs)
+        _check_responses(len(self.prompt_ids), [len(r) for r in self.responses], self.lasts, self.scores,
+                         self.attributes, ValueError)
+        if len(bytes.fromhex(self.record_id)) != 16:
+            raise ValueError(f"record_id must be 32 hex characters, got {self.record_id!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ResponsesRecord):
+            return NotImplemented
+        return (
+            np.array_equal(self.prompt_ids, other.prompt_ids)
+            and len(self.responses) == len(other.responses)
+            and all(np.array_equal(a, b) for a, b in zip(self.responses, other.responses))
+            and np.array_equal(self.lasts, other.lasts)
+            and np.array_equal(self.scores, other.scores)
+            and np.array_equal(self.attributes, other.attributes)
+            and (self.record_id, self.source, self.subset) == (other.record_id, other.source, other.subset)
+        )
+
+    __hash__ = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def k(self) -> int:
+        return len(self.responses)
+
+    def sequence(self, i: int) -> np.ndarray:
+        """The prompt then response ``i``: the whole conversation its reward scores."""
+        return np.concatenate([self.prompt_ids, self.responses[i]])
+
+    def stat_lengths(self) -> dict[str, int]:
+        """What the preprocessing statistics histogram: the prompt, the longest conversation
+        (prompt and its longest response), the responses, and the tokens stored (prompt once)."""
+        longest = max(len(r) for r in self.responses)
+        return {"prompt": self.prompt_len, "longest": self.prompt_len + longest, "responses": self.k,
+                "tokens": self.prompt_len + sum(len(r) for r in self.responses)}
+
+
+def _check_responses(prompt_len: int, lengths: list[int], lasts: np.ndarray, scores: np.ndarray,
+                     attributes: np.ndarray, exc) -> None:
+    k = len(lengths)
+    if k < 2:
+        raise exc(f"a responses record needs at least 2 responses, got {k}")
+    if any(n == 0 for n in lengths):
+        raise exc("a response has no tokens")
+    if lasts.shape != (k,) or scores.shape != (k,):
+        raise exc(f"{k} responses need {k} reward indices and {k} scores, got {lasts.shape} and {scores.shape}")
+    if attributes.ndim != 2 or attributes.shape[0] != k:
+        raise exc(f"attributes must be ({k}, N), got {attributes.shape}")
+    if not np.isfinite(scores).all() or not np.isfinite(attributes).all():
+        raise exc("scores and attributes must be finite")
+    for i, (n, last) in enumerate(zip(lengths, lasts)):
+        if not 0 <= last < prompt_len + n:
+            raise exc(f"lasts[{i}] {int(last)} outside [0, {prompt_len + n})")
+
+
 def _token_array(value, name: str) -> np.ndarray:
     arr = np.asarray(value)
     if arr.ndim != 1:
@@ -216,10 +329,12 @@ def _utf8(value: str | None, field: str) -> bytes:
     return raw
 
 
-def encode(rec: PairRecord | StepRecord) -> bytes:
+def encode(rec: PairRecord | StepRecord | ResponsesRecord) -> bytes:
     """Serialise a record; ``decode(encode(r)) == r``."""
     if isinstance(rec, StepRecord):
         return _encode_steps(rec)
+    if isinstance(rec, ResponsesRecord):
+        return _encode_responses(rec)
     source = _utf8(rec.source, "source")
     subset = _utf8(rec.subset, "subset")
     flags = (_FLAG_MARGIN if rec.margin is not None else 0) | (
@@ -252,6 +367,56 @@ def _encode_steps(rec: StepRecord) -> bytes:
     body = b"".join((header, strings, pad, rec.input_ids.tobytes(), rec.step_ends.tobytes(), labels,
                      b"\0" * (-len(labels) % 4)))
     return body + _CRC.pack(zlib.crc32(body))
+
+
+def _encode_responses(rec: ResponsesRecord) -> bytes:
+    source = _utf8(rec.source, "source")
+    subset = _utf8(rec.subset, "subset")
+    lengths = np.array([len(r) for r in rec.responses], "<u4")
+    header = _RESPONSES_HEADER.pack(
+        RESPONSES_MAGIC, RECORD_VERSION, _FLAG_SUBSET if rec.subset is not None else 0, 0,
+        rec.k, rec.attributes.shape[1], rec.prompt_len, int(lengths.sum()), bytes.fromhex(rec.record_id),
+        len(source), len(subset),
+    )
+    strings = source + subset
+    pad = b"\0" * (-(len(header) + len(strings)) % 4)
+    body = b"".join((header, strings, pad, lengths.tobytes(), rec.lasts.astype("<u4").tobytes(),
+                     rec.scores.astype("<f4").tobytes(), rec.attributes.astype("<f4").tobytes(),
+                     rec.prompt_ids.tobytes(), *(r.tobytes() for r in rec.responses)))
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def _decode_responses(buf: bytes) -> ResponsesRecord:
+    _verify(buf, _RESPONSES_HEADER, "responses record")
+    _, _, flags, _, k, n_attr, prompt_len, n_tok, rid, src_len, sub_len = _RESPONSES_HEADER.unpack_from(buf, 0)
+    str_end = _RESPONSES_HEADER.size + src_len + sub_len
+    at = str_end + (-str_end % 4)
+    if at + 4 * (3 * k + k * n_attr + prompt_len + n_tok) + _CRC.size != len(buf):
+        raise RecordCorruptError(f"length mismatch: header says {k} responses, {n_attr} attributes and "
+                                 f"{prompt_len}+{n_tok} tokens, record has {len(buf)} bytes")
+    lengths = np.frombuffer(buf, "<u4", k, at)
+    lasts = np.frombuffer(buf, "<u4", k, at + 4 * k).astype(_TOKENS)
+    scores = np.frombuffer(buf, "<f4", k, at + 8 * k)
+    attributes = np.frombuffer(buf, "<f4", k * n_attr, at + 12 * k).reshape(k, n_attr)
+    tok = at + 4 * (3 * k + k * n_attr)
+    if int(lengths.sum()) != n_tok:
+        raise RecordCorruptError(f"response lengths add up to {int(lengths.sum())}, the header says {n_tok}")
+    prompt = np.frombuffer(buf, _TOKENS, prompt_len, tok)
+    ends = np.cumsum(lengths, dtype=np.int64)
+    start = tok + 4 * prompt_len
+    responses = tuple(np.frombuffer(buf, _TOKENS, int(n), start + 4 * int(e - n)) for n, e in zip(lengths, ends))
+    _check_responses(prompt_len, [int(n) for n in lengths], lasts, scores, attributes, RecordCorruptError)
+    rec = object.__new__(ResponsesRecord)
+    for key, value in (
+        ("prompt_ids", prompt), ("responses", responses), ("lasts", lasts), ("scores", scores),
+        ("record_id", rid.hex()),
+        ("source", bytes(buf[_RESPONSES_HEADER.size : _RESPONSES_HEADER.size + src_len]).decode("utf-8")),
+        ("subset", bytes(buf[_RESPONSES_HEADER.size + src_len : str_end]).decode("utf-8")
+         if flags & _FLAG_SUBSET else None),
+        ("attributes", attributes),
+    ):
+        object.__setattr__(rec, key, value)
+    return rec
 
 
 def _verify(buf: bytes, header: struct.Struct, what: str) -> None:
@@ -296,10 +461,12 @@ def _decode_steps(buf: bytes) -> StepRecord:
     return rec
 
 
-def decode(buf: bytes) -> PairRecord | StepRecord:
-    """Parse and verify a record of either kind. Raises RecordCorruptError on any inconsistency."""
+def decode(buf: bytes) -> PairRecord | StepRecord | ResponsesRecord:
+    """Parse and verify a record of any kind. Raises RecordCorruptError on any inconsistency."""
     if bytes(buf[:4]) == STEP_MAGIC:
         return _decode_steps(buf)
+    if bytes(buf[:4]) == RESPONSES_MAGIC:
+        return _decode_responses(buf)
     n = len(buf)
     if n < _HEADER.size + _CRC.size:
         raise RecordCorruptError(f"record is {n} bytes, shorter than the {_HEADER.size}-byte header")
@@ -330,10 +497,14 @@ def decode(buf: bytes) -> PairRecord | StepRecord:
 
 
 def peek_lengths(buf: bytes) -> tuple[int, int]:
-    """(chosen tokens, rejected tokens) from the header alone, (tokens, 0) for a step record;
-    ``decode`` verifies the rest when the record is read for training."""
+    """(chosen tokens, rejected tokens) from the header alone, (tokens, 0) for a step record and
+    (tokens stored: the prompt once and every response, 0) for a responses record, as it is laid
+    out in a row; ``decode`` verifies the rest when the record is read for training."""
     if len(buf) >= _STEP_HEADER.size and buf[:4] == STEP_MAGIC:
         return _STEP_HEADER.unpack_from(buf, 0)[4], 0
+    if len(buf) >= _RESPONSES_HEADER.size and buf[:4] == RESPONSES_MAGIC:
+        fields = _RESPONSES_HEADER.unpack_from(buf, 0)
+        return fields[6] + fields[7], 0
     if len(buf) < _HEADER.size or buf[:4] != MAGIC:
         raise RecordCorruptError("not an rmflow pair record (bad magic or too short)")
     fields = _HEADER.unpack_from(buf, 0)

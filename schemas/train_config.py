@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from rmflow.schemas.options import Config, ConfigError, leaves, moved_keys, option, section
+from rmflow.schemas.options import NEW, Config, ConfigError, leaves, moved_keys, option, section
 from rmflow.schemas.paths import absolute, absolute_if_local
 from rmflow.schemas.presets import MODEL_PRESETS, describe, is_preset
 from rmflow.schemas.sources import (
@@ -29,6 +29,9 @@ ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas")
 DISTRIBUTED = ("auto", "on", "off")
 REPORT_TO = ("tensorboard", "wandb")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+RANKING_LOSSES = ("bradley-terry", "plackett-luce")  # K responses per prompt (trainer.loss.listwise_loss)
 
 
 def check_int(value: Any, name: str, minimum: int) -> None:
@@ -271,7 +274,12 @@ class TrainConfig(Config):
                                  "packing mode.")
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
     center_rewards_coefficient: float = option(
-        0.0, "Weight of the reward-centering term mean((r_chosen + r_rejected)^2) (Eisenstein et al. 2023).")
+        0.0, "Weight of the reward-centering term mean((r_chosen + r_rejected)^2) (Eisenstein et al. 2023); with K "
+        "responses per prompt, (2 * the mean of the prompt's rewards)^2, the same at K = 2.")
+    ranking_loss: str = option(
+        RANKING_LOSSES[0], "K responses per prompt (shards of kind multi-response): bradley-terry (the mean of the pairs' "
+        "loss over every two responses whose scores differ) or plackett-luce (the likelihood of the whole ranking, "
+        "ties sharing a place). Pairs train with bradley-terry.", was=NEW)
     seed: int = option(0, "Seed of the data order and of the score head's initialisation.")
     eval_steps: int = option(0, "Evaluate on the eval split every this many steps; 0 = only at the end.",
                              resume_free=True)
@@ -300,6 +308,7 @@ class TrainConfig(Config):
         for name, minimum in (("max_steps", 0), ("num_epochs", 1), ("batch_size", 1), ("grad_accum", 1),
                               ("seed", 0), ("eval_steps", 0), ("compile_ahead", -1)):
             check_int(getattr(self, name), name, minimum)
+        _one_of(self.ranking_loss, "ranking_loss", RANKING_LOSSES)
         if self.center_rewards_coefficient < 0:
             raise ConfigError(f"center_rewards_coefficient {self.center_rewards_coefficient}: must be >= 0")
         save, metric = self.checkpoint.save_steps, self.checkpoint.metric_for_best
@@ -345,8 +354,9 @@ class TrainConfig(Config):
         """The config in the flat layout of before: each option under its key of then, LoRA as
         one mapping. A workflow's stage hash covers this, so that stages finished before the
         options were grouped in sections stay done."""
-        paths = {leaf.path: leaf.was for leaf in leaves(TrainConfig) if leaf.was_flat}
-        out = {paths[k]: v for k, v in self.flat().items() if k in paths}
+        paths = {leaf.path: leaf for leaf in leaves(TrainConfig) if leaf.was_flat}
+        out = {paths[k].was: v for k, v in self.flat().items()
+               if k in paths and not (paths[k].was == NEW and v == paths[k].default)}
         return out | {"lora": dataclasses.asdict(self.lora) if self.lora is not None else None}
 
     def resume_changes(self, stored: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -4,7 +4,7 @@ dotted), --set, a stored run's config.json (before and after the sections), and 
 import json
 
 import pytest
-from rmflow.schemas.options import ConfigError, leaves, moved_keys
+from rmflow.schemas.options import NEW, ConfigError, leaves, moved_keys
 from rmflow.schemas.train_config import LoraConfig, OptimizerConfig, TrainConfig
 
 BASE = {"data": "d", "model": "micro", "output": "o"}
@@ -104,4 +104,4 @@ def test_a_workflow_s_train_identity_is_the_flat_layout_of_before():
             "lora": {"rank": 4, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj"], "base_dtype": "float32"}}
     identity = json.loads(json.dumps(TrainConfig.from_stored(flat).identity(), default=str))
     assert {k: identity[k] for k in flat} == flat
-    assert set(identity) == {leaf.was for leaf in leaves(TrainConfig) if leaf.was_flat} | {"lora"}
+    assert set(identity) == {leaf.was for leaf in leaves(TrainConfig) if leaf.was_flat and leaf.was != NEW} | {"lora"}

@@ -34,10 +34,10 @@ from tests.test_model_parity import ARCHS, build_hf
 VOCAB = 97
 
 
-def assert_attention_equals_reference(impl, window, t, block):
+def assert_attention_equals_reference(impl, window, t, block, branches=2):
     rng = np.random.default_rng(t)
     b, n, k, d = 2, 4, 2, 16
-    seg, pos, br = packed_layout(rng, b, t)
+    seg, pos, br = packed_layout(rng, b, t, branches=branches)
     q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32)
     kv = [jnp.asarray(rng.normal(size=(b, t, k, d)), jnp.float32) for _ in range(2)]
     weights = jnp.asarray(rng.normal(size=(d,)), jnp.float32)

@@ -96,16 +96,26 @@ def test_pairs_from_expand_best_worst_and_best_random():
         to_pairs(scored, "best-worst", min_score_gap=100)
 
 
-def test_a_multi_response_layout_needs_a_pairs_mode():
-    with pytest.raises(BadRecord) as e:
-        normalize_all(LAYOUTS["nectar"], "nectar", source="s", line=1)
-    assert e.value.code == "multi_response" and "--pairs-from" in str(e.value)
+def test_a_multi_response_layout_is_kept_whole_unless_made_pairs_and_capped_at_max_responses():
+    from rmflow.rendering.responses import CanonicalResponses, cap_responses
+
+    [whole], responses = normalize_all(LAYOUTS["nectar"], "nectar", source="s", line=1)
+    assert whole is responses and isinstance(whole, CanonicalResponses) and len(whole.responses) >= 3
+    assert whole.split_key == to_pairs(whole, "expand")[0].split_key  # one split, as records or as pairs
     with pytest.raises(BadRecord, match="K responses"):  # the one-pair reader says what it is
         normalize(LAYOUTS["nectar"], "nectar", source="s", line=1)
-    with pytest.raises(ConfigError, match="--pairs-from expand"):
-        PreprocessConfig(inputs=("x",), output="o", tokenizer="t", format="nectar")
     with pytest.raises(ConfigError, match="pairs_from 'all'"):
         PreprocessConfig(inputs=("x",), output="o", tokenizer="t", pairs_from="all")
+    with pytest.raises(ConfigError, match="max_responses 1"):
+        PreprocessConfig(inputs=("x",), output="o", tokenizer="t", max_responses=1)
+    ten = CanonicalResponses("s", 1, (("user", "q"),), tuple((("assistant", f"a{i}"),) for i in range(10)),
+                             tuple(float(x) for x in (3, 9, 1, 7, 5, 0, 8, 2, 6, 4)))
+    capped = cap_responses(ten, 4)  # the best (9), the worst (0) and two spread between, in their order
+    assert capped.scores == (3.0, 9.0, 0.0, 6.0) and capped.capped == 6
+    assert cap_responses(ten, 10) is ten
+    [one], _ = normalize_all({"prompt": "q", "responses": [f"a{i}" for i in range(10)], "scores": list(ten.scores)},
+                             "responses", source="s", line=1, max_responses=4)
+    assert one.scores == capped.scores and one.capped == 6
 
 
 @pytest.mark.slow
@@ -155,7 +165,7 @@ def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_s
     assert metrics["pairs"] == N + made and 0 <= metrics["accuracy"] <= 1
     # --mode responses: each prompt's responses scored and ranked against their labels, beside length alone
     ranked = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(src),), output=str(tmp_path / "ranked"),
-                                 mode="responses"))["responses"]
+                                 mode="responses"))["ranking"]
     assert ranked["prompts"] == N and ranked["scored_pairs"] == counts["pairs_written"] + counts["dropped_too_long"]
     assert 0 <= ranked["pair_accuracy"] <= 1 and 0 <= ranked["best_of_k_accuracy"] <= 1
     assert len(ranked["subsets"]) > 1 and "length_baseline" in ranked
@@ -217,10 +227,18 @@ def test_preprocess_groups_a_prompt_s_rows_and_counts_every_row(tmp_path, tokeni
     assert codes == {"missing_score", "too_few_responses"}, codes
     (f,) = result.stats["per_file"].values()
     assert f["read"] + f["made"] - f["grouped"] - f["written"] == c["errors"]
+    # without --pairs-from each prompt is one responses record: the fruits' 3 responses, hi/bye's 2
+    whole = run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "whole"), tokenizer=tokenizer_dir,
+                                 max_length=128, eval_fraction=0.0, max_bad_fraction=1.0)).stats
+    assert whole["kind"] == "multi-response" and whole["counts"]["pairs_written"] == 2, whole["counts"]
+    assert whole["lengths"]["train"]["responses"]["max"] == 3 and whole["lengths"]["train"]["responses"]["count"] == 2
     from rmflow.pipelines.finalize import PreprocessError
 
-    with pytest.raises(PreprocessError, match=r"holds K responses per prompt \(layout helpsteer\): add --pairs-from"):
-        run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "none"), tokenizer=tokenizer_dir))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
+    with pytest.raises(PreprocessError, match=r"holds K responses per prompt \(layout helpsteer\) and .*pairs.jsonl "
+                                              r"text records: one output holds one kind"):
+        run(PreprocessConfig(inputs=(str(src), str(pairs)), output=str(tmp_path / "none"), tokenizer=tokenizer_dir))
 
 
 def test_ranking_metrics_by_hand():

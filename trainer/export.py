@@ -139,7 +139,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         warnings.warn(f"{run_dir} has no tokenizer files; the export will have none: copy the tokenizer the "
                       "shards were made with into it", RmflowWarning, stacklevel=2)
     pad = run.manifest.tokenizer.pad_token_id
-    kind = kind_named(run.manifest.kind)  # the run's own: its Hugging Face head, as TRL and Axolotl export that kind
+    kind = kind_named(run.manifest.model_kind)  # the run's own: its Hugging Face head, as TRL and Axolotl export that kind
     with staged_output(output) as staging:  # swapped in whole; an interrupted export leaves the old one
         if adapter:
             base_path = os.path.abspath(resolve(run.config.model.path)) if not is_preset(run.config.model.path) else None
@@ -158,7 +158,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         with open(os.path.join(staging, EXPORT_INFO), "w") as f:
             json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
                        "data": run.config.data.train, "tokenizer_sha256": run.manifest.tokenizer.sha256,
-                       "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.kind,
+                       "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.model_kind,
                        "step_separator": run.manifest.step_separator, "render": dataclasses.asdict(run.manifest.render),
                        "max_length": run.manifest.max_length}, f, indent=2)
     return output

@@ -24,7 +24,7 @@ from flax import nnx
 from rmflow.schemas.config import SCORING_BATCH_SIZE, STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME as OUTCOME_KIND
-from rmflow.schemas.kinds import PROCESS, ModelKind, kind_named, kind_of_head
+from rmflow.schemas.kinds import PROCESS, RESPONSES, ModelKind, kind_named, kind_of_head
 from rmflow.schemas.manifest import RenderSpec
 from rmflow.schemas.outputs import EXPORT_INFO
 from rmflow.schemas.record import PairRecord, StepRecord
@@ -128,7 +128,7 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model.path})", path,
                            run.manifest.render, step, os.path.abspath(path),
-                           run.manifest.max_length, run.manifest.kind)
+                           run.manifest.max_length, run.manifest.model_kind)
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an "
                              "exported checkpoint folder")
@@ -382,7 +382,7 @@ class StepScorer:
 
 
 # Each reward model kind's (schemas.kinds) scorer: a score per sequence, or P(correct) per step.
-SCORING_CORES = {OUTCOME_KIND.name: SequenceScorer, PROCESS.name: StepScorer}
+SCORING_CORES = {OUTCOME_KIND.name: SequenceScorer, PROCESS.name: StepScorer, RESPONSES.name: SequenceScorer}
 
 
 def score_sequences(model: RewardTransformer, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,

@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 from rmflow.schemas.metrics import STEP_THRESHOLD, incorrect_class
+from rmflow.schemas.train_config import RANKING_LOSSES
 
 # Sums a step reports; windows add them up and divide once (never a mean of means).
 SUM_KEYS = ("pairs", "loss_sum", "bt_loss_sum", "center_sum", "correct", "ties", "margin_sum",
@@ -125,4 +126,116 @@ def step_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
         "step_accuracy": sums["correct"] / n,
         **incorrect_class(sums["true_incorrect"], sums["false_incorrect"], sums["missed_incorrect"]),
         "mean_p_correct": sums["p_correct_sum"] / n,
+    }
+
+
+# --------------------------------------------------------------------------- K responses per prompt
+
+RANKING_SUM_KEYS = ("prompts", "responses", "pairs", "loss_sum", "rank_loss_sum", "center_sum", "correct", "ties",
+                    "best_sum", "tau_sum", "tau_prompts", "reward_sum", "reward_sq_sum")
+
+
+def listwise_loss(rewards, scores, group, center_coef: float = 0.0, ranking: str = "bradley-terry"):
+    """The ranking loss of each prompt's K responses, averaged over prompts.
+
+    ``rewards``, ``scores`` (R, S) and ``group`` (R, S): the record of each slot within its row
+    (1, 2, ...; 0: a padding slot), a record's slots contiguous. Per prompt:
+
+    * ``bradley-terry``: the mean of -log σ(r_i - r_j) over every pair whose scores differ
+      (s_i > s_j); pairs of equal scores are skipped. At K = 2 it is the pairs' loss.
+    * ``plackett-luce``: the negative log-likelihood of the ranking the scores give, each response
+      drawn from those scored no higher (tied responses share their place, Breslow's rule), as the
+      mean over the responses that outrank another.
+
+    plus ``center_coef`` (2·mean r)², the pairs' (r_c + r_r)² at K = 2. Returns the scalar loss
+    and the metric sums (``RANKING_SUM_KEYS``): pairs ordered right (strict) and tied, best-of-K
+    credit (the top reward on a best-scored response, shared among a tied top), Kendall's tau-b
+    over the prompts where rewards and scores both vary.
+    """
+    if rewards.shape != scores.shape or scores.shape != group.shape or rewards.ndim != 2:
+        raise ValueError(f"listwise_loss wants rewards, scores and group of one shape (R, S); got {rewards.shape}, "
+                         f"{scores.shape}, {group.shape}")
+    if ranking not in RANKING_LOSSES:
+        raise ValueError(f"ranking loss {ranking!r}: use one of {RANKING_LOSSES}")
+    r, s = rewards.astype(jnp.float32), scores.astype(jnp.float32)
+    real = group > 0
+    same = (group[:, :, None] == group[:, None, :]) & real[:, :, None]  # (R, S, S): i and j share a record
+    leader = real & (group != jnp.pad(group, ((0, 0), (1, 0)))[:, :-1])  # the first slot of each record
+
+    def per_record(x):  # (R, S) per-slot values -> each slot's record's total
+        return jnp.einsum("rij,rj->ri", same.astype(jnp.float32), x)
+
+    def at_leaders(x):  # (R, S) record totals -> summed over records
+        return jnp.where(leader, x, 0.0).sum()
+
+    ds, dr = s[:, :, None] - s[:, None, :], r[:, :, None] - r[:, None, :]
+    better = same & (ds > 0)  # i outranks j
+    f = lambda m: m.astype(jnp.float32)  # noqa: E731
+    n_pairs = per_record(f(better).sum(-1))
+    if ranking == "bradley-terry":
+        terms = jnp.where(better, -jax.nn.log_sigmoid(dr), 0.0).sum(-1)  # (R, S): i's pairs with those below it
+        rank = per_record(terms) / jnp.maximum(n_pairs, 1.0)
+    else:
+        below = same & (ds >= 0)  # i is drawn from the responses scored no higher than it
+        lse = jax.nn.logsumexp(jnp.where(below, r[:, None, :], -1e30), axis=-1)  # finite: padding has no gradient
+        drawn = better.any(-1)  # a response that outranks another (the lowest-scored are not drawn)
+        rank = per_record(jnp.where(drawn, lse - r, 0.0)) / jnp.maximum(per_record(f(drawn)), 1.0)
+    size = per_record(f(real))
+    mean = per_record(jnp.where(real, r, 0.0)) / jnp.maximum(size, 1.0)
+    center = (2.0 * mean) ** 2
+    prompts = at_leaders(jnp.ones_like(r))
+    rank_sum, center_sum = at_leaders(rank), at_leaders(center)
+    loss = (rank_sum + center_coef * center_sum) / jnp.maximum(prompts, 1.0)
+    # best-of-K: the share of the record's top-reward responses that are best-scored
+    top_r = jnp.where(same, r[:, None, :], -jnp.inf).max(-1)
+    top_s = jnp.where(same, s[:, None, :], -jnp.inf).max(-1)
+    is_top, is_best = real & (r == top_r), real & (s == top_s)
+    best = per_record(f(is_top & is_best)) / jnp.maximum(per_record(f(is_top)), 1.0)
+    # Kendall's tau-b: over the unordered pairs of a record (each counted twice here, halved out)
+    concordant = per_record(jnp.where(same, jnp.sign(ds) * jnp.sign(dr), 0.0).sum(-1))
+    n0 = size * (size - 1)
+    tied_s = per_record(f(same & (ds == 0)).sum(-1)) - size  # ordered pairs i != j of equal score
+    tied_r = per_record(f(same & (dr == 0)).sum(-1)) - size
+    denom = jnp.sqrt(jnp.maximum((n0 - tied_s) * (n0 - tied_r), 0.0))
+    has_tau = denom > 0
+    tau = jnp.where(has_tau, concordant / jnp.where(has_tau, denom, 1.0), 0.0)
+    sums = {
+        "prompts": prompts,
+        "responses": f(real).sum(),
+        "pairs": f(better).sum(),
+        "loss_sum": rank_sum + center_coef * center_sum,
+        "rank_loss_sum": rank_sum,
+        "center_sum": center_sum,
+        "correct": f(better & (dr > 0)).sum(),
+        "ties": f(better & (dr == 0)).sum(),
+        "best_sum": at_leaders(best),
+        "tau_sum": at_leaders(tau),
+        "tau_prompts": at_leaders(f(has_tau)),
+        "reward_sum": jnp.where(real, r, 0.0).sum(),
+        "reward_sq_sum": jnp.where(real, r * r, 0.0).sum(),
+    }
+    return loss, sums
+
+
+def ranking_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
+    """Window metrics of K responses per prompt from exact sums: loss, pairwise accuracy (strict
+    >) and ties over every pair whose scores differ, best-of-K accuracy, Kendall's tau-b, rewards."""
+    n = sums["prompts"]
+    if not n:
+        return {"prompts": 0}
+    pairs, k = max(sums["pairs"], 1.0), max(sums["responses"], 1.0)
+    mean_r = sums["reward_sum"] / k
+    return {
+        "prompts": int(n),
+        "responses": int(sums["responses"]),
+        "pairs": int(sums["pairs"]),
+        "loss": sums["loss_sum"] / n,
+        "rank_loss": sums["rank_loss_sum"] / n,
+        "center": sums["center_sum"] / n,
+        "accuracy": sums["correct"] / pairs,
+        "ties": sums["ties"] / pairs,
+        "best_of_k_accuracy": sums["best_sum"] / n,
+        "kendall_tau": sums["tau_sum"] / sums["tau_prompts"] if sums["tau_prompts"] else float("nan"),
+        "reward_mean": mean_r,
+        "reward_std": max(sums["reward_sq_sum"] / k - mean_r**2, 0.0) ** 0.5,
     }

@@ -6,6 +6,10 @@ each reward model kind's training strategy, its batch keys, loss, metrics and co
 * ``process``: stepwise solutions; cross-entropy over 2 classes at each labelled step's end
   (``trainer.loss.step_loss``); normalised by the number of labelled steps, as TRL's PRMTrainer
   averages over every labelled token of the batch.
+* ``multi-response``: K scored responses per prompt, the prompt computed once; a ranking loss over
+  each prompt's responses (``trainer.loss.listwise_loss``: Bradley-Terry over every pair whose
+  scores differ, or Plackett-Luce over the ranking, the config's ``ranking_loss``) with reward
+  centering; normalised by the number of prompts.
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ from rmflow.schemas import kinds
 from rmflow.schemas.kinds import ModelKind
 from rmflow.trainer.data.collate import Collate
 from rmflow.trainer.data.packing import PackCollate
+from rmflow.trainer.data.responses import ResponsesCollate, ResponsesPackCollate
 from rmflow.trainer.data.steps import StepCollate, StepPackCollate
 from rmflow.trainer.loss import (
+    RANKING_LOSSES,
+    RANKING_SUM_KEYS,
     STEP_SUM_KEYS,
     SUM_KEYS,
+    listwise_loss,
     pair_metrics_of_sums,
     pairwise_loss,
+    ranking_metrics_of_sums,
     step_loss,
     step_metrics_of_sums,
 )
@@ -50,6 +59,15 @@ def _stepwise(model, mb: dict[str, Any], center_coef: float):
     return sums["loss_sum"], sums
 
 
+def _listwise(ranking: str):
+    def loss(model, mb: dict[str, Any], center_coef: float):
+        rewards = model(*(mb[k] for k in _MODEL_ARGS))
+        _, sums = listwise_loss(rewards, mb["response_scores"], mb["response_group"], center_coef, ranking)
+        return sums["loss_sum"], sums
+
+    return loss
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     kind: ModelKind
@@ -62,6 +80,12 @@ class Objective:
     loss: Callable[[Any, dict[str, Any], float], tuple[Any, dict[str, Any]]]
     padded: type  # the collation of one record a padded row (trainer.data: none and bucket modes)
     packed: type  # the collation of records packed into long rows (pack mode)
+    ranking: str = ""  # the ranking loss, for a kind that has a choice (``RANKING_LOSSES``)
+
+    @property
+    def name(self) -> str:
+        """The objective's key in ``OBJECTIVES``: its kind's name, with its ranking loss if not the first."""
+        return self.kind.name if self.ranking in ("", RANKING_LOSSES[0]) else f"{self.kind.name}:{self.ranking}"
 
     @property
     def num_labels(self) -> int:
@@ -83,10 +107,26 @@ OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight
 PROCESS = Objective(kinds.PROCESS, (*ROW_KEYS, "reward_index", "step_labels", "step_weight"),
                     ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", step_metrics_of_sums, _stepwise,
                     StepCollate, StepPackCollate)
-OBJECTIVES = {o.kind.name: o for o in (OUTCOME, PROCESS)}
+_RESPONSE_KEYS = ("reward_index", "response_scores", "response_group")
+RESPONSES = tuple(
+    Objective(kinds.RESPONSES, (*ROW_KEYS, *_RESPONSE_KEYS), _RESPONSE_KEYS, RANKING_SUM_KEYS, "prompts",
+              ranking_metrics_of_sums, _listwise(ranking), ResponsesCollate, ResponsesPackCollate, ranking)
+    for ranking in RANKING_LOSSES)
+OBJECTIVES = {o.name: o for o in (OUTCOME, PROCESS, *RESPONSES)}
 
 
-def objective_for(kind: str) -> Objective:
+def objective_for(kind: str, ranking: str = RANKING_LOSSES[0]) -> Objective:
+    """The objective of shards of ``kind`` (or an objective's ``name``), with the ranking loss
+    ``ranking`` where the kind has a choice (K responses per prompt); for the others only the
+    default is accepted (a pair's two responses have one ranking: Bradley-Terry)."""
+    if kind in OBJECTIVES and ":" in kind:
+        return OBJECTIVES[kind]
     if kind not in OBJECTIVES:
         raise ValueError(f"no objective for shards of kind {kind!r}; known: {sorted(OBJECTIVES)}")
-    return OBJECTIVES[kind]
+    if ranking not in RANKING_LOSSES:
+        raise ValueError(f"ranking_loss {ranking!r}: use one of {', '.join(RANKING_LOSSES)}")
+    name = kind if ranking == RANKING_LOSSES[0] else f"{kind}:{ranking}"
+    if name not in OBJECTIVES:
+        raise ValueError(f"ranking_loss {ranking} applies to K responses per prompt; shards of kind {kind} train "
+                         f"with {RANKING_LOSSES[0]}")
+    return OBJECTIVES[name]

@@ -95,7 +95,10 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
             m.check_compatible(max_length=max_length)
         except ManifestError as e:
             raise TrainError(f"{source.path}: {e}" if mixture else str(e)) from e
-    objective = objective_for(manifest.kind)
+    try:
+        objective = objective_for(manifest.kind, cfg.ranking_loss)
+    except ValueError as e:
+        raise TrainError(f"{primary}: {e}") from None
     train_sets = tuple(shard_paths(s.path, m, "train") for s, m in zip(sources, manifests))
     for source, paths in zip(sources, train_sets):
         if not paths:

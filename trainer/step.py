@@ -149,7 +149,7 @@ class Trainer:
                              f"output(s); this model has {model.config.num_labels}")
         self.objective = objective
         self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)
-        self.program = StepProgram(self.graphdef, objective.kind.name, optim.schedule, optim.adam_b1,
+        self.program = StepProgram(self.graphdef, objective.name, optim.schedule, optim.adam_b1,
                                    optim.adam_b2, bool(optim.weight_decay), bool(optim.max_grad_norm))
         hyper = hyperparameters(optim, total_steps)
         self.hyper = jax.tree.map(jnp.asarray, {**hyper, "center_coef": np.float32(center_coef)})

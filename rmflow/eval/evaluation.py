@@ -151,10 +151,10 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
                                                   cfg.model, workdir, staging, loaded.step_separator,
                                                   cfg.raw_input_options(), cfg.output)
         found = kind_of_record(records[0])
-        if found is not kind:
-            raise EvalError(f"{cfg.data[0]} holds {found.data}, which {found.description} scores; {cfg.model} is "
-                            f"{kind.description}: evaluate it on {kind.data}")
-        metrics, write = handler(kind.name, "evaluate")(cfg, loaded, records)
+        if found.model is not kind:
+            raise EvalError(f"{cfg.data[0]} holds {found.data}, which {found.model.description} scores; {cfg.model} "
+                            f"is {kind.description}: evaluate it on {kind.data}")
+        metrics, write = handler(found.name, "evaluate")(cfg, loaded, records)  # by what the records are
     metrics = {"kind": kind.name, **metrics}
     if input_summary is not None:
         metrics["input"] = input_summary

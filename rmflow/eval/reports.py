@@ -218,8 +218,8 @@ def pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     if "rewardbench_v2" in m:
         return (f"rmflow eval: RewardBench 2, {m['examples']:,} examples",
                 [("RewardBench 2 score", f"{m['rewardbench_v2']['score']:.2f}")])
-    if "responses" in m:
-        r = m["responses"]
+    if "ranking" in m:
+        r = m["ranking"]
         skipped = f", {r['skipped']['count']:,} records skipped (report.md says why)" if r["skipped"]["count"] else ""
         return (f"rmflow eval: {r['prompts']:,} prompts, {r['responses']:,} responses{skipped}",
                 [(label, f"{r[key]:.4f} (length-only: {r['length_baseline'][key]:.4f})")

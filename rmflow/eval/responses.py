@@ -1,6 +1,6 @@
 """`rmflow eval --mode responses`: a reward model on raw files of K rated or ranked responses per
-prompt (every multi-response layout ``rmflow preprocess`` reads): each response scored with its
-prompt, then per prompt how the rewards order the responses against their labels (pairwise
+prompt (every multi-response layout ``rmflow preprocess`` reads), or on multi-response shards
+(``eval_records``, any mode): each response scored with its prompt, then per prompt how the rewards order the responses against their labels (pairwise
 accuracy over every scored pair, best-of-K accuracy, Kendall's tau, Spearman's rho), overall and
 per subset, beside the same figures for the length-only baseline (reward = the response's tokens).
 """
@@ -95,6 +95,21 @@ def run_responses(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any],
                                          f"past the model's {positions:,} positions: drop it or use a model with more")
             seqs.append(ids)
         spans.append((start, len(seqs)))
+    return _ranked(cfg, loaded, prompts, seqs, spans, skipped)
+
+
+def eval_records(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Callable]:
+    """The multi-response kind's evaluator: shards of ``ResponsesRecord`` (or raw files read into
+    them), each response scored with its prompt as its own conversation, ranked as ``run_responses``
+    ranks them."""
+    seqs, spans = [], []
+    for r in records:
+        spans.append((len(seqs), len(seqs) + r.k))
+        seqs += [r.sequence(i)[: r.lasts[i] + 1] for i in range(r.k)]  # scored at its reward token
+    return _ranked(cfg, loaded, records, seqs, spans, {"count": 0, "reasons": {}, "first": None})
+
+
+def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, seqs, spans, skipped) -> tuple[dict[str, Any], Callable]:
     rewards = score_sequences(loaded.model, seqs, batch_size=cfg.batch_size, pad_id=loaded.pad_id)
     lengths = np.asarray([len(s) for s in seqs], np.float64)
     by = [(rewards[a:b], lengths[a:b], np.asarray(p.scores)) for p, (a, b) in zip(prompts, spans)]
@@ -105,7 +120,7 @@ def run_responses(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any],
         return {**ranking_metrics([r for r, _, _ in chosen], [s for _, _, s in chosen]),
                 "length_baseline": ranking_metrics([n for _, n, _ in chosen], [s for _, _, s in chosen])}
 
-    metrics = {"responses": {**figures([True] * len(by)), "responses": len(seqs), "skipped": skipped,
+    metrics = {"ranking": {**figures([True] * len(by)), "responses": len(seqs), "skipped": skipped,
                              "subsets": {name: figures([s == name for s in subsets])
                                          for name in sorted(set(subsets))} if len(set(subsets)) > 1 else {}}}
     config = {**cfg.to_dict(), "model_description": loaded.description}
@@ -113,7 +128,7 @@ def run_responses(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any],
 
 
 def markdown(m: dict[str, Any], model: str, data: list[str]) -> str:
-    r = m["responses"]
+    r = m["ranking"]
     lines = ["# K responses per prompt", "", f"Model: {model}.  ", f"Data: {', '.join(data)}.  ",
              f"{r['prompts']:,} prompts, {r['responses']:,} responses, {r['scored_pairs']:,} pairs whose labels "
              "differ." + (f" {r['skipped']['count']:,} records skipped ("

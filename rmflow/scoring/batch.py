@@ -52,7 +52,7 @@ BEST_FILE = "best.jsonl"
 PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = "summary.json"
 PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
-SCORE_FIELDS = (*PAIR_FIELDS, *(f for s in every("scorer").values() for f in s.fields))  # last, in this order
+SCORE_FIELDS = tuple(dict.fromkeys((*PAIR_FIELDS, *(f for s in every("scorer").values() for f in s.fields))))  # last, in this order
 JOB_FIELDS = frozenset({"source", "line", "error", *SCORE_FIELDS})  # rmflow's: a record's own is input_<name>
 CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps")  # not echoed back
 

@@ -1,0 +1,142 @@
+"""Batches of multi-response records (``ResponsesRecord``): each prompt once, then its K responses.
+
+A record is laid out as one unit: its prompt (branch 0), then response i on branch i + 1, the
+positions of every response continuing from the prompt's end. Attention
+(``trainer.modeling.attention``) lets each response see the prompt and itself only, so each
+response's hidden states, and so its reward, are those of its own whole conversation, with the
+prompt computed once instead of K times. Units go one to a row (``ResponsesCollate``: the
+``none`` and ``bucket`` modes) or several to a row (``ResponsesPackCollate``: ``pack``), as pairs'
+units do (``trainer.data.packing``).
+
+The row keys are the pairs' (``trainer.data.collate``). Then, with S response slots per row:
+
+* ``reward_index``: (R, S) the index within its row of each response's reward token;
+* ``response_scores``: (R, S) float32, each response's score (higher is better);
+* ``response_group``: (R, S) int32, the record each slot belongs to within its row (1, 2, ...),
+  0 for a padding slot; a record's slots are contiguous;
+* ``record_slots``: (n, 3) host only: for each of the n records collated, in order, its row, its
+  first slot and its response count (to read per-record results back);
+* ``real_tokens``: tokens of every (prompt, response) conversation as stored, the prompt counted
+  once per response as a trainer of pairs or single sequences computes it; ``computed_tokens``:
+  the non-padding tokens the model runs (the prompt once a record).
+
+S is a power of two (from 8) that holds the fullest row's responses, so jit sees few shapes.
+``batch_size`` counts records (prompts) per micro-batch in both modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+from rmflow.schemas.record import ResponsesRecord
+from rmflow.trainer.data.collate import FINEST, bucket_length, check_fits, fine_length
+from rmflow.trainer.data.packing import assign_rows
+from rmflow.trainer.data.steps import step_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponsesUnit:
+    """One record laid out for a row (see the module doc)."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    branches: np.ndarray
+    reward_at: np.ndarray  # each response's reward token, as an index into the unit
+
+
+def responses_unit(r: ResponsesRecord) -> ResponsesUnit:
+    p = r.prompt_len
+    ids = np.concatenate([r.prompt_ids, *r.responses]).astype(np.int32)
+    positions = np.concatenate([np.arange(p)] + [np.arange(p, p + len(x)) for x in r.responses]).astype(np.int32)
+    branches = np.concatenate([np.zeros(p)] + [np.full(len(x), i + 1) for i, x in enumerate(r.responses)])
+    starts = p + np.concatenate([[0], np.cumsum([len(x) for x in r.responses])[:-1]])
+    # a reward token in the prompt (never written by preprocess, allowed by the record) stays there
+    at = np.where(r.lasts < p, r.lasts, starts + r.lasts - p).astype(np.int32)
+    return ResponsesUnit(ids, positions, branches.astype(np.int32), at)
+
+
+def _fits(records: Sequence[ResponsesRecord], max_length: int) -> None:
+    for r in records:
+        check_fits(r.prompt_len + max(len(x) for x in r.responses), max_length)
+
+
+def _arrays(rows: int, length: int, slots: int, pad_id: int) -> dict[str, np.ndarray]:
+    return {
+        "input_ids": np.full((rows, length), pad_id, np.int32),
+        "positions": np.zeros((rows, length), np.int32),
+        "segment_ids": np.zeros((rows, length), np.int32),
+        "branch_ids": np.zeros((rows, length), np.int32),
+        "reward_index": np.zeros((rows, slots), np.int32),
+        "response_scores": np.zeros((rows, slots), np.float32),
+        "response_group": np.zeros((rows, slots), np.int32),
+    }
+
+
+def _collate(records: Sequence[ResponsesRecord], placement: list[list[int]], length_of, pad_id: int
+             ) -> dict[str, np.ndarray]:
+    units = [responses_unit(r) for r in records]
+    length = length_of(max(sum(len(units[i].ids) for i in row) for row in placement))
+    slots = step_slots(max(sum(records[i].k for i in row) for row in placement))
+    b = _arrays(len(placement), length, slots, pad_id)
+    record_slots = np.zeros((len(records), 3), np.int32)
+    for row, members in enumerate(placement):
+        start = first = 0
+        for j, i in enumerate(members):
+            u, r = units[i], records[i]
+            end = start + len(u.ids)
+            b["input_ids"][row, start:end], b["positions"][row, start:end] = u.ids, u.positions
+            b["branch_ids"][row, start:end] = u.branches
+            b["segment_ids"][row, start:end] = j + 1
+            b["reward_index"][row, first : first + r.k] = start + u.reward_at
+            b["response_scores"][row, first : first + r.k] = r.scores
+            b["response_group"][row, first : first + r.k] = j + 1
+            record_slots[i] = (row, first, r.k)
+            start, first = end, first + r.k
+    real = sum(r.k * r.prompt_len + sum(len(x) for x in r.responses) for r in records)
+    return {**b, "record_slots": record_slots, "real_tokens": np.int64(real),
+            "computed_tokens": np.int64(sum(len(u.ids) for u in units))}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponsesCollate:
+    """One record a row (its prompt once, then its responses), right-padded to one length
+    (``lengths``: "pow2" or "fine", and ``per_doubling``, as ``Collate``); a partial last batch
+    gets empty rows."""
+
+    batch_size: int
+    max_length: int
+    pad_id: int = 0
+    lengths: str = "pow2"
+    per_doubling: int = FINEST
+
+    def __call__(self, records: Sequence[ResponsesRecord]) -> dict[str, np.ndarray]:
+        _fits(records, self.max_length)
+        placement = [[i] for i in range(len(records))] + [[] for _ in range(self.batch_size - len(records))]
+        # a unit holds K responses: its row may be longer than max_length (each conversation is not)
+        length_of = (lambda n: bucket_length(n, max(n, self.max_length))) if self.lengths == "pow2" \
+            else (lambda n: fine_length(n, self.per_doubling))
+        return _collate(records, placement, length_of, self.pad_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponsesPackCollate:
+    """Records packed into ``rows`` rows with no padding between them, longest first to the
+    least-filled row (``trainer.data.packing.assign_rows``)."""
+
+    batch_size: int
+    max_length: int
+    pad_id: int = 0
+    rows: int = 1
+    per_doubling: int = FINEST
+
+    def __call__(self, records: Sequence[ResponsesRecord]) -> dict[str, np.ndarray]:
+        _fits(records, self.max_length)
+        placement = assign_rows([r.prompt_len + sum(len(x) for x in r.responses) for r in records], self.rows)
+        return _collate(records, placement, lambda n: fine_length(n, self.per_doubling), self.pad_id)
+
+
+def record_values(values: np.ndarray, record_slots: np.ndarray) -> list[np.ndarray]:
+    """Per-slot values (R, S) of a batch -> one array per record (its responses'), in collation order."""
+    return [np.asarray(values[row, first : first + k]) for row, first, k in record_slots]
