@@ -16,7 +16,8 @@ Implementations (``ATTENTION``):
   materialises (B, H, T, T) scores. Used for parity tests.
 * ``blockwise``: flash attention in pure JAX with a custom VJP. Queries go in blocks; each
   block visits only key blocks from the start of its earliest segment up to itself (dynamic
-  loop bounds), keeps a running softmax, and the backward pass recomputes scores block by
+  loop bounds), skips those the mask empties (another branch's: the other responses of a
+  packed prompt), keeps a running softmax, and the backward pass recomputes scores block by
   block from the saved log-sum-exp. Memory is O(T) besides one block of scores, and the work
   is proportional to the tokens each query may see, not to T squared. The default on CPU.
 * ``pallas``: fused flash attention as Pallas kernels (``trainer.modeling.pallas_attention``):
@@ -171,15 +172,16 @@ class _Layout:
         self.meta = tuple(_blocks(a, block) for a in (seg, pos, br, idx))
         self.first = _first_key_block(seg, block)
 
-    def scores(self, i, j, qi, window):
-        """Scaled float32 scores of query block i against key block j, (B, K, G, Qb, Kb), and the mask."""
+    def mask(self, i, j, window):
+        """(B, 1, 1, Qb, Kb): may each query of block i attend to each key of block j."""
+        return allowed(*(m[i] for m in self.meta), *(m[j] for m in self.meta), window)[:, None, None]
+
+    def scores(self, i, j, qi, ok):
+        """Scaled float32 scores of query block i against key block j, (B, K, G, Qb, Kb), masked by ``ok``."""
         s = jnp.einsum("bkrd,bksd->bkrs", qi, self.k[j], preferred_element_type=jnp.float32) * self.scale
         b, kh, _, kb = s.shape
         s = s.reshape(b, kh, self.groups, self.block, kb)
-        mi = [m[i] for m in self.meta]
-        mj = [m[j] for m in self.meta]
-        ok = allowed(*mi, *mj, window)[:, None, None]
-        return jnp.where(ok, s, _NEG), ok
+        return jnp.where(ok, s, _NEG)
 
     def rows(self, x):  # (B, K, G, Qb, ...) -> (B, K, G * Qb, ...)
         return x.reshape(x.shape[0], x.shape[1], self.groups * self.block, *x.shape[4:])
@@ -201,15 +203,19 @@ def _flash_fwd(q, k, v, seg, pos, br, window, block):
         init = (jnp.full((b, kh, g, qb), _NEG, jnp.float32), jnp.zeros((b, kh, g, qb), jnp.float32),
                 jnp.zeros((b, kh, g * qb, d), jnp.float32))
 
-        def step(j, carry):
+        def visit(j, ok, carry):
             m, denom, acc = carry
-            s, ok = lay.scores(i, j, qi, window)
+            s = lay.scores(i, j, qi, ok)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
             corr = jnp.exp(m - m_new)
             pv = jnp.einsum("bkrs,bksd->bkrd", lay.rows(p).astype(lay.v.dtype), lay.v[j],
                             preferred_element_type=jnp.float32)
             return m_new, corr * denom + p.sum(-1), lay.rows(corr)[..., None] * acc + pv
+
+        def step(j, carry):  # a key block the mask empties (another branch's, say) is skipped
+            ok = lay.mask(i, j, window)
+            return jax.lax.cond(ok.any(), lambda c: visit(j, ok, c), lambda c: c, carry)
 
         m, denom, acc = jax.lax.fori_loop(lay.first[i], i + 1, step, init)
         seen = lay.rows(denom > 0)
@@ -237,9 +243,9 @@ def _flash_bwd(window, block, res, dout):
         lse_i = lse[i].reshape(b, kh, lay.groups, lay.block)[..., None]
         delta_i = delta[i][..., None]
 
-        def step(j, inner):
+        def visit(j, ok, inner):
             dq_i, dk, dv = inner
-            s, ok = lay.scores(i, j, qi, window)
+            s = lay.scores(i, j, qi, ok)
             p = lay.rows(jnp.where(ok, jnp.exp(s - lse_i), 0.0))  # (B, K, G * Qb, Kb)
             dv_j = jnp.einsum("bkrs,bkrd->bksd", p, doi)
             dp = jnp.einsum("bkrd,bksd->bkrs", doi, lay.v[j], preferred_element_type=jnp.float32)
@@ -247,6 +253,10 @@ def _flash_bwd(window, block, res, dout):
             dq_i = dq_i + jnp.einsum("bkrs,bksd->bkrd", ds, lay.k[j], preferred_element_type=jnp.float32)
             dk_j = jnp.einsum("bkrs,bkrd->bksd", ds, qi, preferred_element_type=jnp.float32)
             return dq_i, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
+
+        def step(j, inner):
+            ok = lay.mask(i, j, window)
+            return jax.lax.cond(ok.any(), lambda c: visit(j, ok, c), lambda c: c, inner)
 
         dq_i = jnp.zeros(qi.shape, jnp.float32)
         dq_i, dk, dv = jax.lax.fori_loop(lay.first[i], i + 1, step, (dq_i, dk, dv))
