@@ -90,8 +90,9 @@ def test_a_record_s_own_fields_never_overwrite_the_job_s_and_bad_text_is_a_count
     NaN is a bad record (the job publishes the rest); an empty output folder is taken; above
     --max-bad-fraction the job publishes nothing and says why in one line."""
     base, rm, convs, _, _ = job
+    k = {"prompt": "Pick one.", "responses": ["A.", "B, because it is longer.", "C"], "ranks": [2, 1, 3]}
     rows = [{"id": "sharegpt", "source": "sharegpt", "line": 7, "score": 0.5, "messages": convs[0]},
-            {"id": "null", "source": None, "messages": convs[1]},
+            {"id": "null", "source": None, "messages": convs[1]}, {"id": "k", **k},
             {"id": "surrogate", "note": "hi \ud800 there", "messages": convs[2]}]
     text = "".join(json.dumps(r) + "\n" for r in rows) + '{"id": NaN, "messages": ' + json.dumps(convs[3]) + '}\n'
     (tmp_path / "in.jsonl").write_text(text)  # json.dumps wrote the surrogate as the escape \\ud800, as JSON allows
@@ -100,15 +101,19 @@ def test_a_record_s_own_fields_never_overwrite_the_job_s_and_bad_text_is_a_count
     r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "out"), "--max-bad-fraction", "0.5"])
     assert r.exit_code == 0, r.output
     by_id = {row["id"]: row for row in _rows(tmp_path / "out")}
-    assert set(by_id) == {"sharegpt", "null"}
+    assert set(by_id) == {"sharegpt", "null", "k"}
+    alone = rm.score([[{"role": "user", "content": "Pick one."}, {"role": "assistant", "content": r}]
+                      for r in k["responses"]])  # one prompt's K responses: each scored as its own conversation
+    np.testing.assert_allclose(by_id["k"]["response_scores"], alone, atol=1e-5, rtol=0)
+    assert by_id["k"]["best_response"] == int(np.argmax(alone)) and by_id["k"]["ranks"] == [2, 1, 3]
     assert by_id["sharegpt"]["source"] == by_id["null"]["source"] == str(tmp_path / "in.jsonl")
     assert (by_id["sharegpt"]["input_source"], by_id["sharegpt"]["input_line"], by_id["sharegpt"]["input_score"]) \
         == ("sharegpt", 7, 0.5) and by_id["null"]["input_source"] is None and by_id["sharegpt"]["line"] == 1
     np.testing.assert_allclose(by_id["sharegpt"]["score"], rm.score([convs[0]])[0], atol=1e-5)
     errors = {e["line"]: e for e in map(json.loads, (tmp_path / "out" / "errors.jsonl").read_text().splitlines())}
-    assert errors[3]["code"] == "bad_text" and "note" in errors[3]["reason"] and "NaN" in errors[4]["reason"]
+    assert errors[4]["code"] == "bad_text" and "note" in errors[4]["reason"] and "NaN" in errors[5]["reason"]
     r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "strict"), "--max-bad-fraction", "0.1"])
-    assert r.exit_code == 1 and "2 of 4 records (50.0%) cannot be scored" in r.output, r.output
+    assert r.exit_code == 1 and "2 of 5 records (40.0%) cannot be scored" in r.output, r.output
     assert not (tmp_path / "strict").exists() and len(r.output.strip().splitlines()) == 1, r.output
 
 

@@ -51,7 +51,7 @@ def test_a_responses_record_round_trips_and_refuses_corruption():
     rng = np.random.default_rng(0)
     r = record(7, 5, [3, 1, 4], [2.0, -1.0, 0.5], rng)
     with_attrs = ResponsesRecord(r.prompt_ids, r.responses, r.lasts, r.scores, r.record_id, "src", "sub",
-                                 attributes=rng.normal(size=(3, 5)))
+                                 attributes=rng.normal(size=(3, 5)), margin_from_scores=True)
     for rec in (r, with_attrs):
         buf = encode(rec)
         assert decode(buf) == rec and peek_lengths(buf) == (5 + 8, 0)
@@ -84,6 +84,11 @@ def test_a_unit_holds_the_prompt_once_and_each_response_on_its_branch():
     assert b["record_slots"].tolist() == [[0, 0, 3], [0, 3, 2]] and b["reward_index"].shape == (1, 8)
     assert b["response_group"][0].tolist() == [1, 1, 1, 2, 2, 0, 0, 0]
     assert b["real_tokens"] == 3 * 4 + 6 + 2 * 3 + 2 and b["computed_tokens"] == 10 + 5
+    assert not b["response_margins"].any()  # margins only where a record trains with them
+    import dataclasses
+
+    with_margins = ResponsesPackCollate(1, 64)([dataclasses.replace(r, margin_from_scores=True)])
+    assert with_margins["response_margins"][0, :3].tolist() == [0.0, 1.0, 2.0]
     one = ResponsesCollate(3, 64)([r])  # a partial batch: empty rows
     assert one["input_ids"].shape == (3, 16) and one["segment_ids"][1:].sum() == 0
 
@@ -179,6 +184,9 @@ def test_the_ranking_losses_by_hand():
     other_pl = np.log(np.exp(0.3) + np.exp(0.1)) - 0.3
     assert float(listwise_loss(*grid)[0]) == pytest.approx((bt + other_bt) / 2, abs=1e-6)
     assert float(listwise_loss(*grid, 0.0, "plackett-luce")[0]) == pytest.approx((pl + other_pl) / 2, abs=1e-6)
+    m = jnp.asarray([[3.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # margins from the first record's scores
+    bt_m = np.mean([-log_sig(r[i] - r[j] - (s[i] - s[j])) for i, j in pairs])
+    assert float(listwise_loss(*grid, 0.0, "bradley-terry", m)[0]) == pytest.approx((bt_m + other_bt) / 2, abs=1e-6)
     _, sums = listwise_loss(*grid, 1.0)
     center = (2 * r.mean()) ** 2 + (2 * 0.2) ** 2
     assert float(sums["center_sum"]) == pytest.approx(center, abs=1e-5)
@@ -273,3 +281,18 @@ def test_real_rm_bench_prompts_preprocess_whole_train_packed_or_not_alike_and_ev
     assert m["kind"] == "outcome" and m["ranking"]["prompts"] == len(held_out)
     assert 0 <= m["ranking"]["best_of_k_accuracy"] <= 1 and "length_baseline" in m["ranking"]
     assert json.loads((tmp_path / "run-pack" / "data_manifest.json").read_text())["kind"] == "multi-response"
+
+
+def test_scoring_records_computes_each_prompt_once_and_equals_each_conversation_alone():
+    from rmflow.trainer.inference import score_responses, score_sequences
+    from rmflow.trainer.modeling.llama import RewardTransformer
+
+    from tests.test_step import CFG
+
+    rng = np.random.default_rng(5)
+    recs = records(7, rng, prompt=(3, 30), length=(1, 20), k=(2, 7))
+    model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
+    together = score_responses(model, recs, tokens=200)  # several rows of records, and a record alone
+    alone = score_sequences(model, [r.sequence(i) for r in recs for i in range(r.k)], batch_size=4)
+    assert [len(x) for x in together] == [r.k for r in recs]
+    np.testing.assert_allclose(np.concatenate(together), alone, atol=1e-5, rtol=0)

@@ -27,11 +27,12 @@ from rmflow.schemas.kinds import OUTCOME as OUTCOME_KIND
 from rmflow.schemas.kinds import PROCESS, RESPONSES, ModelKind, kind_named, kind_of_head
 from rmflow.schemas.manifest import RenderSpec
 from rmflow.schemas.outputs import EXPORT_INFO
-from rmflow.schemas.record import PairRecord, StepRecord
+from rmflow.schemas.record import PairRecord, ResponsesRecord, StepRecord
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.data import PackCollate, StepPackCollate, bucket_length
 from rmflow.trainer.data.collate import MIN_BUCKET
+from rmflow.trainer.data.responses import ResponsesPackCollate, record_values
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
 from rmflow.trainer.modeling.config import head_kind
 from rmflow.trainer.modeling.convert import load_reward_model
@@ -56,6 +57,11 @@ def _rewards(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx) -> ja
 def _step_probabilities(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx, branches=None) -> jax.Array:
     logits = nnx.merge(graphdef, state).logits(ids, pos, seg, idx, branches)
     return jax.nn.softmax(logits, axis=-1)[..., 1]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _slot_rewards(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx, branches) -> jax.Array:
+    return nnx.merge(graphdef, state)(ids, pos, seg, idx, branches)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -411,6 +417,33 @@ def score_pairs(model: RewardTransformer, records: Sequence[PairRecord], *, batc
         rr.append(r[b["pair_slot"]])
     return np.concatenate(rc), np.concatenate(rr)
 
+
+
+def score_responses(model: RewardTransformer, records: Sequence[ResponsesRecord], *, tokens: int = 8192,
+                    max_length: int | None = None, pad_id: int = 0) -> list[np.ndarray]:
+    """The reward of each response of each record, in order, each prompt computed once: the
+    records packed as in training (``ResponsesPackCollate``, one row of about ``tokens`` tokens,
+    or one record) and scored at every response's reward token."""
+    graphdef, state = nnx.split(model)
+    out: list[np.ndarray] = []
+    start = 0
+    while start < len(records):
+        end, size = start, 0
+        while end < len(records) and (end == start or size + _unit_tokens(records[end]) <= tokens):
+            size += _unit_tokens(records[end])
+            end += 1
+        chunk = records[start:end]
+        longest = max(r.prompt_len + max(len(x) for x in r.responses) for r in chunk)
+        b = ResponsesPackCollate(len(chunk), max(max_length or 0, longest), pad_id)(chunk)
+        rewards = _slot_rewards(graphdef, state, *(b[k] for k in ("input_ids", "positions", "segment_ids",
+                                                                     "reward_index", "branch_ids")))
+        out += record_values(np.asarray(rewards), b["record_slots"])
+        start = end
+    return out
+
+
+def _unit_tokens(r: ResponsesRecord) -> int:
+    return r.prompt_len + sum(len(x) for x in r.responses)
 
 
 def score_steps(model: RewardTransformer, records: Sequence[StepRecord], *, batch_size: int = SCORING_BATCH_SIZE,

@@ -95,23 +95,26 @@ def run_responses(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, Any],
                                          f"past the model's {positions:,} positions: drop it or use a model with more")
             seqs.append(ids)
         spans.append((start, len(seqs)))
-    return _ranked(cfg, loaded, prompts, seqs, spans, skipped)
+    rewards = score_sequences(loaded.model, seqs, batch_size=cfg.batch_size, pad_id=loaded.pad_id)
+    return _ranked(cfg, loaded, prompts, rewards, [len(s) for s in seqs], spans, skipped)
 
 
 def eval_records(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Callable]:
     """The multi-response kind's evaluator: shards of ``ResponsesRecord`` (or raw files read into
-    them), each response scored with its prompt as its own conversation, ranked as ``run_responses``
-    ranks them."""
-    seqs, spans = [], []
-    for r in records:
-        spans.append((len(seqs), len(seqs) + r.k))
-        seqs += [r.sequence(i)[: r.lasts[i] + 1] for i in range(r.k)]  # scored at its reward token
-    return _ranked(cfg, loaded, records, seqs, spans, {"count": 0, "reasons": {}, "first": None})
+    them), each response's reward that of its own conversation with its prompt (the prompt
+    computed once, ``score_responses``), ranked as ``run_responses`` ranks them."""
+    from rmflow.trainer.inference import score_responses
+
+    rewards = np.concatenate(score_responses(loaded.model, records, pad_id=loaded.pad_id))  # each prompt once
+    lengths = [r.lasts[i] + 1 for r in records for i in range(r.k)]
+    spans = np.cumsum([0] + [r.k for r in records])
+    return _ranked(cfg, loaded, records, rewards, lengths, list(zip(spans[:-1], spans[1:])),
+                   {"count": 0, "reasons": {}, "first": None})
 
 
-def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, seqs, spans, skipped) -> tuple[dict[str, Any], Callable]:
-    rewards = score_sequences(loaded.model, seqs, batch_size=cfg.batch_size, pad_id=loaded.pad_id)
-    lengths = np.asarray([len(s) for s in seqs], np.float64)
+def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, rewards, lengths, spans, skipped
+            ) -> tuple[dict[str, Any], Callable]:
+    lengths = np.asarray(lengths, np.float64)
     by = [(rewards[a:b], lengths[a:b], np.asarray(p.scores)) for p, (a, b) in zip(prompts, spans)]
     subsets = [p.subset or "all" for p in prompts]
 
@@ -120,7 +123,7 @@ def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, seqs, spans, skipped)
         return {**ranking_metrics([r for r, _, _ in chosen], [s for _, _, s in chosen]),
                 "length_baseline": ranking_metrics([n for _, n, _ in chosen], [s for _, _, s in chosen])}
 
-    metrics = {"ranking": {**figures([True] * len(by)), "responses": len(seqs), "skipped": skipped,
+    metrics = {"ranking": {**figures([True] * len(by)), "responses": len(rewards), "skipped": skipped,
                              "subsets": {name: figures([s == name for s in subsets])
                                          for name in sorted(set(subsets))} if len(set(subsets)) > 1 else {}}}
     config = {**cfg.to_dict(), "model_description": loaded.description}

@@ -45,16 +45,18 @@ from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
 from rmflow.schemas.paths import is_url
 from rmflow.scoring.api import BadConversation, RewardModel
-from rmflow.scoring.scorers import echoed
+from rmflow.scoring.scorers import BEST_RESPONSE, RESPONSE_SCORES, echoed, responses_of
 
 SCORES_PREFIX = "scores"
 BEST_FILE = "best.jsonl"
 PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = "summary.json"
 PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
-SCORE_FIELDS = tuple(dict.fromkeys((*PAIR_FIELDS, *(f for s in every("scorer").values() for f in s.fields))))  # last, in this order
+SCORE_FIELDS = tuple(dict.fromkeys((*PAIR_FIELDS, *(f for s in every("scorer").values() for f in s.fields),
+                                    RESPONSE_SCORES, BEST_RESPONSE)))  # last, in this order
 JOB_FIELDS = frozenset({"source", "line", "error", *SCORE_FIELDS})  # rmflow's: a record's own is input_<name>
-CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps")  # not echoed back
+CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps", "responses", "answers",
+                  "instruction")  # not echoed back
 
 
 class BatchScoreError(RmflowError):
@@ -91,11 +93,15 @@ def _pair_conversations(obj: dict[str, Any], source: str, line: int) -> tuple[li
 
 def encode_record(rm: RewardModel, obj: Any, source: str, line: int, truncate: str = "error") -> tuple[str, list]:
     """(what the record is, its encoded sequences): a conversation (one), a preference pair
-    (chosen and rejected, each with the prompt), or, for a process model, a solution (one).
-    Raises BadConversation or BadRecord."""
+    (chosen and rejected, each with the prompt), one prompt's K responses (each with the prompt,
+    in the given order), or, for a process model, a solution (one). Raises BadConversation or
+    BadRecord."""
     scorer = handler(rm.kind, "scorer")
     if not kind_named(rm.kind).pairwise:
         return "solution", [scorer.encode(rm, obj, truncate=truncate)]
+    conversations = responses_of(obj)
+    if conversations:
+        return "responses", [scorer.encode(rm, c, truncate=truncate) for c in conversations]
     if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj:
         chosen, rejected = _pair_conversations(obj, source, line)
         return "pair", [scorer.encode(rm, [message_dict(m) for m in c], truncate=truncate) for c in (chosen, rejected)]
@@ -106,6 +112,9 @@ def _fields(what: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     if what == "pair":
         c, r = results[0]["score"], results[1]["score"]
         return dict(zip(PAIR_FIELDS, (c, r, c - r, bool(c > r))))
+    if what == "responses":
+        scores = [x["score"] for x in results]
+        return {RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__)}
     return results[0]
 
 
