@@ -72,6 +72,7 @@ class CanonicalResponses:
     dropped: int = 0  # empty responses, left out
     contradicted: int = 0  # copies of a text scored two ways (its labels contradict), left out
     capped: int = 0  # responses past --max-responses, left out (``cap_responses``)
+    margin_from_scores: bool = False  # trained with each pair's score difference as its margin
     raw: str = dataclasses.field(default="", compare=False, repr=False)  # for the errors file
     margin = None  # a pair's field, absent here
     is_tokenized = False
@@ -382,9 +383,15 @@ def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_
         raise BadRecord("response_row", f"layout {fmt} has one response a row; `rmflow preprocess` groups the rows "
                         "of each prompt")
     responses = read_responses(record, fmt, source=source, line=line)
+    if max_responses:  # kept whole, or expanded: at most max_responses (K² / 2 pairs)
+        responses = cap_responses(responses, max_responses)
     if not pairs_from:
-        if max_responses:
-            responses = cap_responses(responses, max_responses)
+        if margin_from_scores:
+            if max(responses.scores) - min(responses.scores) > MAX_MARGIN:
+                raise BadRecord("bad_value", f"a score difference beyond {MAX_MARGIN:g} as a margin: a margin is in "
+                                "reward units, where anything near this size only saturates the loss (rescale the "
+                                "scores)")
+            responses = dataclasses.replace(responses, margin_from_scores=True)
         return [responses], responses
     pairs = to_pairs(responses, pairs_from, margin_from_scores=margin_from_scores, min_score_gap=min_score_gap)
     return pairs, responses

@@ -194,7 +194,8 @@ class TokenizedResponses:
         return ResponsesRecord(prompt_ids=prompt, responses=responses,
                                lasts=[len(prompt) + len(r) - 1 for r in responses],
                                scores=[scores[i] for i in keep], record_id=c.pair_id,
-                               source=os.path.basename(c.source), subset=c.subset)
+                               source=os.path.basename(c.source), subset=c.subset,
+                               margin_from_scores=c.margin_from_scores)
 
 
 def step_token_ends(char_ends: Sequence[int], offsets: Sequence[tuple[int, int]], prompt_len: int) -> np.ndarray:

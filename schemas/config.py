@@ -98,7 +98,9 @@ class PreprocessConfig(Config):
         "(a shuffle on n-gram hashes, for evaluation sets no worker could hold), or auto (join above 64 MiB of "
         "evaluation text). Both find the same records.")
     margin_from_scores: bool = option(
-        False, "UltraFeedback layout: margin = score_chosen - score_rejected when a pair has no margin column."
+        False, "UltraFeedback layout: margin = score_chosen - score_rejected when a pair has no margin column; "
+        "multi-response layouts: each pair's margin is its responses' score difference (kept whole: in the "
+        "bradley-terry ranking loss)."
     )
     min_score_gap: float = option(
         0.0, "Layouts with scores (UltraFeedback): drop pairs whose score_chosen - score_rejected is under this "
@@ -122,8 +124,8 @@ class PreprocessConfig(Config):
         "best-worst the best against the worst; best-random the best against one lower-scored response, picked by a "
         "hash of the record. Every pair of one prompt goes to one split, the split its record would go to.")
     max_responses: int = option(
-        16, "Multi-response layouts kept whole: a prompt with more responses keeps this many, the best, the worst and "
-        "the rest spread evenly over the ranking (stats: responses_capped).")
+        16, "Multi-response layouts: a prompt with more responses keeps this many (kept whole, or before its pairs "
+        "are made), the best, the worst and the rest spread evenly over the ranking (stats: responses_capped).")
     attribute_weights: str = option(
         "helpfulness=1", "Layouts that rate each response on several attributes (helpsteer): the score that orders "
         "a prompt's responses, a weighted sum name=weight,name=weight (HelpSteer2's published weights: "

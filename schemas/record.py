@@ -48,7 +48,7 @@ A responses record (magic b"RMKR", same version and CRC rules)::
 
     0   magic        4s   b"RMKR"
     4   version      u8   RECORD_VERSION
-    5   flags        u8   bit 1: subset present
+    5   flags        u8   bit 0: margins from the scores, bit 1: subset present
     6   reserved     u16  0
     8   k            u32  responses (at least 2)
     12  attributes   u32  N: rated attributes per response (0: none)
@@ -219,6 +219,7 @@ class ResponsesRecord:
     source: str = ""
     subset: str | None = None
     attributes: np.ndarray | None = None  # (K, N) float32; None or N = 0: no attributes
+    margin_from_scores: bool = False  # Bradley-Terry's margin between two responses: their score difference
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", _token_array(self.prompt_ids, "prompt_ids"))
@@ -246,7 +247,8 @@ class ResponsesRecord:
             and np.array_equal(self.lasts, other.lasts)
             and np.array_equal(self.scores, other.scores)
             and np.array_equal(self.attributes, other.attributes)
-            and (self.record_id, self.source, self.subset) == (other.record_id, other.source, other.subset)
+            and (self.record_id, self.source, self.subset, self.margin_from_scores)
+            == (other.record_id, other.source, other.subset, other.margin_from_scores)
         )
 
     __hash__ = None
@@ -374,7 +376,8 @@ def _encode_responses(rec: ResponsesRecord) -> bytes:
     subset = _utf8(rec.subset, "subset")
     lengths = np.array([len(r) for r in rec.responses], "<u4")
     header = _RESPONSES_HEADER.pack(
-        RESPONSES_MAGIC, RECORD_VERSION, _FLAG_SUBSET if rec.subset is not None else 0, 0,
+        RESPONSES_MAGIC, RECORD_VERSION,
+        (_FLAG_SUBSET if rec.subset is not None else 0) | (_FLAG_MARGIN if rec.margin_from_scores else 0), 0,
         rec.k, rec.attributes.shape[1], rec.prompt_len, int(lengths.sum()), bytes.fromhex(rec.record_id),
         len(source), len(subset),
     )
@@ -413,7 +416,7 @@ def _decode_responses(buf: bytes) -> ResponsesRecord:
         ("source", bytes(buf[_RESPONSES_HEADER.size : _RESPONSES_HEADER.size + src_len]).decode("utf-8")),
         ("subset", bytes(buf[_RESPONSES_HEADER.size + src_len : str_end]).decode("utf-8")
          if flags & _FLAG_SUBSET else None),
-        ("attributes", attributes),
+        ("attributes", attributes), ("margin_from_scores", bool(flags & _FLAG_MARGIN)),
     ):
         object.__setattr__(rec, key, value)
     return rec

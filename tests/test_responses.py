@@ -116,6 +116,11 @@ def test_a_multi_response_layout_is_kept_whole_unless_made_pairs_and_capped_at_m
     [one], _ = normalize_all({"prompt": "q", "responses": [f"a{i}" for i in range(10)], "scores": list(ten.scores)},
                              "responses", source="s", line=1, max_responses=4)
     assert one.scores == capped.scores and one.capped == 6
+    pairs, made_of = normalize_all({"prompt": "q", "responses": [f"a{i}" for i in range(10)], "scores": list(ten.scores)},
+                                   "responses", source="s", line=1, max_responses=4, pairs_from="expand")
+    assert made_of.capped == 6 and len(pairs) == 6  # expanded after the cap: 4 responses, 6 pairs
+    [m], _ = normalize_all(LAYOUTS["nectar"], "nectar", source="s", line=1, margin_from_scores=True)
+    assert m.margin_from_scores  # kept whole: Bradley-Terry's margins from the scores, in the record
 
 
 @pytest.mark.slow

@@ -135,24 +135,26 @@ RANKING_SUM_KEYS = ("prompts", "responses", "pairs", "loss_sum", "rank_loss_sum"
                     "best_sum", "tau_sum", "tau_prompts", "reward_sum", "reward_sq_sum")
 
 
-def listwise_loss(rewards, scores, group, center_coef: float = 0.0, ranking: str = "bradley-terry"):
+def listwise_loss(rewards, scores, group, center_coef: float = 0.0, ranking: str = "bradley-terry", margins=None):
     """The ranking loss of each prompt's K responses, averaged over prompts.
 
     ``rewards``, ``scores`` (R, S) and ``group`` (R, S): the record of each slot within its row
     (1, 2, ...; 0: a padding slot), a record's slots contiguous. Per prompt:
 
-    * ``bradley-terry``: the mean of -log σ(r_i - r_j) over every pair whose scores differ
-      (s_i > s_j); pairs of equal scores are skipped. At K = 2 it is the pairs' loss.
+    * ``bradley-terry``: the mean of -log σ(r_i - r_j - (m_i - m_j)) over every pair whose scores
+      differ (s_i > s_j); pairs of equal scores are skipped. ``margins`` (R, S), default 0: a
+      record trained with margins from its scores holds them here. At K = 2 it is the pairs' loss.
     * ``plackett-luce``: the negative log-likelihood of the ranking the scores give, each response
       drawn from those scored no higher (tied responses share their place, Breslow's rule), as the
-      mean over the responses that outrank another.
+      mean over the responses that outrank another (margins do not apply).
 
     plus ``center_coef`` (2·mean r)², the pairs' (r_c + r_r)² at K = 2. Returns the scalar loss
     and the metric sums (``RANKING_SUM_KEYS``): pairs ordered right (strict) and tied, best-of-K
     credit (the top reward on a best-scored response, shared among a tied top), Kendall's tau-b
     over the prompts where rewards and scores both vary.
     """
-    if rewards.shape != scores.shape or scores.shape != group.shape or rewards.ndim != 2:
+    if rewards.shape != scores.shape or scores.shape != group.shape or rewards.ndim != 2 or (
+            margins is not None and margins.shape != scores.shape):
         raise ValueError(f"listwise_loss wants rewards, scores and group of one shape (R, S); got {rewards.shape}, "
                          f"{scores.shape}, {group.shape}")
     if ranking not in RANKING_LOSSES:
@@ -173,7 +175,9 @@ def listwise_loss(rewards, scores, group, center_coef: float = 0.0, ranking: str
     f = lambda m: m.astype(jnp.float32)  # noqa: E731
     n_pairs = per_record(f(better).sum(-1))
     if ranking == "bradley-terry":
-        terms = jnp.where(better, -jax.nn.log_sigmoid(dr), 0.0).sum(-1)  # (R, S): i's pairs with those below it
+        m = jnp.zeros_like(r) if margins is None else margins.astype(jnp.float32)
+        dm = m[:, :, None] - m[:, None, :]
+        terms = jnp.where(better, -jax.nn.log_sigmoid(dr - dm), 0.0).sum(-1)  # (R, S): i's pairs with those below
         rank = per_record(terms) / jnp.maximum(n_pairs, 1.0)
     else:
         below = same & (ds >= 0)  # i is drawn from the responses scored no higher than it

@@ -62,7 +62,8 @@ def _stepwise(model, mb: dict[str, Any], center_coef: float):
 def _listwise(ranking: str):
     def loss(model, mb: dict[str, Any], center_coef: float):
         rewards = model(*(mb[k] for k in _MODEL_ARGS))
-        _, sums = listwise_loss(rewards, mb["response_scores"], mb["response_group"], center_coef, ranking)
+        _, sums = listwise_loss(rewards, mb["response_scores"], mb["response_group"], center_coef, ranking,
+                                mb["response_margins"])
         return sums["loss_sum"], sums
 
     return loss
@@ -107,7 +108,7 @@ OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight
 PROCESS = Objective(kinds.PROCESS, (*ROW_KEYS, "reward_index", "step_labels", "step_weight"),
                     ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", step_metrics_of_sums, _stepwise,
                     StepCollate, StepPackCollate)
-_RESPONSE_KEYS = ("reward_index", "response_scores", "response_group")
+_RESPONSE_KEYS = ("reward_index", "response_scores", "response_margins", "response_group")
 RESPONSES = tuple(
     Objective(kinds.RESPONSES, (*ROW_KEYS, *_RESPONSE_KEYS), _RESPONSE_KEYS, RANKING_SUM_KEYS, "prompts",
               ranking_metrics_of_sums, _listwise(ranking), ResponsesCollate, ResponsesPackCollate, ranking)

@@ -12,6 +12,8 @@ The row keys are the pairs' (``trainer.data.collate``). Then, with S response sl
 
 * ``reward_index``: (R, S) the index within its row of each response's reward token;
 * ``response_scores``: (R, S) float32, each response's score (higher is better);
+* ``response_margins``: (R, S) float32, the score again where its record trains with margins
+  from the scores (Bradley-Terry's margin between two responses is the difference), else 0;
 * ``response_group``: (R, S) int32, the record each slot belongs to within its row (1, 2, ...),
   0 for a padding slot; a record's slots are contiguous;
 * ``record_slots``: (n, 3) host only: for each of the n records collated, in order, its row, its
@@ -70,6 +72,7 @@ def _arrays(rows: int, length: int, slots: int, pad_id: int) -> dict[str, np.nda
         "branch_ids": np.zeros((rows, length), np.int32),
         "reward_index": np.zeros((rows, slots), np.int32),
         "response_scores": np.zeros((rows, slots), np.float32),
+        "response_margins": np.zeros((rows, slots), np.float32),
         "response_group": np.zeros((rows, slots), np.int32),
     }
 
@@ -91,6 +94,8 @@ def _collate(records: Sequence[ResponsesRecord], placement: list[list[int]], len
             b["segment_ids"][row, start:end] = j + 1
             b["reward_index"][row, first : first + r.k] = start + u.reward_at
             b["response_scores"][row, first : first + r.k] = r.scores
+            if r.margin_from_scores:
+                b["response_margins"][row, first : first + r.k] = r.scores
             b["response_group"][row, first : first + r.k] = j + 1
             record_slots[i] = (row, first, r.k)
             start, first = end, first + r.k
