@@ -313,6 +313,16 @@ def test_loader_modes_serve_every_pair_once_and_resume_exactly(shards, packing):
     assert all(np.array_equal(a, b) for a, b in zip(ids(first + rest), ids(full)))
 
 
+def test_an_endless_loader_takes_batches_of_one(shards):
+    """Training reads endlessly (its steps decide when to stop): in batches of one record too
+    (Grain's endless repeat overflowed len() there), every pair served once per pass."""
+    it = iter(make_loader(shards, batch_size=1, max_length=64, seed=2, num_epochs=None, shard_by_process=False,
+                          packing="pack"))
+    served = [next(it) for _ in range(80)]
+    firsts = [b["input_ids"][0, :8].tobytes() for b in served]
+    assert len(set(firsts[:40])) == 40 and sorted(firsts[:40]) == sorted(firsts[40:])
+
+
 def _all(shards):
     import grain
     from rmflow.schemas.record import decode

@@ -132,6 +132,9 @@ def mixed_stream(sources: Sequence, weights: Sequence[float], *, shard: tuple[in
     return grain.MapDataset.mix(sets, [float(w) for w in weights]) if len(sets) > 1 else sets[0]
 
 
+ENDLESS = 2**48  # records an endless stream holds: Grain's endless repeat in batches of 1 overflows len()
+
+
 def make_loader(
     shard_paths: Sequence[str],
     *,
@@ -164,8 +167,10 @@ def make_loader(
                          per_doubling=per_doubling)
     where = _shard(shard, shard_by_process)
     if weights is None:
-        ds = _stream(grain.sources.ArrayRecordDataSource(list(shard_paths)), shard=where, shuffle=shuffle, seed=seed,
-                     num_epochs=num_epochs)
+        source = grain.sources.ArrayRecordDataSource(list(shard_paths))
+        if num_epochs is None:  # endless: as many passes as a length Python's len() takes in batches of 1
+            num_epochs = ENDLESS // max(len(source), 1)
+        ds = _stream(source, shard=where, shuffle=shuffle, seed=seed, num_epochs=num_epochs)
         decode_op = DecodeRecord()
     else:
         if num_epochs is not None or not shuffle:
