@@ -16,8 +16,8 @@ Implementations (``ATTENTION``):
   materialises (B, H, T, T) scores. Used for parity tests.
 * ``blockwise``: flash attention in pure JAX with a custom VJP. Queries go in blocks; each
   block visits only key blocks from the start of its earliest segment up to itself (dynamic
-  loop bounds), skips those the mask empties (another branch's: the other responses of a
-  packed prompt), keeps a running softmax, and the backward pass recomputes scores block by
+  loop bounds), skips those holding only other branches' tokens (the other responses of a
+  packed prompt: ``_visited_blocks``), keeps a running softmax, and the backward pass recomputes scores block by
   block from the saved log-sum-exp. Memory is O(T) besides one block of scores, and the work
   is proportional to the tokens each query may see, not to T squared. The default on CPU.
 * ``pallas``: fused flash attention as Pallas kernels (``trainer.modeling.pallas_attention``):
@@ -136,6 +136,23 @@ def _first_key_block(segment_ids, block: int) -> jax.Array:
     return first.reshape(b, t // block, block).min(axis=(0, 2))
 
 
+def _visited_blocks(segment_ids, branch_ids, block: int) -> jax.Array:
+    """(T // block, T // block) boolean: may query block i see anything of key block j, as far as
+    the blocks' branches tell (a block the mask empties may still be marked: it is then computed
+    and masked). A query sees the keys of branch 0 and of its own branch; each block's branches
+    1..30 are kept as bits (a higher branch counts as every branch). Computed once per call, before
+    the loops, so that skipping a block needs no reduction over rows (split over devices) inside them."""
+    b, t = segment_ids.shape
+    real = _blocks(segment_ids, block) > 0  # (nb, B, block)
+    br = _blocks(branch_ids, block)
+    bit = jnp.where(br >= 31, jnp.int32(-1), jnp.left_shift(jnp.int32(1), jnp.clip(br, 0, 30)))
+    bits = jax.lax.reduce(jnp.where(real & (br > 0), bit, 0), jnp.int32(0), jax.lax.bitwise_or, (2,))  # (nb, B)
+    prompt = (real & (br == 0)).any(-1)  # (nb, B): a key block holding shared-prefix tokens
+    queries = real.any(-1)
+    shared = (bits[:, None] & bits[None, :]) != 0  # (nb_q, nb_k, B)
+    return ((prompt[None, :] | shared) & queries[:, None]).any(-1)
+
+
 def _blocks(x, block):  # (B, T, ...) -> (T // block, B, block, ...)
     b, t = x.shape[:2]
     return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
@@ -171,6 +188,7 @@ class _Layout:
         idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg.shape)
         self.meta = tuple(_blocks(a, block) for a in (seg, pos, br, idx))
         self.first = _first_key_block(seg, block)
+        self.visit = _visited_blocks(seg, br, block)
 
     def mask(self, i, j, window):
         """(B, 1, 1, Qb, Kb): may each query of block i attend to each key of block j."""
@@ -213,9 +231,8 @@ def _flash_fwd(q, k, v, seg, pos, br, window, block):
                             preferred_element_type=jnp.float32)
             return m_new, corr * denom + p.sum(-1), lay.rows(corr)[..., None] * acc + pv
 
-        def step(j, carry):  # a key block the mask empties (another branch's, say) is skipped
-            ok = lay.mask(i, j, window)
-            return jax.lax.cond(ok.any(), lambda c: visit(j, ok, c), lambda c: c, carry)
+        def step(j, carry):  # a key block of other branches only (another response's) is skipped
+            return jax.lax.cond(lay.visit[i, j], lambda c: visit(j, lay.mask(i, j, window), c), lambda c: c, carry)
 
         m, denom, acc = jax.lax.fori_loop(lay.first[i], i + 1, step, init)
         seen = lay.rows(denom > 0)
@@ -255,8 +272,7 @@ def _flash_bwd(window, block, res, dout):
             return dq_i, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
 
         def step(j, inner):
-            ok = lay.mask(i, j, window)
-            return jax.lax.cond(ok.any(), lambda c: visit(j, ok, c), lambda c: c, inner)
+            return jax.lax.cond(lay.visit[i, j], lambda c: visit(j, lay.mask(i, j, window), c), lambda c: c, inner)
 
         dq_i = jnp.zeros(qi.shape, jnp.float32)
         dq_i, dk, dv = jax.lax.fori_loop(lay.first[i], i + 1, step, (dq_i, dk, dv))
