@@ -35,6 +35,7 @@ from rmflow.schemas.manifest import (
     SplitInfo,
     TokenizerInfo,
 )
+from rmflow.schemas.record import PairRecord
 
 SUMMARY_FILE = "_summary.json"
 PERCENTILES = (50, 90, 95, 99)
@@ -215,7 +216,7 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
         "reconciles": True,
         "dead_letters": summary["dead"],
         "records_per_file": summary["files"],
-        "per_file": per_file(summary, kind.pairwise),
+        "per_file": per_file(summary, kind.record is PairRecord),
         # dropped, or with decontaminate_mark_only found and written (counts.contaminated_marked)
         "contaminated_by_eval_file": {d["code"].split(":", 1)[1]: d["count"]
                                       for d in summary["dead"] + summary["marked"]

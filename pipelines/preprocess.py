@@ -55,6 +55,7 @@ from rmflow.schemas.config import (
     MULTI_FORMATS,
     NORMALIZE_OPTIONS,
     SCORE_OPTIONS,
+    WHOLE_GAP,
     PreprocessConfig,
     parse_weights,
 )
@@ -172,6 +173,8 @@ def check_pairs_from(cfg: PreprocessConfig, files: list[str]) -> None:
     layouts = {(layout, path) for path in files if (layout := _first_layout(path)) is not None}
     multi = sorted((lay, path) for lay, path in layouts if lay in MULTI_FORMATS)
     other = sorted((lay, path) for lay, path in layouts if lay not in MULTI_FORMATS)
+    if multi and cfg.min_score_gap:
+        raise PreprocessError(f"{multi[0][1]} holds K responses per prompt (layout {multi[0][0]}): {WHOLE_GAP}")
     if multi and other:
         raise PreprocessError(f"{multi[0][1]} holds K responses per prompt (layout {multi[0][0]}) and {other[0][1]} "
                               f"{other[0][0]} records: one output holds one kind. Add --pairs-from expand, best-worst "

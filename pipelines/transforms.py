@@ -31,7 +31,13 @@ from rmflow.rendering.formats import (
     parse_json_object,
 )
 from rmflow.rendering.responses import group_rows, normalize_all, read_row
-from rmflow.rendering.tokenize import RecordTokenizer, Rendered, TokenizerAssets, build_tokenizer
+from rmflow.rendering.tokenize import (
+    RecordTokenizer,
+    Rendered,
+    TokenizedResponses,
+    TokenizerAssets,
+    build_tokenizer,
+)
 from rmflow.schemas.config import ROW_FORMATS, STEP_SEPARATOR
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import shard_name
@@ -430,11 +436,14 @@ class LengthPolicyFn(beam.DoFn):
         truncated = record.prompt_len != tp.prompt_len
         if truncated:
             self.truncated.inc()
-        left_out = len(getattr(p, "responses", ())) - getattr(record, "k", 0)
-        if left_out > 0:  # a prompt's responses too long to fit with it: the record is written without them
-            note = Merged("long_response", f"a response too long for max_length {self.max_length} with its prompt, "
-                          "left out of its record")
-            yield TaggedOutput(NOTED, {**dead_letter("length", p.source, p.line, "", note), "count": left_out})
+        if isinstance(tp, TokenizedResponses):  # responses left out of a record that is written: counted
+            fit = len(tp.fitting(self.max_length, self.policy))
+            for n, note in ((len(p.responses) - fit, Merged("long_response", "a response too long for max_length "
+                                                            f"{self.max_length} with its prompt, left out of its record")),
+                            (fit - record.k, Merged("capped_response", "a response past --max-responses, left out "
+                                                    "of its record"))):
+                if n:
+                    yield TaggedOutput(NOTED, {**dead_letter("length", p.source, p.line, "", note), "count": n})
         yield record, encoded, (p.source, p.line), truncated, tp.special_text, p.split_key
 
 

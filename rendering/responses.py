@@ -72,6 +72,7 @@ class CanonicalResponses:
     dropped: int = 0  # empty responses, left out
     contradicted: int = 0  # copies of a text scored two ways (its labels contradict), left out
     capped: int = 0  # responses past --max-responses, left out (``cap_responses``)
+    most: int = 0  # kept whole: at most this many of the responses that fit the length policy (0: all)
     margin_from_scores: bool = False  # trained with each pair's score difference as its margin
     raw: str = dataclasses.field(default="", compare=False, repr=False)  # for the errors file
     margin = None  # a pair's field, absent here
@@ -353,15 +354,23 @@ def to_pairs(r: CanonicalResponses, mode: str, *, margin_from_scores: bool = Fal
                           score_gap=s[i] - s[j], group=r.group) for i, j in order]
 
 
+def spread(indices, scores, most: int) -> list[int]:
+    """At most ``most`` of ``indices``: the best- and the worst-scored and the rest spread evenly over
+    the ranking between them (ties in the order given), in their order."""
+    ranked = sorted(indices, key=lambda i: (-scores[i], i))
+    if len(ranked) <= most:
+        return sorted(ranked)
+    return sorted({ranked[round(j * (len(ranked) - 1) / (most - 1))] for j in range(most)})
+
+
 def cap_responses(r: CanonicalResponses, most: int) -> CanonicalResponses:
     """``r`` with at most ``most`` responses: the best, the worst, and the rest spread evenly over
     the ranking between them (ties in the order given), kept in their order; the others are
     counted (``capped``)."""
-    k = len(r.responses)
-    if k <= most:
+    if len(r.responses) <= most:
         return r
-    ranked = sorted(range(k), key=lambda i: (-r.scores[i], i))
-    keep = sorted({ranked[round(j * (k - 1) / (most - 1))] for j in range(most)})
+    keep = spread(range(len(r.responses)), r.scores, most)
+    k = len(r.responses)
     return dataclasses.replace(r, responses=tuple(r.responses[i] for i in keep),
                                scores=tuple(r.scores[i] for i in keep), capped=r.capped + k - len(keep))
 
@@ -383,15 +392,13 @@ def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_
         raise BadRecord("response_row", f"layout {fmt} has one response a row; `rmflow preprocess` groups the rows "
                         "of each prompt")
     responses = read_responses(record, fmt, source=source, line=line)
-    if max_responses:  # kept whole, or expanded: at most max_responses (K² / 2 pairs)
+    if not pairs_from:  # capped among the responses that fit the length policy (``TokenizedResponses.fit``)
+        if margin_from_scores and max(responses.scores) - min(responses.scores) > MAX_MARGIN:
+            raise BadRecord("bad_value", f"a score difference beyond {MAX_MARGIN:g} as a margin: a margin is in "
+                            "reward units, where anything near this size only saturates the loss (rescale the scores)")
+        whole = dataclasses.replace(responses, margin_from_scores=margin_from_scores, most=max_responses)
+        return [whole], whole
+    if max_responses:  # at most max_responses before the pairs are made (K² / 2 of them)
         responses = cap_responses(responses, max_responses)
-    if not pairs_from:
-        if margin_from_scores:
-            if max(responses.scores) - min(responses.scores) > MAX_MARGIN:
-                raise BadRecord("bad_value", f"a score difference beyond {MAX_MARGIN:g} as a margin: a margin is in "
-                                "reward units, where anything near this size only saturates the loss (rescale the "
-                                "scores)")
-            responses = dataclasses.replace(responses, margin_from_scores=True)
-        return [responses], responses
     pairs = to_pairs(responses, pairs_from, margin_from_scores=margin_from_scores, min_score_gap=min_score_gap)
     return pairs, responses

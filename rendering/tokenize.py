@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from rmflow.rendering.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
 from rmflow.rendering.length import TooLong, apply_length_policy, apply_length_policy_steps
-from rmflow.rendering.responses import CanonicalResponses
+from rmflow.rendering.responses import CanonicalResponses, spread
 from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.manifest import (
@@ -168,23 +168,31 @@ class TokenizedResponses:
     def n_tokens(self) -> int:
         return sum(len(s) for s in self.sequences)
 
+    def fitting(self, max_length: int, policy: str) -> list[int]:
+        """The responses whose conversation fits ``max_length`` under the length policy."""
+        if policy not in ("drop", "truncate-prompt"):
+            raise ValueError(f"unknown length policy {policy!r}")
+        p = self.prompt_len
+        room = 0 if policy == "drop" else p - min(self.head_len, p)  # prompt tokens that may go
+        return [i for i, s in enumerate(self.sequences) if len(s) - room <= max_length]
+
     def fit(self, max_length: int, policy: str) -> ResponsesRecord:
         """The shard record that fits ``max_length``: each response whose conversation (prompt and
         response) is too long is left out (``drop``), or the oldest prompt tokens after the
         template's leading ones are cut so that the longest response that can fit does
-        (``truncate-prompt``; a response too long even so is left out). Raises TooLong when fewer
-        than two responses, or only responses of one score, remain."""
-        if policy not in ("drop", "truncate-prompt"):
-            raise ValueError(f"unknown length policy {policy!r}")
+        (``truncate-prompt``; a response too long even so is left out); of those that fit, at most
+        the record's ``most`` (``rendering.responses.spread``). Raises TooLong when fewer than two
+        responses, or only responses of one score, remain."""
         p, seqs = self.prompt_len, self.sequences
-        room = 0 if policy == "drop" else p - min(self.head_len, p)  # prompt tokens that may go
-        keep = [i for i, s in enumerate(seqs) if len(s) - room <= max_length]
+        keep = self.fitting(max_length, policy)
         scores = self.canonical.scores
         if len(keep) < 2 or len({scores[i] for i in keep}) < 2:
             longest = max(len(s) for s in seqs)
             raise TooLong("too_long" if policy == "drop" else "replies_too_long",
                           f"{len(keep)} of {len(seqs)} responses fit max_length {max_length} with their prompt "
                           f"(the longest has {longest} tokens)" + ("" if len(keep) < 2 else ", all of one score"))
+        if self.canonical.most:  # at most this many of those that fit
+            keep = spread(keep, scores, self.canonical.most)
         cut = max(0, max(len(seqs[i]) for i in keep) - max_length)
         head = min(self.head_len, p)
         prompt = seqs[keep[0]][:p]

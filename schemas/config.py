@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from rmflow.schemas.options import Config, ConfigError, option
+from rmflow.schemas.options import NEW, Config, ConfigError, option
 from rmflow.schemas.paths import absolute, absolute_if_local
 from rmflow.schemas.train_config import check_int
 
@@ -37,6 +37,8 @@ FORMATS = (
 MULTI_FORMATS = ("responses", "rewardbench2", "nectar", "ultrafeedback-raw", "helpsteer")
 ROW_FORMATS = ("helpsteer",)  # a response a row: the rows of one prompt are grouped (GroupByKey) into one record
 PAIRS_FROM = ("", "expand", "best-worst", "best-random")
+WHOLE_GAP = ("min_score_gap acts on pairs: a multi-response record kept whole trains on every two responses whose "
+             "scores differ; add --pairs-from expand to drop the pairs closer than the gap, or drop --min-score-gap")
 STEP_FORMATS = ("stepwise", "processbench")
 LENGTH_POLICIES = ("drop", "truncate-prompt")
 MAX_BAD_FRACTION = 0.05  # preprocess and score: the share of bad records a job accepts (counted, written aside)
@@ -125,7 +127,8 @@ class PreprocessConfig(Config):
         "hash of the record. Every pair of one prompt goes to one split, the split its record would go to.")
     max_responses: int = option(
         16, "Multi-response layouts: a prompt with more responses keeps this many (kept whole, or before its pairs "
-        "are made), the best, the worst and the rest spread evenly over the ranking (stats: responses_capped).")
+        "are made), the best, the worst and the rest spread evenly over the ranking (stats: responses_capped); 0 "
+        "keeps all.", was=NEW)
     attribute_weights: str = option(
         "helpfulness=1", "Layouts that rate each response on several attributes (helpsteer): the score that orders "
         "a prompt's responses, a weighted sum name=weight,name=weight (HelpSteer2's published weights: "
@@ -153,7 +156,11 @@ class PreprocessConfig(Config):
         parse_weights(self.attribute_weights)  # refused here, not per record
         if self.pairs_from not in PAIRS_FROM:
             raise ConfigError(f"pairs_from {self.pairs_from!r}: use one of {', '.join(p for p in PAIRS_FROM if p)}")
-        check_int(self.max_responses, "max_responses", 2)
+        if self.format in MULTI_FORMATS and not self.pairs_from and self.min_score_gap:
+            raise ConfigError(WHOLE_GAP)
+        check_int(self.max_responses, "max_responses", 0)
+        if self.max_responses == 1:
+            raise ConfigError("max_responses 1: a prompt needs 2 responses to rank; give 2 or more, or 0 for all")
         if self.format != "auto" and self.format not in FORMATS:
             raise ConfigError(f"format {self.format!r}: use 'auto' or one of {', '.join(FORMATS)}")
         if self.length_policy not in LENGTH_POLICIES:
@@ -200,6 +207,9 @@ class PreprocessConfig(Config):
         d = self.to_dict()
         for key in ("output", "overwrite", "num_workers", "runner", "beam_args", "batch_size"):
             d.pop(key)
+        for f in dataclasses.fields(self):  # an option added since, at its default: as before it was added
+            if f.metadata.get("was") == NEW and d.get(f.name) == f.default:
+                d.pop(f.name)
         return d
 
 

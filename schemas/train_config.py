@@ -355,7 +355,7 @@ class TrainConfig(Config):
         one mapping. A workflow's stage hash covers this, so that stages finished before the
         options were grouped in sections stay done."""
         paths = {leaf.path: leaf for leaf in leaves(TrainConfig) if leaf.was_flat}
-        out = {paths[k].was: v for k, v in self.flat().items()
+        out = {(k if paths[k].was == NEW else paths[k].was): v for k, v in self.flat().items()
                if k in paths and not (paths[k].was == NEW and v == paths[k].default)}
         return out | {"lora": dataclasses.asdict(self.lora) if self.lora is not None else None}
 

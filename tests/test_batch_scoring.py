@@ -106,6 +106,7 @@ def test_a_record_s_own_fields_never_overwrite_the_job_s_and_bad_text_is_a_count
                       for r in k["responses"]])  # one prompt's K responses: each scored as its own conversation
     np.testing.assert_allclose(by_id["k"]["response_scores"], alone, atol=1e-5, rtol=0)
     assert by_id["k"]["best_response"] == int(np.argmax(alone)) and by_id["k"]["ranks"] == [2, 1, 3]
+    assert "responses" not in by_id["k"] and "prompt" not in by_id["k"]  # the content is not echoed back
     assert by_id["sharegpt"]["source"] == by_id["null"]["source"] == str(tmp_path / "in.jsonl")
     assert (by_id["sharegpt"]["input_source"], by_id["sharegpt"]["input_line"], by_id["sharegpt"]["input_score"]) \
         == ("sharegpt", 7, 0.5) and by_id["null"]["input_source"] is None and by_id["sharegpt"]["line"] == 1

@@ -105,3 +105,5 @@ def test_a_workflow_s_train_identity_is_the_flat_layout_of_before():
     identity = json.loads(json.dumps(TrainConfig.from_stored(flat).identity(), default=str))
     assert {k: identity[k] for k in flat} == flat
     assert set(identity) == {leaf.was for leaf in leaves(TrainConfig) if leaf.was_flat and leaf.was != NEW} | {"lora"}
+    # an option added since enters the hash only when set, under its own name
+    assert TrainConfig.from_stored({**flat, "ranking_loss": "plackett-luce"}).identity()["ranking_loss"] == "plackett-luce"

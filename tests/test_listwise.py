@@ -91,6 +91,8 @@ def test_a_unit_holds_the_prompt_once_and_each_response_on_its_branch():
     assert with_margins["response_margins"][0, :3].tolist() == [0.0, 1.0, 2.0]
     one = ResponsesCollate(3, 64)([r])  # a partial batch: empty rows
     assert one["input_ids"].shape == (3, 16) and one["segment_ids"][1:].sum() == 0
+    long = record(2, 20, [9, 9, 9], [0.0, 1.0, 2.0], rng)  # 47 tokens as a unit, each conversation 29
+    assert ResponsesCollate(1, 32)([long])["input_ids"].shape == (1, 64)  # past max_length: a power of two
 
 
 @pytest.mark.parametrize("impl,t,block", [("blockwise", 300, 64), ("pallas", 120, 32)])
@@ -277,8 +279,11 @@ def test_real_rm_bench_prompts_preprocess_whole_train_packed_or_not_alike_and_ev
         assert last["computed_fraction"] < 0.95  # each prompt computed once, not once per response (1.0)
     assert losses["pack"] == pytest.approx(losses["none"], abs=1e-5)
     m = run_eval(EvalConfig(model=str(tmp_path / "run-pack"), data=(str(tmp_path / "whole"),),
-                            output=str(tmp_path / "eval")))
+                            output=str(tmp_path / "eval"), normalize=True))
     assert m["kind"] == "outcome" and m["ranking"]["prompts"] == len(held_out)
+    assert (m["accuracy"], m["pairs"]) == (m["ranking"]["pair_accuracy"], m["ranking"]["scored_pairs"])  # headline
+    norm = json.loads((tmp_path / "run-pack" / "reward_normalization.json").read_text())
+    assert norm["responses"] == m["ranking"]["responses"] and norm["std"] > 0
     assert 0 <= m["ranking"]["best_of_k_accuracy"] <= 1 and "length_baseline" in m["ranking"]
     assert json.loads((tmp_path / "run-pack" / "data_manifest.json").read_text())["kind"] == "multi-response"
 

@@ -108,6 +108,13 @@ def test_a_multi_response_layout_is_kept_whole_unless_made_pairs_and_capped_at_m
         PreprocessConfig(inputs=("x",), output="o", tokenizer="t", pairs_from="all")
     with pytest.raises(ConfigError, match="max_responses 1"):
         PreprocessConfig(inputs=("x",), output="o", tokenizer="t", max_responses=1)
+    with pytest.raises(ConfigError, match="min_score_gap acts on pairs"):
+        PreprocessConfig(inputs=("x",), output="o", tokenizer="t", format="nectar", min_score_gap=1.0)
+    # an option added since, at its default, leaves a workflow's preprocess hash as it was
+    base = PreprocessConfig(inputs=("x",), output="o", tokenizer="t")
+    assert "max_responses" not in base.output_affecting()
+    assert PreprocessConfig(inputs=("x",), output="o", tokenizer="t", max_responses=4).output_affecting()[
+        "max_responses"] == 4
     ten = CanonicalResponses("s", 1, (("user", "q"),), tuple((("assistant", f"a{i}"),) for i in range(10)),
                              tuple(float(x) for x in (3, 9, 1, 7, 5, 0, 8, 2, 6, 4)))
     capped = cap_responses(ten, 4)  # the best (9), the worst (0) and two spread between, in their order
@@ -115,7 +122,24 @@ def test_a_multi_response_layout_is_kept_whole_unless_made_pairs_and_capped_at_m
     assert cap_responses(ten, 10) is ten
     [one], _ = normalize_all({"prompt": "q", "responses": [f"a{i}" for i in range(10)], "scores": list(ten.scores)},
                              "responses", source="s", line=1, max_responses=4)
-    assert one.scores == capped.scores and one.capped == 6
+    assert len(one.responses) == 10 and one.most == 4  # kept whole: capped among those that fit (below)
+    import dataclasses
+
+    import numpy as np
+    from rmflow.rendering.length import TooLong
+    from rmflow.rendering.tokenize import TokenizedResponses
+
+    five = dataclasses.replace(ten, responses=ten.responses[:5], scores=(5.0, 4.0, 3.0, 2.0, 1.0), most=4)
+    seqs = tuple(np.arange(3 + n, dtype=np.int32) for n in (2, 2, 2, 2, 30))  # prompt 3; the worst is long
+    tr = TokenizedResponses(five, seqs, 3, 1)
+    assert tr.fitting(16, "drop") == [0, 1, 2, 3]
+    rec = tr.fit(16, "drop")  # the long worst is left out first, then 4 of 4 kept: none lost to the cap
+    assert rec.k == 4 and rec.scores.tolist() == [5.0, 4.0, 3.0, 2.0] and rec.prompt_len == 3
+    assert tr.fit(64, "drop").scores.tolist() == [5.0, 4.0, 2.0, 1.0]  # all fit: the spread of the ranking
+    cut = tr.fit(32, "truncate-prompt")  # the long one fits with one prompt token cut (after the head)
+    assert cut.prompt_len == 2 and cut.k == 4 and 1.0 in cut.scores.tolist()
+    with pytest.raises(TooLong, match="0 of 5 responses"):
+        tr.fit(4, "drop")
     pairs, made_of = normalize_all({"prompt": "q", "responses": [f"a{i}" for i in range(10)], "scores": list(ten.scores)},
                                    "responses", source="s", line=1, max_responses=4, pairs_from="expand")
     assert made_of.capped == 6 and len(pairs) == 6  # expanded after the cap: 4 responses, 6 pairs

@@ -148,6 +148,23 @@ def test_native_scores_equal_the_api(outcome, conversations):
     np.testing.assert_allclose(got, rm.score(conversations), atol=1e-5, rtol=0)
 
 
+def test_native_scores_one_prompt_s_k_responses_in_one_item(outcome):
+    server, rm = outcome
+    records = [{"prompt": "Pick one.", "responses": ["A.", "B, as it is longer.", "C"], "ranks": [2, 1, 3]},
+               {"prompt": "Name a colour.", "chosen": ["Blue."], "rejected": ["Seven.", "A colour."]}]
+    r = server.post("/v1/score", {"responses": records})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    for record, scores, best in zip(records, body["response_scores"], body["best_responses"]):
+        texts = record.get("responses") or record["chosen"] + record["rejected"]
+        alone = rm.score([[{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": t}]
+                          for t in texts])
+        np.testing.assert_allclose(scores, alone, atol=1e-5, rtol=0)
+        assert best == int(np.argmax(alone))
+    r = server.post("/v1/score", {"responses": [records[0], {"prompt": "p", "chosen": "a", "rejected": "b"}]})
+    assert r.status_code == 422 and r.json()["items"][0]["index"] == 1, r.text  # a pair is not K responses
+
+
 def test_get_reward_as_openrlhf_sends_it_and_classify_as_verl(outcome, conversations):
     server, rm = outcome
     renderer = rm._record_tokenizer()

@@ -75,7 +75,7 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
         try:
             result = preprocess(PreprocessConfig(inputs=tuple(data), output=folder, tokenizer=tokenizer,
                                                  max_length=model.config.max_position_embeddings,
-                                                 eval_fraction=0.0, max_bad_fraction=1.0,
+                                                 eval_fraction=0.0, max_bad_fraction=1.0, max_responses=0,
                                                  step_separator=step_separator, **(raw_options or {})))
         except PreprocessError as e:  # e.g. no usable pair: keep the reasons where the user can read them
             found = [e.errors_file] if e.errors_file else glob.glob(os.path.join(workdir, "shards.tmp-*", ERRORS_FILE))

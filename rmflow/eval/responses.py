@@ -7,6 +7,8 @@ per subset, beside the same figures for the length-only baseline (reward = the r
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,7 @@ from rmflow.eval.reports import write_eval
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import MULTI_FORMATS, ROW_FORMATS, EvalConfig, parse_weights
 from rmflow.schemas.errors import RmflowError
-from rmflow.trainer.inference import LoadedModel, require_tokenizer, score_sequences
+from rmflow.trainer.inference import NORMALIZATION_FILE, LoadedModel, require_tokenizer, score_sequences
 
 
 class ResponsesEvalError(RmflowError):
@@ -123,11 +125,22 @@ def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, rewards, lengths, spa
         return {**ranking_metrics([r for r, _, _ in chosen], [s for _, _, s in chosen]),
                 "length_baseline": ranking_metrics([n for _, n, _ in chosen], [s for _, _, s in chosen])}
 
-    metrics = {"ranking": {**figures([True] * len(by)), "responses": len(rewards), "skipped": skipped,
-                             "subsets": {name: figures([s == name for s in subsets])
-                                         for name in sorted(set(subsets))} if len(set(subsets)) > 1 else {}}}
+    ranking = {**figures([True] * len(by)), "responses": len(rewards), "skipped": skipped,
+               "subsets": {name: figures([s == name for s in subsets])
+                           for name in sorted(set(subsets))} if len(set(subsets)) > 1 else {}}
+    # the headline an outcome model's eval reports (``ModelKind.headline``): its pairs, here every
+    # two responses of a prompt whose scores differ
+    metrics = {"accuracy": ranking["pair_accuracy"], "pairs": ranking["scored_pairs"], "ranking": ranking}
     config = {**cfg.to_dict(), "model_description": loaded.description}
-    return metrics, lambda m, out: write_eval(out, m, config, markdown(m, loaded.description, list(cfg.data)))
+
+    def write(m: dict[str, Any], out: str) -> None:
+        write_eval(out, m, config, markdown(m, loaded.description, list(cfg.data)))
+        if cfg.normalize:  # stored with the model, so scores can be standardised at inference
+            with open(os.path.join(cfg.model, NORMALIZATION_FILE), "w") as f:
+                json.dump({"mean": float(np.mean(rewards)), "std": float(np.std(rewards)), "responses": len(rewards),
+                           "data": list(cfg.data), "split": cfg.split}, f, indent=2)
+
+    return metrics, write
 
 
 def markdown(m: dict[str, Any], model: str, data: list[str]) -> str:

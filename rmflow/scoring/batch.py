@@ -55,8 +55,8 @@ PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a prefer
 SCORE_FIELDS = tuple(dict.fromkeys((*PAIR_FIELDS, *(f for s in every("scorer").values() for f in s.fields),
                                     RESPONSE_SCORES, BEST_RESPONSE)))  # last, in this order
 JOB_FIELDS = frozenset({"source", "line", "error", *SCORE_FIELDS})  # rmflow's: a record's own is input_<name>
-CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps", "responses", "answers",
-                  "instruction")  # not echoed back
+CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps")  # not echoed back
+RESPONSES_CONTENT = ("responses", "answers", "instruction")  # a K-response record's, besides: not echoed back
 
 
 class BatchScoreError(RmflowError):
@@ -200,7 +200,8 @@ class RouteFn(beam.DoFn):
             yield TaggedOutput(DEAD, dead_letter("score", source, line, raw, BadRecord(r["code"], r["error"])))
             return
         obj = _parse(raw)
-        kept = {k: v for k, v in obj.items() if k not in CONTENT_FIELDS} if isinstance(obj, dict) else {}
+        content = (*CONTENT_FIELDS, *(RESPONSES_CONTENT if RESPONSE_SCORES in r["fields"] else ()))
+        kept = {k: v for k, v in obj.items() if k not in content} if isinstance(obj, dict) else {}
         yield {**echoed(kept, JOB_FIELDS | {"_raw"}), "source": source, "line": line, **r["fields"], "_raw": raw}
 
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import errno
 import hmac
+import itertools
 import logging
 import math
 import signal
@@ -211,6 +212,14 @@ def create_app(service: Service) -> Starlette:
         return service.rm.identity()
 
     def respond_native(parsed: Parsed, results: list) -> dict[str, Any]:
+        if "groups" in parsed.options:  # records of K responses: each record's scores, in the given order
+            ends = list(itertools.accumulate(parsed.options["groups"]))
+            per = [results[end - k : end] for k, end in zip(parsed.options["groups"], ends)]
+            out = {"response_scores": [[r["score"] for r in rs] for rs in per],
+                   "best_responses": [max(range(len(rs)), key=lambda i, rs=rs: rs[i]["score"]) for rs in per]}
+            if parsed.options.get("normalized"):
+                out["normalized_response_scores"] = [[r["score_normalized"] for r in rs] for rs in per]
+            return {**out, "model": identity()}
         out = {}
         for column, field in handler(service.rm.kind, "protocol").columns.items():
             if field == "score_normalized" and not parsed.options.get("normalized"):

@@ -3,7 +3,9 @@ decoded JSON body into the items to score, or raises ``RequestError`` naming wha
 for a bad item, its index). Three protocols:
 
 * native ``POST /v1/score``: conversations (OpenAI-style messages), rendered with the model's
-  own chat template; for a process reward model, solutions (prompt and steps);
+  own chat template, or (``responses``) records of one prompt's K responses in any
+  multi-response layout, each response scored with its prompt; for a process reward model,
+  solutions (prompt and steps);
 * ``POST /get_reward``: OpenRLHF's remote reward model (``--remote_rm_url``): ``query`` holds
   full texts the policy already rendered; ``prompts`` and ``labels`` are accepted and ignored;
 * ``POST /classify``: vLLM's pooling API as verl's reward loop calls it: ``input``, one text or
@@ -111,16 +113,31 @@ OUTCOME_NATIVE = Native("conversations", "conversation", {"scores": "score", "no
 PROCESS_NATIVE = Native("solutions", "solution", {"step_scores": "step_scores", "first_errors": "first_error"})
 
 
+RESPONSES_KEY = "responses"  # POST /v1/score: records of one prompt's K responses (an outcome model)
+
+
 def read_native(body: Any, rm: RewardModel, max_items: int) -> Parsed:
-    """``{"conversations": [...], "normalized": false, "truncate": "error"}`` (an outcome model)
+    """``{"conversations": [...], "normalized": false, "truncate": "error"}`` (an outcome model),
+    ``{"responses": [{"prompt": ..., "responses": [...]}, ...]}`` (an outcome model: each record's
+    responses scored with its prompt; ``Parsed.options["groups"]``: how many each record holds)
     or ``{"solutions": [{"prompt": ..., "completions": [...]}, ...]}`` (a process model)."""
     body = _object(body)
     native = handler(rm.kind, "protocol")
+    if RESPONSES_KEY in body and native.key not in body and kind_named(rm.kind).normalizable:
+        return _read_responses(body, rm, native, max_items)
     for other in every("protocol").values():
         if other is not native and other.key in body and native.key not in body:
             raise RequestError(400, f"this is {kind_named(rm.kind).description}: send '{native.key}', not "
                                     f"'{other.key}'", reason="wrong_kind")
     items = _list(body, native.key, max_items)
+    normalized, truncate = _options(body, rm)
+    scorer = handler(rm.kind, "scorer")
+    encoded = _encode_all(items, lambda x: scorer.encode(rm, x, truncate=truncate), native.what)
+    return Parsed(encoded, [scorer.size(x) for x in encoded], {"normalized": normalized})
+
+
+def _options(body: dict[str, Any], rm: RewardModel) -> tuple[bool, str]:
+    """A native request's ``normalized`` and ``truncate``, checked."""
     normalized = _flag(body, "normalized", False)
     if normalized and not (rm.normalization and rm.normalization.get("std")):
         raise RequestError(400, "'normalized': this model has no reward_normalization.json (run `rmflow eval "
@@ -128,9 +145,33 @@ def read_native(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     truncate = body.get("truncate", "error")
     if truncate not in SCORE_TRUNCATE:
         raise RequestError(400, f"'truncate' must be one of {', '.join(map(repr, SCORE_TRUNCATE))}, got {truncate!r}")
+    return normalized, truncate
+
+
+def _read_responses(body: dict[str, Any], rm: RewardModel, native, max_items: int) -> Parsed:
+    from rmflow.scoring.scorers import responses_of
+
+    records = _list(body, RESPONSES_KEY, max_items)
+    normalized, truncate = _options(body, rm)
     scorer = handler(rm.kind, "scorer")
-    encoded = _encode_all(items, lambda x: scorer.encode(rm, x, truncate=truncate), native.what)
-    return Parsed(encoded, [scorer.size(x) for x in encoded], {"normalized": normalized})
+
+    def encode(record: Any) -> list[Any]:
+        try:
+            conversations = responses_of(record)
+        except Exception as e:  # noqa: BLE001 - a BadRecord from the layout's reader, said as the item's error
+            raise BadConversation(getattr(e, "message", str(e))) from None
+        if not conversations:
+            raise BadConversation("is not one prompt's K responses (a responses, rewardbench2, nectar or "
+                                  "ultrafeedback-raw record)")
+        return [scorer.encode(rm, c, truncate=truncate) for c in conversations]
+
+    grouped = _encode_all(records, encode, "responses")
+    encoded = [x for group in grouped for x in group]
+    if len(encoded) > max_items:
+        raise RequestError(413, f"'{RESPONSES_KEY}' holds {len(encoded)} responses, at most {max_items} a request "
+                                "(--max-request-items counts each response); split the request", reason="too_many_items")
+    return Parsed(encoded, [scorer.size(x) for x in encoded],
+                  {"normalized": normalized, "groups": [len(g) for g in grouped]})
 
 
 def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: bool) -> list[Any]:

@@ -119,8 +119,10 @@ class ResponsesCollate:
     def __call__(self, records: Sequence[ResponsesRecord]) -> dict[str, np.ndarray]:
         _fits(records, self.max_length)
         placement = [[i] for i in range(len(records))] + [[] for _ in range(self.batch_size - len(records))]
-        # a unit holds K responses: its row may be longer than max_length (each conversation is not)
-        length_of = (lambda n: bucket_length(n, max(n, self.max_length))) if self.lengths == "pow2" \
+        # a unit holds K responses: its row may be longer than max_length (each conversation is not),
+        # then rounded to a power of two (a few shapes), as one up to it is
+        length_of = (lambda n: bucket_length(n, self.max_length) if n <= self.max_length
+                     else 1 << (n - 1).bit_length()) if self.lengths == "pow2" \
             else (lambda n: fine_length(n, self.per_doubling))
         return _collate(records, placement, length_of, self.pad_id)
 
