@@ -285,6 +285,8 @@ def test_real_rm_bench_prompts_preprocess_whole_train_packed_or_not_alike_and_ev
     norm = json.loads((tmp_path / "run-pack" / "reward_normalization.json").read_text())
     assert norm["responses"] == m["ranking"]["responses"] and norm["std"] > 0
     assert 0 <= m["ranking"]["best_of_k_accuracy"] <= 1 and "length_baseline" in m["ranking"]
+    assert (tmp_path / "eval" / "ranking.png").stat().st_size > 0
+    assert "ranking.png" in (tmp_path / "eval" / "report.md").read_text()
     assert json.loads((tmp_path / "run-pack" / "data_manifest.json").read_text())["kind"] == "multi-response"
 
 

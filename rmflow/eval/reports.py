@@ -141,6 +141,31 @@ def _save(fig, output: str, name: str) -> str:
     return name
 
 
+def ranking_plot(rewards: Sequence[np.ndarray], scores: Sequence[np.ndarray], output: str) -> str:
+    """A box plot of each response's reward less its prompt's mean, by the rank of its label within
+    its prompt (1: the best-labelled; equal labels share a rank): a model that ranks as the labels
+    do climbs from right to left. Saved as ``ranking.png``; returns its name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_rank: dict[int, list[float]] = {}
+    for r, s in zip(rewards, scores):
+        r, s = np.asarray(r, np.float64), np.asarray(s, np.float64)
+        levels = np.unique(s)[::-1]
+        for reward, score in zip(r - r.mean(), s):
+            by_rank.setdefault(int(np.searchsorted(-levels, -score)) + 1, []).append(float(reward))
+    ranks = sorted(by_rank)[:10]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.boxplot([by_rank[k] for k in ranks], showfliers=False)
+    ax.set_xticks(range(1, len(ranks) + 1), [str(k) for k in ranks])
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set(xlabel="label rank within the prompt (1: best)", ylabel="reward - the prompt's mean reward",
+           title="Rewards by label rank")
+    return _save(fig, output, "ranking.png")
+
+
 def write_process_report(metrics: dict[str, Any], p_correct: Sequence[np.ndarray], labels: Sequence[np.ndarray],
                          output: str, config: dict[str, Any]) -> list[str]:
     """A process reward model's eval: eval.json, report.md and a plot of P(correct) for correct and

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from rmflow.eval.metrics import ranking_metrics
-from rmflow.eval.reports import write_eval
+from rmflow.eval.reports import ranking_plot, write_eval
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import MULTI_FORMATS, ROW_FORMATS, EvalConfig, parse_weights
 from rmflow.schemas.errors import RmflowError
@@ -134,7 +134,10 @@ def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, rewards, lengths, spa
     config = {**cfg.to_dict(), "model_description": loaded.description}
 
     def write(m: dict[str, Any], out: str) -> None:
-        write_eval(out, m, config, markdown(m, loaded.description, list(cfg.data)))
+        os.makedirs(out, exist_ok=True)
+        plot = ranking_plot([r for r, _, _ in by], [s for _, _, s in by], out)
+        write_eval(out, m, config, markdown(m, loaded.description, list(cfg.data)) + f"\n![rewards by label rank]({plot})\n",
+                   [plot])
         if cfg.normalize:  # stored with the model, so scores can be standardised at inference
             with open(os.path.join(cfg.model, NORMALIZATION_FILE), "w") as f:
                 json.dump({"mean": float(np.mean(rewards)), "std": float(np.std(rewards)), "responses": len(rewards),

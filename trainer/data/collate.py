@@ -80,6 +80,12 @@ def check_fits(longest: int, max_length: int) -> None:
                          "preprocess with this max_length or raise it")
 
 
+def empty_rows(rows: int, length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """The row keys of ``rows`` rows of ``length`` tokens, all padding (segment 0)."""
+    return {"input_ids": np.full((rows, length), pad_id, np.int32),
+            **{k: np.zeros((rows, length), np.int32) for k in ("positions", "segment_ids", "branch_ids")}}
+
+
 def pair_arrays(records: Sequence[PairRecord], slots: int) -> dict[str, np.ndarray]:
     """margin and weight for ``slots`` pair slots, the first ``len(records)`` real."""
     margin = np.zeros(slots, np.float32)

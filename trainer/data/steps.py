@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from rmflow.schemas.record import StepRecord
-from rmflow.trainer.data.collate import FINEST, bucket_length, check_fits, fine_length
+from rmflow.trainer.data.collate import FINEST, bucket_length, check_fits, empty_rows, fine_length
 from rmflow.trainer.data.packing import assign_rows
 
 MIN_STEP_SLOTS = 8
@@ -38,10 +38,7 @@ def step_slots(most: int) -> int:
 
 def _arrays(rows: int, length: int, slots: int, pad_id: int) -> dict[str, np.ndarray]:
     return {
-        "input_ids": np.full((rows, length), pad_id, np.int32),
-        "positions": np.zeros((rows, length), np.int32),
-        "segment_ids": np.zeros((rows, length), np.int32),
-        "branch_ids": np.zeros((rows, length), np.int32),
+        **empty_rows(rows, length, pad_id),
         "reward_index": np.zeros((rows, slots), np.int32),
         "step_labels": np.zeros((rows, slots), np.int32),
         "step_weight": np.zeros((rows, slots), np.float32),
