@@ -321,6 +321,9 @@ def test_an_endless_loader_takes_batches_of_one(shards):
     served = [next(it) for _ in range(80)]
     firsts = [b["input_ids"][0, :8].tobytes() for b in served]
     assert len(set(firsts[:40])) == 40 and sorted(firsts[:40]) == sorted(firsts[40:])
+    mixed = iter(make_loader([shards[:1], shards[1:]], batch_size=1, max_length=64, seed=2, num_epochs=None,
+                             shuffle=True, shard_by_process=False, packing="pack", weights=[1.0, 1.0]))
+    assert all(next(mixed)["input_ids"].shape[0] == 1 for _ in range(5))  # a mixture too
 
 
 def _all(shards):

@@ -106,12 +106,15 @@ def _shard(sharding: tuple[int, int] | None, by_process: bool) -> tuple[int, int
     return 0, 1
 
 
+ENDLESS = 2**48  # records an endless stream holds: Grain's endless repeat in batches of 1 overflows len()
+
+
 def _stream(source, *, shard: tuple[int, int], shuffle: bool, seed: int, num_epochs: int | None,
             tag: int | None = None) -> grain.MapDataset:
     """One set's records in this process's order: the process's slice of the set (every
     ``count``-th record from ``index``, the set first cut to a multiple of the processes, so
     each gets as many and no record goes to two), shuffled anew each pass (``shuffle``),
-    repeated ``num_epochs`` times (None: endlessly). ``tag``: each record paired with its set."""
+    repeated ``num_epochs`` times (None: endlessly, ``ENDLESS`` records). ``tag``: each record paired with its set."""
     index, count = shard
     ds = grain.MapDataset.source(source)
     ds = ds[: len(ds) - len(ds) % count][index::count]
@@ -119,6 +122,8 @@ def _stream(source, *, shard: tuple[int, int], shuffle: bool, seed: int, num_epo
         ds = ds.map(Tag(tag))
     if shuffle:
         ds = ds.shuffle(seed)
+    if num_epochs is None:  # endless: as many passes as a length Python's len() takes in batches of 1
+        num_epochs = ENDLESS // max(len(ds), 1)  # (the same records at every index as an endless repeat)
     return ds.repeat(num_epochs)
 
 
@@ -130,9 +135,6 @@ def mixed_stream(sources: Sequence, weights: Sequence[float], *, shard: tuple[in
     sets = [_stream(source, shard=shard, shuffle=True, seed=(seed + i) % 2**31, num_epochs=None, tag=i)
             for i, source in enumerate(sources)]
     return grain.MapDataset.mix(sets, [float(w) for w in weights]) if len(sets) > 1 else sets[0]
-
-
-ENDLESS = 2**48  # records an endless stream holds: Grain's endless repeat in batches of 1 overflows len()
 
 
 def make_loader(
@@ -167,10 +169,8 @@ def make_loader(
                          per_doubling=per_doubling)
     where = _shard(shard, shard_by_process)
     if weights is None:
-        source = grain.sources.ArrayRecordDataSource(list(shard_paths))
-        if num_epochs is None:  # endless: as many passes as a length Python's len() takes in batches of 1
-            num_epochs = ENDLESS // max(len(source), 1)
-        ds = _stream(source, shard=where, shuffle=shuffle, seed=seed, num_epochs=num_epochs)
+        ds = _stream(grain.sources.ArrayRecordDataSource(list(shard_paths)), shard=where, shuffle=shuffle, seed=seed,
+                     num_epochs=num_epochs)
         decode_op = DecodeRecord()
     else:
         if num_epochs is not None or not shuffle:

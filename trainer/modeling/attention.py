@@ -141,7 +141,8 @@ def _visited_blocks(segment_ids, branch_ids, block: int) -> jax.Array:
     the blocks' branches tell (a block the mask empties may still be marked: it is then computed
     and masked). A query sees the keys of branch 0 and of its own branch; each block's branches
     1..30 are kept as bits (a higher branch counts as every branch). Computed once per call, before
-    the loops, so that skipping a block needs no reduction over rows (split over devices) inside them."""
+    the loops, so that skipping a block needs no reduction over rows (split over devices) inside them.
+    Branch ids are >= 0, as every collation writes them."""
     b, t = segment_ids.shape
     real = _blocks(segment_ids, block) > 0  # (nb, B, block)
     br = _blocks(branch_ids, block)
