@@ -145,6 +145,7 @@ def test_each_response_scores_as_alone_with_its_prompt(arch, tmp_path):
     blockwise = load_reward_model(str(tmp_path), attention="blockwise")
     packed = ResponsesPackCollate(4, 64, rows=2)(recs)
     loss_a, rewards_a, grads_a = _loss_and_grads(reference, packed, recs, alone=True)
+    assert np.isfinite(loss_a) and all(np.isfinite(r).all() for r in rewards_a)  # (NaN would equal NaN below)
     for model, batch in ((reference, packed), (blockwise, packed), (blockwise, ResponsesCollate(4, 64)(recs))):
         loss_b, rewards_b, grads_b = _loss_and_grads(model, batch, recs, alone=False)
         assert loss_b == pytest.approx(loss_a, abs=1e-5)
@@ -291,6 +292,8 @@ def test_real_rm_bench_prompts_preprocess_whole_train_packed_or_not_alike_and_ev
 
 
 def test_scoring_records_computes_each_prompt_once_and_equals_each_conversation_alone():
+    import dataclasses
+
     from rmflow.trainer.inference import score_responses, score_sequences
     from rmflow.trainer.modeling.llama import RewardTransformer
 
@@ -298,8 +301,17 @@ def test_scoring_records_computes_each_prompt_once_and_equals_each_conversation_
 
     rng = np.random.default_rng(5)
     recs = records(7, rng, prompt=(3, 30), length=(1, 20), k=(2, 7))
-    model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
+    model = RewardTransformer(dataclasses.replace(CFG, vocab_size=VOCAB), rngs=nnx.Rngs(0))
     together = score_responses(model, recs, tokens=200)  # several rows of records, and a record alone
     alone = score_sequences(model, [r.sequence(i) for r in recs for i in range(r.k)], batch_size=4)
-    assert [len(x) for x in together] == [r.k for r in recs]
+    assert [len(x) for x in together] == [r.k for r in recs] and np.isfinite(alone).all()
     np.testing.assert_allclose(np.concatenate(together), alone, atol=1e-5, rtol=0)
+    # groups of whole conversations (rmflow score's K-response lines): their shared start found and
+    # computed once; a group sharing nothing, or a sequence that is all prefix but its last token, too
+    from rmflow.trainer.inference import score_groups
+
+    groups = [[r.sequence(i) for i in range(r.k)] for r in recs[:3]]
+    groups.append([np.array([5, 6, 7], np.int32), np.array([8, 6], np.int32), np.array([5, 6, 7, 9], np.int32)])
+    got = score_groups(model, groups)
+    flat = [s for g in groups for s in g]
+    np.testing.assert_allclose(np.concatenate(got), score_sequences(model, flat, batch_size=4), atol=1e-5, rtol=0)

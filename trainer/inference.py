@@ -442,6 +442,24 @@ def score_responses(model: RewardTransformer, records: Sequence[ResponsesRecord]
     return out
 
 
+def score_groups(model: RewardTransformer, groups: Sequence[Sequence[np.ndarray]], *, pad_id: int = 0
+                 ) -> list[np.ndarray]:
+    """The reward of each sequence of each group (one prompt's K conversations, each the prompt and
+    one response, as encoded for scoring), at its last token, the tokens the group's sequences
+    share at their start computed once (``score_responses``)."""
+    records = []
+    for seqs in groups:
+        seqs = [np.asarray(s, np.int32) for s in seqs]
+        shared = min(len(s) for s in seqs) - 1  # every response keeps a token of its own
+        for s in seqs[1:]:
+            diff = np.flatnonzero(seqs[0][:shared] != s[:shared])
+            shared = int(diff[0]) if diff.size else shared
+        records.append(ResponsesRecord(prompt_ids=seqs[0][:shared], responses=[s[shared:] for s in seqs],
+                                       lasts=[len(s) - 1 for s in seqs], scores=np.zeros(len(seqs)),
+                                       record_id="0" * 32))
+    return score_responses(model, records, pad_id=pad_id)
+
+
 def _unit_tokens(r: ResponsesRecord) -> int:
     return r.prompt_len + sum(len(x) for x in r.responses)
 

@@ -218,6 +218,14 @@ class RewardModel:
             self._scorers[shapes] = make(self._loaded.model, shapes, pad_id=self._loaded.pad_id)
         return self._scorers[shapes]
 
+    def score_groups(self, groups: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+        """The reward of each encoded conversation (``encode``) of each group, one group a prompt's
+        K responses, the prompt computed once (``trainer.inference.score_groups``); equal to
+        ``score_ids`` of each alone."""
+        from rmflow.trainer.inference import score_groups
+
+        return score_groups(self._loaded.model, groups, pad_id=self._loaded.pad_id)
+
     def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
                   progress=None) -> np.ndarray:
         """Rewards of token sequences (each scored at its last token), in input order."""

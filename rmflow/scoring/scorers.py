@@ -84,6 +84,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
     scorer = handler(rm.kind, "scorer")
     rows: list[dict[str, Any]] = []
     seqs, where = [], []
+    groups: list[tuple[int, list]] = []  # (row, its K encoded conversations): one prompt, computed once
     for line_no, text, problem in _lines(input_path):
         obj = None
         try:
@@ -96,30 +97,31 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
             conversations = responses_of(obj) if kind_named(rm.kind).normalizable else None
             encoded = [scorer.encode(rm, c, truncate=truncate) for c in (conversations or [obj])]
             rows.append(echoed(obj if isinstance(obj, dict) else {"messages": obj}, OUTPUT_FIELDS | LINE_FIELDS))
-            seqs.extend(encoded)
-            where.extend((len(rows) - 1, k if conversations else None) for k in range(len(encoded)))
+            if conversations:
+                groups.append((len(rows) - 1, encoded))
+            else:
+                seqs.extend(encoded)
+                where.extend((len(rows) - 1, None) for _ in encoded)
         except Exception as e:  # noqa: BLE001 - every bad line is reported, none is lost
             reason = str(e) if isinstance(e, BadConversation) else f"{type(e).__name__}: {e}"
             kept = echoed(obj, OUTPUT_FIELDS | LINE_FIELDS) \
                 if isinstance(obj, dict) else {}  # the user's own fields (an id ...), to join results back
             rows.append({**kept, "line": line_no, "error": reason})
-    progress = progress_factory(len(seqs)) if progress_factory and seqs else None
+    progress = progress_factory(len(seqs) + len(groups)) if progress_factory and (seqs or groups) else None
     shapes = rm.shapes(batch_size)
     for batch in shapes.plan([scorer.size(x) for x in seqs]):
         for i, fields in zip(batch, scorer.run(rm, [seqs[i] for i in batch], shapes)):
-            row, k = where[i]
-            if k is None:
-                rows[row].update(fields)
-            else:  # one of a record's K responses
-                rows[row].setdefault(RESPONSE_SCORES, {})[k] = fields["score"]
+            rows[where[i][0]].update(fields)
         if progress:
             progress(len(batch))
-    for row in rows:
-        if RESPONSE_SCORES in row:
-            scores = [row[RESPONSE_SCORES][k] for k in range(len(row[RESPONSE_SCORES]))]
-            row.update({RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__)})
+    if groups:  # a record of K responses: its prompt computed once
+        for (row, _), scores in zip(groups, rm.score_groups([g for _, g in groups])):
+            scores = [float(s) for s in scores]
+            rows[row].update({RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__)})
+        if progress:
+            progress(len(groups))
     _write(output_path, rows)
-    scored = len({row for row, _ in where})
+    scored = len({row for row, _ in where} | {row for row, _ in groups})
     return {"scored": scored, "errors": len(rows) - scored}
 
 
