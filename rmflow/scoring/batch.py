@@ -45,7 +45,7 @@ from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
 from rmflow.schemas.paths import is_url
 from rmflow.scoring.api import BadConversation, RewardModel
-from rmflow.scoring.scorers import BEST_RESPONSE, RESPONSE_SCORES, echoed, responses_of
+from rmflow.scoring.scorers import BEST_RESPONSE, RESPONSE_SCORES, echoed, response_fields, responses_of
 
 SCORES_PREFIX = "scores"
 BEST_FILE = "best.jsonl"
@@ -113,8 +113,7 @@ def _fields(what: str, results: list[dict[str, Any]]) -> dict[str, Any]:
         c, r = results[0]["score"], results[1]["score"]
         return dict(zip(PAIR_FIELDS, (c, r, c - r, bool(c > r))))
     if what == "responses":
-        scores = [x["score"] for x in results]
-        return {RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__)}
+        return response_fields([x["score"] for x in results])
     return results[0]
 
 

@@ -83,7 +83,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
     rm = RewardModel.load(model_path, step)
     scorer = handler(rm.kind, "scorer")
     rows: list[dict[str, Any]] = []
-    seqs, where = [], []
+    seqs, owners = [], []  # each conversation's row
     groups: list[tuple[int, list]] = []  # (row, its K encoded conversations): one prompt, computed once
     for line_no, text, problem in _lines(input_path):
         obj = None
@@ -101,7 +101,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
                 groups.append((len(rows) - 1, encoded))
             else:
                 seqs.extend(encoded)
-                where.extend((len(rows) - 1, None) for _ in encoded)
+                owners.extend(len(rows) - 1 for _ in encoded)
         except Exception as e:  # noqa: BLE001 - every bad line is reported, none is lost
             reason = str(e) if isinstance(e, BadConversation) else f"{type(e).__name__}: {e}"
             kept = echoed(obj, OUTPUT_FIELDS | LINE_FIELDS) \
@@ -111,19 +111,23 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
     shapes = rm.shapes(batch_size)
     for batch in shapes.plan([scorer.size(x) for x in seqs]):
         for i, fields in zip(batch, scorer.run(rm, [seqs[i] for i in batch], shapes)):
-            rows[where[i][0]].update(fields)
+            rows[owners[i]].update(fields)
         if progress:
             progress(len(batch))
     if groups:  # a record of K responses: its prompt computed once
         for (row, _), scores in zip(groups, rm.score_groups([g for _, g in groups])):
-            scores = [float(s) for s in scores]
-            rows[row].update({RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__)})
+            rows[row].update(response_fields([float(s) for s in scores]))
         if progress:
             progress(len(groups))
     _write(output_path, rows)
-    scored = len({row for row, _ in where} | {row for row, _ in groups})
+    scored = len(set(owners) | {row for row, _ in groups})
     return {"scored": scored, "errors": len(rows) - scored}
 
+
+
+def response_fields(scores: list[float]) -> dict[str, Any]:
+    """A K-response record's output: its responses' scores in the given order and the best's index."""
+    return {RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__)}
 
 
 def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
