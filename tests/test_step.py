@@ -199,3 +199,28 @@ def test_a_shape_compiled_ahead_is_compiled_off_the_training_thread_and_trains_a
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(reference.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert float(m["loss_sum"]) == float(m_ref["loss_sum"])
+
+
+def test_a_step_finds_its_executable_without_describing_the_state_again(monkeypatch):
+    """Every step (and every batch read ahead) looks up its compiled executable: the state's, the
+    frozen parameters' and their shardings' description is made once, in ``use_mesh``, not per
+    lookup (flattening a deep model's state took milliseconds a lookup, a GPU step's worth a step)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from rmflow.trainer import step as step_module
+    from rmflow.trainer.parallel import BATCH_AXES, make_mesh
+
+    mesh = make_mesh((-1, 1, 1))
+    hosts = [stack_micro_batches([Collate(4, 64)(records(4, seed))]) for seed in (0, 1, 2)]
+    t = trainer()
+    state = t.use_mesh(mesh)
+    described = []
+    real = step_module._avals
+    monkeypatch.setattr(step_module, "_avals", lambda tree: described.append(1) or real(tree))
+    for host in hosts:
+        t.compile_ahead(host)
+        state, m = t.train_step(state, {k: jax.device_put(v, NamedSharding(mesh, P(None, BATCH_AXES)))
+                                        for k, v in host.items()})
+    t.stop_compiling()
+    assert not described
+    assert np.isfinite(float(m["loss_sum"]))

@@ -163,6 +163,7 @@ class Trainer:
         # once the mesh is known (``use_mesh``). Tracing is serialised: LoRA's dropout key is a
         # module-level context.
         self._abstract_state = self._batch_sharding = None
+        self._static_key: tuple = ()  # what an executable's key holds besides the batch's shapes
         self._pending: dict[tuple, concurrent.futures.Future] = {}
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self._trace_lock = threading.Lock()
@@ -187,11 +188,14 @@ class Trainer:
         self._abstract_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                             self.init_state, self.state_shardings)
         self._batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))  # as the loop places batches
+        # Described once: flattening the state and its shardings costs milliseconds a call with
+        # a deep model's hundreds of leaves, and every step looks up its executable.
+        self._static_key = (self.program, _avals(self._abstract_state), _avals(self.frozen), _avals(self.others))
         self._pending.clear()
         return jax.device_put(self.init_state, self.state_shardings)
 
     def _key(self, batch_key: tuple) -> tuple:
-        return (self.program, _avals(self._abstract_state), _avals(self.frozen), _avals(self.others), batch_key)
+        return (*self._static_key, batch_key)
 
     def train_step(self, state: TrainState, batch: dict[str, jax.Array]):
         if self._abstract_state is None:  # no mesh given: jit as usual

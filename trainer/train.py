@@ -125,9 +125,11 @@ class Run:
             self.trainer.compile_ahead(stack_micro_batches(coming[i : i + accum], self.objective))
 
     def eval_sums(self, params, name: str) -> dict[str, float]:
+        # Each batch's sums stay on the device until the set is done: no wait between batches.
+        outs = [self.trainer.eval_step(params, {k: v[0] for k, v in self.to_device([b]).items()})
+                for b in self.eval_loader(name)]
         sums = dict.fromkeys(self.objective.sum_keys, 0.0)
-        for b in self.eval_loader(name):
-            s = self.trainer.eval_step(params, {k: v[0] for k, v in self.to_device([b]).items()})
+        for s in jax.device_get(outs):
             for k in sums:
                 sums[k] += float(s[k])
         return sums
