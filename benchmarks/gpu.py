@@ -438,8 +438,12 @@ def length_baseline(folder: pathlib.Path, split: str) -> float:
     return sum((len(r.chosen_ids) > len(r.rejected_ids)) for r in recs) / max(len(recs), 1)
 
 
-def export_parity(run: str, out: pathlib.Path, rehearse: bool) -> dict:
-    """rmflow's export scored by transformers (bfloat16 on the GPU) against rmflow's own scores."""
+def export_parity(run: str, out: pathlib.Path, rehearse: bool) -> list[dict]:
+    """rmflow's export scored by transformers against rmflow's own scores (``rmflow score``'s:
+    float32). In float32 at full matmul precision on both sides (no TF32), the export must give
+    the same rewards within 1e-3; transformers in bfloat16, as users run it on a GPU, is reported
+    beside: its largest difference, the rewards' spread, and the pairs it orders as rmflow does."""
+    import jax
     import numpy as np
     import torch
     import vs_trl
@@ -453,15 +457,23 @@ def export_parity(run: str, out: pathlib.Path, rehearse: bool) -> dict:
     model, loaded_run, _ = load_trained_model(run)
     recs = vs_trl.records(pathlib.Path(loaded_run.config.data.train), "eval")[:16]
     seqs = [r.chosen_ids for r in recs] + [r.rejected_ids for r in recs]
-    ours = score_sequences(model, seqs, pad_id=loaded_run.pad_id)
-    dtype = torch.float32 if rehearse else torch.bfloat16
-    hf = AutoModelForSequenceClassification.from_pretrained(folder,
-                                                            dtype=dtype).to("cpu" if rehearse else "cuda").eval()
-    with torch.no_grad():
-        theirs = np.array([float(hf(input_ids=torch.tensor([s.tolist()], device=hf.device)).logits[0, 0]) for s in seqs])
-    diff = float(np.max(np.abs(ours - theirs)))
-    return {"summary": "export in transformers", "dtype": str(dtype).split(".")[-1], "sequences": len(seqs),
-            "max_abs_diff": diff, "limit": 1e-3 if not rehearse else 1e-4}
+    with jax.default_matmul_precision("highest"):
+        ours = score_sequences(model, seqs, pad_id=loaded_run.pad_id)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    rows, n = [], len(recs)
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype).to(
+            "cpu" if rehearse else "cuda").eval()
+        with torch.no_grad():
+            theirs = np.array([float(hf(input_ids=torch.tensor([s.tolist()], device=hf.device)).logits[0, 0])
+                               for s in seqs])
+        del hf
+        same_order = float(np.mean((ours[:n] > ours[n:]) == (theirs[:n] > theirs[n:])))
+        rows.append({"summary": "export in transformers", "dtype": str(dtype).split(".")[-1], "sequences": len(seqs),
+                     "max_abs_diff": float(np.max(np.abs(ours - theirs))), "reward_std": float(np.std(ours)),
+                     "pairs_ordered_alike": same_order,
+                     "limit": (1e-4 if rehearse else 1e-3) if dtype == torch.float32 else None})
+    return rows
 
 
 def part_real(ctx: Ctx) -> None:
@@ -477,7 +489,7 @@ def part_real(ctx: Ctx) -> None:
     ctx.add({"summary": "rmflow - TRL", "eval_accuracy_points": 100 * (rm["eval_accuracy"] - trl["eval_accuracy"]),
              "llmbar_points": 100 * (rm["eval_sets"]["llmbar"] - trl["eval_sets"]["llmbar"]),
              "wall_ratio": trl["wall"] / rm["wall"], **_ratios(pair)})
-    ctx.add(export_parity(rm["run"], ctx.work / "export", ctx.rehearse))
+    ctx.add(*export_parity(rm["run"], ctx.work / "export", ctx.rehearse))
 
 
 def part_checkpoint(ctx: Ctx) -> None:

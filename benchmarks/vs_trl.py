@@ -204,10 +204,11 @@ def child_rmflow(args: dict) -> dict:
 
     train.Run.evaluate = timed_evaluate
 
-    # Where a step's time goes, on the training thread: placing the batch on the device, dispatching
-    # the jitted step (its wait for a compilation included), waiting for the step's result; the rest
-    # is the host's own work (the next batch from the loader, metrics).
-    phases: dict[str, list[float]] = {"to_device": [], "dispatch": [], "wait": [], "step": []}
+    # Where a step's time goes, on the training thread: placing the batch on the device, looking at
+    # the coming batches' shapes (compile_ahead), dispatching the jitted step (its wait for a
+    # compilation included), waiting for the step's result; the rest is the host's own work (the
+    # next batch from the loader, metrics).
+    phases: dict[str, list[float]] = {"to_device": [], "ahead": [], "dispatch": [], "wait": [], "step": []}
     stepping = [False]
 
     def timed(fn, phase):
@@ -221,6 +222,7 @@ def child_rmflow(args: dict) -> dict:
         return wrapper
 
     train.Run.to_device = timed(train.Run.to_device, "to_device")
+    train.Run.compile_ahead = timed(train.Run.compile_ahead, "ahead")  # the coming batches' shapes looked at
     train.Trainer.train_step = timed(train.Trainer.train_step, "dispatch")
     train.jax.device_get = timed(train.jax.device_get, "wait")
     train_step = train.Loop.train_step
@@ -317,13 +319,13 @@ def summarize(name: str, out: dict, skip: int, launched: float) -> dict:
 
 def _step_ms(steady: list[dict]) -> dict | None:
     """Median milliseconds of a steady step's parts (rmflow: ``child_rmflow``'s phases), and the
-    host's own share: the step less the device placement, the dispatch and the wait."""
+    host's own share: the step less the device placement, the look at the coming shapes, the dispatch and the wait."""
     parts = [s["parts"] for s in steady if s.get("parts", {}).get("step") is not None]
     if not parts:
         return None
-    out = {k: 1000 * statistics.median(p.get(k, 0.0) for p in parts) for k in ("step", "to_device", "dispatch", "wait")}
-    out["host_other"] = 1000 * statistics.median(
-        p["step"] - p.get("to_device", 0.0) - p.get("dispatch", 0.0) - p.get("wait", 0.0) for p in parts)
+    timed = ("to_device", "ahead", "dispatch", "wait")
+    out = {k: 1000 * statistics.median(p.get(k, 0.0) for p in parts) for k in ("step", *timed)}
+    out["host_other"] = 1000 * statistics.median(p["step"] - sum(p.get(k, 0.0) for k in timed) for p in parts)
     return out
 
 

@@ -341,3 +341,37 @@ def test_compiling_ahead_trains_and_resumes_exactly_as_without(synthetic, tmp_pa
         assert timing_free(result.history) == timing_free(plain.history)
         for a, b in zip(jax.tree.leaves(result.state.params), jax.tree.leaves(plain.state.params)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_compiling_ahead_compiles_the_evaluations_shapes_in_the_background(synthetic, tmp_path, monkeypatch):
+    """With compile_ahead, every shape the evaluations meet (the data's eval split and a named
+    eval set) is compiled off the training thread while training runs, and the evaluation's
+    metrics are those of a run compiling them when met."""
+    import threading
+
+    from rmflow.trainer import step as step_module
+
+    compiled = []
+    real = step_module.Trainer._compile
+
+    def recording(self, step, abstract):
+        compiled.append((step, threading.current_thread().name))
+        return real(self, step, abstract)
+
+    other = shutil.copytree(synthetic, tmp_path / "other")  # a named eval set (a copy: not the training folder)
+
+    def run_config(out, ahead):
+        cfg = config(synthetic, out, max_steps=6, eval_steps=3, compile_ahead=ahead)
+        return TrainConfig.from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "eval": {"again": str(other)}}})
+
+    plain = train(run_config(tmp_path / "plain", 0))
+    step_module.forget_compiled()
+    monkeypatch.setattr(step_module.Trainer, "_compile", recording)
+    ahead = train(run_config(tmp_path / "ahead", 3))
+    evals = [thread for step, thread in compiled if step == "eval"]
+    assert evals and all(t.startswith("rmflow-compile") for t in evals), compiled
+    keys = [k for k in step_module._EXECUTABLES if k[-1][0] == "eval"]
+    assert len(keys) == len(evals)  # every evaluated shape was one compiled ahead: none compiled when met
+    for a, b in zip(timing_free(ahead.history), timing_free(plain.history)):
+        assert a == b
+    assert any("eval/again/accuracy" in h for h in ahead.history)

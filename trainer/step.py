@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 from typing import Any
 
@@ -112,8 +113,22 @@ def _eval_step(program: StepProgram, params: Any, mb: dict[str, jax.Array], froz
 
 _TRAIN_JIT = jax.jit(_train_step, static_argnums=0, donate_argnums=1)
 _EVAL_JIT = jax.jit(_eval_step, static_argnums=0)
+
+
+def _eval_stacked(program: StepProgram, params: Any, batch: dict[str, jax.Array], frozen: Any, others: Any,
+                  center_coef):
+    """The eval step on one micro-batch stacked as the loop places batches (taken apart inside
+    the program, so the same placement and compile-ahead serve training and evaluation)."""
+    return _eval_step(program, params, {k: v[0] for k, v in batch.items()}, frozen, others, center_coef)
+
+
+_EVAL_STACKED_JIT = jax.jit(_eval_stacked, static_argnums=0)
+# Background compilations at once: XLA's compiler releases the GIL, so a run's first shapes,
+# compiled ahead, are ready together instead of one after another; a quarter of the cores,
+# at most 4, leaving the rest to the loader and the training thread.
+COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 _SHARDED_JITS: dict[tuple, Any] = {}  # (program, the state's shardings) -> the train step jitted with them
-_EXECUTABLES: dict[tuple, Any] = {}  # compiled train steps of this process, by program, shardings and shapes
+_EXECUTABLES: dict[tuple, Any] = {}  # compiled train and eval steps of this process, by program, shardings, step and shapes
 _EXECUTABLES_LOCK = threading.Lock()
 
 
@@ -200,32 +215,45 @@ class Trainer:
     def train_step(self, state: TrainState, batch: dict[str, jax.Array]):
         if self._abstract_state is None:  # no mesh given: jit as usual
             return self._train_jit(self.program, state, batch, self.frozen, self.others, self.hyper)
-        key = _shapes(batch)
-        step = _EXECUTABLES.get(self._key(key))
-        if step is None:
-            pending = self._pending.pop(key, None)
-            step = pending.result() if pending is not None else self._compile(
-                {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()})
-        return step(state, batch, self.frozen, self.others, self.hyper)
+        return self._executable("train", batch)(state, batch, self.frozen, self.others, self.hyper)
 
-    def compile_ahead(self, host_batch: dict[str, np.ndarray]) -> bool:
-        """Start compiling the train step for a coming batch's shapes (host arrays as
-        ``stack_micro_batches`` makes them) in a background thread, so that the batch finds it
-        ready; True when a compilation started. Once per shape; needs ``use_mesh`` first."""
+    def eval_batch(self, params: Any, batch: dict[str, jax.Array]):
+        """The eval step's metric sums on one micro-batch stacked as the loop places batches
+        (``stack_micro_batches`` of one); compiled ahead like the train step's shapes."""
+        if self._abstract_state is None:
+            return _EVAL_STACKED_JIT(self.program, params, batch, self.frozen, self.others, self.hyper["center_coef"])
+        return self._executable("eval", batch)(params, batch, self.frozen, self.others, self.hyper["center_coef"])
+
+    def _executable(self, step: str, batch: dict[str, jax.Array]):
+        """The compiled ``step`` ("train" or "eval") for the batch's shapes: made before, being made
+        in the background (waited for), or compiled now."""
+        key = (step, _shapes(batch))
+        compiled = _EXECUTABLES.get(self._key(key))
+        if compiled is None:
+            pending = self._pending.pop(key, None)
+            compiled = pending.result() if pending is not None else self._compile(
+                step, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()})
+        return compiled
+
+    def compile_ahead(self, host_batch: dict[str, np.ndarray], step: str = "train") -> bool:
+        """Start compiling ``step`` ("train" or "eval") for a coming batch's shapes (host arrays as
+        ``stack_micro_batches`` makes them) in the background, so that the batch finds it ready;
+        True when a compilation started. Once per shape; needs ``use_mesh`` first. Up to
+        ``COMPILE_THREADS`` compile at once (the compiler releases the GIL; tracing is serialised)."""
         if self._abstract_state is None:
             return False
-        key = _shapes(host_batch)
+        key = (step, _shapes(host_batch))
         if self._key(key) in _EXECUTABLES or key in self._pending:
             return False
         if self._compiler is None:
-            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rmflow-compile")
+            self._compiler = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rmflow-compile")
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_sharding)
                     for k, v in host_batch.items()}
-        self._pending[key] = self._compiler.submit(self._compile, abstract)
+        self._pending[key] = self._compiler.submit(self._compile, step, abstract)
         return True
 
     def stop_compiling(self) -> None:
-        """Drop compilations not started; wait for the one running (it cannot be interrupted)."""
+        """Drop compilations not started; wait for those running (they cannot be interrupted)."""
         if self._compiler is not None:
             self._compiler.shutdown(wait=True, cancel_futures=True)
             self._compiler = None
@@ -236,9 +264,15 @@ class Trainer:
         with self._trace_lock:
             return self._train_jit.lower(self.program, state, batch, self.frozen, self.others, self.hyper)
 
-    def _compile(self, abstract_batch: dict[str, jax.ShapeDtypeStruct]):
-        key = self._key(_shapes(abstract_batch))
-        compiled = self.lower(self._abstract_state, abstract_batch).compile()
+    def _compile(self, step: str, abstract_batch: dict[str, jax.ShapeDtypeStruct]):
+        key = self._key((step, _shapes(abstract_batch)))
+        if step == "train":
+            lowered = self.lower(self._abstract_state, abstract_batch)
+        else:
+            with self._trace_lock:
+                lowered = _EVAL_STACKED_JIT.lower(self.program, self._abstract_state.params, abstract_batch,
+                                                  self.frozen, self.others, self.hyper["center_coef"])
+        compiled = lowered.compile()
         with _EXECUTABLES_LOCK:
             return _EXECUTABLES.setdefault(key, compiled)
 

@@ -12,6 +12,7 @@ of a run never interrupted.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -86,6 +87,8 @@ class Run:
         self.objective = plan.objective
         model = build_model(cfg, plan.manifest, plan.packing, self.mesh.size)
         self.trainer = make_trainer(cfg, model, plan.total_steps, plan.objective)
+        # The read-ahead groups compile_ahead looked at lately (more than the read-ahead window holds).
+        self._looked_at: collections.deque[tuple[tuple[int, ...], list]] = collections.deque(maxlen=64)
         release_free_memory()  # initialisation temporaries
         plan.warn_small_evals()
 
@@ -119,15 +122,27 @@ class Run:
 
     def compile_ahead(self, coming: list[dict[str, np.ndarray]], steps_left: int) -> None:
         """Start compiling the train steps of the coming micro-batches (grouped ``grad_accum`` to a
-        step, at most ``steps_left`` steps) whose shapes are new."""
+        step, at most ``steps_left`` steps) whose shapes are new. A group already looked at (it
+        stays in the read-ahead window for several steps) is not stacked again."""
         accum = self.cfg.grad_accum
         for i in range(0, min(len(coming) // accum, steps_left) * accum, accum):
-            self.trainer.compile_ahead(stack_micro_batches(coming[i : i + accum], self.objective))
+            group = coming[i : i + accum]
+            ids = tuple(id(b) for b in group)
+            if any(ids == seen for seen, _ in self._looked_at):
+                continue
+            self._looked_at.append((ids, group))  # held, so that no new batch takes these ids meanwhile
+            self.trainer.compile_ahead(stack_micro_batches(group, self.objective))
+
+    def compile_evals_ahead(self) -> None:
+        """Start compiling the eval step for every shape the run's evaluations will meet (each eval
+        set's batches, as the eval loaders make them), so that no evaluation waits for the compiler."""
+        for name in self.plan.eval_sets:
+            for b in self.eval_loader(name):
+                self.trainer.compile_ahead(stack_micro_batches([b], self.objective), step="eval")
 
     def eval_sums(self, params, name: str) -> dict[str, float]:
         # Each batch's sums stay on the device until the set is done: no wait between batches.
-        outs = [self.trainer.eval_step(params, {k: v[0] for k, v in self.to_device([b]).items()})
-                for b in self.eval_loader(name)]
+        outs = [self.trainer.eval_batch(params, self.to_device([b])) for b in self.eval_loader(name)]
         sums = dict.fromkeys(self.objective.sum_keys, 0.0)
         for s in jax.device_get(outs):
             for k in sums:
@@ -274,6 +289,7 @@ class Loop:
     stop: list[int]  # the signals that asked for a stop (``schemas.stops.at_step_boundaries``)
     run_dir: str
     shapes: set = dataclasses.field(default_factory=set)  # batch shapes compiled so far
+    evals_ahead: bool = False  # the evaluations' shapes sent to the background compiler
 
     def train(self, state: TrainState, step: int) -> TrainState:
         hooks = (self.log, self.evaluate, self.publish, self.checkpoint)
@@ -296,6 +312,9 @@ class Loop:
         micro = [next(self.iterator) for _ in range(cfg.grad_accum)]
         if self.ahead:
             r.compile_ahead(self.iterator.ahead(), r.plan.total_steps - step - 1)
+            if not self.evals_ahead:  # queued behind the first train shapes
+                self.evals_ahead = True
+                r.compile_evals_ahead()
         batch = r.to_device(micro)
         compiles = batch["input_ids"].shape not in self.shapes
         if compiles:  # the compiler needs a few hundred MiB: start it from a trimmed heap
