@@ -144,3 +144,18 @@ def test_mismatched_checkpoint_lists_every_problem(tmp_path):
     msg = str(e.value)
     for part in ("model.layers.1.mlp.up_proj.weight", "model.norm.weight", "q_proj.weight", "extra.weight"):
         assert part in msg
+
+
+def test_a_bfloat16_checkpoint_is_read_on_the_host_as_float32(tmp_path):
+    """Checkpoints saved in bfloat16 (most published ones) read as float32 numpy arrays, every
+    value kept (read on the host since the reader no longer converts on the default device)."""
+    import torch
+    from rmflow.trainer.modeling.convert import read_tensors
+    from safetensors.torch import save_file
+
+    weights = {"w": torch.randn(5, 7).to(torch.bfloat16), "b": torch.randn(3).to(torch.bfloat16)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    tensors = read_tensors(str(tmp_path))
+    for name, value in weights.items():
+        assert tensors[name].dtype == np.float32 and isinstance(tensors[name], np.ndarray)
+        np.testing.assert_array_equal(tensors[name], value.float().numpy())

@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -77,10 +78,14 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
     if not files:
         raise CheckpointError(f"{folder} has no .safetensors files")
     tensors = {}
-    for name in files:
-        with safe_open(os.path.join(folder, name), framework="flax") as f:  # flax: bf16 too
-            for key in f.keys():
-                tensors[key] = np.asarray(f.get_tensor(key).astype(jnp.float32))
+    # Read on the host: safetensors' flax reader (the one that takes bfloat16) makes JAX arrays,
+    # which on the CPU device numpy views as they are; converted by numpy, no device program runs
+    # (on an accelerator each tensor went to the device, a conversion compiled per shape, and back).
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        for name in files:
+            with safe_open(os.path.join(folder, name), framework="flax") as f:
+                for key in f.keys():
+                    tensors[key] = np.asarray(f.get_tensor(key)).astype(np.float32)
     return tensors
 
 
