@@ -2,7 +2,9 @@
 ``trainer.loss``) and ``rmflow eval`` (a whole set, ``rmflow.eval.metrics``) compute theirs here,
 so a figure logged while training and the same figure in eval.json cannot drift apart.
 
-* A pair is right when the chosen reply's reward is strictly greater (a tie is not right).
+* A pair is right when the chosen reply's reward is strictly greater (a tie is not right); so
+  is each pair of a prompt's K responses whose labelled scores differ, the better-scored one
+  taking the chosen reply's place. Reward ties are counted apart.
 * A process model predicts a step incorrect when its P(correct) is below ``STEP_THRESHOLD``; the
   incorrect steps are the positive class of precision, recall and F1 (the steps a process
   reward model exists to find).

@@ -279,7 +279,8 @@ def test_ranking_metrics_by_hand():
     m = ranking_metrics([np.array([0.9, 0.1, 0.5]), np.array([1.0, 1.0, 0.0])],
                         [np.array([3.0, 2.0, 1.0]), np.array([1.0, 0.0, 0.0])])
     assert m["scored_pairs"] == 3 + 2
-    assert m["pair_accuracy"] == pytest.approx((2 + 0.5 + 1) / 5)  # 1-2 right, 1-3 right, 2-3 wrong; tie, right
+    assert m["pair_accuracy"] == pytest.approx((2 + 0 + 1) / 5)  # 1-2 right, 1-3 right, 2-3 wrong; tie, right
+    assert m["ties"] == 1 and m["tie_rate"] == pytest.approx(1 / 5)  # a reward tie is not right (schemas.metrics)
     assert m["best_of_k_accuracy"] == pytest.approx((1 + 0.5) / 2)  # the top reward shared with a worse response
     assert kendall_tau_b(np.array([0.9, 0.1, 0.5]), np.array([3.0, 2.0, 1.0])) == pytest.approx(1 / 3)
     assert spearman(np.array([0.9, 0.1, 0.5]), np.array([3.0, 2.0, 1.0])) == pytest.approx(0.5)

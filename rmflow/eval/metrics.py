@@ -199,18 +199,20 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
 
 def ranking_metrics(rewards: Sequence[np.ndarray], scores: Sequence[np.ndarray]) -> dict[str, Any]:
     """How well each prompt's rewards order its K responses against their labelled scores:
-    pairwise accuracy over every pair whose scores differ (a reward tie counts half), from exact
-    counts; best-of-K accuracy (the top reward is on a best-scored response; a top shared with
+    pairwise accuracy over every pair whose scores differ, right when the better-scored response's
+    reward is strictly greater (``schemas.metrics``: a reward tie is not right; ties are counted
+    apart), from exact counts; best-of-K accuracy (the top reward is on a best-scored response; a top shared with
     other responses earns its share, as RewardBench 2 credits ties); Kendall's tau-b and
     Spearman's rho, averaged over the prompts where both vary."""
-    correct = total = 0.0
+    correct = total = ties = 0.0
     best, taus, rhos = [], [], []
     for r, s in zip(rewards, scores):
         r, s = np.asarray(r, np.float64), np.asarray(s, np.float64)
         ds, dr = s[:, None] - s[None, :], r[:, None] - r[None, :]
         pairs = ds > 0
         total += pairs.sum()
-        correct += (dr[pairs] > 0).sum() + 0.5 * (dr[pairs] == 0).sum()
+        correct += (dr[pairs] > 0).sum()
+        ties += (dr[pairs] == 0).sum()
         top = r == r.max()
         best.append(float((top & (s == s.max())).sum() / top.sum()))
         for fn, out in ((kendall_tau_b, taus), (spearman, rhos)):
@@ -219,6 +221,7 @@ def ranking_metrics(rewards: Sequence[np.ndarray], scores: Sequence[np.ndarray])
                 out.append(value)
     return {"prompts": len(best), "scored_pairs": int(total),
             "pair_accuracy": correct / total if total else float("nan"),
+            "ties": int(ties), "tie_rate": ties / total if total else float("nan"),
             "best_of_k_accuracy": float(np.mean(best)) if best else float("nan"),
             "kendall_tau": float(np.mean(taus)) if taus else float("nan"),
             "spearman": float(np.mean(rhos)) if rhos else float("nan")}
