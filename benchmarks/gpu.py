@@ -439,10 +439,11 @@ def length_baseline(folder: pathlib.Path, split: str) -> float:
 
 
 def export_parity(run: str, out: pathlib.Path, rehearse: bool) -> list[dict]:
-    """rmflow's export scored by transformers against rmflow's own scores (``rmflow score``'s:
-    float32). In float32 at full matmul precision on both sides (no TF32), the export must give
-    the same rewards within 1e-3; transformers in bfloat16, as users run it on a GPU, is reported
-    beside: its largest difference, the rewards' spread, and the pairs it orders as rmflow does."""
+    """rmflow's export scored by transformers against rmflow's own scores of the trained run, in
+    float32 at full matmul precision (no TF32) on both sides: the export must give the same
+    rewards within 1e-3. Transformers in bfloat16, as users run it on a GPU, is reported beside:
+    its largest difference from rmflow's float32 scores, their spread (``rmflow_reward_std``), and
+    the pairs it orders as rmflow does."""
     import jax
     import numpy as np
     import torch
@@ -470,7 +471,7 @@ def export_parity(run: str, out: pathlib.Path, rehearse: bool) -> list[dict]:
         del hf
         same_order = float(np.mean((ours[:n] > ours[n:]) == (theirs[:n] > theirs[n:])))
         rows.append({"summary": "export in transformers", "dtype": str(dtype).split(".")[-1], "sequences": len(seqs),
-                     "max_abs_diff": float(np.max(np.abs(ours - theirs))), "reward_std": float(np.std(ours)),
+                     "max_abs_diff": float(np.max(np.abs(ours - theirs))), "rmflow_reward_std": float(np.std(ours)),
                      "pairs_ordered_alike": same_order,
                      "limit": (1e-4 if rehearse else 1e-3) if dtype == torch.float32 else None})
     return rows

@@ -310,6 +310,8 @@ def summarize(name: str, out: dict, skip: int, launched: float) -> dict:
         padding = statistics.fmean(s["padding"] for s in steps)
     return {"name": name, "tokens_per_s": real / seconds if seconds else float("nan"), "steady_steps": len(steady),
             "padding": padding, "peak_mib": out["peak_mib"], "wall": out["wall"], "e2e": out["ended"] - launched,
+            # compile_s sums each compilation's duration: compilations running at once (in the
+            # background, on several threads) each count whole, so it can exceed the wall time they took
             "compiles": len(out["compiles"]), "compile_s": sum(out["compiles"]), "reads": len(out.get("reads", [])),
             "loss": statistics.fmean(out["losses"][-10:]), "eval_accuracy": out["eval_accuracy"],
             "eval_pairs": out["eval_pairs"], "losses": out["losses"], "steps_run": len(steps),

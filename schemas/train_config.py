@@ -283,8 +283,9 @@ class TrainConfig(Config):
     seed: int = option(0, "Seed of the data order and of the score head's initialisation.")
     eval_steps: int = option(0, "Evaluate on the eval split every this many steps; 0 = only at the end.",
                              resume_free=True)
-    compile_ahead: int = option(-1, "Steps the loader reads ahead, so that a batch shape not seen yet compiles in a "
-                                    "background thread while training goes on; 0 = compile when the batch arrives; "
+    compile_ahead: int = option(-1, "Steps the loader reads ahead, so that a batch shape not seen yet compiles in the "
+                                    "background while training goes on (the evaluations' shapes too); 0 = compile "
+                                    "when the batch arrives; "
                                     "-1 = 8 on GPU and TPU (the device computes while the host compiles), 0 on CPU "
                                     "(the compiler and the step share the cores). Single-process runs only "
                                     "(several processes agree on each step's shape first).", resume_free=True)

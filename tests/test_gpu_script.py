@@ -59,7 +59,7 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     assert "llmbar" in rows["length-only baseline"]["eval_sets"]
     exports = {r["dtype"]: r for r in parts["real"] if r.get("summary") == "export in transformers"}
     assert exports["float32"]["max_abs_diff"] < exports["float32"]["limit"]  # the same rewards
-    assert 0 <= exports["bfloat16"]["pairs_ordered_alike"] <= 1 and exports["bfloat16"]["reward_std"] > 0
+    assert 0 <= exports["bfloat16"]["pairs_ordered_alike"] <= 1 and exports["bfloat16"]["rmflow_reward_std"] > 0
     md = (out / "gpu.md").read_text()
     assert "## parity" in md and "## real" in md and "| rmflow |" in md
 

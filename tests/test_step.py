@@ -143,9 +143,8 @@ def test_runs_that_differ_in_the_optimizer_s_numbers_share_one_compiled_step():
     assert float(m_a["learning_rate"]) == pytest.approx(1e-3) and float(m_b["learning_rate"]) == 0.0  # warmup
     third, m = b.train_step(second, batch)
     assert float(m["learning_rate"]) == pytest.approx(1.5e-3) and step_module._TRAIN_JIT._cache_size() == compiled
-    mb = {k: v[0] for k, v in batch.items()}  # eval's loss holds each run's own centering term
-    for t, coef in ((a, 0.01), (b, 0.1)):
-        s = {k: float(v) for k, v in t.eval_step(first.params, mb).items()}
+    for t, coef in ((a, 0.01), (b, 0.1)):  # eval's loss holds each run's own centering term
+        s = {k: float(v) for k, v in t.eval_batch(first.params, batch).items()}
         assert s["loss_sum"] == pytest.approx(s["bt_loss_sum"] + coef * s["center_sum"], rel=1e-5)
 
 
@@ -224,3 +223,39 @@ def test_a_step_finds_its_executable_without_describing_the_state_again(monkeypa
     t.stop_compiling()
     assert not described
     assert np.isfinite(float(m["loss_sum"]))
+
+
+def test_a_step_never_waits_behind_a_queued_compilation(monkeypatch):
+    """A train shape queued behind background work (here the eval-shape job, held) is taken back
+    and compiled by the step itself; the job stops at stop_compiling."""
+    import threading
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from rmflow.trainer import step as step_module
+    from rmflow.trainer.parallel import BATCH_AXES, make_mesh
+
+    monkeypatch.setattr(step_module, "COMPILE_THREADS", 1)
+    mesh = make_mesh((-1, 1, 1))
+    host = stack_micro_batches([Collate(4, 64)(records(4, 7))])
+    t = trainer()
+    state = t.use_mesh(mesh)
+    step_module.forget_compiled()
+    release, started = threading.Event(), threading.Event()
+
+    def held():  # the eval-shape job's batches, held until the step is done
+        started.set()
+        release.wait(120)
+        return iter(())
+
+    assert t.compile_evals_ahead(lambda: held())
+    assert started.wait(60)
+    assert t.compile_ahead(host)  # queued behind the held job
+    done = []
+    stepping = threading.Thread(target=lambda: done.append(t.train_step(
+        state, {k: jax.device_put(v, NamedSharding(mesh, P(None, BATCH_AXES))) for k, v in host.items()})))
+    stepping.start()
+    stepping.join(120)
+    release.set()
+    t.stop_compiling()
+    assert done and np.isfinite(float(done[0][1]["loss_sum"]))  # trained without waiting for the job

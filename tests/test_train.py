@@ -361,7 +361,7 @@ def test_compiling_ahead_compiles_the_evaluations_shapes_in_the_background(synth
     other = shutil.copytree(synthetic, tmp_path / "other")  # a named eval set (a copy: not the training folder)
 
     def run_config(out, ahead):
-        cfg = config(synthetic, out, max_steps=6, eval_steps=3, compile_ahead=ahead)
+        cfg = config(synthetic, out, max_steps=8, compile_ahead=ahead)  # evaluated at the end
         return TrainConfig.from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "eval": {"again": str(other)}}})
 
     plain = train(run_config(tmp_path / "plain", 0))

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import os
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -112,7 +113,6 @@ def _eval_step(program: StepProgram, params: Any, mb: dict[str, jax.Array], froz
 
 
 _TRAIN_JIT = jax.jit(_train_step, static_argnums=0, donate_argnums=1)
-_EVAL_JIT = jax.jit(_eval_step, static_argnums=0)
 
 
 def _eval_stacked(program: StepProgram, params: Any, batch: dict[str, jax.Array], frozen: Any, others: Any,
@@ -126,7 +126,10 @@ _EVAL_STACKED_JIT = jax.jit(_eval_stacked, static_argnums=0)
 # Background compilations at once: XLA's compiler releases the GIL, so a run's first shapes,
 # compiled ahead, are ready together instead of one after another; a quarter of the cores,
 # at most 4, leaving the rest to the loader and the training thread.
-COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+COMPILE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4 if hasattr(os, "sched_getaffinity")
+                                else (os.cpu_count() or 1) // 4))
+# Tracing is serialised process-wide: LoRA's dropout key is a module-level context.
+_TRACE_LOCK = threading.Lock()
 _SHARDED_JITS: dict[tuple, Any] = {}  # (program, the state's shardings) -> the train step jitted with them
 _EXECUTABLES: dict[tuple, Any] = {}  # compiled train and eval steps of this process, by program, shardings, step and shapes
 _EXECUTABLES_LOCK = threading.Lock()
@@ -174,14 +177,14 @@ class Trainer:
             rng=jax.random.key_data(jax.random.key(seed)),
         )
         self._train_jit = _TRAIN_JIT
-        # Compiled train steps by batch shapes, made on demand or ahead of time (``compile_ahead``),
-        # once the mesh is known (``use_mesh``). Tracing is serialised: LoRA's dropout key is a
-        # module-level context.
+        # Compiled train and eval steps by batch shapes, made on demand or ahead of time
+        # (``compile_ahead``, ``compile_evals_ahead``), once the mesh is known (``use_mesh``).
         self._abstract_state = self._batch_sharding = None
         self._static_key: tuple = ()  # what an executable's key holds besides the batch's shapes
         self._pending: dict[tuple, concurrent.futures.Future] = {}
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
-        self._trace_lock = threading.Lock()
+        self._stopping = threading.Event()  # tells a background job looking for eval shapes to stop
+        self._evals_job: concurrent.futures.Future | None = None
 
     def use_mesh(self, mesh) -> TrainState:
         """Shard the state over ``mesh`` by the parameter-name rules (``trainer.parallel``) and
@@ -229,11 +232,16 @@ class Trainer:
         in the background (waited for), or compiled now."""
         key = (step, _shapes(batch))
         compiled = _EXECUTABLES.get(self._key(key))
-        if compiled is None:
-            pending = self._pending.pop(key, None)
-            compiled = pending.result() if pending is not None else self._compile(
-                step, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()})
-        return compiled
+        if compiled is not None:
+            return compiled
+        pending = self._pending.pop(key, None)
+        if pending is not None and not pending.cancel():  # started: wait for it (a job queued is taken back)
+            try:
+                return pending.result()
+            except Exception:  # noqa: BLE001 - compiled again below, where its error (if any) is raised
+                pass
+        return self._compile(step, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                                    for k, v in batch.items()})
 
     def compile_ahead(self, host_batch: dict[str, np.ndarray], step: str = "train") -> bool:
         """Start compiling ``step`` ("train" or "eval") for a coming batch's shapes (host arrays as
@@ -245,15 +253,53 @@ class Trainer:
         key = (step, _shapes(host_batch))
         if self._key(key) in _EXECUTABLES or key in self._pending:
             return False
-        if self._compiler is None:
-            self._compiler = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rmflow-compile")
-        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_sharding)
-                    for k, v in host_batch.items()}
-        self._pending[key] = self._compiler.submit(self._compile, step, abstract)
+        self._pending[key] = self._pool().submit(self._compile, step, self._abstract(host_batch))
         return True
 
+    def compile_evals_ahead(self, batches: Callable[[], Iterable[dict[str, np.ndarray]]]) -> bool:
+        """Compile the eval step for every shape of ``batches()`` (host batches as the loop stacks
+        them) in one background job: the batches are read there too, off the training thread,
+        and the shapes compiled one after another, so a pool thread is left to the train step's
+        shapes (a step never waits behind this job: ``_executable`` compiles a shape itself
+        rather than wait for a queued one). Needs ``use_mesh`` first."""
+        if self._abstract_state is None:
+            return False
+
+        def job() -> None:
+            for host_batch in batches():
+                if self._stopping.is_set():
+                    return
+                key = self._key(("eval", _shapes(host_batch)))
+                if key not in _EXECUTABLES:
+                    self._compile("eval", self._abstract(host_batch))
+
+        self._evals_job = self._pool().submit(job)
+        return True
+
+    def finish_eval_compiles(self) -> None:
+        """Before an evaluation: wait for the eval-shape job if it is running (a shape it is
+        compiling is not compiled twice); one still queued is dropped, each shape then compiled
+        where it is met."""
+        job, self._evals_job = self._evals_job, None
+        if job is not None and not job.cancel():
+            try:
+                job.result()
+            except Exception:  # noqa: BLE001 - a shape it failed on is compiled where met, its error raised there
+                pass
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._compiler is None:
+            self._stopping.clear()
+            self._compiler = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rmflow-compile")
+        return self._compiler
+
+    def _abstract(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]:
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_sharding) for k, v in host_batch.items()}
+
     def stop_compiling(self) -> None:
-        """Drop compilations not started; wait for those running (they cannot be interrupted)."""
+        """Drop compilations not started; wait for those running (they cannot be interrupted; a
+        job looking for eval shapes stops after the one it is compiling)."""
+        self._stopping.set()
         if self._compiler is not None:
             self._compiler.shutdown(wait=True, cancel_futures=True)
             self._compiler = None
@@ -261,7 +307,7 @@ class Trainer:
 
     def lower(self, state: Any, batch: dict[str, Any]):
         """The train step lowered for ``state`` and ``batch`` (arrays or ShapeDtypeStructs)."""
-        with self._trace_lock:
+        with _TRACE_LOCK:
             return self._train_jit.lower(self.program, state, batch, self.frozen, self.others, self.hyper)
 
     def _compile(self, step: str, abstract_batch: dict[str, jax.ShapeDtypeStruct]):
@@ -269,15 +315,12 @@ class Trainer:
         if step == "train":
             lowered = self.lower(self._abstract_state, abstract_batch)
         else:
-            with self._trace_lock:
+            with _TRACE_LOCK:
                 lowered = _EVAL_STACKED_JIT.lower(self.program, self._abstract_state.params, abstract_batch,
                                                   self.frozen, self.others, self.hyper["center_coef"])
         compiled = lowered.compile()
         with _EXECUTABLES_LOCK:
             return _EXECUTABLES.setdefault(key, compiled)
-
-    def eval_step(self, params: Any, mb: dict[str, jax.Array]):
-        return _EVAL_JIT(self.program, params, mb, self.frozen, self.others, self.hyper["center_coef"])
 
     def model(self, params: Any, frozen: Any = None) -> RewardTransformer:
         return self.program.model(params, self.frozen if frozen is None else frozen, self.others)

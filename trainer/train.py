@@ -12,7 +12,6 @@ of a run never interrupted.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import math
@@ -87,8 +86,8 @@ class Run:
         self.objective = plan.objective
         model = build_model(cfg, plan.manifest, plan.packing, self.mesh.size)
         self.trainer = make_trainer(cfg, model, plan.total_steps, plan.objective)
-        # The read-ahead groups compile_ahead looked at lately (more than the read-ahead window holds).
-        self._looked_at: collections.deque[tuple[tuple[int, ...], list]] = collections.deque(maxlen=64)
+        # The read-ahead window's groups compile_ahead has looked at, by their batches' ids.
+        self._looked_at: dict[tuple[int, ...], list] = {}
         release_free_memory()  # initialisation temporaries
         plan.warn_small_evals()
 
@@ -97,13 +96,15 @@ class Run:
         return self.loader(plan.train_sets if plan.mixture else plan.train_sets[0], train=True,
                            per_doubling=plan.train_rounding, weights=plan.weights)
 
-    def eval_loader(self, name: str):
-        return self.loader(self.plan.eval_sets[name], train=False, per_doubling=self.plan.eval_rounding[name])
+    def eval_loader(self, name: str, workers: int | None = None):
+        return self.loader(self.plan.eval_sets[name], train=False, per_doubling=self.plan.eval_rounding[name],
+                           workers=workers)
 
-    def loader(self, paths, *, train: bool, per_doubling: int, weights=None):
+    def loader(self, paths, *, train: bool, per_doubling: int, weights=None, workers: int | None = None):
         plan = self.plan
         return make_loader(paths, batch_size=plan.local_batch, max_length=plan.max_length, seed=self.cfg.seed,
-                           num_epochs=None if train else 1, shuffle=train, worker_count=self.cfg.data.workers,
+                           num_epochs=None if train else 1, shuffle=train,
+                           worker_count=self.cfg.data.workers if workers is None else workers,
                            pad_id=plan.pad_id, packing=plan.packing, rows=plan.rows, kind=self.objective.kind.name,
                            weights=weights, per_doubling=per_doubling)
 
@@ -125,20 +126,25 @@ class Run:
         step, at most ``steps_left`` steps) whose shapes are new. A group already looked at (it
         stays in the read-ahead window for several steps) is not stacked again."""
         accum = self.cfg.grad_accum
+        looked_at = {}
         for i in range(0, min(len(coming) // accum, steps_left) * accum, accum):
             group = coming[i : i + accum]
             ids = tuple(id(b) for b in group)
-            if any(ids == seen for seen, _ in self._looked_at):
-                continue
-            self._looked_at.append((ids, group))  # held, so that no new batch takes these ids meanwhile
-            self.trainer.compile_ahead(stack_micro_batches(group, self.objective))
+            looked_at[ids] = group  # held while in the window, so that no new batch takes these ids
+            if ids not in self._looked_at:
+                self.trainer.compile_ahead(stack_micro_batches(group, self.objective))
+        self._looked_at = looked_at
 
     def compile_evals_ahead(self) -> None:
-        """Start compiling the eval step for every shape the run's evaluations will meet (each eval
-        set's batches, as the eval loaders make them), so that no evaluation waits for the compiler."""
-        for name in self.plan.eval_sets:
-            for b in self.eval_loader(name):
-                self.trainer.compile_ahead(stack_micro_batches([b], self.objective), step="eval")
+        """Compile the eval step, in the background, for every shape the run's evaluations will
+        meet (each eval set's batches as its loader makes them, read in the background job: in
+        this process, no loader workers), so that no evaluation waits for the compiler."""
+        def batches():
+            for name in self.plan.eval_sets:
+                for b in self.eval_loader(name, workers=0):
+                    yield stack_micro_batches([b], self.objective)
+
+        self.trainer.compile_evals_ahead(batches)
 
     def eval_sums(self, params, name: str) -> dict[str, float]:
         # Each batch's sums stay on the device until the set is done: no wait between batches.
@@ -152,6 +158,7 @@ class Run:
     def evaluate(self, params) -> dict[str, Any]:
         """Metrics of every eval set: ``eval_*`` for the data's eval split (of all sets of a
         mixture together, from the summed counts), ``eval/NAME/*`` for each named set."""
+        self.trainer.finish_eval_compiles()
         out, total = {}, dict.fromkeys(self.objective.sum_keys, 0.0)
         for name in self.plan.eval_sets:
             sums = self.eval_sums(params, name)
