@@ -41,6 +41,40 @@ def _fast_compile_flags() -> None:
 _fast_compile_flags()
 
 
+def _nan_never_matches() -> None:
+    """numpy's array comparisons take NaN in the same place on both sides as equal, so a
+    comparison of two NaN results passes (a scoring test did, on token ids past the model's
+    vocabulary). In this suite NaN matches nothing: ``assert_allclose`` defaults to
+    ``equal_nan=False`` (a test expecting NaN says ``equal_nan=True``), and ``assert_array_equal``
+    and ``assert_array_almost_equal`` refuse a NaN in the result unless given ``nan_ok=True``."""
+    import functools
+
+    import numpy as np
+
+    allclose = np.testing.assert_allclose
+
+    @functools.wraps(allclose)
+    def assert_allclose(actual, desired, *args, equal_nan=False, **kw):
+        return allclose(actual, desired, *args, equal_nan=equal_nan, **kw)
+
+    def refusing_nan(compare):
+        @functools.wraps(compare)
+        def checked(actual, desired, *args, nan_ok=False, **kw):
+            got = np.asarray(actual)
+            if not nan_ok and got.dtype.kind in "fc" and np.isnan(got).any():
+                raise AssertionError(f"{compare.__name__}: the result holds NaN at {np.argwhere(np.isnan(got))[:5].tolist()} "
+                                     "(NaN == NaN would pass); pass nan_ok=True where NaN is the expected value")
+            return compare(actual, desired, *args, **kw)
+        return checked
+
+    np.testing.assert_allclose = assert_allclose
+    np.testing.assert_array_equal = refusing_nan(np.testing.assert_array_equal)
+    np.testing.assert_array_almost_equal = refusing_nan(np.testing.assert_array_almost_equal)
+
+
+_nan_never_matches()
+
+
 def xla_defaults_env() -> dict[str, str]:
     """This process's environment with XLA's own optimisation back (the fast-compile flags above
     removed, any other flag kept): for a test process that runs long programs many times, like

@@ -445,3 +445,17 @@ def test_json_that_is_not_text_is_refused_wherever_it_hides():
             loads(text, allow_nan=False)
     assert loads('{"m": 1.5e3}', allow_nan=False) == {"m": 1500.0}
 
+
+
+def test_the_suite_s_array_comparisons_never_take_nan_for_a_match():
+    """A comparison of two NaN results must fail (tests/conftest.py): numpy takes NaN in the same
+    place on both sides as equal, and a scoring test passed that way on a model's NaN output."""
+    from numpy.testing import assert_allclose  # imported by name, as many tests do
+
+    nan = np.array([1.0, np.nan])
+    for compare in (assert_allclose, np.testing.assert_allclose, np.testing.assert_array_equal,
+                    np.testing.assert_array_almost_equal):
+        with pytest.raises(AssertionError):
+            compare(nan, nan.copy())
+    np.testing.assert_allclose(nan, nan.copy(), equal_nan=True)  # where NaN is the expected value
+    np.testing.assert_array_equal(nan, nan.copy(), nan_ok=True)
