@@ -28,6 +28,7 @@ ARCHS = {
     "mistral-sliding-window": ("MistralConfig", "Mistral", {"sliding_window": 8, "head_dim": 16}),
     "qwen2": ("Qwen2Config", "Qwen2", {}),
     "qwen3": ("Qwen3Config", "Qwen3", {"head_dim": 32}),
+    "olmo2": ("Olmo2Config", "Olmo2", {}),
 }
 
 
@@ -69,7 +70,7 @@ def test_rewards_match_sequence_classification(arch, tmp_path):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sliding-window"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sliding-window", "olmo2"])
 def test_every_layer_matches(arch, tmp_path):
     hf = build_hf(arch, "ForSequenceClassification", tmp_path)
     ids, mask = batch(1)

@@ -1,7 +1,9 @@
 """The architecture of a Llama-family decoder, read from a Hugging Face ``config.json``.
 
 Covers Llama 2/3 (RoPE scaling: linear, llama3), Mistral, Qwen2/2.5 (q/k/v bias), Qwen3
-(q/k RMSNorm, explicit head_dim) and SmolLM2 (a Llama with tied embeddings).
+(q/k RMSNorm over each head, explicit head_dim), OLMo 2 (q/k RMSNorm over the whole projection,
+each sublayer's output normalised instead of its input) and SmolLM2 (a Llama with tied
+embeddings).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "mistral": "Mistral",
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
+    "olmo2": "Olmo2",
 }
+QK_NORM_OVER = ("head", "projection")
 ROPE_TYPES = ("default", "linear", "llama3")
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -46,6 +50,8 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_over: str = "head"  # the q/k RMSNorm over each head (Qwen3) or the whole projection (OLMo 2)
+    post_norms: bool = False  # OLMo 2: each sublayer's output normalised before the residual, its input not
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # Mistral; Qwen2 when use_sliding_window
@@ -61,6 +67,8 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model_type {self.model_type!r} is not supported; rmflow builds {sorted(ARCHITECTURES)}"
             )
+        if self.qk_norm_over not in QK_NORM_OVER:
+            raise ModelConfigError(f"qk_norm_over {self.qk_norm_over!r}: one of {QK_NORM_OVER}")
         if self.rope_type not in ROPE_TYPES:
             raise ModelConfigError(f"rope type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -114,7 +122,9 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "olmo2"),
+            qk_norm_over="projection" if model_type == "olmo2" else "head",
+            post_norms=model_type == "olmo2",
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             sliding_window=_sliding_window(d),

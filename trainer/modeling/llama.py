@@ -110,18 +110,29 @@ class Attention(nnx.Module):
         self.k_proj = _linear(cfg, dtype, h, self.n_kv * hd, cfg.qkv_bias, rngs)
         self.v_proj = _linear(cfg, dtype, h, self.n_kv * hd, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, dtype, self.n_heads * hd, h, cfg.o_bias, rngs)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
-        self.qk_norm = cfg.qk_norm
+        # q/k RMSNorm (``cfg.qk_norm_over``): over each head's vector (Qwen3) or over the whole
+        # projection, before it is cut into heads (OLMo 2)
+        self.qk_norm = cfg.qk_norm and cfg.qk_norm_over
+        if self.qk_norm:
+            whole = self.qk_norm == "projection"
+            self.q_norm = RMSNorm(self.n_heads * hd if whole else hd, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(self.n_kv * hd if whole else hd, cfg.rms_norm_eps, dtype=dtype)
+
+    def _qk(self, xq, xk):
+        """Queries from ``xq`` and keys from ``xk``, cut into heads and normalised, before RoPE."""
+        (b, s, _), t = xq.shape, xk.shape[1]
+        q, k = _proj(self.q_proj, xq), _proj(self.k_proj, xk)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.reshape(b, s, self.n_heads, self.head_dim), k.reshape(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
 
     def __call__(self, x, cos, sin, ctx: AttentionContext):
         b, t, _ = x.shape
-        q = _proj(self.q_proj, x).reshape(b, t, self.n_heads, self.head_dim)
-        k = _proj(self.k_proj, x).reshape(b, t, self.n_kv, self.head_dim)
+        q, k = self._qk(x, x)
         v = _proj(self.v_proj, x).reshape(b, t, self.n_kv, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, ctx.segment_ids, ctx.positions, ctx.branch_ids, implementation=ctx.implementation,
                         window=ctx.window, mask=ctx.mask)
@@ -133,11 +144,8 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         s = index.shape[1]
         take = lambda a: jnp.take_along_axis(a, index[..., None], axis=1)  # noqa: E731
-        q = _proj(self.q_proj, take(x)).reshape(b, s, self.n_heads, self.head_dim)
-        k = _proj(self.k_proj, x).reshape(b, t, self.n_kv, self.head_dim)
+        q, k = self._qk(take(x), x)
         v = _proj(self.v_proj, x).reshape(b, t, self.n_kv, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, take(cos), take(sin)), apply_rope(k, cos, sin)
         out = attention_at(q, k, v, index, ctx.segment_ids, ctx.positions, ctx.branch_ids, window=ctx.window)
         return _proj(self.o_proj, out.reshape(b, s, self.n_heads * self.head_dim))
@@ -155,13 +163,25 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Attention then MLP, each added to the residual stream: normalised on the way in
+    (``input_layernorm``, ``post_attention_layernorm``: Llama's names, the second being the MLP's
+    input norm), or with ``cfg.post_norms`` on the way out (OLMo 2: ``post_attention_layernorm``,
+    ``post_feedforward_layernorm``)."""
+
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_norms = cfg.post_norms
+        if cfg.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        else:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, x, cos, sin, ctx):
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, ctx))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -170,6 +190,9 @@ class DecoderLayer(nnx.Module):
         ``self(x, ...)`` taken at ``index``, without the MLP, queries and output projection of the
         other tokens."""
         x_at = jnp.take_along_axis(x, index[..., None], axis=1)
+        if self.post_norms:
+            x_at = x_at + self.post_attention_layernorm(self.self_attn.at(x, index, cos, sin, ctx))
+            return x_at + self.post_feedforward_layernorm(self.mlp(x_at))
         x_at = x_at + self.self_attn.at(self.input_layernorm(x), index, cos, sin, ctx)
         return x_at + self.mlp(self.post_attention_layernorm(x_at))
 

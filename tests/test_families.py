@@ -1,0 +1,68 @@
+"""Each model family beyond Llama's as a user meets it: a base checkpoint built with
+transformers trained into a reward model on the synthetic task (it learns it), exported, and
+the export loaded back by transformers with rmflow's rewards. Parity of every layer and of
+packed rows with transformers: ``tests/test_model_parity.py`` and ``tests/test_packing.py``,
+whose ``ARCHS`` hold every family."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from rmflow.schemas.config import ExportConfig
+from rmflow.schemas.train_config import TrainConfig
+from rmflow.trainer.checkpoints import load_trained_model
+from rmflow.trainer.export import export
+from rmflow.trainer.train import run as train
+
+from tests.test_export import rmflow_rewards
+from tests.test_train import synthetic  # noqa: F401 - the fixture
+
+FAMILIES = {  # family -> (config class, model class prefix, its own options)
+    "olmo2": ("Olmo2Config", "Olmo2", {}),
+}
+
+
+def base_checkpoint(family: str, folder: pathlib.Path, tokenizer_dir: str) -> pathlib.Path:
+    """A random base model of ``family`` (a causal LM: rmflow gives it a fresh score head), with
+    the shards' tokenizer."""
+    config_cls, prefix, kw = FAMILIES[family]
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=256, pad_token_id=tok.pad_token_id, **kw)
+    getattr(transformers, f"{prefix}ForCausalLM")(cfg).save_pretrained(folder)
+    for f in pathlib.Path(tokenizer_dir).iterdir():
+        if f.is_file():
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_family_trains_learns_exports_and_scores_alike_in_transformers(family, synthetic, tokenizer_dir,  # noqa: F811
+                                                                          tmp_path):
+    base = base_checkpoint(family, tmp_path / "base", tokenizer_dir)
+    result = train(TrainConfig.from_dict({
+        "data": str(synthetic), "model": str(base), "output": str(tmp_path / "run"), "max_steps": 60,
+        "batch_size": 16, "seed": 0, "eval_steps": 60, "optimizer": {"learning_rate": 1e-3, "warmup_steps": 10},
+        "logging": {"steps": 20}}))
+    final = result.history[-1]
+    assert final["eval_accuracy"] > 0.95 and result.history[0]["loss"] > final["loss"], final  # it learns
+
+    out = pathlib.Path(export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "hf"))))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [f"{FAMILIES[family][1]}ForSequenceClassification"]
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    rng = np.random.default_rng(1)
+    ids_list = [rng.integers(2000, 3000, n).tolist() for n in (9, 14, 5)]
+    pad = config["pad_token_id"]  # transformers finds each row's last token by it
+    batch = {"input_ids": torch.tensor([x + [pad] * (14 - len(x)) for x in ids_list]),
+             "attention_mask": torch.tensor([[1] * len(x) + [0] * (14 - len(x)) for x in ids_list])}
+    with torch.no_grad():
+        expected = hf(**batch).logits[:, 0].numpy()
+    model, _, _ = load_trained_model(str(tmp_path / "run"))
+    np.testing.assert_allclose(rmflow_rewards(model, ids_list), expected, atol=1e-4, rtol=0)
