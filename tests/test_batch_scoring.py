@@ -248,3 +248,28 @@ def test_the_scoring_template_entry_point_runs_locally_with_the_launchers_argume
     assert (dated / "COMPLETED").exists()
     for name in ["errors.jsonl", "best.jsonl", *(f"scores-0000{i}-of-00003.jsonl" for i in range(3))]:
         assert (dated / name).read_bytes() == (base / "out" / name).read_bytes(), name
+
+
+def test_the_job_scores_a_k_response_line_with_its_prompt_once(job, monkeypatch):
+    """The Beam job's model handler gives one prompt's K responses to RewardModel.score_groups
+    (the prompt computed once, as local `rmflow score` does), the other lines to the sequence
+    scorer; the scores equal each response scored alone."""
+    from rmflow.scoring.api import RewardModel
+    from rmflow.scoring.batch import JobSpec, RewardModelHandler
+
+    base, rm, convs, _, _ = job
+    grouped = []
+    real = RewardModel.score_groups
+    monkeypatch.setattr(RewardModel, "score_groups", lambda self, groups: grouped.append(len(groups))
+                        or real(self, groups))
+    k = {"prompt": "Pick one.", "responses": ["A.", "B, because it is longer.", "C"], "scores": [1, 3, 2]}
+    spec = JobSpec(model=str(base / "run"), step=None, staging="", output="", num_shards=1, token_budget=1024,
+                   batch_rows=8, group_by=None, started=0.0)
+    results = RewardModelHandler(spec).run_inference(
+        [("in", 1, json.dumps(k)), ("in", 2, json.dumps({"messages": convs[0]}))], rm)
+    assert grouped == [1]  # the K-response line, as one group
+    fields = [r.inference["fields"] for r in results]
+    alone = rm.score([[{"role": "user", "content": "Pick one."}, {"role": "assistant", "content": r}]
+                      for r in k["responses"]])
+    np.testing.assert_allclose(fields[0]["response_scores"], alone, atol=1e-5, rtol=0)
+    assert fields[0]["best_response"] == int(np.argmax(alone)) and np.isfinite(fields[1]["score"])

@@ -112,8 +112,6 @@ def _fields(what: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     if what == "pair":
         c, r = results[0]["score"], results[1]["score"]
         return dict(zip(PAIR_FIELDS, (c, r, c - r, bool(c > r))))
-    if what == "responses":
-        return response_fields([x["score"] for x in results])
     return results[0]
 
 
@@ -154,7 +152,7 @@ class RewardModelHandler(ModelHandler):
         scorer = handler(model.kind, "scorer")
         shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget)
         out: list[dict[str, Any]] = [{} for _ in batch]
-        flat, owner, kinds = [], [], {}
+        flat, owner, kinds, groups = [], [], {}, {}
         for i, (source, line, raw) in enumerate(batch):
             try:
                 what, seqs = encode_record(model, _parse(raw), source, line, self.spec.truncate)
@@ -164,6 +162,9 @@ class RewardModelHandler(ModelHandler):
             except Exception as e:  # noqa: BLE001 - one record, never the job: a bad record or a bug, named
                 err = as_bad_record(e)
                 out[i] = {"error": err.message, "code": err.code}
+                continue
+            if what == "responses":  # one prompt's K responses: the prompt computed once (score_groups)
+                groups[i] = seqs
                 continue
             kinds[i] = what
             for s in seqs:
@@ -178,6 +179,9 @@ class RewardModelHandler(ModelHandler):
             per.setdefault(i, []).append(results[j])
         for i, rs in per.items():
             out[i] = {"fields": _fields(kinds[i], rs)}
+        if groups:
+            for i, scores in zip(groups, model.score_groups(list(groups.values()))):
+                out[i] = {"fields": response_fields([float(x) for x in scores])}
         return [PredictionResult(ex, r) for ex, r in zip(batch, out)]
 
     def get_metrics_namespace(self) -> str:
