@@ -23,6 +23,7 @@ from tests.test_train import synthetic  # noqa: F401 - the fixture
 
 FAMILIES = {  # family -> (config class, model class prefix, its own options)
     "olmo2": ("Olmo2Config", "Olmo2", {}),
+    "phi3": ("Phi3Config", "Phi3", {}),  # its q/k/v and gate/up projections fused in the checkpoint
 }
 
 
@@ -66,3 +67,51 @@ def test_a_family_trains_learns_exports_and_scores_alike_in_transformers(family,
         expected = hf(**batch).logits[:, 0].numpy()
     model, _, _ = load_trained_model(str(tmp_path / "run"))
     np.testing.assert_allclose(rmflow_rewards(model, ids_list), expected, atol=1e-4, rtol=0)
+
+
+def test_fused_projections_split_and_join_back_and_a_wrong_size_is_named():
+    from rmflow.trainer.modeling.config import ModelConfig
+    from rmflow.trainer.modeling.convert import CheckpointError, join_fused, split_fused
+
+    cfg = ModelConfig.from_hf({"model_type": "phi3", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 6,
+                               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})
+    rng = np.random.default_rng(0)
+    fused = {"model.layers.0.self_attn.qkv_proj.weight": rng.normal(size=(8 + 4 + 4, 8)),
+             "model.layers.0.mlp.gate_up_proj.weight": rng.normal(size=(12, 8))}
+    parts = split_fused(dict(fused), cfg)
+    assert parts["model.layers.0.self_attn.k_proj.weight"].shape == (4, 8)
+    np.testing.assert_array_equal(parts["model.layers.0.mlp.up_proj.weight"], fused["model.layers.0.mlp.gate_up_proj.weight"][6:])
+    again = join_fused(parts, cfg)
+    assert set(again) == set(fused)
+    for name in fused:
+        np.testing.assert_array_equal(again[name], fused[name])
+    with pytest.raises(CheckpointError, match="qkv_proj.weight has 15 outputs"):
+        split_fused({"model.layers.0.self_attn.qkv_proj.weight": np.zeros((15, 8))}, cfg)
+
+
+def test_a_longrope_config_is_read_within_its_original_context_or_refused_naming_what_is_missing():
+    from rmflow.trainer.modeling.config import ModelConfig, ModelConfigError
+
+    d = {"model_type": "phi3", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 6, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "max_position_embeddings": 4096, "original_max_position_embeddings": 64,
+         "rope_scaling": {"type": "su", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}}
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.rope_type == "longrope" and cfg.rope_short_factor == (1.0, 2.0)
+    assert cfg.max_position_embeddings == 64  # the positions rmflow allows: the short factors' range
+    assert dict(cfg.rope_params)["attention_factor"] == pytest.approx(np.sqrt(1 + np.log(64) / np.log(64)))
+    with pytest.raises(ModelConfigError, match="short_factor"):
+        ModelConfig.from_hf({**d, "rope_scaling": {"type": "longrope", "long_factor": [3.0, 4.0]}})
+
+
+def test_a_lora_run_of_a_fused_family_exports_merged_and_refuses_an_adapter(synthetic, tokenizer_dir,  # noqa: F811
+                                                                            tmp_path):
+    from rmflow.trainer.export import ExportError
+
+    base = base_checkpoint("phi3", tmp_path / "base", tokenizer_dir)
+    train(TrainConfig.from_dict({"data": str(synthetic), "model": str(base), "output": str(tmp_path / "run"),
+                                 "max_steps": 2, "batch_size": 4, "lora": {"rank": 2},
+                                 "optimizer": {"learning_rate": 1e-3, "warmup_steps": 1}}))
+    with pytest.raises(ExportError, match="fuses its projections"):
+        export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "adapter"), adapter=True))
+    out = pathlib.Path(export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "hf"))))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Phi3ForSequenceClassification"]

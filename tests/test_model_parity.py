@@ -29,6 +29,12 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2", {}),
     "qwen3": ("Qwen3Config", "Qwen3", {"head_dim": 32}),
     "olmo2": ("Olmo2Config", "Olmo2", {}),
+    "phi3": ("Phi3Config", "Phi3", {}),
+    "phi3-longrope-window": ("Phi3Config", "Phi3", {
+        "sliding_window": 8, "original_max_position_embeddings": 32,  # max_position_embeddings 256: factor 8
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 1.2, 1.1, 3.0,
+                                                                                            1.0, 1.3],
+                            "long_factor": [4.0] * 8, "original_max_position_embeddings": 32}}),
 }
 
 
@@ -70,7 +76,7 @@ def test_rewards_match_sequence_classification(arch, tmp_path):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sliding-window", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sliding-window", "olmo2", "phi3-longrope-window"])
 def test_every_layer_matches(arch, tmp_path):
     hf = build_hf(arch, "ForSequenceClassification", tmp_path)
     ids, mask = batch(1)

@@ -27,7 +27,7 @@ from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.config import ModelConfig
-from rmflow.trainer.modeling.convert import hf_name, resolve
+from rmflow.trainer.modeling.convert import hf_name, join_fused, resolve
 from rmflow.trainer.modeling.llama import RewardTransformer
 
 MAX_SHARD_BYTES = 2 << 30
@@ -55,12 +55,14 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
 
 
 def state_dict(model: RewardTransformer) -> dict[str, np.ndarray]:
+    """The model's tensors by their Hugging Face names, fused where its family's checkpoints fuse
+    them (``modeling.convert.join_fused``)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = hf_name(path)
         value = np.asarray(var[...], np.float32)
         out[name] = np.ascontiguousarray(value.T if transpose else value)
-    return out
+    return join_fused(out, model.config)
 
 
 def _save_file(tensors: dict[str, np.ndarray], path: str) -> None:
@@ -131,6 +133,10 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
     model, run, step = load_trained_model(run_dir, step)
     if adapter and run.config.lora is None:
         raise ExportError(f"{run_dir} is not a LoRA run: --adapter exports LoRA adapters; export it without --adapter")
+    if adapter and run.model_config.fused_projections():
+        raise ExportError(f"{run_dir}: a {run.model_config.hf_prefix} checkpoint fuses its projections "
+                          f"({', '.join(f for f, _ in run.model_config.fused_projections())}), which a PEFT adapter of "
+                          "rmflow's separate projections cannot target: export it without --adapter (merged weights)")
     base = run.base_config
     if base is None and not is_preset(run.config.model.path):  # a run from before runs kept base_config.json
         with open(os.path.join(resolve(run.config.model.path), "config.json")) as f:

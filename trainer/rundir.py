@@ -217,7 +217,8 @@ def _model_config(run_dir: str, raw: dict[str, Any]) -> ModelConfig:
             f"(missing {missing}, unknown {unknown}): it was written by another rmflow version; retrain, or "
             "export it with the version that trained it")
     try:
-        return ModelConfig(**{**raw, "rope_params": tuple(tuple(p) for p in raw.get("rope_params", ()))})
+        return ModelConfig(**{**raw, "rope_params": tuple(tuple(p) for p in raw.get("rope_params", ())),
+                              "rope_short_factor": tuple(raw.get("rope_short_factor", ()))})
     except (ModelConfigError, TypeError, ValueError) as e:
         raise RunDirError(f"{os.path.join(run_dir, MODEL_CONFIG)}: {e}") from e
 

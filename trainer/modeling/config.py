@@ -2,13 +2,15 @@
 
 Covers Llama 2/3 (RoPE scaling: linear, llama3), Mistral, Qwen2/2.5 (q/k/v bias), Qwen3
 (q/k RMSNorm over each head, explicit head_dim), OLMo 2 (q/k RMSNorm over the whole projection,
-each sublayer's output normalised instead of its input) and SmolLM2 (a Llama with tied
-embeddings).
+each sublayer's output normalised instead of its input), Phi-3 (q/k/v and gate/up projections
+fused in the checkpoint, ``FUSED_PROJECTIONS``; LongRoPE within the original context) and
+SmolLM2 (a Llama with tied embeddings).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,9 +24,16 @@ ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
     "olmo2": "Olmo2",
+    "phi3": "Phi3",
+}
+# Checkpoint tensors that hold several of the model's projections, concatenated on their output
+# axis in this order (split when a checkpoint loads, joined again when a model exports).
+FUSED_PROJECTIONS = {
+    "phi3": (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+             ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))),
 }
 QK_NORM_OVER = ("head", "projection")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -46,6 +55,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_type: str = "default"
     rope_params: tuple[tuple[str, float], ...] = ()  # factor, low/high_freq_factor, original_max_position_embeddings
+    # longrope (Phi-3): each frequency's factor within the original context, its short_factor
+    rope_short_factor: tuple[float, ...] = ()
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -81,6 +92,16 @@ class ModelConfig:
     def hf_prefix(self) -> str:
         return ARCHITECTURES[self.model_type]
 
+    def fused_projections(self) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+        """The checkpoint's fused tensors in each layer: (its name, ((a projection, its output
+        size), ...)), by ``FUSED_PROJECTIONS``; none for most families."""
+        q, kv, i = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim, \
+            self.intermediate_size
+        size = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "mlp.gate_proj": i,
+                "mlp.up_proj": i}
+        return tuple((fused, tuple((p, size[p]) for p in parts))
+                     for fused, parts in FUSED_PROJECTIONS.get(self.model_type, ()))
+
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> ModelConfig:
         """From a parsed config.json (transformers 4.x or 5.x layout)."""
@@ -96,12 +117,17 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first configs name LongRoPE "su"
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        if (rope.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ModelConfigError("partial_rotary_factor != 1 is not supported")
+        positions = d.get("max_position_embeddings", 4096)
+        short: tuple[float, ...] = ()
+        if rope_type == "longrope":
+            positions, short, rope = _longrope(d, rope, heads)
         params = tuple(sorted((k, float(v)) for k, v in rope.items()
                               if k in ("factor", "low_freq_factor", "high_freq_factor",
-                                       "original_max_position_embeddings")))
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ModelConfigError("partial_rotary_factor != 1 is not supported")
+                                       "original_max_position_embeddings", "attention_factor")))
         if model_type in ("qwen2",):
             qkv_bias, o_bias = True, False
         else:
@@ -126,7 +152,8 @@ class ModelConfig:
             qk_norm_over="projection" if model_type == "olmo2" else "head",
             post_norms=model_type == "olmo2",
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            max_position_embeddings=positions,
+            rope_short_factor=short,
             sliding_window=_sliding_window(d),
             pad_token_id=d.get("pad_token_id"),
             num_labels=_num_labels(d),
@@ -167,6 +194,25 @@ def _num_labels(d: Mapping[str, Any]) -> int:
     its kind when its weights are loaded); for a causal LM, the outcome head's (a fresh head of
     the size the run asks for replaces it)."""
     return hf_num_labels(d) if head_kind(d) is not None else OUTCOME.num_labels
+
+
+def _longrope(d: Mapping[str, Any], rope: dict[str, Any], heads: int) -> tuple[int, tuple[float, ...], dict]:
+    """LongRoPE (Phi-3) as rmflow runs it: within the context it was pretrained at
+    (``original_max_position_embeddings``, the positions rmflow then allows), where transformers
+    takes each frequency's ``short_factor`` and scales cos and sin by the attention factor
+    (given, or sqrt(1 + ln(max / original) / ln(original))). Past it transformers switches to
+    ``long_factor``, which rmflow does not: sequences are kept within the original context."""
+    original = rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    short = rope.get("short_factor")
+    head_dim = d.get("head_dim") or d["hidden_size"] // heads
+    if not original or not isinstance(short, (list, tuple)) or len(short) != head_dim // 2:
+        raise ModelConfigError(f"a longrope config needs original_max_position_embeddings and a short_factor of "
+                               f"head_dim / 2 = {head_dim // 2} numbers; got {original!r} and {short!r}")
+    factor = rope.get("factor") or d.get("max_position_embeddings", original) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return int(original), tuple(float(x) for x in short), {"attention_factor": float(attention)}
 
 
 def _sliding_window(d: Mapping[str, Any]) -> int | None:

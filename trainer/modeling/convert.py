@@ -41,6 +41,41 @@ def hf_name(path: tuple) -> tuple[str, bool]:
     return ".".join([*parents, leaf]), False
 
 
+def _layer_names(tensors, fused: str) -> list[str]:
+    """The checkpoint's names of one fused tensor kind, a layer each (``...layers.N.<fused>.weight``)."""
+    return [n for n in tensors if n.endswith(f".{fused}.weight")]
+
+
+def split_fused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """A checkpoint's fused projections (``ModelConfig.fused_projections``: Phi-3's qkv_proj and
+    gate_up_proj) as the model's own, split on the output axis; a fused tensor of another size
+    than its parts is an error naming it."""
+    for fused, parts in cfg.fused_projections():
+        for name in _layer_names(tensors, fused):
+            value, prefix = tensors.pop(name), name[: -len(f"{fused}.weight")]
+            total = sum(n for _, n in parts)
+            if value.shape[0] != total:
+                raise CheckpointError(f"{name} has {value.shape[0]} outputs; this config's "
+                                      f"{' + '.join(p for p, _ in parts)} make {total}")
+            start = 0
+            for part, n in parts:
+                tensors[f"{prefix}{part}.weight"] = value[start: start + n]
+                start += n
+    return tensors
+
+
+def join_fused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The inverse of ``split_fused``: the model's projections fused as the family's checkpoints
+    hold them (an export)."""
+    for fused, parts in cfg.fused_projections():
+        first = parts[0][0]
+        for name in _layer_names(tensors, first):
+            prefix = name[: -len(f"{first}.weight")]
+            tensors[f"{prefix}{fused}.weight"] = np.concatenate(
+                [tensors.pop(f"{prefix}{part}.weight") for part, _ in parts], axis=0)
+    return tensors
+
+
 def resolve(checkpoint: str) -> str:
     """A local checkpoint folder, or a hub id downloaded to the local cache."""
     if os.path.isdir(checkpoint):
@@ -107,6 +142,7 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
                               f"{kind_of_head(num_labels).description}: start from its base model instead")
     if num_labels is not None:
         cfg = dataclasses.replace(cfg, num_labels=num_labels)
+    tensors = split_fused(tensors, cfg)
     model = RewardTransformer(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention,
                               scan_layers=scan_layers)
     state = nnx.state(model, nnx.Param)

@@ -68,13 +68,22 @@ def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         inv = jnp.where(medium, smoothed, scaled)
+    elif cfg.rope_type == "longrope":  # within the original context: the short factors (config._longrope)
+        inv = inv / jnp.asarray(cfg.rope_short_factor, jnp.float32)
     return inv
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are scaled by (LongRoPE's attention factor; 1 otherwise)."""
+    return float(dict(cfg.rope_params).get("attention_factor", 1.0)) if cfg.rope_type == "longrope" else 1.0
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, D/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    if scale == 1.0:
+        return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    return (jnp.cos(emb) * scale).astype(dtype), (jnp.sin(emb) * scale).astype(dtype)
 
 
 def _rotate_half(x: jax.Array) -> jax.Array:
@@ -267,6 +276,7 @@ class DecoderModel(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # a constant, not a parameter
+        self.rope_scale = rope_attention_factor(cfg)
         self.sliding_window, self.dtype = cfg.sliding_window, dtype
         self.attention = resolve_attention(attention, dtype)
         self.remat, self.scan_layers = remat, scan_layers
@@ -283,7 +293,7 @@ class DecoderModel(nnx.Module):
         """Embeddings, RoPE tables and the attention context (with the dense mask, built once,
         when ``full_layers`` layers run over every token with a mask-taking implementation)."""
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq[...], self.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq[...], self.dtype, self.rope_scale)
         if branch_ids is None:
             branch_ids = jnp.zeros_like(segment_ids)
         ctx = AttentionContext(segment_ids, positions, branch_ids, self.attention, self.sliding_window)
