@@ -38,7 +38,7 @@ from rmflow.rendering.tokenize import (
     TokenizerAssets,
     build_tokenizer,
 )
-from rmflow.schemas.config import ROW_FORMATS, STEP_SEPARATOR
+from rmflow.schemas.config import ROW_FORMATS, STEP_SEPARATOR, attribute_names
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import shard_name
 from rmflow.schemas.record import encode
@@ -171,13 +171,14 @@ class NormalizeFn(beam.DoFn):
     """Raw records to canonical pairs; what cannot be one is a dead letter, and a score tie kept
     is noted (dead-letter shaped, category tie, code score_tie_kept) so the stats count it."""
 
-    def __init__(self, options: dict[str, Any]):
-        self.options = options
+    def __init__(self, options: dict[str, Any], weights: dict[str, float] | None = None):
+        self.options, self.weights = options, weights
 
     def process(self, element):
         source, line, fmt, raw = element
         try:
-            pairs, responses = normalize_all(parse_json_object(raw), fmt, source=source, line=line, **self.options)
+            pairs, responses = normalize_all(parse_json_object(raw), fmt, source=source, line=line,
+                                             weights=self.weights, **self.options)
         except Exception as e:  # noqa: BLE001 - contained to this record
             yield TaggedOutput(DEAD, dead_letter(f"normalize:{fmt}", source, line, raw, as_bad_record(e)))
             return
@@ -205,13 +206,14 @@ class NormalizeFn(beam.DoFn):
 class ReadRowFn(beam.DoFn):
     """A response-a-row layout's row, keyed by its prompt; a bad row is a dead letter."""
 
-    def __init__(self, weights: dict[str, float]):
-        self.weights = weights
+    def __init__(self, weights: dict[str, float], attributes: tuple[str, ...] = ()):
+        self.weights, self.attributes = weights, attributes
 
     def process(self, element):
         source, line, fmt, raw = element
         try:
-            row = read_row(parse_json_object(raw), source=source, line=line, weights=self.weights)
+            row = read_row(parse_json_object(raw), source=source, line=line, weights=self.weights,
+                           attributes=self.attributes)
         except Exception as e:  # noqa: BLE001 - contained to this row
             yield TaggedOutput(DEAD, dead_letter(f"normalize:{fmt}", source, line, raw, as_bad_record(e)))
             return
@@ -236,12 +238,12 @@ class GroupRows(beam.PTransform):
     """The rows of a response-a-row layout (``ROW_FORMATS``) grouped by their prompt (GroupByKey)
     into one record each. Outputs main (records in the ``responses`` layout), dead and noted."""
 
-    def __init__(self, weights: dict[str, float]):
+    def __init__(self, weights: dict[str, float], attributes: tuple[str, ...] = ()):
         super().__init__()
-        self.weights = weights
+        self.weights, self.attributes = weights, attributes
 
     def expand(self, rows):
-        keyed = rows | "ReadRows" >> beam.ParDo(ReadRowFn(self.weights)).with_outputs(DEAD, main="main")
+        keyed = rows | "ReadRows" >> beam.ParDo(ReadRowFn(self.weights, self.attributes)).with_outputs(DEAD, main="main")
         out = (keyed.main | "GroupByPrompt" >> beam.GroupByKey()
                | "ToRecords" >> beam.ParDo(GroupedFn()).with_outputs(NOTED, main="main"))
         return {"main": out.main, "dead": keyed[DEAD], "noted": out[NOTED]}
@@ -257,9 +259,10 @@ class NormalizePairs(beam.PTransform):
 
     def expand(self, records):
         single, rows = records | "ByLayout" >> beam.Partition(lambda r, _: int(r[2] in ROW_FORMATS), 2)
-        grouped = rows | "GroupRows" >> GroupRows(self.weights)
+        grouped = rows | "GroupRows" >> GroupRows(self.weights, attribute_names(self.options.get("attributes", "")))
         records = (single, grouped["main"]) | "WithGrouped" >> beam.Flatten()
-        out = records | "Normalize" >> beam.ParDo(NormalizeFn(self.options)).with_outputs(DEAD, NOTED, main="main")
+        out = records | "Normalize" >> beam.ParDo(NormalizeFn(self.options, self.weights)).with_outputs(
+            DEAD, NOTED, main="main")
         dead = (out[DEAD], grouped["dead"]) | "NormalizeDead" >> beam.Flatten()
         noted = (out[NOTED], grouped["noted"]) | "NormalizeNoted" >> beam.Flatten()
         return {"main": out.main, "dead": dead, "noted": noted}

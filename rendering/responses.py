@@ -22,12 +22,20 @@ Layouts, as they are published (``schemas.config.MULTI_FORMATS``; detected by th
   mean of its aspects' ratings), else the mean of its annotations' ``Rating``s, else its
   ``overall_score``.
 
-A response given twice with the same score is kept once (counted: ``merged``); given twice with
-other scores, its labels contradict and every copy is left out (``contradicted``), as is an empty
-response (``dropped``); the record is kept while two responses remain.
+Attribute ratings (``attributes``: names, in order) are kept beside each response's score when
+asked for: a ``responses`` record's per-response ``attributes`` objects (which, without ``scores``
+or ``ranks``, also give the score: their weighted sum by ``weights``), HelpSteer's columns,
+UltraFeedback's ``annotations.<aspect>.Rating``; a response without one of them makes its record
+a bad record (``missing_attribute``), and a layout that carries none cannot give them.
+
+A response given twice with the same score (and ratings) is kept once (counted: ``merged``);
+given twice with other scores, its labels contradict and every copy is left out
+(``contradicted``), as is an empty response (``dropped``); the record is kept while two responses
+remain.
 
 Pure functions, no Beam. Bad input raises ``BadRecord`` with a code: ``too_few_responses``,
-``missing_score``, ``bad_value``, ``duplicate_response``, ``all_tied`` (a ``Tie``).
+``missing_score``, ``missing_attribute``, ``bad_value``, ``duplicate_response``, ``all_tied`` (a
+``Tie``).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from rmflow.rendering.formats import (
     parse_hh_transcript,
     read_messages,
 )
-from rmflow.schemas.config import MULTI_FORMATS, PAIRS_FROM, ROW_FORMATS
+from rmflow.schemas.config import MULTI_FORMATS, PAIRS_FROM, ROW_FORMATS, attribute_names
 
 PAIR_MODES = tuple(m for m in PAIRS_FROM if m)
 MAX_SCORE = 1e15  # a rating or rank; past this a score difference loses its meaning in float32
@@ -74,6 +82,8 @@ class CanonicalResponses:
     capped: int = 0  # responses past --max-responses, left out (``cap_responses``)
     most: int = 0  # kept whole: at most this many of the responses that fit the length policy (0: all)
     margin_from_scores: bool = False  # trained with each pair's score difference as its margin
+    attributes: tuple[tuple[float, ...], ...] = ()  # each response's ratings, by ``attribute_names``; () none
+    attribute_names: tuple[str, ...] = ()
     raw: str = dataclasses.field(default="", compare=False, repr=False)  # for the errors file
     margin = None  # a pair's field, absent here
     is_tokenized = False
@@ -94,8 +104,10 @@ class CanonicalResponses:
     def pair_id(self) -> str:
         """Stable 128-bit content hash of the prompt, its responses and their scores (the name is
         the pairs': dedup keys on it)."""
-        blob = json.dumps(["responses", self.prompt, self.responses, self.scores], ensure_ascii=False,
-                          separators=(",", ":")).encode("utf-8")
+        content = ["responses", self.prompt, self.responses, self.scores]
+        if self.attributes:  # ratings kept are content too (records without them keep their ids)
+            content += [self.attribute_names, self.attributes]
+        blob = json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
     @property
@@ -166,8 +178,37 @@ def _list(record: Mapping[str, Any], name: str) -> list:
     return list(value)
 
 
-def _responses(r):
+def _ratings(value: Any, names: tuple[str, ...], where: str) -> tuple[float, ...]:
+    """The ratings ``names`` of one response from its object of ratings (``value``), in order;
+    BadRecord ``missing_attribute`` when one is absent (or "N/A"), ``bad_value`` when not a number."""
+    if not names:
+        return ()
+    if not isinstance(value, Mapping):
+        raise BadRecord("missing_attribute", f"{where} has no attribute ratings ({', '.join(names)} asked for)")
+    out = []
+    for name in names:
+        rating = value.get(name)
+        if isinstance(rating, Mapping):  # UltraFeedback's {"Rating": "4", "Rationale": ...}
+            rating = rating.get("Rating")
+        if rating is None or (isinstance(rating, str) and rating.strip().upper() in ("", "N/A")):
+            raise BadRecord("missing_attribute", f"{where} has no rating '{name}'")
+        out.append(_score(rating, f"{where}.{name}"))
+    return tuple(out)
+
+
+def _no_ratings(layout: str, names: tuple[str, ...]) -> None:
+    if names:
+        raise BadRecord("missing_attribute", f"layout {layout} carries no attribute ratings ({', '.join(names)} "
+                        "asked for)")
+
+
+def _responses(r, names=(), weights=None):
     responses = _list(r, "responses")
+    rated = _list(r, "attributes") if "attributes" in r else None
+    if names and rated is None:
+        raise BadRecord("missing_attribute", f"no 'attributes' (one object of ratings a response): {', '.join(names)} "
+                        "asked for")
+    ratings = [_ratings(x, names, f"attributes[{i}]") for i, x in enumerate(rated)] if names else []
     ranked = None
     if "ranks" in r:
         ranks = _list(r, "ranks")
@@ -179,23 +220,33 @@ def _responses(r):
         if ranked is not None and (len(ranked) != len(scores) or any(
                 (a > b) != (c > d) for a, c in zip(scores, ranked) for b, d in zip(scores, ranked))):
             raise BadRecord("bad_value", "'scores' and 'ranks' order the responses differently: give one")
+    elif ranked is None and rated is not None:  # scored by their ratings' weighted sum, as HelpSteer's rows
+        weights = weights or {}
+        scores = [sum(w * _ratings(x, (name,), f"attributes[{i}]")[0] for name, w in weights.items())
+                  for i, x in enumerate(rated)]
     else:
         scores = ranked
-    if len(scores) != len(responses):
-        raise BadRecord("bad_value", f"{len(responses)} responses but {len(scores)} scores: one score each")
-    return _prompt(r.get("prompt"), "prompt"), [_response(x, f"responses[{i}]") for i, x in enumerate(responses)], scores
+    if scores is None:
+        raise BadRecord("missing_score", "a responses record needs 'scores', 'ranks' or per-response 'attributes'")
+    if len(scores) != len(responses) or (names and len(ratings) != len(responses)):
+        raise BadRecord("bad_value", f"{len(responses)} responses but {len(scores)} scores"
+                        + (f" and {len(ratings)} attribute ratings" if names else "") + ": one each")
+    return (_prompt(r.get("prompt"), "prompt"), [_response(x, f"responses[{i}]") for i, x in enumerate(responses)],
+            scores, ratings)
 
 
-def _rewardbench2(r):
+def _rewardbench2(r, names=(), weights=None):
+    _no_ratings("rewardbench2", names)
     chosen, rejected = _list(r, "chosen"), _list(r, "rejected")
     responses = [_response(x, f"chosen[{i}]") for i, x in enumerate(chosen)]
     responses += [_response(x, f"rejected[{i}]") for i, x in enumerate(rejected)]
     if not chosen or not rejected:
         raise BadRecord("too_few_responses", "a record needs at least one chosen and one rejected response")
-    return _prompt(r.get("prompt"), "prompt"), responses, [1.0] * len(chosen) + [0.0] * len(rejected)
+    return _prompt(r.get("prompt"), "prompt"), responses, [1.0] * len(chosen) + [0.0] * len(rejected), []
 
 
-def _nectar(r):
+def _nectar(r, names=(), weights=None):
+    _no_ratings("nectar", names)
     answers = _list(r, "answers")
     responses, scores = [], []
     for i, a in enumerate(answers):
@@ -206,7 +257,7 @@ def _nectar(r):
         if rank < 1 or not rank.is_integer():
             raise BadRecord("bad_value", f"answers[{i}].rank {rank:g}: an integer from 1 (the best)")
         scores.append(-rank)
-    return _prompt(r.get("prompt"), "prompt"), responses, scores
+    return _prompt(r.get("prompt"), "prompt"), responses, scores, []
 
 
 def _completion_score(c: Mapping[str, Any], name: str) -> tuple[str, float]:
@@ -223,19 +274,21 @@ def _completion_score(c: Mapping[str, Any], name: str) -> tuple[str, float]:
     return "overall_score", _score(c.get("overall_score"), f"{name}.overall_score")
 
 
-def _ultrafeedback_raw(r):
+def _ultrafeedback_raw(r, names=(), weights=None):
     completions = _list(r, "completions")
-    responses, scores = [], []
+    responses, scores, ratings = [], [], []
     for i, c in enumerate(completions):
         if not isinstance(c, Mapping):
             raise BadRecord("bad_type", f"completions[{i}] must be an object with 'response'")
         responses.append(_response(c.get("response"), f"completions[{i}].response"))
         scores.append(_completion_score(c, f"completions[{i}]"))
+        if names:  # its aspects' ratings
+            ratings.append(_ratings(c.get("annotations"), names, f"completions[{i}].annotations"))
     scales = {where for where, _ in scores}
     if len(scales) > 1:  # overall_score is 1-10, the aspects' ratings 1-5: not comparable
         raise BadRecord("mixed_scores", "some completions are scored by their aspects' ratings and some by "
                         "overall_score, on another scale: give one kind of score for every completion")
-    return _prompt(r.get("instruction"), "instruction"), responses, [s for _, s in scores]
+    return _prompt(r.get("instruction"), "instruction"), responses, [s for _, s in scores], ratings
 
 
 _READERS = {"responses": _responses, "rewardbench2": _rewardbench2, "nectar": _nectar,
@@ -252,6 +305,8 @@ class Row:
     prompt: tuple[Message, ...]
     response: tuple[Message, ...]
     score: float
+    attributes: tuple[float, ...] = ()  # the ratings asked for (``attribute_names``), in order
+    attribute_names: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -259,52 +314,64 @@ class Row:
         return json.dumps(self.prompt, ensure_ascii=False, separators=(",", ":"))
 
 
-def read_row(record: Any, *, source: str, line: int, weights: Mapping[str, float]) -> Row:
-    """One ``helpsteer`` row; its score the weighted sum of its attributes. Raises BadRecord."""
+def read_row(record: Any, *, source: str, line: int, weights: Mapping[str, float],
+             attributes: tuple[str, ...] = ()) -> Row:
+    """One ``helpsteer`` row; its score the weighted sum of its attributes, and the ratings
+    ``attributes`` kept. Raises BadRecord."""
     if not isinstance(record, Mapping):
         raise BadRecord("not_an_object", f"record is a JSON {type(record).__name__}, not an object")
     score = sum(w * _score(record.get(name), f"attribute '{name}'") for name, w in weights.items())
+    ratings = _ratings(record, tuple(attributes), "the row")
     response = _response(record.get("response"), "response")
     if response == EMPTY:  # a row is one response: an empty one is a bad row
         raise BadRecord("empty_reply", "'response' is empty")
-    return Row(source, line, _prompt(record.get("prompt"), "prompt"), response, score)
+    return Row(source, line, _prompt(record.get("prompt"), "prompt"), response, score, ratings, tuple(attributes))
 
 
 def group_rows(rows: list[Row]) -> dict[str, Any]:
-    """The rows of one prompt as one ``responses`` record (the first row's place names it)."""
+    """The rows of one prompt as one ``responses`` record (the first row's place names it), with
+    their ratings (``attributes``) when kept."""
     rows = sorted(rows, key=lambda r: (r.source, r.line))
-    return {"prompt": [{"role": m[0], "content": m[1]} for m in rows[0].prompt],
-            "responses": [[{"role": m[0], "content": m[1]} for m in r.response] for r in rows],
-            "scores": [r.score for r in rows]}
+    out = {"prompt": [{"role": m[0], "content": m[1]} for m in rows[0].prompt],
+           "responses": [[{"role": m[0], "content": m[1]} for m in r.response] for r in rows],
+           "scores": [r.score for r in rows]}
+    if rows[0].attribute_names:
+        out["attributes"] = [dict(zip(r.attribute_names, r.attributes)) for r in rows]
+    return out
 
 def raw_responses(record: Mapping[str, Any], fmt: str) -> tuple[tuple[Message, ...], list[tuple[Message, ...]]]:
     """The prompt and every response of a record as given (none left out: to score them all).
     Raises BadRecord, an empty response among them included."""
-    prompt, responses, _ = _READERS[fmt](record)
+    prompt, responses, _, _ = _READERS[fmt](record)
     for i, r in enumerate(responses):
         if r == EMPTY:
             raise BadRecord("empty_reply", f"response {i} is empty: nothing to score")
     return prompt, responses
 
 
-def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: int) -> CanonicalResponses:
-    """One raw record of multi-response layout ``fmt``; raises BadRecord (a Tie when every score
-    is equal: no pair to learn from)."""
-    prompt, given, given_scores = _READERS[fmt](record)
+def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: int, attributes: tuple[str, ...] = (),
+                   weights: Mapping[str, float] | None = None) -> CanonicalResponses:
+    """One raw record of multi-response layout ``fmt``, with each response's ratings ``attributes``
+    (names, in order; ``weights`` score a record rated only by them); raises BadRecord (a Tie
+    when every score is equal: no pair to learn from)."""
+    names = tuple(attributes)
+    prompt, given, given_scores, given_ratings = _READERS[fmt](record, names, weights)
+    labels = list(zip(given_scores, given_ratings)) if names else [(s, ()) for s in given_scores]
     scored: dict[tuple, set] = {}
-    for resp, score in zip(given, given_scores):
-        scored.setdefault(resp, set()).add(score)
+    for resp, label in zip(given, labels):
+        scored.setdefault(resp, set()).add(label)
     seen: set[tuple] = set()
-    responses, scores, empty, contradicted = [], [], 0, 0
-    for resp, score in zip(given, given_scores):
+    responses, scores, ratings, empty, contradicted = [], [], [], 0, 0
+    for resp, (score, rating) in zip(given, labels):
         if resp == EMPTY:  # nothing to score: left out, counted
             empty += 1
-        elif len(scored[resp]) > 1:  # the same text scored two ways: its labels contradict; every copy left out
+        elif len(scored[resp]) > 1:  # the same text labelled two ways: its labels contradict; every copy left out
             contradicted += 1
-        elif resp not in seen:  # the same text twice, scored alike: one response
+        elif resp not in seen:  # the same text twice, labelled alike: one response
             seen.add(resp)
             responses.append(resp)
             scores.append(score)
+            ratings.append(rating)
     if len(responses) < 2:
         why = f" ({contradicted} left out: the same text scored two ways)" if contradicted else ""
         raise BadRecord("duplicate_response" if contradicted else "too_few_responses",
@@ -316,7 +383,8 @@ def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: in
         raise BadRecord("bad_type", f"field 'subset' must be str, got {type(subset).__name__}")
     return CanonicalResponses(source, line, prompt, tuple(responses), tuple(scores), subset,
                               merged=len(given) - len(responses) - empty - contradicted, dropped=empty,
-                              contradicted=contradicted)
+                              contradicted=contradicted, attributes=tuple(ratings) if names else (),
+                              attribute_names=names)
 
 
 def to_pairs(r: CanonicalResponses, mode: str, *, margin_from_scores: bool = False,
@@ -372,17 +440,21 @@ def cap_responses(r: CanonicalResponses, most: int) -> CanonicalResponses:
     keep = spread(range(len(r.responses)), r.scores, most)
     k = len(r.responses)
     return dataclasses.replace(r, responses=tuple(r.responses[i] for i in keep),
-                               scores=tuple(r.scores[i] for i in keep), capped=r.capped + k - len(keep))
+                               scores=tuple(r.scores[i] for i in keep), capped=r.capped + k - len(keep),
+                               attributes=tuple(r.attributes[i] for i in keep) if r.attributes else ())
 
 
 def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_scores: bool = False,
                   min_score_gap: float = 0.0, drop_score_ties: bool = False, pairs_from: str = "",
-                  max_responses: int = 0) -> tuple[list[CanonicalPair | CanonicalSteps | CanonicalResponses],
-                                                   CanonicalResponses | None]:
+                  max_responses: int = 0, attributes: str | tuple[str, ...] = (),
+                  weights: Mapping[str, float] | None = None
+                  ) -> tuple[list[CanonicalPair | CanonicalSteps | CanonicalResponses], CanonicalResponses | None]:
     """One raw record in layout ``fmt`` to its canonical records: one (``formats.normalize``), or
     for a multi-response layout the pairs ``pairs_from`` makes of it or (``pairs_from`` empty) the
-    record itself, at most ``max_responses`` of its responses (0: all); with the responses they
-    were made of (what was merged, dropped or capped). Raises BadRecord."""
+    record itself, at most ``max_responses`` of its responses (0: all), each with its ratings
+    ``attributes`` (names, or the config's comma-separated text); with the responses they were
+    made of (what was merged, dropped or capped). Raises BadRecord."""
+    names = attribute_names(attributes) if isinstance(attributes, str) else tuple(attributes)
     if fmt not in MULTI_FORMATS:
         return [normalize(record, fmt, source=source, line=line, margin_from_scores=margin_from_scores,
                           min_score_gap=min_score_gap, drop_score_ties=drop_score_ties)], None
@@ -391,7 +463,7 @@ def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_
     if fmt in ROW_FORMATS:  # grouped by their prompt before (group_rows): one row alone is no record
         raise BadRecord("response_row", f"layout {fmt} has one response a row; `rmflow preprocess` groups the rows "
                         "of each prompt")
-    responses = read_responses(record, fmt, source=source, line=line)
+    responses = read_responses(record, fmt, source=source, line=line, attributes=names, weights=weights)
     if not pairs_from:  # capped among the responses that fit the length policy (``TokenizedResponses.fit``)
         if margin_from_scores and max(responses.scores) - min(responses.scores) > MAX_MARGIN:
             raise BadRecord("bad_value", f"a score difference beyond {MAX_MARGIN:g} as a margin: a margin is in "

@@ -203,7 +203,8 @@ class TokenizedResponses:
                                lasts=[len(prompt) + len(r) - 1 for r in responses],
                                scores=[scores[i] for i in keep], record_id=c.pair_id,
                                source=os.path.basename(c.source), subset=c.subset,
-                               margin_from_scores=c.margin_from_scores)
+                               margin_from_scores=c.margin_from_scores,
+                               attributes=[c.attributes[i] for i in keep] if c.attributes else None)
 
 
 def step_token_ends(char_ends: Sequence[int], offsets: Sequence[tuple[int, int]], prompt_len: int) -> np.ndarray:

@@ -133,6 +133,11 @@ class PreprocessConfig(Config):
         "helpfulness=1", "Layouts that rate each response on several attributes (helpsteer): the score that orders "
         "a prompt's responses, a weighted sum name=weight,name=weight (HelpSteer2's published weights: "
         "helpfulness=0.65,correctness=0.8,coherence=0.45,complexity=0.55,verbosity=-0.4).")
+    attributes: str = option(
+        "", "Multi-response layouts: per-response attribute ratings to keep in each record beside its score, "
+        "name,name,... in this order (helpsteer's columns, ultrafeedback-raw's annotations, a responses record's "
+        "'attributes' objects); a response without one makes its record a bad record (missing_attribute). Empty "
+        "keeps none.", was=NEW)
     step_separator: str = option(
         STEP_SEPARATOR, "Stepwise layouts (process reward models): text after every step; each step is scored at the "
         "last token of the step and its separator."
@@ -154,8 +159,14 @@ class PreprocessConfig(Config):
         if not self.tokenizer:
             raise ConfigError("tokenizer: give a tokenizer directory or hub id (--tokenizer)")
         parse_weights(self.attribute_weights)  # refused here, not per record
+        attribute_names(self.attributes)
         if self.pairs_from not in PAIRS_FROM:
             raise ConfigError(f"pairs_from {self.pairs_from!r}: use one of {', '.join(p for p in PAIRS_FROM if p)}")
+        if self.attributes.strip() and self.pairs_from:
+            raise ConfigError(f"attributes {self.attributes!r} are kept in multi-response records; the pairs "
+                              f"--pairs-from {self.pairs_from} makes carry none: drop one of the two")
+        if self.attributes.strip() and self.format in ("rewardbench2", "nectar"):
+            raise ConfigError(f"attributes {self.attributes!r}: layout {self.format} carries no attribute ratings")
         if self.format in MULTI_FORMATS and not self.pairs_from and self.min_score_gap:
             raise ConfigError(WHOLE_GAP)
         check_int(self.max_responses, "max_responses", 0)
@@ -213,6 +224,14 @@ class PreprocessConfig(Config):
         return d
 
 
+def attribute_names(text: str) -> tuple[str, ...]:
+    """``name,name`` -> the names, in order; a ConfigError names a repeated or empty one."""
+    names = tuple(n.strip() for n in text.split(",")) if text.strip() else ()
+    if any(not n for n in names) or len(set(names)) != len(names):
+        raise ConfigError(f"attributes {text!r}: give name,name,... each name once")
+    return names
+
+
 def parse_weights(text: str) -> dict[str, float]:
     """``name=weight,name=weight`` -> {name: weight}; a ConfigError names what is wrong."""
     out: dict[str, float] = {}
@@ -241,7 +260,8 @@ def checkpoint_step(value: Any) -> int | str | None:
 
 
 # PreprocessConfig fields that decide how a raw record becomes a pair (rendering.formats.normalize_all).
-NORMALIZE_OPTIONS = ("margin_from_scores", "min_score_gap", "drop_score_ties", "pairs_from", "max_responses")
+NORMALIZE_OPTIONS = ("margin_from_scores", "min_score_gap", "drop_score_ties", "pairs_from", "max_responses",
+                     "attributes")
 EVAL_MODES = ("pairs", "rewardbench-v1", "rewardbench-v2", "responses")
 EVAL_SPLITS = ("eval", "train", "all")
 # PreprocessConfig fields that `rmflow eval` takes for raw files (the tokenizer, max_length and

@@ -158,6 +158,13 @@ class Manifest:
                 raise ManifestError(f"split {name}: shard record counts do not add up to {split.records}")
 
     @property
+    def attributes(self) -> tuple[str, ...]:
+        """The attribute ratings each multi-response record holds, by name in order (preprocess's
+        ``attributes``); () when none were kept."""
+        text = self.config.get("attributes") or ""
+        return tuple(n.strip() for n in text.split(",")) if text.strip() else ()
+
+    @property
     def model_kind(self) -> str:
         """The kind of the model trained on these shards (``ModelKind.model``): what its run and
         its export are scored, evaluated and served as."""

@@ -6,6 +6,7 @@ import gzip
 import json
 import pathlib
 
+import numpy as np
 import pytest
 from rmflow.rendering.formats import BadRecord, Tie, detect_format, normalize
 from rmflow.rendering.responses import normalize_all, read_responses, to_pairs
@@ -364,3 +365,79 @@ def test_near_dedup_and_both_decontamination_methods_take_a_prompt_s_pairs(tmp_p
                                  decontaminate_replies=True, decontaminate_method=method, **base)).stats["counts"]
         written[method] = (c["pairs_written"], c["contaminated"])
     assert written["side-input"] == written["join"] == (6 * 3 - 2, 2)  # the two pairs holding the reply
+
+
+def test_attribute_ratings_are_read_beside_the_scores_or_the_record_is_a_counted_bad_record():
+    """attributes (names, in order): a responses record's per-response objects (scoring it by the
+    weights when it has no scores), UltraFeedback's aspects; a missing or "N/A" rating, a layout
+    without ratings: BadRecord missing_attribute; the same text rated two ways contradicts."""
+    from rmflow.rendering.responses import cap_responses
+
+    names = ("helpfulness", "honesty")
+    rated = {"prompt": "p", "responses": ["a", "b", "c"], "scores": [3, 1, 2],
+             "attributes": [{"helpfulness": 4, "honesty": "5"}, {"helpfulness": 1, "honesty": 2},
+                            {"helpfulness": 3, "honesty": 3, "other": 9}]}
+    r = read_responses(rated, "responses", source="s", line=1, attributes=names)
+    assert r.attribute_names == names and r.attributes == ((4.0, 5.0), (1.0, 2.0), (3.0, 3.0)) and r.scores == (3, 1, 2)
+    assert read_responses(rated, "responses", source="s", line=1).pair_id != r.pair_id  # ratings are content
+    capped = cap_responses(r, 2)  # the best and the worst, each with its ratings
+    assert capped.scores == (3, 1) and capped.attributes == ((4.0, 5.0), (1.0, 2.0))
+    unscored = {k: v for k, v in rated.items() if k != "scores"}  # scored by the weights of its ratings
+    u = read_responses(unscored, "responses", source="s", line=1, attributes=names,
+                       weights={"helpfulness": 0.5, "honesty": 1.0})
+    assert u.scores == (7.0, 2.5, 4.5)
+    for bad, code in (({**rated, "attributes": [{"helpfulness": 4}, {"helpfulness": 1, "honesty": 2},
+                                                 {"helpfulness": 3, "honesty": 3}]}, "missing_attribute"),
+                      ({**rated, "attributes": [{"helpfulness": "high", "honesty": 1}] * 3}, "bad_value"),
+                      ({k: v for k, v in rated.items() if k != "attributes"}, "missing_attribute")):
+        with pytest.raises(BadRecord) as e:
+            read_responses(bad, "responses", source="s", line=1, attributes=names)
+        assert e.value.code == code
+    twice = {"prompt": "p", "responses": ["a", "a", "b", "c"], "scores": [3, 3, 1, 2],
+             "attributes": [{"helpfulness": 4, "honesty": 5}, {"helpfulness": 1, "honesty": 5},
+                            {"helpfulness": 1, "honesty": 2}, {"helpfulness": 3, "honesty": 3}]}
+    t = read_responses(twice, "responses", source="s", line=1, attributes=names)
+    assert t.contradicted == 2 and t.scores == (1, 2)  # "a" rated two ways: both copies left out
+    with pytest.raises(BadRecord, match="no attribute ratings"):  # a completion scored without annotations
+        read_responses(LAYOUTS["ultrafeedback-raw"], "ultrafeedback-raw", source="s", line=1, attributes=("helpfulness",))
+    rated_uf = {"instruction": "x", "completions": [
+        {"response": "one", "annotations": {"helpfulness": {"Rating": "4"}, "honesty": {"Rating": "2"}}},
+        {"response": "two", "annotations": {"helpfulness": {"Rating": "2"}, "honesty": {"Rating": "N/A"}}}]}
+    got = read_responses(rated_uf, "ultrafeedback-raw", source="s", line=1, attributes=("helpfulness",))
+    assert got.attributes == ((4.0,), (2.0,)) and got.scores == (3.0, 2.0)  # the mean of the rated aspects
+    with pytest.raises(BadRecord, match="no rating 'honesty'"):
+        read_responses(rated_uf, "ultrafeedback-raw", source="s", line=1, attributes=names)
+    for layout in ("rewardbench2", "nectar"):
+        with pytest.raises(BadRecord, match="carries no attribute ratings"):
+            read_responses(LAYOUTS[layout], layout, source="s", line=1, attributes=names)
+    for bad in ({"attributes": "a,a"}, {"attributes": "a,,b"}, {"attributes": "a", "pairs_from": "expand"},
+                {"attributes": "a", "format": "nectar"}):
+        with pytest.raises(ConfigError, match="attributes"):
+            PreprocessConfig(inputs=("x",), output="o", tokenizer="t", **bad)
+
+
+def test_preprocess_keeps_each_response_s_attribute_ratings_in_its_record(tmp_path, tokenizer_dir):
+    """HelpSteer rows with --attributes: each prompt's record holds its responses' ratings in the
+    order asked, the manifest names them; a row without one is a counted bad record."""
+    import grain
+    from rmflow.pipelines.preprocess import run
+    from rmflow.schemas.record import decode
+    from rmflow.trainer.setup import read_manifest, shard_paths
+
+    src = tmp_path / "helpsteer.jsonl"
+    rows = _helpsteer_rows()
+    del rows[0]["coherence"]  # the fruits' first row lacks a rating asked for: a bad row, the other two a record
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "out"), tokenizer=tokenizer_dir,
+                                  max_length=128, eval_fraction=0.0, max_bad_fraction=1.0,
+                                  attributes="correctness,coherence"))
+    codes = {d["code"] for d in result.stats["dead_letters"]}
+    assert "missing_attribute" in codes, codes
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert manifest.attributes == ("correctness", "coherence")
+    records = [decode(raw) for path in shard_paths(str(tmp_path / "out"), manifest, "train")
+               for raw in grain.sources.ArrayRecordDataSource([path])]
+    by_k = {tuple(r.scores): r for r in records}  # scored by helpfulness (the default weights)
+    assert set(by_k) == {(1.0, 0.0), (3.0, 1.0)}, by_k  # the fruits' other two rows; hi and bye
+    np.testing.assert_array_equal(by_k[1.0, 0.0].attributes, [[3.0, 4.0], [2.0, 4.0]])  # correctness, coherence
+    np.testing.assert_array_equal(by_k[3.0, 1.0].attributes, [[4.0, 4.0], [4.0, 4.0]])
