@@ -115,3 +115,60 @@ def test_a_lora_run_of_a_fused_family_exports_merged_and_refuses_an_adapter(synt
         export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "adapter"), adapter=True))
     out = pathlib.Path(export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "hf"))))
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Phi3ForSequenceClassification"]
+
+
+def test_export_config_drops_remote_code_and_renames_su_and_checkpoints_read_on_the_host(tmp_path):
+    """A base config's auto_map (remote code) is not carried into the export, LongRoPE's first
+    name 'su' is written as 'longrope' (transformers 5 reads only that), the top-level
+    original_max_position_embeddings wins as in transformers; bfloat16, float16 and int tensors
+    read from safetensors exactly, on the host."""
+    from rmflow.schemas.kinds import OUTCOME
+    from rmflow.trainer.export import hf_config
+    from rmflow.trainer.modeling.config import ModelConfig
+    from rmflow.trainer.modeling.convert import read_tensors
+    from safetensors.torch import save_file
+
+    base = {"model_type": "phi3", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 6, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 4096, "original_max_position_embeddings": 64,
+            "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config"},
+            "rope_scaling": {"type": "su", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0],
+                             "original_max_position_embeddings": 128}}
+    cfg = ModelConfig.from_hf(base)
+    assert cfg.max_position_embeddings == 64  # the top-level value, as transformers takes it
+    out = hf_config(cfg, base, 0, OUTCOME)
+    assert "auto_map" not in out and out["rope_scaling"]["rope_type"] == "longrope" and "type" not in out["rope_scaling"]
+    weights = {"bf": torch.randn(3, 5).to(torch.bfloat16), "half": torch.randn(4).half(),
+               "ints": torch.arange(6, dtype=torch.int32).reshape(2, 3)}
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    got = read_tensors(str(tmp_path))
+    for name, value in weights.items():
+        np.testing.assert_array_equal(got[name], value.float().numpy())
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo2"])
+def test_rms_norm_rounds_in_bfloat16_as_the_family_does(family):
+    """Llama's RMSNorm casts, then applies its weight in bfloat16; OLMo 2's applies it in float32
+    and casts once: each family's norm equals transformers' own in bfloat16, bit for bit."""
+    import jax.numpy as jnp
+    from rmflow.trainer.modeling.llama import RMSNorm
+
+    module = getattr(transformers.models, family)
+    hf_norm = getattr(getattr(module, f"modeling_{family}"), f"{FAMILY_PREFIX[family]}RMSNorm")(16, eps=1e-6)
+    rng = np.random.default_rng(0)
+    weight, x = rng.normal(1.0, 0.3, 16).astype(np.float32), rng.normal(size=(4, 16)).astype(np.float32)
+    weight = torch.tensor(weight).to(torch.bfloat16).float().numpy()  # a bfloat16 model's weights, exactly
+    with torch.no_grad():
+        hf_norm.weight.copy_(torch.tensor(weight))
+        expected = hf_norm.to(torch.bfloat16)(torch.tensor(x).to(torch.bfloat16)).float().numpy()
+    ours = RMSNorm(16, 1e-6, dtype=jnp.bfloat16, weight_in_float32=family == "olmo2")  # as ModelConfig sets it
+    ours.weight[...] = jnp.asarray(weight)
+    got = np.asarray(ours(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32))
+    np.testing.assert_array_equal(got, expected)
+    from rmflow.trainer.modeling.config import ModelConfig
+
+    cfg = ModelConfig.from_hf({"model_type": family, "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
+                               "num_hidden_layers": 1, "num_attention_heads": 2})
+    assert cfg.norm_weight_in_float32 == (family == "olmo2")
+
+
+FAMILY_PREFIX = {"llama": "Llama", "olmo2": "Olmo2"}

@@ -47,6 +47,11 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
         "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu",
         "tie_word_embeddings": False,
     })
+    cfg.pop("auto_map", None)  # the base's own remote code (Phi-3's hub configs): the export is transformers' class
+    for key in ("rope_scaling", "rope_parameters"):  # LongRoPE's first name, which transformers 5 no longer reads
+        rope_cfg = cfg.get(key)
+        if isinstance(rope_cfg, dict) and "su" in (rope_cfg.get("type"), rope_cfg.get("rope_type")):
+            cfg[key] = {**{k: v for k, v in rope_cfg.items() if k != "type"}, "rope_type": "longrope"}
     head = {"architectures": [f"{c.hf_prefix}{kind.hf_head}"], "num_labels": kind.num_labels,
             "id2label": dict(kind.hf_labels), "label2id": {v: int(k) for k, v in kind.hf_labels.items()}}
     cfg.update({**head, "pad_token_id": pad_token_id, "torch_dtype": "float32", "dtype": "float32"})

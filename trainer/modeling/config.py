@@ -63,6 +63,7 @@ class ModelConfig:
     qk_norm: bool = False
     qk_norm_over: str = "head"  # the q/k RMSNorm over each head (Qwen3) or the whole projection (OLMo 2)
     post_norms: bool = False  # OLMo 2: each sublayer's output normalised before the residual, its input not
+    norm_weight_in_float32: bool = False  # OLMo 2: RMSNorm's weight applied before the cast to the compute dtype
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # Mistral; Qwen2 when use_sliding_window
@@ -151,6 +152,7 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "olmo2"),
             qk_norm_over="projection" if model_type == "olmo2" else "head",
             post_norms=model_type == "olmo2",
+            norm_weight_in_float32=model_type == "olmo2",
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=positions,
             rope_short_factor=short,
@@ -202,7 +204,8 @@ def _longrope(d: Mapping[str, Any], rope: dict[str, Any], heads: int) -> tuple[i
     takes each frequency's ``short_factor`` and scales cos and sin by the attention factor
     (given, or sqrt(1 + ln(max / original) / ln(original))). Past it transformers switches to
     ``long_factor``, which rmflow does not: sequences are kept within the original context."""
-    original = rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    # the top-level value first, as transformers reads it (its Phi3Config keeps one there)
+    original = d.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
     short = rope.get("short_factor")
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
     if not original or not isinstance(short, (list, tuple)) or len(short) != head_dim // 2:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 from typing import Any
 
-import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from rmflow.schemas.errors import RmflowError
@@ -102,8 +103,6 @@ def read_config(folder: str) -> tuple[ModelConfig, dict[str, Any]]:
 
 def read_tensors(folder: str) -> dict[str, np.ndarray]:
     """Every tensor of a single or sharded safetensors checkpoint, as float32 numpy arrays."""
-    from safetensors import safe_open
-
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -113,15 +112,37 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
     if not files:
         raise CheckpointError(f"{folder} has no .safetensors files")
     tensors = {}
-    # Read on the host: safetensors' flax reader (the one that takes bfloat16) makes JAX arrays,
-    # which on the CPU device numpy views as they are; converted by numpy, no device program runs
-    # (on an accelerator each tensor went to the device, a conversion compiled per shape, and back).
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        for name in files:
-            with safe_open(os.path.join(folder, name), framework="flax") as f:
-                for key in f.keys():
-                    tensors[key] = np.asarray(f.get_tensor(key)).astype(np.float32)
+    for name in files:  # read and converted by numpy on the host: no device program, whatever backend JAX has
+        tensors.update(_read_safetensors(os.path.join(folder, name)))
     return tensors
+
+
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "BOOL": np.bool_}
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """One safetensors file's tensors as float32 numpy arrays. The format read directly (an 8-byte
+    little-endian header length, a JSON header of dtypes, shapes and byte offsets, the data):
+    safetensors' numpy reader has no bfloat16, and its JAX readers put tensors on a device."""
+    if os.path.getsize(path) < 8:
+        raise CheckpointError(f"{path} is not a safetensors file: it has no header")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8: 8 + size])
+        out = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"{path}: tensor {key} has dtype {info['dtype']}, which rmflow does not read")
+            start, end = info["data_offsets"]
+            count = (end - start) // np.dtype(dtype).itemsize
+            out[key] = np.frombuffer(data, dtype=dtype, count=count, offset=8 + size + start).reshape(
+                info["shape"]).astype(np.float32)  # a copy: nothing refers to the mapping once closed
+    return out
 
 
 def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False, seed: int = 0,

@@ -42,14 +42,24 @@ def _proj(linear: nnx.Linear, x: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+    """RMSNorm in float32; the weight applied after the cast to the compute dtype (Llama, Qwen,
+    Phi-3), or with ``weight_in_float32`` before it (OLMo 2): one rounding instead of two."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, weight_in_float32: bool = False):
         self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.eps, self.dtype = eps, dtype
+        self.eps, self.dtype, self.weight_in_float32 = eps, dtype, weight_in_float32
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight[...] * y).astype(self.dtype)
         return self.weight.astype(self.dtype) * y.astype(self.dtype)
+
+
+def _norm(cfg: ModelConfig, dim: int, dtype) -> RMSNorm:
+    """An RMSNorm of ``dim`` as the family normalises (``cfg.norm_weight_in_float32``)."""
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype=dtype, weight_in_float32=cfg.norm_weight_in_float32)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
@@ -124,8 +134,8 @@ class Attention(nnx.Module):
         self.qk_norm = cfg.qk_norm and cfg.qk_norm_over
         if self.qk_norm:
             whole = self.qk_norm == "projection"
-            self.q_norm = RMSNorm(self.n_heads * hd if whole else hd, cfg.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(self.n_kv * hd if whole else hd, cfg.rms_norm_eps, dtype=dtype)
+            self.q_norm = _norm(cfg, self.n_heads * hd if whole else hd, dtype)
+            self.k_norm = _norm(cfg, self.n_kv * hd if whole else hd, dtype)
 
     def _qk(self, xq, xk):
         """Queries from ``xq`` and keys from ``xk``, cut into heads and normalised, before RoPE."""
@@ -182,10 +192,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
         self.post_norms = cfg.post_norms
         if cfg.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         else:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+            self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, dtype)
 
     def __call__(self, x, cos, sin, ctx):
         if self.post_norms:
@@ -274,7 +284,7 @@ class DecoderModel(nnx.Module):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=jnp.float32,
                                       embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = _norm(cfg, cfg.hidden_size, dtype)
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # a constant, not a parameter
         self.rope_scale = rope_attention_factor(cfg)
         self.sliding_window, self.dtype = cfg.sliding_window, dtype
