@@ -127,3 +127,34 @@ def test_the_cli_does_not_load_jax_for_help():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.stdout.strip() == "False", out.stderr
+
+
+def _trl_kwargs(n):
+    """The keyword arguments TRL's GRPOTrainer passes a reward function besides prompts and
+    completions (GRPOTrainer._calculate_rewards): the ids, the dataset's other columns, its state
+    and logging hooks."""
+    return {"completion_ids": [[1, 2, 3]] * n, "answer": ["x"] * n, "trainer_state": None,
+            "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None}
+
+
+def test_as_reward_func_is_called_as_trl_s_grpo_trainer_calls_it(workdir):
+    """Conversational and plain prompts and completions, TRL's other arguments ignored; the
+    rewards equal the API's on the same conversations; an empty completion gets None (TRL's
+    'no reward'); the name TRL logs it under."""
+    from trl.trainer.utils import get_callable_name
+
+    from rmflow import RewardModel
+
+    rm = RewardModel.load(str(workdir / "runs" / "rm1"))
+    fn = rm.as_reward_func()
+    assert get_callable_name(fn) == "rmflow_reward"
+    prompts = [c[:-1] for c in CONVS] + [CONVS[0][:-1]]
+    completions = [[c[-1]] for c in CONVS] + [[A("")]]  # the last one empty: no reward
+    got = fn(prompts=prompts, completions=completions, **_trl_kwargs(4))
+    assert got[-1] is None and all(isinstance(x, float) for x in got[:-1])
+    np.testing.assert_allclose(got[:-1], rm.score(CONVS), atol=1e-6, rtol=0)
+    plain = fn(prompts=["How do I boil an egg?", "Hi"], completions=["Eight minutes in boiling water.", "Hello!"],
+               **_trl_kwargs(2))  # standard format: a user turn and the reply, in the model's chat template
+    np.testing.assert_allclose(plain, rm.score(CONVS[:2]), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="reward_normalization"):
+        rm.as_reward_func(normalized=True)

@@ -636,3 +636,23 @@ def test_the_plan_pads_the_fewest_tokens():
         assert a <= b
         ours, former = ours + a, former + b
     assert ours < 0.95 * former
+
+
+def test_a_grpo_reward_function_asks_the_server_and_gets_the_api_s_rewards(outcome, conversations):
+    """rmflow.scoring.grpo.server_reward_func called as TRL's GRPOTrainer calls a reward
+    function (conversational prompts and completions, its other keyword arguments): the
+    server's rewards, equal to the API's; an empty completion gets None without being sent; a
+    refusal is raised with the server's answer."""
+    from rmflow.scoring.grpo import server_reward_func
+
+    server, rm = outcome
+    some = conversations[:6]
+    fn = server_reward_func(server.url, api_key=KEY)
+    prompts = [c[:-1] for c in some] + [some[0][:-1]]
+    completions = [[c[-1]] for c in some] + [[{"role": "assistant", "content": "  "}]]
+    got = fn(prompts=prompts, completions=completions, completion_ids=[[1]] * 7, trainer_state=None,
+             log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
+    assert got[-1] is None
+    np.testing.assert_allclose(got[:-1], rm.score(some), atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="401"):
+        server_reward_func(server.url, api_key="wrong")(prompts=prompts[:1], completions=completions[:1])

@@ -286,6 +286,18 @@ class RewardModel:
         self._require(PROCESS, "score_steps")
         return self.score_step_ids(_encode_each(solutions, self.encode_steps, "solution"), batch_size=batch_size)
 
+    def as_reward_func(self, *, normalized: bool = False, truncate: str = "left", batch_size: int | None = None,
+                       name: str = "rmflow_reward"):
+        """This model as a reward function for TRL's ``GRPOTrainer(reward_funcs=...)``: called with
+        ``prompts`` and ``completions`` (conversational or plain text) and TRL's other keyword
+        arguments, it returns one reward a completion (None where one cannot be scored, as TRL
+        allows). ``rmflow.scoring.grpo`` says how each format is read; its ``server_reward_func``
+        asks a running ``rmflow serve`` instead."""
+        from rmflow.scoring.grpo import local_reward_func
+
+        self._require(OUTCOME, "as_reward_func")
+        return local_reward_func(self, normalized=normalized, truncate=truncate, batch_size=batch_size, name=name)
+
     def _require(self, kind: ModelKind, method: str) -> None:
         if self.kind == kind.name:
             return
