@@ -99,6 +99,10 @@ def test_eval_on_shards_raw_files_and_exported_model(trained_run, tmp_path):
 
     # Raw HH-RLHF transcripts, preprocessed in-process by the same pipeline, with an exported model.
     hf = export(ExportConfig(run=str(trained_run / "run"), output=str(tmp_path / "hf")))
+    # the run's figures travel with the export: rmflow's file, and OpenRLHF's mean and std in config.json
+    config = json.loads((pathlib.Path(hf) / "config.json").read_text())
+    assert (config["mean"], config["std"]) == (norm["mean"], norm["std"]) and norm["std"] > 0
+    assert json.loads((pathlib.Path(hf) / "reward_normalization.json").read_text()) == norm
     lines = gzip.open(DEMO / "hh_rlhf_helpful_sample.jsonl.gz", "rt").read().splitlines()[:24]
     lines.append(json.dumps({"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: b"}))
     (tmp_path / "raw.jsonl").write_text("\n".join(lines) + "\n")
@@ -111,6 +115,13 @@ def test_eval_on_shards_raw_files_and_exported_model(trained_run, tmp_path):
     (tie,) = [json.loads(x) for x in (tmp_path / "e2" / "input_errors.jsonl").read_text().splitlines()]
     assert tie["category"] == "tie" and tie["line"] == 25
     assert 0.0 <= m["accuracy"] <= 1.0 and "length_bias" in m
+    again = CliRunner().invoke(app, ["eval", "--model", hf, "--data", str(tmp_path / "raw.jsonl"),
+                                     "--output", str(tmp_path / "e3"), "--normalize"])
+    assert again.exit_code == 0, again.output
+    renorm = json.loads((pathlib.Path(hf) / "reward_normalization.json").read_text())
+    config = json.loads((pathlib.Path(hf) / "config.json").read_text())
+    assert renorm["pairs"] == 24 and (config["mean"], config["std"]) == (renorm["mean"], renorm["std"])
+    assert config["architectures"] == ["LlamaForSequenceClassification"]  # the rest of config.json kept
 
 
 def test_a_base_model_is_evaluated_as_it_is(tmp_path):

@@ -25,6 +25,7 @@ from rmflow.schemas.outputs import EXPORT_INFO, output_lock, staged_output
 from rmflow.schemas.presets import is_preset
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
+from rmflow.trainer.inference import NORMALIZATION_FILE, write_normalization
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.convert import hf_name, join_fused, resolve
@@ -166,12 +167,16 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         if run.tokenizer_dir is not None:
             for name in os.listdir(run.tokenizer_dir):
                 shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
+        normalization = os.path.join(storage.stage_run(run_dir), NORMALIZATION_FILE)
         with open(os.path.join(staging, EXPORT_INFO), "w") as f:
             json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
                        "data": run.config.data.train, "tokenizer_sha256": run.manifest.tokenizer.sha256,
                        "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.model_kind,
                        "step_separator": run.manifest.step_separator, "render": dataclasses.asdict(run.manifest.render),
                        "max_length": run.manifest.max_length}, f, indent=2)
+        if os.path.exists(normalization) and not adapter:  # the run's `rmflow eval --normalize` figures, and OpenRLHF's
+            with open(normalization) as f:
+                write_normalization(staging, json.load(f))
     return output
 
 

@@ -43,6 +43,22 @@ from rmflow.trainer.rundir import is_run_dir, tokenizer_fingerprint
 NORMALIZATION_FILE = "reward_normalization.json"  # in a model folder: `rmflow eval --normalize`'s mean and std
 
 
+def write_normalization(folder: str, stats: dict[str, Any]) -> None:
+    """Store a reward model's score statistics (``mean``, ``std`` and what they were measured on)
+    in its folder: rmflow's ``NORMALIZATION_FILE``, and, in a Hugging Face export, ``mean`` and
+    ``std`` in its config.json too, where OpenRLHF's reward model reads them (its
+    ``--normalize_reward``)."""
+    with open(os.path.join(folder, NORMALIZATION_FILE), "w") as f:
+        json.dump(stats, f, indent=2)
+    config = os.path.join(folder, "config.json")
+    if os.path.exists(os.path.join(folder, EXPORT_INFO)) and os.path.exists(config):
+        with open(config) as f:
+            cfg = json.load(f)
+        cfg.update({"mean": float(stats["mean"]), "std": float(stats["std"])})
+        with open(config, "w") as f:
+            json.dump(cfg, f, indent=2)
+
+
 # The scoring forwards, jitted once per process: the model's structure (its nnx GraphDef, hashable and
 # equal for two loads of one architecture) is a static argument and its parameters an ordinary one,
 # so the compiled program holds no weights, and a model loaded again (a Beam worker's next DoFn, a

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import shutil
 import tempfile
@@ -32,13 +31,13 @@ from rmflow.schemas.outputs import output_lock, staged_output
 from rmflow.schemas.record import decode
 from rmflow.trainer import storage
 from rmflow.trainer.inference import (
-    NORMALIZATION_FILE,
     LoadedModel,
     load_model,
     require_tokenizer,
     score_pairs,
     score_sequences,
     score_steps,
+    write_normalization,
 )
 from rmflow.trainer.setup import check_model_fits, check_tokenizer, read_manifest
 
@@ -192,9 +191,8 @@ def eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str,
         write_report(m, rc, rr, output, config)
         if cfg.normalize:  # stored with the model, so scores can be standardised at inference
             both = np.concatenate([rc, rr])
-            with open(os.path.join(cfg.model, NORMALIZATION_FILE), "w") as f:
-                json.dump({"mean": float(both.mean()), "std": float(both.std()), "pairs": len(records),
-                           "data": list(cfg.data), "split": cfg.split}, f, indent=2)
+            write_normalization(cfg.model, {"mean": float(both.mean()), "std": float(both.std()), "pairs": len(records),
+                                            "data": list(cfg.data), "split": cfg.split})
     return metrics, write
 
 

@@ -7,7 +7,6 @@ per subset, beside the same figures for the length-only baseline (reward = the r
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,7 @@ from rmflow.eval.reports import ranking_plot, write_eval
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import MULTI_FORMATS, ROW_FORMATS, EvalConfig, parse_weights
 from rmflow.schemas.errors import RmflowError
-from rmflow.trainer.inference import NORMALIZATION_FILE, LoadedModel, require_tokenizer, score_sequences
+from rmflow.trainer.inference import LoadedModel, require_tokenizer, score_sequences, write_normalization
 
 
 class ResponsesEvalError(RmflowError):
@@ -139,9 +138,8 @@ def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, rewards, lengths, spa
         write_eval(out, m, config, markdown(m, loaded.description, list(cfg.data)) + f"\n![rewards by label rank]({plot})\n",
                    [plot])
         if cfg.normalize:  # stored with the model, so scores can be standardised at inference
-            with open(os.path.join(cfg.model, NORMALIZATION_FILE), "w") as f:
-                json.dump({"mean": float(np.mean(rewards)), "std": float(np.std(rewards)), "responses": len(rewards),
-                           "data": list(cfg.data), "split": cfg.split}, f, indent=2)
+            write_normalization(cfg.model, {"mean": float(np.mean(rewards)), "std": float(np.std(rewards)),
+                                            "responses": len(rewards), "data": list(cfg.data), "split": cfg.split})
 
     return metrics, write
 
