@@ -329,9 +329,14 @@ class ExportConfig(Config):
     max_shard_gb: float = option(2.0, "Split the safetensors weights into files of at most this size.")
     adapter: bool = option(False, "LoRA runs: a PEFT adapter folder (loaded onto the base model by "
                                 "peft.PeftModel.from_pretrained) instead of merged weights.")
+    push_to_hub: str = option("", "Also upload the export to this Hugging Face Hub repository (owner/name; "
+                                  "created if missing, private), with the token of HF_TOKEN or `hf auth login`.",
+                              was=NEW)
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.push_to_hub and (self.push_to_hub.count("/") != 1 or not all(self.push_to_hub.split("/"))):
+            raise ConfigError(f"push_to_hub {self.push_to_hub!r}: give a repository as owner/name")
         for name, what in (("run", "the run directory to export"), ("output", "the folder to export into")):
             if not getattr(self, name):
                 raise ConfigError(f"export needs {name}: {what}")

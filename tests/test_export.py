@@ -225,3 +225,62 @@ def test_rewardbench_modes(trained_run, tmp_path):
     t = [json.loads(x)["score"] for x in (tmp_path / "ts.jsonl").read_text().splitlines()]
     want = ties_score([("ref:0", 1, np.array(t[:3])), ("tied:0", 3, np.array(t[3:]))])["score"]
     assert m2["rewardbench_v2"]["subsets"]["Ties"]["accuracy"] == pytest.approx(want, abs=1e-6)
+
+
+def test_an_export_carries_a_model_card_from_its_run(trained_run, tmp_path):
+    """README.md in the export: front matter for the Hub, the base, the data with its manifest's
+    and tokenizer's hashes, the recipe, the run's last evaluation beside the length-only baseline
+    (computed from the eval split), and how to use it."""
+    import grain
+    from rmflow.schemas.record import decode
+    from rmflow.trainer.rundir import read_history
+    from rmflow.trainer.setup import read_manifest, shard_paths
+
+    out = pathlib.Path(export(ExportConfig(run=str(trained_run / "run"), output=str(tmp_path / "hf"))))
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n") and "- reward-model" in card
+    manifest = read_manifest(str(trained_run / "shards"))
+    assert manifest.tokenizer.sha256 in card and "`LlamaForSequenceClassification`" in card
+    import hashlib  # the data set's identity: its manifest file's bytes, as a mixture records it
+
+    assert hashlib.sha256((trained_run / "shards" / "manifest.json").read_bytes()).hexdigest() in card
+    assert "| `optimizer.learning_rate` | 0.001 |" in card and "| `max_steps` | 3 |" in card
+    last = [h for h in read_history(str(trained_run / "run" / "metrics.jsonl")) if "eval_accuracy" in h][-1]
+    assert f"| eval split | {last['eval_accuracy']:.4f} | {last['eval_pairs']} |" in card
+    recs = [decode(r) for r in grain.sources.ArrayRecordDataSource(shard_paths(str(trained_run / "shards"), manifest,
+                                                                              "eval"))]
+    longer = sum(len(r.chosen_ids) > len(r.rejected_ids) for r in recs) / len(recs)
+    assert f"(the longer reply wins, a tie counts wrong): {longer:.4f} on {len(recs):,} pairs" in card
+    assert "AutoModelForSequenceClassification" in card and "rmflow serve --model PATH" in card
+
+
+def test_push_to_hub_uploads_the_export_or_says_in_one_line_why_not(trained_run, tmp_path, monkeypatch):
+    """--push-to-hub: the export is made, then its folder uploaded to the repository (created
+    private if missing); unreachable (offline here), one line says so and the export is kept
+    whole. The upload's calls are checked against a stand-in for the Hub's client: this machine
+    cannot reach the Hub."""
+    import huggingface_hub
+    from rmflow.trainer.export import ExportError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ExportError, match=r"--push-to-hub me/rm: the upload failed .*upload it later with `hf upload"):
+        export(ExportConfig(run=str(trained_run / "run"), output=str(tmp_path / "offline"), push_to_hub="me/rm"))
+    assert {"config.json", "README.md", "model.safetensors"} <= {p.name for p in (tmp_path / "offline").iterdir()}
+
+    calls = []
+
+    class Hub:  # what HfApi is asked, and the folder as it stood when uploaded
+        def create_repo(self, repo, **kw):
+            calls.append(("create", repo, kw))
+
+        def upload_folder(self, folder_path, repo_id, **kw):
+            calls.append(("upload", repo_id, sorted(p.name for p in pathlib.Path(folder_path).iterdir())))
+            return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/1"})()
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Hub)
+    out = export(ExportConfig(run=str(trained_run / "run"), output=str(tmp_path / "hub"), push_to_hub="me/rm"))
+    assert calls[0] == ("create", "me/rm", {"private": True, "exist_ok": True})
+    assert calls[1][:2] == ("upload", "me/rm") and {"README.md", "config.json", "model.safetensors"} <= set(calls[1][2])
+    assert out == str(tmp_path / "hub")
+    with pytest.raises(Exception, match="owner/name"):
+        ExportConfig(run="r", output="o", push_to_hub="no-owner")

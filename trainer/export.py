@@ -26,6 +26,7 @@ from rmflow.schemas.presets import is_preset
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.inference import NORMALIZATION_FILE, write_normalization
+from rmflow.trainer.model_card import model_card
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.convert import hf_name, join_fused, resolve
@@ -131,7 +132,27 @@ def export(cfg: ExportConfig) -> str:
     the export's folder."""
     output = os.path.abspath(cfg.output)
     with output_lock(output, "rmflow export"):
-        return _export(cfg.run, output, cfg.step, cfg.max_shard_bytes, cfg.adapter)
+        folder = _export(cfg.run, output, cfg.step, cfg.max_shard_bytes, cfg.adapter)
+    if cfg.push_to_hub:
+        push_to_hub(folder, cfg.push_to_hub)
+    return folder
+
+
+def push_to_hub(folder: str, repo: str) -> str:
+    """Upload an export to the Hub repository ``repo`` (created private if missing); returns the
+    commit's URL. Any failure (no network, no token, no right) is one line saying so, the export
+    itself kept where it is."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo, private=True, exist_ok=True)
+        commit = api.upload_folder(folder_path=folder, repo_id=repo, commit_message="rmflow export")
+    except Exception as e:  # noqa: BLE001 - connection, auth and permission errors alike: said in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ExportError(f"--push-to-hub {repo}: the upload failed ({type(e).__name__}: {first[:200]}); the export "
+                          f"is complete in {folder}: upload it later with `hf upload {repo} {folder}`") from None
+    return getattr(commit, "commit_url", str(commit))
 
 
 def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: int, adapter: bool) -> str:
@@ -177,6 +198,8 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         if os.path.exists(normalization) and not adapter:  # the run's `rmflow eval --normalize` figures, and OpenRLHF's
             with open(normalization) as f:
                 write_normalization(staging, json.load(f))
+        with open(os.path.join(staging, "README.md"), "w") as f:  # the model card
+            f.write(model_card(run, step, kind, f"{run.model_config.hf_prefix}{kind.hf_head}", adapter))
     return output
 
 

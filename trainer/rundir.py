@@ -98,9 +98,16 @@ def write_run_files(run_dir: str, cfg: TrainConfig, model_config: ModelConfig, b
         f.write(cfg.to_json())
 
 
-def _manifest_sha256(data_dir: str) -> str:
-    with open(os.path.join(data_dir, MANIFEST_FILE), "rb") as f:
+def _manifest_sha256(data_dir: str, name: str = MANIFEST_FILE) -> str:
+    """The identity of a data set: its manifest file's bytes, hashed (a run keeps a copy: ``DATA_MANIFEST``)."""
+    with open(os.path.join(data_dir, name), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def data_manifest_sha256(run_dir: str) -> str | None:
+    """The sha256 of the manifest of the data a run trained on (the copy the run keeps), or None
+    for a run without that copy."""
+    return _manifest_sha256(run_dir, DATA_MANIFEST) if os.path.exists(os.path.join(run_dir, DATA_MANIFEST)) else None
 
 
 def write_mixture(run_dir: str, sources: tuple[DataSource, ...], local: tuple[DataSource, ...],

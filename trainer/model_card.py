@@ -1,0 +1,127 @@
+"""The model card of an export (its README.md, as the Hugging Face Hub shows it): what the model
+is, what it was trained from and on, how, how well it did beside the length-only baseline, and
+how to use it. Everything comes from the run directory; a figure the run does not hold is
+said to be missing, never guessed."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rmflow.schemas.kinds import ModelKind
+from rmflow.schemas.presets import is_preset
+from rmflow.trainer.rundir import METRICS_FILE, RunFiles, data_manifest_sha256, read_history
+
+RECIPE = ("max_steps", "batch_size", "grad_accum", "optimizer.learning_rate", "optimizer.schedule",
+          "optimizer.warmup_steps", "optimizer.weight_decay", "center_rewards_coefficient", "ranking_loss",
+          "data.packing", "model.dtype", "lora.rank", "lora.alpha", "lora.target_modules", "seed")
+
+
+def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter: bool = False) -> str:
+    """The README.md of an export of ``run`` at ``step``, loaded by transformers as ``hf_class``
+    (``adapter``: a PEFT adapter of that class's base)."""
+    base = run.config.model.path
+    license_ = _base_license(base)
+    front = ["---", "library_name: transformers", "tags:", "- reward-model", "- rmflow", f"- {kind.name}"]
+    if not is_preset(base) and not os.path.isdir(base):
+        front.append(f"base_model: {base}")  # a hub id
+    if license_:
+        front.append(f"license: {license_}")
+    front.append("---")
+    flat = run.config.to_dict()
+    recipe = [(k, _get(flat, k)) for k in RECIPE]
+    manifest_sha = data_manifest_sha256(run.path)
+    loads = (f"A PEFT adapter (and the score head) for `{hf_class}` on its base model (`adapter_config.json`)"
+             if adapter else f"Loads in transformers as `{hf_class}`")
+    intro = (f"Trained with rmflow from `{base}`" + (" (random weights: a preset)" if is_preset(base) else "")
+             + f", step {step}. {loads}; the reward of a conversation is the score head's output at its last token.")
+    lines = [*front, "", f"# {os.path.basename(os.path.normpath(run.path))}: {kind.description}", "",
+             intro, "",
+             "## Data", "",
+             f"- shards: `{run.config.data.train}` ({run.manifest.kind}; max_length {run.manifest.max_length}, "
+             f"length policy {run.manifest.length_policy})",
+             *[f"- split {name}: {split.records:,} records" for name, split in sorted(run.manifest.splits.items())],
+             f"- manifest sha256: `{manifest_sha}`" if manifest_sha else "- manifest sha256: not recorded by this run",
+             f"- tokenizer sha256: `{run.manifest.tokenizer.sha256}`",
+             *[f"- input: `{f.path}` ({f.bytes:,} bytes)" for f in run.manifest.inputs[:20]],
+             "", "## Recipe", "", "| option | value |", "| --- | --- |",
+             *[f"| `{k}` | {v} |" for k, v in recipe if v is not None], "",
+             "## Evaluation", "", *_evaluation(run, kind), "",
+             "## Usage", "", "```python", "import torch",
+             "from transformers import AutoModelForSequenceClassification, AutoTokenizer", "",
+             'model = AutoModelForSequenceClassification.from_pretrained("PATH").eval()',
+             'tok = AutoTokenizer.from_pretrained("PATH")',
+             'conversation = [{"role": "user", "content": "How do I boil an egg?"},',
+             '                {"role": "assistant", "content": "Eight minutes in boiling water."}]',
+             "ids = tok.apply_chat_template(conversation, return_tensors=\"pt\", return_dict=True)",
+             "with torch.no_grad():",
+             "    reward = model(**ids).logits[0, 0].item()", "```", "",
+             "As a reward server for RL loops (native, OpenRLHF and verl endpoints): `rmflow serve --model PATH`.",
+             "", f"License: {license_ or 'not recorded: the base model and the data set it; add it here'}.", ""]
+    return "\n".join(lines)
+
+
+def _get(flat: dict[str, Any], dotted: str) -> Any:
+    value: Any = flat
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _evaluation(run: RunFiles, kind: ModelKind) -> list[str]:
+    """The run's last evaluation (its eval split and named sets), and the length-only baseline."""
+    path = os.path.join(run.path, METRICS_FILE)
+    history = read_history(path) if os.path.exists(path) else []
+    evals = [h for h in history if any(k.startswith("eval") for k in h)]
+    if not evals:
+        return ["The run logged no evaluation."]
+    last = evals[-1]
+    rows = [f"At step {last.get('step')}:", "", "| set | " + " | ".join(kind.headline) + " |",
+            "| --- |" + " ---: |" * len(kind.headline)]
+    if any(f"eval_{m}" in last for m in kind.headline):
+        rows.append("| eval split | " + " | ".join(_cell(last.get(f"eval_{m}")) for m in kind.headline) + " |")
+    for name in sorted({k.split("/")[1] for k in last if k.startswith("eval/")}):
+        rows.append(f"| {name} | " + " | ".join(_cell(last.get(f"eval/{name}/{m}")) for m in kind.headline) + " |")
+    baseline = _length_baseline(run, kind)
+    rows += ["", f"Length-only baseline on the eval split (the longer reply wins, a tie counts wrong): {baseline}."]
+    return rows
+
+
+def _cell(v: Any) -> str:
+    return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def _length_baseline(run: RunFiles, kind: ModelKind) -> str:
+    if not kind.pairwise or kind.name != "outcome":
+        return "not computed for this kind"
+    from rmflow.schemas.record import decode
+    from rmflow.trainer.setup import shard_paths
+
+    paths = shard_paths(run.config.data.train, run.manifest, "eval") if os.path.isdir(run.config.data.train) else []
+    if not paths:
+        return "not available (the shards are not on this machine, or have no eval split)"
+    import grain
+
+    right = total = 0
+    for raw in grain.sources.ArrayRecordDataSource(paths):
+        rec = decode(raw)
+        right += len(rec.chosen_ids) > len(rec.rejected_ids)
+        total += 1
+    return f"{right / total:.4f} on {total:,} pairs" if total else "no eval pairs"
+
+
+def _base_license(base: str) -> str | None:
+    """The license a local base checkpoint's own model card declares (its front matter), if any."""
+    card = os.path.join(base, "README.md") if os.path.isdir(base) else None
+    if not card or not os.path.exists(card):
+        return None
+    with open(card, encoding="utf-8", errors="replace") as f:
+        text = f.read(20000)
+    if not text.startswith("---"):
+        return None
+    for line in text.split("---", 2)[1].splitlines():
+        if line.strip().startswith("license:"):
+            return line.split(":", 1)[1].strip() or None
+    return None
