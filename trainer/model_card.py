@@ -5,6 +5,7 @@ said to be missing, never guessed."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -84,7 +85,7 @@ def _evaluation(run: RunFiles, kind: ModelKind) -> list[str]:
         rows.append("| eval split | " + " | ".join(_cell(last.get(f"eval_{m}")) for m in kind.headline) + " |")
     for name in sorted({k.split("/")[1] for k in last if k.startswith("eval/")}):
         rows.append(f"| {name} | " + " | ".join(_cell(last.get(f"eval/{name}/{m}")) for m in kind.headline) + " |")
-    baseline = _length_baseline(run, kind)
+    baseline = _length_baseline(run)
     rows += ["", f"Length-only baseline on the eval split (the longer reply wins, a tie counts wrong): {baseline}."]
     return rows
 
@@ -93,22 +94,31 @@ def _cell(v: Any) -> str:
     return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
-def _length_baseline(run: RunFiles, kind: ModelKind) -> str:
-    if not kind.pairwise or kind.name != "outcome":
-        return "not computed for this kind"
+def _length_baseline(run: RunFiles) -> str:
+    """'The longer reply wins' over the eval split's pairs, read from the run's own data only (the
+    folder's manifest must be the one the run trained on); said missing otherwise."""
     from rmflow.schemas.record import decode
     from rmflow.trainer.setup import shard_paths
 
-    paths = shard_paths(run.config.data.train, run.manifest, "eval") if os.path.isdir(run.config.data.train) else []
-    if not paths:
-        return "not available (the shards are not on this machine, or have no eval split)"
+    data = run.config.data.train
+    manifest = os.path.join(data, "manifest.json") if os.path.isabs(data) else ""
+    if not manifest or not os.path.exists(manifest):
+        return "not available (the run's shards are not on this machine)"
+    with open(manifest, "rb") as f:
+        if hashlib.sha256(f.read()).hexdigest() != data_manifest_sha256(run.path):
+            return f"not available ({data} holds other data than the run trained on)"
     import grain
 
     right = total = 0
-    for raw in grain.sources.ArrayRecordDataSource(paths):
-        rec = decode(raw)
-        right += len(rec.chosen_ids) > len(rec.rejected_ids)
-        total += 1
+    try:
+        for raw in grain.sources.ArrayRecordDataSource(shard_paths(data, run.manifest, "eval")):
+            rec = decode(raw)
+            if getattr(rec, "chosen_ids", None) is None:
+                return "not computed for these records (no chosen and rejected reply)"
+            right += len(rec.chosen_ids) > len(rec.rejected_ids)
+            total += 1
+    except (OSError, RuntimeError) as e:  # a shard missing or unreadable: the card says so, the export goes on
+        return f"not available ({type(e).__name__}: {e})"
     return f"{right / total:.4f} on {total:,} pairs" if total else "no eval pairs"
 
 

@@ -34,16 +34,9 @@ import numpy as np
 
 from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.kinds import OUTCOME, PROCESS, ModelKind, kind_named
+from rmflow.scoring.errors import BadConversation, WrongModelKind
 
 Conversation = Sequence[dict[str, str]] | dict[str, Any]
-
-
-class BadConversation(ValueError):
-    """A conversation that cannot be scored; the message says why."""
-
-
-class WrongModelKind(TypeError):
-    """A method for outcome reward models called on a process reward model, or the reverse."""
 
 
 def conversation_messages(obj: Any) -> tuple[tuple[str, ...], ...]:

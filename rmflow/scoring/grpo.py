@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rmflow.scoring.api import BadConversation
+from rmflow.scoring.errors import BadConversation
 
 RewardFunc = Callable[..., list[float | None]]
 
