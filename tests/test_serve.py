@@ -656,3 +656,29 @@ def test_a_grpo_reward_function_asks_the_server_and_gets_the_api_s_rewards(outco
     np.testing.assert_allclose(got[:-1], rm.score(some), atol=1e-5, rtol=0)
     with pytest.raises(RuntimeError, match="401"):
         server_reward_func(server.url, api_key="wrong")(prompts=prompts[:1], completions=completions[:1])
+
+
+def test_verl_s_sglang_and_vllm_pooling_requests_get_the_api_s_rewards(outcome, conversations):
+    """verl's reward loop against SGLang (verl/experimental/reward_loop/reward_loop.py): POST
+    /v1/embeddings {"model", "input": one rendered text}, reading data[-1].embedding[-1]; vLLM's
+    /pooling with the same body, reading data[-1].data[-1]: both the raw reward, equal to the
+    API's; token ids instead of text are refused in one line."""
+    server, rm = outcome
+    renderer = rm._record_tokenizer()
+    some = conversations[:3]
+    texts = [renderer.render_text(tuple((m["role"], m["content"]) for m in c)) for c in some]
+    for text, want in zip(texts, rm.score(some)):
+        r = requests.post(server.url + "/v1/embeddings", json={"model": "/path/to/RM", "input": text},
+                          headers={"Content-Type": "application/json", **AUTH}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert abs(body["data"][-1]["embedding"][-1] - want) < 1e-5 and body["object"] == "list"
+        assert body["data"][-1]["object"] == "embedding" and body["usage"]["prompt_tokens"] > 0
+        pooled = server.post("/pooling", {"model": "rm", "input": text}).json()
+        assert abs(pooled["data"][-1]["data"][-1] - want) < 1e-5 and pooled["data"][0]["object"] == "pooling"
+    many = server.post("/v1/embeddings", {"input": texts}).json()
+    np.testing.assert_allclose([d["embedding"][0] for d in many["data"]], rm.score(some), atol=1e-5, rtol=0)
+    r = server.post("/v1/embeddings", {"input": [[1, 2, 3]]})
+    assert r.status_code == 400 and "rendered text" in r.text
+    info = requests.get(server.url + "/v1/model", headers=AUTH, timeout=10).json()
+    assert {"/pooling", "/v1/embeddings"} <= set(info["endpoints"])

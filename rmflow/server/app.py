@@ -41,7 +41,15 @@ from rmflow.schemas.config import ServeConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
 from rmflow.server.metrics import ServerMetrics
-from rmflow.server.protocol import Parsed, RequestError, read_classify, read_get_reward, read_native
+from rmflow.server.protocol import (
+    Parsed,
+    RequestError,
+    read_classify,
+    read_embeddings,
+    read_get_reward,
+    read_native,
+    read_pooling,
+)
 
 log = logging.getLogger("rmflow.serve")
 RETRY_AFTER_S = 1
@@ -243,6 +251,23 @@ def create_app(service: Service) -> Starlette:
                 "model": cfg.model, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
+    def usage(parsed: Parsed) -> dict[str, int]:
+        tokens = sum(parsed.sizes)
+        return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+
+    def value(parsed: Parsed, r: dict[str, Any]) -> float:
+        return _sigmoid(reward(r)) if parsed.options["activation"] else reward(r)
+
+    def respond_pooling(parsed: Parsed, results: list) -> dict[str, Any]:  # vLLM's PoolingResponse
+        return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": cfg.model,
+                "data": [{"index": i, "object": "pooling", "data": [value(parsed, r)]} for i, r in enumerate(results)],
+                "usage": usage(parsed)}
+
+    def respond_embeddings(parsed: Parsed, results: list) -> dict[str, Any]:  # SGLang's EmbeddingResponse
+        return {"object": "list", "model": cfg.model, "usage": usage(parsed),
+                "data": [{"index": i, "object": "embedding", "embedding": [value(parsed, r)]}
+                         for i, r in enumerate(results)]}
+
     def plain(name: str, make: Callable[[], Response]):
         async def handler(request: Request) -> Response:
             if not authorized(request):
@@ -267,12 +292,14 @@ def create_app(service: Service) -> Starlette:
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
         return JSONResponse({**identity(), "max_length": service.rm.max_length,
                              "batch_shapes": [list(s) for s in service.shapes.shapes],
-                             "endpoints": ["/v1/score", "/get_reward", "/classify"]})
+                             "endpoints": ["/v1/score", "/get_reward", "/classify", "/pooling", "/v1/embeddings"]})
 
     routes = [
         Route("/v1/score", scoring("score", read_native, respond_native), methods=["POST"]),
         Route("/get_reward", scoring("get_reward", read_get_reward, respond_get_reward), methods=["POST"]),
         Route("/classify", scoring("classify", read_classify, respond_classify), methods=["POST"]),
+        Route("/pooling", scoring("pooling", read_pooling, respond_pooling), methods=["POST"]),
+        Route("/v1/embeddings", scoring("embeddings", read_embeddings, respond_embeddings), methods=["POST"]),
         Route("/health", plain("health", health), methods=["GET"]),
         Route("/v1/model", plain("model", model_info), methods=["GET"]),
         Route("/metrics", plain("metrics", lambda: Response(metrics.render(), media_type=metrics.content_type)),

@@ -242,12 +242,34 @@ def read_get_reward(body: Any, rm: RewardModel, max_items: int) -> Parsed:
 def read_classify(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     """vLLM / verl: ``{"model": ..., "input": text or [text, ...], "activation": bool}``
     (``use_activation`` as newer vLLM names it; ``add_special_tokens`` as vLLM, default true)."""
+    return _read_inputs(body, rm, max_items, "/classify", activation=True)
+
+
+def read_pooling(body: Any, rm: RewardModel, max_items: int) -> Parsed:
+    """vLLM's ``/pooling``: ``{"model": ..., "input": text or [text, ...]}``, the reward raw unless
+    ``use_activation`` is true (a reward model's pooler applies none)."""
+    return _read_inputs(body, rm, max_items, "/pooling", activation=False)
+
+
+def read_embeddings(body: Any, rm: RewardModel, max_items: int) -> Parsed:
+    """SGLang's ``/v1/embeddings``, as verl's reward loop sends it for a reward model:
+    ``{"model": ..., "input": text or [text, ...]}``; the reward comes back raw, as the
+    embedding's last (only) element."""
+    return _read_inputs(body, rm, max_items, "/v1/embeddings", activation=False)
+
+
+def _read_inputs(body: Any, rm: RewardModel, max_items: int, endpoint: str, *, activation: bool) -> Parsed:
+    """The rendered conversations of a vLLM- or SGLang-style request (``input``), and whether the
+    reward goes through the sigmoid (``use_activation`` / ``activation``, default ``activation``)."""
     body = _object(body)
-    _kind_check(rm, OUTCOME, "/classify")
+    _kind_check(rm, OUTCOME, endpoint)
     if "input" not in body:
         raise RequestError(400, "missing 'input' (a rendered conversation, or a list of them)")
     single = isinstance(body["input"], str)
     inputs = [body["input"]] if single else _list(body, "input", max_items)
-    activation = _flag(body, "use_activation", _flag(body, "activation", True))
+    if inputs and not all(isinstance(x, str) for x in inputs):
+        raise RequestError(400, f"{endpoint}: 'input' must be rendered text (a string or a list of strings); send "
+                                "conversations as messages to /v1/score")
+    activation = _flag(body, "use_activation", _flag(body, "activation", activation))
     encoded = _texts(inputs, "input", rm, add_special_tokens=_flag(body, "add_special_tokens", True))
     return Parsed(encoded, [len(x) for x in encoded], {"activation": activation})
