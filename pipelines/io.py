@@ -29,8 +29,13 @@ GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
+ARROW_SUFFIXES = (".arrow",)  # datasets' save_to_disk and its cache files: Arrow IPC streams
+DATASETS_METADATA = frozenset({"state.json", "dataset_info.json", "dataset_dict.json"})  # save_to_disk's own files
+HUB_DATASETS = "hf://datasets/"  # a Hub data set, read from the local Hugging Face cache (no network)
 GZIP_SUFFIXES = (".gz", ".gzip")
 PARQUET_MAGIC = b"PAR1"
+ARROW_MAGIC = b"ARROW1"
+ARROW_STREAM_MARKER = b"\xff\xff\xff\xff"
 _COPY_CHUNK = 8 << 20
 
 
@@ -45,7 +50,37 @@ def is_supported(path: str) -> bool:
         if lower.endswith(gz):
             lower = lower[: -len(gz)]
             return lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES) or "." not in os.path.basename(lower)
-    return lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES)
+    return lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES)
+
+
+def hub_dataset_folder(pattern: str, cache: str | None = None) -> str:
+    """``hf://datasets/OWNER/NAME[/PATH]`` as the folder of its snapshot in the local Hugging Face
+    cache (``HF_HUB_CACHE``; the revision ``refs/main`` names, else the only snapshot): a data
+    set downloaded before (``hf download --repo-type dataset OWNER/NAME``) is read offline, its
+    Parquet or JSON files like any folder's. Raises InputError naming the cache searched."""
+    if cache is None:
+        from huggingface_hub import constants
+
+        cache = constants.HF_HUB_CACHE
+    parts = pattern[len(HUB_DATASETS):].strip("/").split("/")
+    if len(parts) < 2 or not all(parts[:2]):
+        raise InputError(f"input {pattern!r}: write a Hub data set as hf://datasets/OWNER/NAME[/PATH]")
+    repo = os.path.join(cache, f"datasets--{parts[0]}--{parts[1]}")
+    ref = os.path.join(repo, "refs", "main")
+    snapshots = os.path.join(repo, "snapshots")
+    if os.path.exists(ref):
+        with open(ref) as f:
+            revision = f.read().strip()
+    elif os.path.isdir(snapshots) and len(os.listdir(snapshots)) == 1:
+        revision = os.listdir(snapshots)[0]
+    else:
+        raise InputError(f"input {pattern!r}: {parts[0]}/{parts[1]} is not in the local Hugging Face cache ({cache}); "
+                         f"download it first: hf download --repo-type dataset {parts[0]}/{parts[1]}")
+    folder = os.path.join(snapshots, revision, *parts[2:])
+    if not os.path.exists(folder):
+        raise InputError(f"input {pattern!r}: the cached snapshot {revision} has no {'/'.join(parts[2:]) or 'files'} "
+                         f"({folder})")
+    return folder
 
 
 def expand_inputs(patterns: tuple[str, ...], skipped: list[tuple[str, str]] | None = None) -> list[tuple[str, int]]:
@@ -63,6 +98,8 @@ def list_inputs(patterns: tuple[str, ...], skipped: list[tuple[str, str]] | None
     those are appended to ``skipped`` as (path, why)."""
     found: dict[str, tuple[int, float]] = {}
     for pattern in patterns:
+        if pattern.startswith(HUB_DATASETS):
+            pattern = hub_dataset_folder(pattern)
         stripped = pattern.rstrip("/")
         has_glob = any(c in pattern for c in "*?[")
         is_dir = not has_glob and (os.path.isdir(stripped) or (is_url(stripped) and not is_supported(stripped)))
@@ -87,7 +124,7 @@ def list_inputs(patterns: tuple[str, ...], skipped: list[tuple[str, str]] | None
         if not files:
             raise InputError(
                 f"input {pattern!r} matches no data files (supported: "
-                f"{', '.join(JSON_SUFFIXES + PARQUET_SUFFIXES)}, gzipped or not"
+                f"{', '.join(JSON_SUFFIXES + PARQUET_SUFFIXES)}, gzipped or not, and {ARROW_SUFFIXES[0]}"
                 + ("; hidden files and earlier rmflow outputs are skipped" if skipped else "") + ")"
             )
         found.update(files)
@@ -113,7 +150,14 @@ def _excluded(root: str, paths: list[str]) -> dict[str, str]:
         names_in.setdefault(folder, set()).add(name)
     kinds = {folder: kind for folder, names in names_in.items() if (kind := output_kind(names))}
     out = {}
+    for folder, names in names_in.items():  # a datasets.save_to_disk folder's metadata is not data
+        if DATASETS_METADATA & names and any(n.endswith(ARROW_SUFFIXES) for n in names) \
+                or "dataset_dict.json" in names:
+            for name in DATASETS_METADATA & names:
+                out[f"{folder}/{name}"] = "the metadata of a datasets.save_to_disk folder"
     for path in paths:
+        if path in out:
+            continue
         rel = path[len(root) + 1:] if root and path.startswith(root + "/") else os.path.basename(path)
         parts = rel.split("/")
         if any(p.startswith(".") for p in parts):
@@ -137,6 +181,9 @@ def iter_records(path: str) -> Iterator[tuple[int, str, str | None]]:
     """
     if _is_parquet(path):
         yield from _iter_parquet(path)
+        return
+    if _is_arrow(path):
+        yield from _iter_arrow(path)
         return
     with _open_text_source(path) as f:
         line = f.readline()
@@ -194,10 +241,42 @@ def _is_parquet(path: str) -> bool:
         return f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC
 
 
+def _is_arrow(path: str) -> bool:
+    """An Arrow IPC file or stream (``datasets``' save_to_disk writes streams), by its name or its
+    first bytes (a stream's continuation marker, a file's ``ARROW1``)."""
+    if path.lower().endswith(ARROW_SUFFIXES):
+        return True
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        head = f.read(6)
+    return head == ARROW_MAGIC or head[:4] == ARROW_STREAM_MARKER
+
+
+def _iter_arrow(path: str) -> Iterator[tuple[int, str, str | None]]:
+    import pyarrow as pa
+
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        data = f.read()
+    try:
+        reader = pa.ipc.open_file(pa.BufferReader(data)) if data[:6] == ARROW_MAGIC else pa.ipc.open_stream(data)
+        batches = ([reader.get_batch(i) for i in range(reader.num_record_batches)]
+                   if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader)
+        row = 0
+        for batch in batches:
+            for rec in batch.to_pylist():
+                row += 1
+                try:
+                    yield row, json.dumps(rec, ensure_ascii=False, default=_json_default), None
+                except UnicodeDecodeError as e:
+                    shown = json.dumps(rec, ensure_ascii=False, default=_json_shown)
+                    yield row, shown, f"a binary column holds bytes that are not valid UTF-8: {e.reason} at byte {e.start}"
+    except pa.ArrowInvalid as e:
+        raise InputError(f"{path} is not a readable Arrow file: {e}") from e
+
+
 def streams_records(path: str) -> bool:
     """Whether ``iter_records`` reads the file a record at a time (JSON Lines), not whole (a JSON
-    array, Parquet): a plan may then read its first records cheaply."""
-    if _is_parquet(path):
+    array, Parquet, Arrow): a plan may then read its first records cheaply."""
+    if _is_parquet(path) or _is_arrow(path):
         return False
     with _open_text_source(path) as f:
         first = f.readline()

@@ -115,3 +115,39 @@ def test_byte_order_mark_and_gzip_by_magic_bytes(tmp_path):
         got = list(iter_records(str(path)))
         assert [problem for _, _, problem in got] == [None, None], path.name
         assert [json.loads(raw) for _, raw, _ in got] == rows, path.name
+
+
+def test_datasets_users_already_have_a_save_to_disk_folder_and_a_hub_data_set_in_the_local_cache(
+        tmp_path, tokenizer_dir, monkeypatch):
+    """A folder written by datasets.Dataset.save_to_disk (Arrow IPC streams, its metadata JSON
+    left out as not data), and hf://datasets/OWNER/NAME read offline from the local Hugging Face
+    cache's snapshot (its Parquet shards, the revision refs/main names); each the same records as
+    the same pairs in JSON Lines. Not in the cache: one line saying how to download it."""
+    import datasets
+
+    pairs = [{"prompt": [U(f"q{i}")], "chosen": [A(f"good {i}")], "rejected": [A(f"bad {i}")]} for i in range(6)]
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    reference = sorted((r.chosen_ids.tolist(), r.rejected_ids.tolist())
+                       for r in records(run(cfg([str(jsonl)], tmp_path / "ref", tokenizer_dir))))
+
+    datasets.Dataset.from_list(pairs).save_to_disk(str(tmp_path / "saved"))
+    saved = run(cfg([str(tmp_path / "saved")], tmp_path / "from-disk", tokenizer_dir))
+    assert saved.stats["counts"]["errors"] == 0 and list(saved.stats["records_per_file"].values()) == [6]
+    assert sorted((r.chosen_ids.tolist(), r.rejected_ids.tolist()) for r in records(saved)) == reference
+
+    cache = tmp_path / "hub"  # the layout huggingface_hub's downloads leave (HF_HUB_CACHE)
+    repo = cache / "datasets--me--prefs"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123" / "data").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(pairs), repo / "snapshots" / "abc123" / "data" / "train-00000-of-00001.parquet")
+    (repo / "snapshots" / "abc123" / "README.md").write_text("# a card, not data")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    hub = run(cfg(["hf://datasets/me/prefs"], tmp_path / "from-hub", tokenizer_dir))
+    assert sorted((r.chosen_ids.tolist(), r.rejected_ids.tolist()) for r in records(hub)) == reference
+    with pytest.raises(PreprocessError, match="hf download --repo-type dataset me/other"):
+        run(cfg(["hf://datasets/me/other"], tmp_path / "missing", tokenizer_dir))
