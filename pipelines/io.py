@@ -77,7 +77,7 @@ def hub_dataset_folder(pattern: str, cache: str | None = None) -> str:
         raise InputError(f"input {pattern!r}: {parts[0]}/{parts[1]} is not in the local Hugging Face cache ({cache}); "
                          f"download it first: hf download --repo-type dataset {parts[0]}/{parts[1]}")
     folder = os.path.join(snapshots, revision, *parts[2:])
-    if not os.path.exists(folder):
+    if not any(c in pattern for c in "*?[") and not os.path.exists(folder):  # a glob is matched by the listing
         raise InputError(f"input {pattern!r}: the cached snapshot {revision} has no {'/'.join(parts[2:]) or 'files'} "
                          f"({folder})")
     return folder

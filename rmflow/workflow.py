@@ -191,7 +191,8 @@ def _run(wf: Workflow, log) -> dict[str, str]:
     data = ["<the workflow's shards>" if p == shards else p for p in wf.eval.data]
     h_eval = _hash({**options, "data": data, "data_identity": eval_identity([p for p in wf.eval.data if p != shards])},
                    h_train)
-    h_export = _hash({"export": wf.export.to_dict() if wf.export else None}, h_train)
+    # An eval that normalizes writes the run's reward statistics, which the export carries: it follows that eval.
+    h_export = _hash({"export": wf.export.to_dict() if wf.export else None}, h_eval if wf.eval.normalize else h_train)
     hashes = {"preprocess": h_pre, "train": h_train, "eval": h_eval, "export": h_export}
     for stage in STAGES:
         if stage == "export" and wf.export is None:

@@ -436,9 +436,9 @@ class ServeConfig(Config):
     max_body_mb: float = option(64.0, "Largest request body, in MiB.")
     shutdown_timeout_s: float = option(30.0, "On SIGTERM: stop accepting, then wait at most this long for the "
                                            "requests in flight to finish.")
-    normalize: bool = option(False, "/get_reward and /classify return scores standardised by the model's "
-                                  "reward_normalization.json (`rmflow eval --normalize`), as OpenRLHF's "
-                                  "--normalize_reward does.")
+    normalize: bool = option(False, "/get_reward, /classify, /pooling and /v1/embeddings return scores "
+                                  "standardised by the model's reward_normalization.json (`rmflow eval "
+                                  "--normalize`), as OpenRLHF's --normalize_reward does.")
 
     def __post_init__(self) -> None:
         self._check_types()

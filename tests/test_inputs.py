@@ -149,5 +149,9 @@ def test_datasets_users_already_have_a_save_to_disk_folder_and_a_hub_data_set_in
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     hub = run(cfg(["hf://datasets/me/prefs"], tmp_path / "from-hub", tokenizer_dir))
     assert sorted((r.chosen_ids.tolist(), r.rejected_ids.tolist()) for r in records(hub)) == reference
+    from rmflow.pipelines.io import expand_inputs  # a glob inside the snapshot picks files, as for any folder
+
+    assert [p for p, _ in expand_inputs(("hf://datasets/me/prefs/data/train-*.parquet",))] == \
+        [str(repo / "snapshots" / "abc123" / "data" / "train-00000-of-00001.parquet")]
     with pytest.raises(PreprocessError, match="hf download --repo-type dataset me/other"):
         run(cfg(["hf://datasets/me/other"], tmp_path / "missing", tokenizer_dir))

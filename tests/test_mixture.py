@@ -5,6 +5,7 @@ mixture and logs each set's counts and eval metrics, and sets preprocessed unlik
 import dataclasses
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -175,6 +176,13 @@ def test_a_mixture_trains_logs_each_set_and_resumes_exactly_after_kill_9(sets, t
     train_a = Manifest.from_json((sets["a"] / "manifest.json").read_text()).splits["train"].records
     assert mixture["sets"][0]["train"] == train_a and mixture["planned_draws"] == 24 * 8
     assert mixture["sets"][0]["passes"] == pytest.approx(144 / train_a)  # a: 3/4 of 192 draws
+    from rmflow.schemas.config import ExportConfig
+    from rmflow.trainer.export import export
+
+    # a mixture run exports, its model card saying what it cannot compute for one
+    card = (pathlib.Path(export(ExportConfig(run=str(tmp_path / "straight"), output=str(tmp_path / "hf"))))
+            / "README.md").read_text()
+    assert "not computed for a mixture of data sets" in card and "| eval split |" in card
 
     # Resuming with other weights changes the trajectory: refused unless allowed
     with pytest.raises(TrainError, match="other sets or weights"):

@@ -656,6 +656,15 @@ def test_a_grpo_reward_function_asks_the_server_and_gets_the_api_s_rewards(outco
     np.testing.assert_allclose(got[:-1], rm.score(some), atol=1e-5, rtol=0)
     with pytest.raises(RuntimeError, match="401"):
         server_reward_func(server.url, api_key="wrong")(prompts=prompts[:1], completions=completions[:1])
+    # a completion the server refuses (longer than its positions even truncated) gets None, the rest their rewards
+    huge = [{"role": "assistant", "content": "word " * (MAX_LENGTH * 4)}]
+    got = fn(prompts=prompts[:3], completions=[completions[0], huge, completions[2]])
+    assert got[1] is None and got[0] == pytest.approx(float(rm.score(some[:1])[0]), abs=1e-5)
+    assert got[2] == pytest.approx(float(rm.score(some[2:3])[0]), abs=1e-5)
+    from rmflow.scoring.grpo import _has_reply  # a reply that calls a tool is a reply, as the API reads it
+
+    assert _has_reply([{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                                                           "tool_calls": [{"function": {"name": "f"}}]}])
 
 
 def test_verl_s_sglang_and_vllm_pooling_requests_get_the_api_s_rewards(outcome, conversations):

@@ -152,6 +152,14 @@ def test_the_export_stage_takes_the_options_of_rmflow_export(tmp_path):
     status = run(Workflow.from_dict({**spec, "export": {"step": 3, "max_shard_gb": 0.001}}), log=lambda m: None)
     assert status == {"preprocess": "skipped", "train": "skipped", "eval": "skipped", "export": "ran"}
     assert len(list((tmp_path / "out" / "export").glob("model-*.safetensors"))) > 1  # 1 MiB shards
+    # an eval that normalizes writes the run's reward statistics, which the export carries: turning it
+    # on reruns the eval and then the export, whose config.json then holds them (OpenRLHF's mean, std)
+    status = run(Workflow.from_dict({**spec, "eval": {"split": "eval", "normalize": True},
+                                     "export": {"step": 3, "max_shard_gb": 0.001}}), log=lambda m: None)
+    assert status == {"preprocess": "skipped", "train": "skipped", "eval": "ran", "export": "ran"}
+    stats = json.loads((tmp_path / "out" / "run" / "reward_normalization.json").read_text())
+    config = json.loads((tmp_path / "out" / "export" / "config.json").read_text())
+    assert (config["mean"], config["std"]) == (stats["mean"], stats["std"])
 
 
 def test_an_eval_that_names_no_data_evaluates_the_workflow_s_shards(tmp_path):

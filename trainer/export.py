@@ -188,7 +188,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         if run.tokenizer_dir is not None:
             for name in os.listdir(run.tokenizer_dir):
                 shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
-        normalization = os.path.join(storage.stage_run(run_dir), NORMALIZATION_FILE)
+        normalization = os.path.join(run.path, NORMALIZATION_FILE)  # the run as loaded (a remote one staged once)
         with open(os.path.join(staging, EXPORT_INFO), "w") as f:
             json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
                        "data": run.config.data.train, "tokenizer_sha256": run.manifest.tokenizer.sha256,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from typing import Any
 
 from rmflow.schemas.kinds import ModelKind
@@ -24,8 +25,8 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
     base = run.config.model.path
     license_ = _base_license(base)
     front = ["---", "library_name: transformers", "tags:", "- reward-model", "- rmflow", f"- {kind.name}"]
-    if not is_preset(base) and not os.path.isdir(base):
-        front.append(f"base_model: {base}")  # a hub id
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", base) and not os.path.exists(base):  # a Hub id, not a local path
+        front.append(f"base_model: {base}")
     if license_:
         front.append(f"license: {license_}")
     front.append("---")
@@ -49,14 +50,16 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
              *[f"| `{k}` | {v} |" for k, v in recipe if v is not None], "",
              "## Evaluation", "", *_evaluation(run, kind), "",
              "## Usage", "", "```python", "import torch",
-             "from transformers import AutoModelForSequenceClassification, AutoTokenizer", "",
-             'model = AutoModelForSequenceClassification.from_pretrained("PATH").eval()',
+             f"from transformers import AutoModel{kind.hf_head}, AutoTokenizer", "",
+             f'model = AutoModel{kind.hf_head}.from_pretrained("PATH").eval()',
              'tok = AutoTokenizer.from_pretrained("PATH")',
              'conversation = [{"role": "user", "content": "How do I boil an egg?"},',
              '                {"role": "assistant", "content": "Eight minutes in boiling water."}]',
              "ids = tok.apply_chat_template(conversation, return_tensors=\"pt\", return_dict=True)",
              "with torch.no_grad():",
-             "    reward = model(**ids).logits[0, 0].item()", "```", "",
+             "    logits = model(**ids).logits  # " + ("the reward: logits[0, 0]" if kind.num_labels == 1 else
+                                                    "per token; a step's P(correct) at its end, softmax over 2"),
+             "```", "",
              "As a reward server for RL loops (native, OpenRLHF and verl endpoints): `rmflow serve --model PATH`.",
              "", f"License: {license_ or 'not recorded: the base model and the data set it; add it here'}.", ""]
     return "\n".join(lines)
@@ -101,6 +104,8 @@ def _length_baseline(run: RunFiles) -> str:
     from rmflow.trainer.setup import shard_paths
 
     data = run.config.data.train
+    if not isinstance(data, str):
+        return "not computed for a mixture of data sets"
     manifest = os.path.join(data, "manifest.json") if os.path.isabs(data) else ""
     if not manifest or not os.path.exists(manifest):
         return "not available (the run's shards are not on this machine)"
@@ -117,7 +122,7 @@ def _length_baseline(run: RunFiles) -> str:
                 return "not computed for these records (no chosen and rejected reply)"
             right += len(rec.chosen_ids) > len(rec.rejected_ids)
             total += 1
-    except (OSError, RuntimeError) as e:  # a shard missing or unreadable: the card says so, the export goes on
+    except Exception as e:  # noqa: BLE001 - a shard missing or unreadable: the card says so, the export goes on
         return f"not available ({type(e).__name__}: {e})"
     return f"{right / total:.4f} on {total:,} pairs" if total else "no eval pairs"
 

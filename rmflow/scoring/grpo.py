@@ -74,34 +74,51 @@ def local_reward_func(rm, *, normalized: bool = False, truncate: str = "left", b
 def server_reward_func(url: str, *, api_key: str | None = None, normalized: bool = False, timeout: float = 300.0,
                        name: str = "rmflow_reward") -> RewardFunc:
     """A TRL reward function that asks a running ``rmflow serve`` at ``url`` (its native
-    ``POST /v1/score``, with ``truncate: left``); an empty completion gets None without being
-    sent, any other refusal of the server is raised with its message."""
+    ``POST /v1/score``, with ``truncate: left``): an empty completion gets None without being
+    sent, one the server refuses (422, naming it: too long even truncated, say) gets None and the
+    others are sent again; any other refusal (auth, a full queue) is raised with its message."""
     endpoint = url.rstrip("/") + "/v1/score"
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+
+    def post(conversations: list[list[dict[str, Any]]]) -> tuple[int, dict[str, Any]]:
+        body = json.dumps({"conversations": conversations, "truncate": "left", "normalized": normalized}).encode()
+        request = urllib.request.Request(endpoint, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            text = e.read().decode(errors="replace")
+            try:
+                return e.code, json.loads(text)
+            except ValueError:
+                return e.code, {"error": text[:500]}
 
     def reward(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
         conversations = [conversation_of(p, c) for p, c in zip(prompts, completions, strict=True)]
         sent = [i for i, c in enumerate(conversations) if _has_reply(c)]
         out: list[float | None] = [None] * len(conversations)
-        if not sent:
-            return out
-        body = json.dumps({"conversations": [conversations[i] for i in sent], "truncate": "left",
-                           "normalized": normalized}).encode()
-        request = urllib.request.Request(endpoint, data=body, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                answer = json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"rmflow serve at {url} answered {e.code}: {e.read().decode(errors='replace')[:500]}"
-                               ) from None
-        for i, s in zip(sent, answer["normalized_scores" if normalized else "scores"]):
-            out[i] = float(s)
-        return out
+        for _ in range(2):  # the items the server refuses (422, each named) get None; the rest are sent again
+            if not sent:
+                return out
+            status, answer = post([conversations[i] for i in sent])
+            if status == 200:
+                for i, s in zip(sent, answer["normalized_scores" if normalized else "scores"]):
+                    out[i] = float(s)
+                return out
+            refused = {item["index"] for item in answer.get("items", []) if isinstance(item, dict)}
+            if status != 422 or not refused:
+                raise RuntimeError(f"rmflow serve at {url} answered {status}: {answer.get('error', answer)}")
+            sent = [i for k, i in enumerate(sent) if k not in refused]
+        raise RuntimeError(f"rmflow serve at {url} refused the items it had accepted: {answer.get('error', answer)}")
 
     return _named(reward, name)
 
 
 def _has_reply(conversation: list[dict[str, Any]]) -> bool:
+    """Whether the conversation ends with an assistant message that says something or calls a
+    tool (an empty reply is not sent: it would make the server refuse the whole request)."""
     last = conversation[-1] if conversation else {}
-    content = last.get("content") if isinstance(last, dict) else None
-    return last.get("role") == "assistant" and (not isinstance(content, str) or bool(content.strip()))
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return False
+    content = last.get("content")
+    return bool(last.get("tool_calls")) or not isinstance(content, str) or bool(content.strip())
