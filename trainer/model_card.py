@@ -57,8 +57,7 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
              '                {"role": "assistant", "content": "Eight minutes in boiling water."}]',
              "ids = tok.apply_chat_template(conversation, return_tensors=\"pt\", return_dict=True)",
              "with torch.no_grad():",
-             "    logits = model(**ids).logits  # " + ("the reward: logits[0, 0]" if kind.num_labels == 1 else
-                                                    "per token; a step's P(correct) at its end, softmax over 2"),
+             f"    logits = model(**ids).logits  # the score head's outputs: {kind.description}",
              "```", "",
              "As a reward server for RL loops (native, OpenRLHF and verl endpoints): `rmflow serve --model PATH`.",
              "", f"License: {license_ or 'not recorded: the base model and the data set it; add it here'}.", ""]
