@@ -36,7 +36,7 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
     loads = (f"A PEFT adapter (and the score head) for `{hf_class}` on its base model (`adapter_config.json`)"
              if adapter else f"Loads in transformers as `{hf_class}`")
     intro = (f"Trained with rmflow from `{base}`" + (" (random weights: a preset)" if is_preset(base) else "")
-             + f", step {step}. {loads}; the reward of a conversation is the score head's output at its last token.")
+             + f", step {step}. {loads}: {kind.description}.")
     lines = [*front, "", f"# {os.path.basename(os.path.normpath(run.path))}: {kind.description}", "",
              intro, "",
              "## Data", "",
