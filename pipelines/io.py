@@ -179,10 +179,11 @@ def iter_records(path: str) -> Iterator[tuple[int, str, str | None]]:
     ``[`` is read as one JSON array. Parquet: each row, rendered as JSON. A line that is
     not valid UTF-8 comes back with the undecodable bytes replaced and a problem message.
     """
-    if _is_parquet(path):
+    container = _container(path)
+    if container == "parquet":
         yield from _iter_parquet(path)
         return
-    if _is_arrow(path):
+    if container == "arrow":
         yield from _iter_arrow(path)
         return
     with _open_text_source(path) as f:
@@ -233,22 +234,20 @@ def _iter_json_array(data: bytes) -> Iterator[tuple[int, str, str | None]]:
         yield i, json.dumps(item, ensure_ascii=False), None
 
 
-def _is_parquet(path: str) -> bool:
-    """Parquet by its magic bytes (``PAR1`` at the start), whatever the file is called."""
-    if path.lower().endswith(PARQUET_SUFFIXES):
-        return True
-    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-        return f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC
-
-
-def _is_arrow(path: str) -> bool:
-    """An Arrow IPC file or stream (``datasets``' save_to_disk writes streams), by its name or its
-    first bytes (a stream's continuation marker, a file's ``ARROW1``)."""
-    if path.lower().endswith(ARROW_SUFFIXES):
-        return True
+def _container(path: str) -> str | None:
+    """"parquet" or "arrow" (datasets' save_to_disk writes Arrow IPC streams) by the file's suffix,
+    else by its first bytes, read once (Parquet's ``PAR1``, an Arrow file's ``ARROW1``, a stream's
+    continuation marker), whatever the file is called; None for text (JSON, gzipped or not)."""
+    lower = path.lower()
+    if lower.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if lower.endswith(ARROW_SUFFIXES):
+        return "arrow"
     with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
         head = f.read(6)
-    return head == ARROW_MAGIC or head[:4] == ARROW_STREAM_MARKER
+    if head[:4] == PARQUET_MAGIC:
+        return "parquet"
+    return "arrow" if head == ARROW_MAGIC or head[:4] == ARROW_STREAM_MARKER else None
 
 
 def _iter_arrow(path: str) -> Iterator[tuple[int, str, str | None]]:
@@ -260,15 +259,7 @@ def _iter_arrow(path: str) -> Iterator[tuple[int, str, str | None]]:
         reader = pa.ipc.open_file(pa.BufferReader(data)) if data[:6] == ARROW_MAGIC else pa.ipc.open_stream(data)
         batches = ([reader.get_batch(i) for i in range(reader.num_record_batches)]
                    if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader)
-        row = 0
-        for batch in batches:
-            for rec in batch.to_pylist():
-                row += 1
-                try:
-                    yield row, json.dumps(rec, ensure_ascii=False, default=_json_default), None
-                except UnicodeDecodeError as e:
-                    shown = json.dumps(rec, ensure_ascii=False, default=_json_shown)
-                    yield row, shown, f"a binary column holds bytes that are not valid UTF-8: {e.reason} at byte {e.start}"
+        yield from _rows_as_json(batches)
     except pa.ArrowInvalid as e:
         raise InputError(f"{path} is not a readable Arrow file: {e}") from e
 
@@ -276,7 +267,7 @@ def _iter_arrow(path: str) -> Iterator[tuple[int, str, str | None]]:
 def streams_records(path: str) -> bool:
     """Whether ``iter_records`` reads the file a record at a time (JSON Lines), not whole (a JSON
     array, Parquet, Arrow): a plan may then read its first records cheaply."""
-    if _is_parquet(path) or _is_arrow(path):
+    if _container(path):
         return False
     with _open_text_source(path) as f:
         first = f.readline()
@@ -292,15 +283,21 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, str, str | None]]:
 
     with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
         pf = pq.ParquetFile(io.BytesIO(f.read()) if is_url(path) else f)
-        row = 0
-        for batch in pf.iter_batches(batch_size=4096):
-            for rec in batch.to_pylist():
-                row += 1
-                try:
-                    yield row, json.dumps(rec, ensure_ascii=False, default=_json_default), None
-                except UnicodeDecodeError as e:  # a binary column that is not text: refused, never replaced
-                    shown = json.dumps(rec, ensure_ascii=False, default=_json_shown)
-                    yield row, shown, f"a binary column holds bytes that are not valid UTF-8: {e.reason} at byte {e.start}"
+        yield from _rows_as_json(pf.iter_batches(batch_size=4096))
+
+
+def _rows_as_json(batches) -> Iterator[tuple[int, str, str | None]]:
+    """Each row of Arrow record batches (Parquet's, an Arrow file's) as (row number, JSON text,
+    problem or None): a binary column that is not text is refused, never replaced."""
+    row = 0
+    for batch in batches:
+        for rec in batch.to_pylist():
+            row += 1
+            try:
+                yield row, json.dumps(rec, ensure_ascii=False, default=_json_default), None
+            except UnicodeDecodeError as e:
+                shown = json.dumps(rec, ensure_ascii=False, default=_json_shown)
+                yield row, shown, f"a binary column holds bytes that are not valid UTF-8: {e.reason} at byte {e.start}"
 
 
 def _json_default(obj: Any) -> Any:

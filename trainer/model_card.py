@@ -5,14 +5,14 @@ said to be missing, never guessed."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from typing import Any
 
 from rmflow.schemas.kinds import ModelKind
+from rmflow.schemas.manifest import MANIFEST_FILE
 from rmflow.schemas.presets import is_preset
-from rmflow.trainer.rundir import METRICS_FILE, RunFiles, data_manifest_sha256, read_history
+from rmflow.trainer.rundir import METRICS_FILE, RunFiles, data_manifest_sha256, manifest_sha256, read_history
 
 RECIPE = ("max_steps", "batch_size", "grad_accum", "optimizer.learning_rate", "optimizer.schedule",
           "optimizer.warmup_steps", "optimizer.weight_decay", "center_rewards_coefficient", "ranking_loss",
@@ -105,12 +105,10 @@ def _length_baseline(run: RunFiles) -> str:
     data = run.config.data.train
     if not isinstance(data, str):
         return "not computed for a mixture of data sets"
-    manifest = os.path.join(data, "manifest.json") if os.path.isabs(data) else ""
-    if not manifest or not os.path.exists(manifest):
+    if not os.path.isabs(data) or not os.path.exists(os.path.join(data, MANIFEST_FILE)):
         return "not available (the run's shards are not on this machine)"
-    with open(manifest, "rb") as f:
-        if hashlib.sha256(f.read()).hexdigest() != data_manifest_sha256(run.path):
-            return f"not available ({data} holds other data than the run trained on)"
+    if manifest_sha256(data) != data_manifest_sha256(run.path):
+        return f"not available ({data} holds other data than the run trained on)"
     import grain
 
     right = total = 0

@@ -98,7 +98,7 @@ def write_run_files(run_dir: str, cfg: TrainConfig, model_config: ModelConfig, b
         f.write(cfg.to_json())
 
 
-def _manifest_sha256(data_dir: str, name: str = MANIFEST_FILE) -> str:
+def manifest_sha256(data_dir: str, name: str = MANIFEST_FILE) -> str:
     """The identity of a data set: its manifest file's bytes, hashed (a run keeps a copy: ``DATA_MANIFEST``)."""
     with open(os.path.join(data_dir, name), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -107,7 +107,7 @@ def _manifest_sha256(data_dir: str, name: str = MANIFEST_FILE) -> str:
 def data_manifest_sha256(run_dir: str) -> str | None:
     """The sha256 of the manifest of the data a run trained on (the copy the run keeps), or None
     for a run without that copy."""
-    return _manifest_sha256(run_dir, DATA_MANIFEST) if os.path.exists(os.path.join(run_dir, DATA_MANIFEST)) else None
+    return manifest_sha256(run_dir, DATA_MANIFEST) if os.path.exists(os.path.join(run_dir, DATA_MANIFEST)) else None
 
 
 def write_mixture(run_dir: str, sources: tuple[DataSource, ...], local: tuple[DataSource, ...],
@@ -116,7 +116,7 @@ def write_mixture(run_dir: str, sources: tuple[DataSource, ...], local: tuple[Da
     times the run's planned steps go over each set's train split (above 1: it repeats)."""
     total = sum(s.weight for s in sources)
     sets = [{"name": s.name, "path": s.path, "weight": s.weight, "share": s.weight / total, "train": n,
-             "passes": drawn * s.weight / total / n, "manifest_sha256": _manifest_sha256(loc.path)}
+             "passes": drawn * s.weight / total / n, "manifest_sha256": manifest_sha256(loc.path)}
             for s, loc, n in zip(sources, local, train_units)]
     _write_json(os.path.join(run_dir, MIXTURE), {"sets": sets, "planned_draws": drawn})
 
@@ -140,7 +140,7 @@ def resume_changes(run_dir: str, cfg: TrainConfig, sources: tuple[DataSource, ..
     if os.path.exists(os.path.join(run_dir, MIXTURE)) or len(sources) > 1:
         before = _mixture_identity(_read_json(run_dir, MIXTURE)["sets"]) \
             if os.path.exists(os.path.join(run_dir, MIXTURE)) else None
-        now = _mixture_identity([{"name": s.name, "weight": s.weight, "manifest_sha256": _manifest_sha256(s.path)}
+        now = _mixture_identity([{"name": s.name, "weight": s.weight, "manifest_sha256": manifest_sha256(s.path)}
                                  for s in sources]) if len(sources) > 1 else None
         if before != now:
             changes["data.train"] = (before, f"{new} (other sets or weights)")

@@ -242,21 +242,18 @@ def create_app(service: Service) -> Starlette:
         rewards = [reward(r) for r in results]
         return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
 
-    def respond_classify(parsed: Parsed, results: list) -> dict[str, Any]:
-        act = parsed.options["activation"]
-        data = [{"index": i, "label": "LABEL_0", "probs": [_sigmoid(reward(r)) if act else reward(r)],
-                 "num_classes": 1, "object": "classification"} for i, r in enumerate(results)]
-        tokens = sum(parsed.sizes)
-        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": cfg.model, "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
-
     def usage(parsed: Parsed) -> dict[str, int]:
         tokens = sum(parsed.sizes)
         return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
 
     def value(parsed: Parsed, r: dict[str, Any]) -> float:
         return _sigmoid(reward(r)) if parsed.options["activation"] else reward(r)
+
+    def respond_classify(parsed: Parsed, results: list) -> dict[str, Any]:  # vLLM's ClassificationResponse
+        data = [{"index": i, "label": "LABEL_0", "probs": [value(parsed, r)], "num_classes": 1,
+                 "object": "classification"} for i, r in enumerate(results)]
+        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": cfg.model, "data": data, "usage": usage(parsed)}
 
     def respond_pooling(parsed: Parsed, results: list) -> dict[str, Any]:  # vLLM's PoolingResponse
         return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": cfg.model,
