@@ -34,6 +34,8 @@ Two steps, because the GPU machine has no Beam and no network:
 ``--budget-s`` bounds the run: a measurement that would start too late is recorded as skipped.
 ``--keep DIR`` merges the report with the one a previous run left in ``DIR`` (a GPU lent in short
 calls: a later call runs the remaining parts on the plan an earlier one measured).
+``--checkpointing on`` (or ``off``) runs the ``trl`` part with one gradient checkpointing setting,
+keeping the merged report's rows of the other (a short lease's last minutes).
 
 A lease of 15 minutes, as the one that measured the README's figures: ``prepare .gpu/inputs
 --split-gguf .gpu/a .gpu/b --first-piece-mb 44`` here; call 1 carries ``.gpu/inputs`` and
@@ -513,6 +515,8 @@ def child(part: str, spec: dict) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, str(BENCH))
     size = SIZES["rehearse" if spec["rehearse"] else "gpu"]
+    if spec.get("checkpointing") is not None:
+        size = {**size, "checkpointing": tuple(spec["checkpointing"])}
     ctx = Ctx(size, pathlib.Path(spec["inputs"]), pathlib.Path(spec["work"]), spec["checkpoint"], spec["rehearse"],
               spec["plan"], spec["deadline"], pathlib.Path(spec["rows_file"]), spec.get("gguf"))
     FNS[part](ctx)
@@ -617,20 +621,24 @@ def _stop(signum, frame):
 
 def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: str | None, rehearse: bool,
         budget_s: float = 86400.0, keep: pathlib.Path | None = None, gguf: list[str] | None = None,
-        site: pathlib.Path | None = None) -> dict:
+        site: pathlib.Path | None = None, checkpointing: tuple[bool, ...] | None = None) -> dict:
     """Every part in turn, each in a process of its own; the report rewritten after each, so what
     ran survives a later failure; with ``keep``, merged with the report a previous run left there.
+    ``checkpointing`` narrows the ``trl`` part's gradient checkpointing settings (a short lease can
+    run one); the kept report's rows of the other settings stay.
     SIGTERM and SIGHUP, like Ctrl-C, stop the running part with this process."""
     previous_handlers = {signum: signal.signal(signum, _stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        return _run_parts(inputs, out, parts, checkpoint, rehearse, time.time() + budget_s, keep, gguf, site)
+        return _run_parts(inputs, out, parts, checkpoint, rehearse, time.time() + budget_s, keep, gguf, site,
+                          checkpointing)
     finally:
         for signum, handler in previous_handlers.items():
             signal.signal(signum, handler)
 
 
 def _run_parts(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: str | None, rehearse: bool,
-               deadline: float, keep: pathlib.Path | None, gguf: list[str] | None, site: pathlib.Path | None) -> dict:
+               deadline: float, keep: pathlib.Path | None, gguf: list[str] | None, site: pathlib.Path | None,
+               checkpointing: tuple[bool, ...] | None = None) -> dict:
     sys.path.insert(0, str(BENCH))
     wheels = install_wheels(inputs / "wheels", site or SITE)
     if rehearse:
@@ -672,7 +680,7 @@ def _run_parts(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkp
             part_work.mkdir(parents=True)
             spec = {"inputs": str(inputs), "work": str(part_work), "checkpoint": checkpoint, "rehearse": rehearse,
                     "plan": report["plan"], "deadline": deadline, "rows_file": str(work / f"rows-{part}.jsonl"),
-                    "gguf": gguf}
+                    "gguf": gguf, "checkpointing": checkpointing}
             left = deadline - time.time()
             if left < 30:
                 result = {"error": f"not run: {left:.0f} s of the budget left", "rows": []}
@@ -684,6 +692,9 @@ def _run_parts(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkp
             if isinstance(result, dict) and not result["rows"] and _rows(report["parts"].get(part)):
                 call.setdefault("failed", {})[part] = result["error"][-1000:]  # an earlier call's rows stay
             else:
+                if part == "trl" and checkpointing is not None and isinstance(result, list):
+                    result = [r for r in _rows(report["parts"].get(part)) or []
+                              if r.get("gradient_checkpointing") not in checkpointing] + result
                 report["parts"][part] = result
                 report["seconds"][part] = time.perf_counter() - start
             report["plan"] = _plan(report["parts"])
@@ -710,6 +721,9 @@ def main() -> None:
     r.add_argument("--parts", default=",".join(PARTS))
     r.add_argument("--budget-s", type=float, default=86400.0, help="seconds this run may take; later parts are skipped")
     r.add_argument("--keep", help="a folder kept between runs on the machine: reports merged, the plan reused")
+    r.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",
+                   help="the trl part's gradient checkpointing: both (default), or one (the kept report's "
+                        "rows of the other stay)")
     h = sub.add_parser("rehearse", help="here: prepare and run at toy sizes on CPU")
     h.add_argument("out")
     h.add_argument("--parts", default=",".join(PARTS))
@@ -741,7 +755,8 @@ def main() -> None:
         if not list(pathlib.Path(a.inputs, "wheels").glob("rmflow-*.whl")):  # every part imports rmflow from it
             ap.error(f"{a.inputs}/wheels has no rmflow wheel: prepare the inputs again (`gpu.py prepare` builds it)")
         report = run(pathlib.Path(a.inputs), pathlib.Path(a.out), parts, a.checkpoint, rehearse=False,
-                     budget_s=a.budget_s, keep=pathlib.Path(a.keep) if a.keep else None, gguf=a.gguf)
+                     budget_s=a.budget_s, keep=pathlib.Path(a.keep) if a.keep else None, gguf=a.gguf,
+                     checkpointing=None if a.checkpointing == "both" else (a.checkpointing == "on",))
     else:
         with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(REPO):
             prepare(pathlib.Path(tmp), SIZES["rehearse"]["max_length"], wheels=False, pairs=40)

@@ -120,6 +120,31 @@ def test_a_later_call_runs_on_the_plan_an_earlier_call_measured(tmp_path, monkey
     assert gpu.run(tmp_path / "inputs", tmp_path / "out", [], None, rehearse=True, keep=keep)["plan"] == {}
 
 
+def test_one_checkpointing_setting_rerun_keeps_the_other_settings_rows(tmp_path, monkeypatch):
+    """``--checkpointing on`` reruns the trl part with checkpointing on only (the child is told so)
+    and the kept report's rows measured with it off stay beside the new ones."""
+    _isolated(monkeypatch)
+    gpu = _gpu_script()
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    off = [{"trainer": "rmflow", "gradient_checkpointing": False, "tokens_per_s": 2.0},
+           {"summary": "rmflow / TRL", "gradient_checkpointing": False, "tokens_per_s": 9.0}]
+    old_on = {"gradient_checkpointing": True, "skipped": "out of time"}
+    (keep / "gpu.json").write_text(json.dumps({"device": "cpu", "parts": {"trl": off + [old_on]}}))
+    seen = []
+
+    def launch(part, spec, timeout):
+        seen.append(spec["checkpointing"])
+        return [{"trainer": "rmflow", "gradient_checkpointing": True, "tokens_per_s": 1.5}]
+
+    monkeypatch.setattr(gpu, "_launch_part", launch)
+    report = gpu.run(tmp_path / "inputs", tmp_path / "out", ["trl"], None, rehearse=True, keep=keep,
+                     checkpointing=(True,))
+    assert seen == [(True,)]
+    assert report["parts"]["trl"] == off + [{"trainer": "rmflow", "gradient_checkpointing": True,
+                                             "tokens_per_s": 1.5}]
+
+
 def test_a_part_out_of_budget_is_stopped_with_everything_it_started(tmp_path, monkeypatch):
     """At the budget's end the part is stopped (its process group killed, which holds the trainers
     a part starts), and the result says so, with no rows."""
