@@ -173,7 +173,7 @@ _SIGNATURES: dict[str, Callable[[Mapping[str, Any], set[str]], bool]] = {
     "text": lambda r, k: {"prompt", "chosen", "rejected"} <= k and isinstance(r["prompt"], str)
     and not _rewardbench2(r, k) and not {"score_chosen", "score_rejected"} <= k,
     # K responses per prompt (rendering.responses)
-    "responses": lambda r, k: "responses" in k and ("scores" in k or "ranks" in k),
+    "responses": lambda r, k: "responses" in k and bool({"scores", "ranks", "attributes"} & k),
     "rewardbench2": lambda r, k: _rewardbench2(r, k),
     "nectar": lambda r, k: {"prompt", "answers"} <= k,
     "ultrafeedback-raw": lambda r, k: {"instruction", "completions"} <= k and isinstance(r["completions"], list)

@@ -8,10 +8,10 @@ manifest), so an output always says how it was made.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any
 
+from rmflow.schemas.attributes import attribute_names, parse_weights
 from rmflow.schemas.options import NEW, Config, ConfigError, option
 from rmflow.schemas.paths import absolute, absolute_if_local
 from rmflow.schemas.train_config import check_int
@@ -222,31 +222,6 @@ class PreprocessConfig(Config):
             if f.metadata.get("was") == NEW and d.get(f.name) == f.default:
                 d.pop(f.name)
         return d
-
-
-def attribute_names(text: str) -> tuple[str, ...]:
-    """``name,name`` -> the names, in order; a ConfigError names a repeated or empty one."""
-    names = tuple(n.strip() for n in text.split(",")) if text.strip() else ()
-    if any(not n for n in names) or len(set(names)) != len(names):
-        raise ConfigError(f"attributes {text!r}: give name,name,... each name once")
-    return names
-
-
-def parse_weights(text: str) -> dict[str, float]:
-    """``name=weight,name=weight`` -> {name: weight}; a ConfigError names what is wrong."""
-    out: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = part.partition("=")
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = math.nan
-        if not sep or not name.strip() or not math.isfinite(weight) or name.strip() in out:
-            raise ConfigError(f"attribute_weights {part!r}: write name=weight (a finite number), each name once")
-        out[name.strip()] = weight
-    if not out or not any(out.values()):
-        raise ConfigError(f"attribute_weights {text!r}: give at least one name=weight with a weight that is not 0")
-    return out
 
 
 def checkpoint_step(value: Any) -> int | str | None:

@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from rmflow.schemas.attributes import parse_weights
 from rmflow.schemas.options import NEW, Config, ConfigError, leaves, moved_keys, option, section
 from rmflow.schemas.paths import absolute, absolute_if_local
 from rmflow.schemas.presets import MODEL_PRESETS, describe, is_preset
@@ -32,6 +33,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 RANKING_LOSSES = ("bradley-terry", "plackett-luce")  # K responses per prompt (trainer.loss.listwise_loss)
+REGRESSION = "regression"  # an attribute head fitted to the ratings (trainer.loss.regression_sums)
+# The objectives of K responses per prompt: a ranking loss, the regression, or a ranking loss plus it.
+OBJECTIVES = (*RANKING_LOSSES, REGRESSION, *(f"{r}+{REGRESSION}" for r in RANKING_LOSSES))
 
 
 def check_int(value: Any, name: str, minimum: int) -> None:
@@ -276,10 +280,17 @@ class TrainConfig(Config):
     center_rewards_coefficient: float = option(
         0.0, "Weight of the reward-centering term mean((r_chosen + r_rejected)^2) (Eisenstein et al. 2023); with K "
         "responses per prompt, (2 * the mean of the prompt's rewards)^2, the same at K = 2.")
-    ranking_loss: str = option(
+    objective: str = option(
         RANKING_LOSSES[0], "K responses per prompt (shards of kind multi-response): bradley-terry (the mean of the pairs' "
-        "loss over every two responses whose scores differ) or plackett-luce (the likelihood of the whole ranking, "
-        "ties sharing a place). Pairs train with bradley-terry.", was=NEW)
+        "loss over every two responses whose scores differ), plackett-luce (the likelihood of the whole ranking, "
+        "ties sharing a place), regression (a score head of one output per attribute the records keep, fitted to "
+        "the ratings by mean squared error; the reward is the outputs' weighted sum, attribute_weights), or "
+        "bradley-terry+regression / plackett-luce+regression (both losses added). Pairs train with bradley-terry.",
+        was=NEW)
+    attribute_weights: str = option(
+        "", "The regression objectives: the reward as a weighted sum of the attribute outputs, name=weight,... over "
+        "the attributes the records keep (an attribute left out weighs 0); empty: the weights preprocessing ordered "
+        "the responses by (its attribute_weights).", was=NEW)
     seed: int = option(0, "Seed of the data order and of the score head's initialisation.")
     eval_steps: int = option(0, "Evaluate on the eval split every this many steps; 0 = only at the end.",
                              resume_free=True)
@@ -309,7 +320,13 @@ class TrainConfig(Config):
         for name, minimum in (("max_steps", 0), ("num_epochs", 1), ("batch_size", 1), ("grad_accum", 1),
                               ("seed", 0), ("eval_steps", 0), ("compile_ahead", -1)):
             check_int(getattr(self, name), name, minimum)
-        _one_of(self.ranking_loss, "ranking_loss", RANKING_LOSSES)
+        _one_of(self.objective, "objective", OBJECTIVES)
+        if self.attribute_weights.strip():
+            if REGRESSION not in self.objective:
+                raise ConfigError(f"attribute_weights {self.attribute_weights!r} weigh a regression head's outputs: "
+                                  f"objective {self.objective} trains none (use regression or "
+                                  f"{RANKING_LOSSES[0]}+{REGRESSION})")
+            parse_weights(self.attribute_weights)
         if self.center_rewards_coefficient < 0:
             raise ConfigError(f"center_rewards_coefficient {self.center_rewards_coefficient}: must be >= 0")
         save, metric = self.checkpoint.save_steps, self.checkpoint.metric_for_best

@@ -106,4 +106,4 @@ def test_a_workflow_s_train_identity_is_the_flat_layout_of_before():
     assert {k: identity[k] for k in flat} == flat
     assert set(identity) == {leaf.was for leaf in leaves(TrainConfig) if leaf.was_flat and leaf.was != NEW} | {"lora"}
     # an option added since enters the hash only when set, under its own name
-    assert TrainConfig.from_stored({**flat, "ranking_loss": "plackett-luce"}).identity()["ranking_loss"] == "plackett-luce"
+    assert TrainConfig.from_stored({**flat, "objective": "plackett-luce"}).identity()["objective"] == "plackett-luce"

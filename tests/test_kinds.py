@@ -41,8 +41,13 @@ def test_every_per_kind_table_covers_exactly_the_kinds():
     for name, table in _per_kind_tables().items():
         keys = {o.kind.name for o in table.values()} if table is OBJECTIVES else set(table)
         assert keys == set(KINDS), f"{name} has {sorted(table)}, the kinds are {sorted(KINDS)}"
-    for name, objective in OBJECTIVES.items():  # a kind's objectives: one per ranking loss it takes
-        assert objective.name == name and objective.num_labels == objective.kind.num_labels
+    from rmflow.trainer.modeling.config import ScoreHead
+
+    for name, objective in OBJECTIVES.items():  # a kind's objectives: one per objective it takes
+        assert objective.name == name
+        # the kind's own head, or (regression) an attribute head
+        assert objective.fits(ScoreHead(objective.kind.num_labels)) != objective.regression
+        assert objective.fits(ScoreHead(2, ("a", "b"), (1.0, 0.5))) == objective.regression
 
 
 def test_every_kind_s_handlers_resolve_and_agree():

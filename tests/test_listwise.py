@@ -274,7 +274,7 @@ def test_real_rm_bench_prompts_preprocess_whole_train_packed_or_not_alike_and_ev
     for packing in ("pack", "none"):
         result = train(TrainConfig.from_dict({
             "data": {"train": str(tmp_path / "whole"), "packing": packing}, "model": "micro", "max_steps": 2,
-            "batch_size": 4, "output": str(tmp_path / f"run-{packing}"), "ranking_loss": "plackett-luce",
+            "batch_size": 4, "output": str(tmp_path / f"run-{packing}"), "objective": "plackett-luce",
             "center_rewards_coefficient": 0.01}))
         last = result.history[-1]
         losses[packing] = (last["loss"], last["eval_loss"], last["eval_best_of_k_accuracy"])

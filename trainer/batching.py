@@ -17,7 +17,7 @@ def widen(batch: dict[str, np.ndarray], length: int, slots: int | None = None,
         if k in ROW_KEYS and x.shape[1] < length:
             return np.pad(x, [(0, 0), (0, length - x.shape[1])])
         if slots is not None and k in objective.slot_keys and x.shape[1] < slots:
-            return np.pad(x, [(0, 0), (0, slots - x.shape[1])])
+            return np.pad(x, [(0, 0), (0, slots - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
         return x
 
     return {k: pad(k, v) for k, v in batch.items()}

@@ -115,7 +115,7 @@ def load_trained_model(run_dir: str, step: int | str | None = None) -> tuple[Rew
     lora_cfg = run.config.lora
     if lora_cfg is not None:  # frozen base weights come from the base model, adapters from here
         model = base_model(run.config.with_overrides(["model.dtype=float32", "model.gradient_checkpointing=false"]),
-                           run.model_config, num_labels=run.model_config.num_labels)
+                           run.model_config, head=run.model_config.head)
     else:
         model = RewardTransformer(run.model_config, rngs=nnx.Rngs(0), attention=run.config.model.attention,
                                   scan_layers=run.config.scans_layers(training=False))

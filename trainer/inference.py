@@ -24,7 +24,7 @@ from flax import nnx
 from rmflow.schemas.config import SCORING_BATCH_SIZE, STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME as OUTCOME_KIND
-from rmflow.schemas.kinds import PROCESS, RESPONSES, ModelKind, kind_named, kind_of_head
+from rmflow.schemas.kinds import PROCESS, RESPONSES, ModelKind, kind_named
 from rmflow.schemas.manifest import RenderSpec
 from rmflow.schemas.outputs import EXPORT_INFO
 from rmflow.schemas.record import PairRecord, ResponsesRecord, StepRecord
@@ -132,7 +132,7 @@ class LoadedModel:
         """Its reward model kind (``schemas.kinds``): the one its run or export recorded; for a
         checkpoint rmflow did not make, the one its Hugging Face head is exported as (its only
         identity there)."""
-        return kind_named(self.recorded_kind) if self.recorded_kind else kind_of_head(self.model.config.num_labels)
+        return kind_named(self.recorded_kind) if self.recorded_kind else self.model.config.kind
 
 
 
@@ -172,9 +172,9 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
         render = exported_render(exported)
     loaded = LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, render,
                          exported.get("step"), exported.get("run"), exported.get("max_length"), exported.get("kind"))
-    if loaded.kind.num_labels != model.config.num_labels:
-        raise ModelLoadError(f"{path}: {EXPORT_INFO} says it is {loaded.kind.description}, whose score head has "
-                             f"{loaded.kind.num_labels} output(s); its config.json has {model.config.num_labels}")
+    if loaded.kind != model.config.kind:
+        raise ModelLoadError(f"{path}: {EXPORT_INFO} says it is {loaded.kind.description}; its config.json's score "
+                             f"head ({model.config.num_labels} output(s)) is {model.config.kind.description}")
     return loaded
 
 

@@ -8,9 +8,11 @@ Rewards are (B,) float32. A (B, 1) array where (B,) is expected is refused, not 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from rmflow.schemas.metrics import STEP_THRESHOLD, incorrect_class
 from rmflow.schemas.train_config import RANKING_LOSSES
 
@@ -243,3 +245,56 @@ def ranking_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
         "reward_mean": mean_r,
         "reward_std": max(sums["reward_sq_sum"] / k - mean_r**2, 0.0) ** 0.5,
     }
+
+
+# Sums of the attribute regression: ``mse_sum`` (per prompt, the mean over its responses and
+# attributes of the squared error) is a scalar; the rest are (N,), one per attribute, over
+# every response (the count is the ranking sums' ``responses``).
+REGRESSION_SUM_KEYS = ("mse_sum", "attr_se_sum", "attr_pred_sum", "attr_pred_sq_sum", "attr_label_sum",
+                       "attr_label_sq_sum", "attr_cross_sum")
+
+
+def regression_sums(outputs, labels, group) -> dict[str, jax.Array]:
+    """An attribute head's outputs (R, S, N) against the ratings (R, S, N) of the responses in
+    slots whose ``group`` (R, S) is > 0 (padding: 0): the squared-error objective summed over
+    prompts (each prompt's mean over its responses and attributes, so a prompt counts once
+    whatever its K) and the exact per-attribute sums of RMSE and Pearson's r
+    (``REGRESSION_SUM_KEYS``)."""
+    if outputs.shape != labels.shape or outputs.shape[:2] != group.shape or outputs.ndim != 3:
+        raise ValueError(f"regression_sums wants outputs and labels (R, S, N) and group (R, S); got {outputs.shape}, "
+                         f"{labels.shape}, {group.shape}")
+    p, y = outputs.astype(jnp.float32), labels.astype(jnp.float32)
+    real = group > 0
+    same = (group[:, :, None] == group[:, None, :]) & real[:, :, None]
+    size = same.astype(jnp.float32).sum(-1)  # (R, S): the responses of each slot's record
+    se = (p - y) ** 2
+    w = real.astype(jnp.float32)[..., None]  # (R, S, 1)
+    n_attr = max(p.shape[-1], 1)
+    per_slot = jnp.where(real, se.sum(-1) / n_attr / jnp.maximum(size, 1.0), 0.0)
+
+    def over(x):  # (R, S, N) -> (N,) over real slots
+        return (x * w).sum((0, 1))
+
+    return {"mse_sum": per_slot.sum(), "attr_se_sum": over(se), "attr_pred_sum": over(p),
+            "attr_pred_sq_sum": over(p * p), "attr_label_sum": over(y), "attr_label_sq_sum": over(y * y),
+            "attr_cross_sum": over(p * y)}
+
+
+def regression_metrics_of_sums(sums: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
+    """The ranking metrics (``ranking_metrics_of_sums``, of the reward: the outputs' weighted
+    sum), ``mse`` (the regression term per prompt), and per attribute ``NAME_rmse`` and
+    ``NAME_pearson`` (nan where outputs or ratings do not vary)."""
+    out = ranking_metrics_of_sums(sums)
+    if not sums["prompts"]:
+        return out
+    n = max(float(sums["responses"]), 1.0)
+    vec = {k: np.broadcast_to(np.asarray(sums[k], np.float64), (len(names),)) for k in REGRESSION_SUM_KEYS[1:]}
+    out["mse"] = float(sums["mse_sum"]) / float(sums["prompts"])
+    for j, name in enumerate(names):
+        sp, sy = vec["attr_pred_sum"][j], vec["attr_label_sum"][j]
+        var_p = n * vec["attr_pred_sq_sum"][j] - sp * sp
+        var_y = n * vec["attr_label_sq_sum"][j] - sy * sy
+        cov = n * vec["attr_cross_sum"][j] - sp * sy
+        out[f"{name}_rmse"] = math.sqrt(max(vec["attr_se_sum"][j] / n, 0.0))
+        out[f"{name}_pearson"] = float(cov / math.sqrt(var_p * var_y)) if var_p > 0 and var_y > 0 else float("nan")
+    return out

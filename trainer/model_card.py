@@ -15,7 +15,7 @@ from rmflow.schemas.presets import is_preset
 from rmflow.trainer.rundir import METRICS_FILE, RunFiles, data_manifest_sha256, manifest_sha256, read_history
 
 RECIPE = ("max_steps", "batch_size", "grad_accum", "optimizer.learning_rate", "optimizer.schedule",
-          "optimizer.warmup_steps", "optimizer.weight_decay", "center_rewards_coefficient", "ranking_loss",
+          "optimizer.warmup_steps", "optimizer.weight_decay", "center_rewards_coefficient", "objective", "attribute_weights",
           "data.packing", "model.dtype", "lora.rank", "lora.alpha", "lora.target_modules", "seed")
 
 

@@ -8,8 +8,11 @@ each reward model kind's training strategy, its batch keys, loss, metrics and co
   averages over every labelled token of the batch.
 * ``multi-response``: K scored responses per prompt, the prompt computed once; a ranking loss over
   each prompt's responses (``trainer.loss.listwise_loss``: Bradley-Terry over every pair whose
-  scores differ, or Plackett-Luce over the ranking, the config's ``ranking_loss``) with reward
-  centering; normalised by the number of prompts.
+  scores differ, or Plackett-Luce over the ranking, the config's ``objective``) with reward
+  centering; normalised by the number of prompts. The regression objectives (``regression``, and
+  a ranking loss ``+regression``) give the model an attribute head, one output per attribute the
+  records keep, fitted to the ratings by squared error (``trainer.loss.regression_sums``), the
+  reward the outputs' weighted sum, which the ranking loss and the metrics take.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 from rmflow.schemas import kinds
+from rmflow.schemas.attributes import parse_weights, weights_over
 from rmflow.schemas.kinds import ModelKind
+from rmflow.schemas.manifest import Manifest
+from rmflow.schemas.options import ConfigError
+from rmflow.schemas.train_config import OBJECTIVES as CONFIG_OBJECTIVES
+from rmflow.schemas.train_config import REGRESSION
 from rmflow.trainer.data.collate import Collate
 from rmflow.trainer.data.packing import PackCollate
 from rmflow.trainer.data.responses import ResponsesCollate, ResponsesPackCollate
@@ -27,15 +35,19 @@ from rmflow.trainer.data.steps import StepCollate, StepPackCollate
 from rmflow.trainer.loss import (
     RANKING_LOSSES,
     RANKING_SUM_KEYS,
+    REGRESSION_SUM_KEYS,
     STEP_SUM_KEYS,
     SUM_KEYS,
     listwise_loss,
     pair_metrics_of_sums,
     pairwise_loss,
     ranking_metrics_of_sums,
+    regression_metrics_of_sums,
+    regression_sums,
     step_loss,
     step_metrics_of_sums,
 )
+from rmflow.trainer.modeling.config import ScoreHead
 
 ROW_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids")
 _MODEL_ARGS = ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids")
@@ -69,6 +81,21 @@ def _listwise(ranking: str):
     return loss
 
 
+def _with_regression(ranking: str):
+    """The regression objectives: squared error of the attribute head's outputs on the ratings,
+    plus ``ranking``'s loss of the reward (their weighted sum) when one is named; centering as for
+    the ranking losses; the ranking sums are kept for the metrics either way."""
+    def loss(model, mb: dict[str, Any], center_coef: float):
+        outputs = model.logits(*(mb[k] for k in _MODEL_ARGS))  # (R, S, N)
+        _, sums = listwise_loss(model.reward_of(outputs), mb["response_scores"], mb["response_group"], center_coef,
+                                ranking or RANKING_LOSSES[0], mb["response_margins"])
+        reg = regression_sums(outputs, mb["response_attributes"], mb["response_group"])
+        total = (sums["rank_loss_sum"] if ranking else 0.0) + center_coef * sums["center_sum"] + reg["mse_sum"]
+        return total, {**sums, **reg, "loss_sum": total}
+
+    return loss
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     kind: ModelKind
@@ -76,12 +103,13 @@ class Objective:
     slot_keys: tuple[str, ...]  # (R, S) keys whose S differs between micro-batches (padded to one S)
     sum_keys: tuple[str, ...]
     count_key: str  # the sum the gradient is divided by
-    metrics: Callable[[dict[str, float]], dict[str, Any]]
+    metrics_of_sums: Callable[[dict[str, float]], dict[str, Any]]
     # (model, micro-batch, center_coef) -> (summed objective to differentiate, metric sums)
     loss: Callable[[Any, dict[str, Any], float], tuple[Any, dict[str, Any]]]
     padded: type  # the collation of one record a padded row (trainer.data: none and bucket modes)
     packed: type  # the collation of records packed into long rows (pack mode)
-    ranking: str = ""  # the ranking loss, for a kind that has a choice (``RANKING_LOSSES``)
+    ranking: str = ""  # the config's ``objective``, for a kind that has a choice (``CONFIG_OBJECTIVES``)
+    attributes: tuple[str, ...] = ()  # a regression objective's attributes, for its metrics (``for_data``)
 
     @property
     def name(self) -> str:
@@ -89,8 +117,35 @@ class Objective:
         return self.kind.name if self.ranking in ("", RANKING_LOSSES[0]) else f"{self.kind.name}:{self.ranking}"
 
     @property
-    def num_labels(self) -> int:
-        return self.kind.num_labels
+    def regression(self) -> bool:
+        """Trains an attribute head (one output per attribute) on the records' ratings."""
+        return REGRESSION in self.ranking.split("+")
+
+    def head(self, manifest: Manifest, attribute_weights: str = "") -> ScoreHead:
+        """The score head a run of this objective trains on ``manifest``'s shards: its kind's, or an
+        attribute head over the attributes the records keep, weighted by ``attribute_weights``
+        (name=weight,...; empty: those preprocessing scored the responses by)."""
+        if not self.regression:
+            return ScoreHead(self.kind.num_labels)
+        names = manifest.attributes
+        if not names:
+            raise ConfigError(f"objective {self.ranking} fits the responses' attribute ratings, which these shards "
+                              "do not keep: preprocess with --attributes NAME,NAME,... (the ratings to keep)")
+        given = attribute_weights.strip()
+        weights = parse_weights(attribute_weights if given else manifest.config.get("attribute_weights") or "")
+        what = "attribute_weights" if given else "the shards' scores (preprocess's attribute_weights)"
+        return ScoreHead(len(names), names, weights_over(names, weights, what))
+
+    def for_data(self, head: ScoreHead) -> Objective:
+        """This objective with the attribute names of ``head`` (its metrics name each one)."""
+        return dataclasses.replace(self, attributes=head.attributes) if self.regression else self
+
+    def fits(self, head: ScoreHead) -> bool:
+        """``head`` is one this objective trains."""
+        return bool(head.attributes) == self.regression and (self.regression or head.num_labels == self.kind.num_labels)
+
+    def metrics(self, sums: dict[str, Any]) -> dict[str, Any]:
+        return regression_metrics_of_sums(sums, self.attributes) if self.regression else self.metrics_of_sums(sums)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -100,7 +155,7 @@ class Objective:
 
 def greater_is_better(metric: str) -> bool:
     """How a metric ranks checkpoints: a loss is better lower, every other eval metric higher."""
-    return not metric.endswith("loss")
+    return not metric.endswith(("loss", "mse"))
 
 
 OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight"), (), SUM_KEYS, "pairs",
@@ -113,7 +168,14 @@ RESPONSES = tuple(
     Objective(kinds.RESPONSES, (*ROW_KEYS, *_RESPONSE_KEYS), _RESPONSE_KEYS, RANKING_SUM_KEYS, "prompts",
               ranking_metrics_of_sums, _listwise(ranking), ResponsesCollate, ResponsesPackCollate, ranking)
     for ranking in RANKING_LOSSES)
-OBJECTIVES = {o.name: o for o in (OUTCOME, PROCESS, *RESPONSES)}
+_ATTRIBUTE_KEYS = (*_RESPONSE_KEYS, "response_attributes")
+REGRESSIONS = tuple(
+    Objective(kinds.RESPONSES, (*ROW_KEYS, *_ATTRIBUTE_KEYS), _ATTRIBUTE_KEYS, RANKING_SUM_KEYS + REGRESSION_SUM_KEYS,
+              "prompts", ranking_metrics_of_sums, _with_regression(objective.partition("+")[0] if "+" in objective
+                                                                   else ""),
+              ResponsesCollate, ResponsesPackCollate, objective)
+    for objective in CONFIG_OBJECTIVES if REGRESSION in objective.split("+"))
+OBJECTIVES = {o.name: o for o in (OUTCOME, PROCESS, *RESPONSES, *REGRESSIONS)}
 
 
 def objective_for(kind: str, ranking: str = RANKING_LOSSES[0]) -> Objective:
@@ -124,10 +186,10 @@ def objective_for(kind: str, ranking: str = RANKING_LOSSES[0]) -> Objective:
         return OBJECTIVES[kind]
     if kind not in OBJECTIVES:
         raise ValueError(f"no objective for shards of kind {kind!r}; known: {sorted(OBJECTIVES)}")
-    if ranking not in RANKING_LOSSES:
-        raise ValueError(f"ranking_loss {ranking!r}: use one of {', '.join(RANKING_LOSSES)}")
+    if ranking not in CONFIG_OBJECTIVES:
+        raise ValueError(f"objective {ranking!r}: use one of {', '.join(CONFIG_OBJECTIVES)}")
     name = kind if ranking == RANKING_LOSSES[0] else f"{kind}:{ranking}"
     if name not in OBJECTIVES:
-        raise ValueError(f"ranking_loss {ranking} applies to K responses per prompt; shards of kind {kind} train "
+        raise ValueError(f"objective {ranking} applies to K responses per prompt; shards of kind {kind} train "
                          f"with {RANKING_LOSSES[0]}")
     return OBJECTIVES[name]

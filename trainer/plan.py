@@ -96,9 +96,14 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
         except ManifestError as e:
             raise TrainError(f"{source.path}: {e}" if mixture else str(e)) from e
     try:
-        objective = objective_for(manifest.kind, cfg.ranking_loss)
+        objective = objective_for(manifest.kind, cfg.objective)
+        objective = objective.for_data(objective.head(manifest, cfg.attribute_weights))
     except ValueError as e:
         raise TrainError(f"{primary}: {e}") from None
+    if objective.regression and len({m.attributes for m in manifests}) > 1:
+        raise TrainError("objective " + cfg.objective + ": the sets of the mixture keep different attributes ("
+                         + "; ".join(f"{s.name}: {', '.join(m.attributes) or 'none'}" for s, m in zip(sources, manifests))
+                         + "); preprocess every set with the same --attributes")
     train_sets = tuple(shard_paths(s.path, m, "train") for s, m in zip(sources, manifests))
     for source, paths in zip(sources, train_sets):
         if not paths:

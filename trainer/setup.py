@@ -7,6 +7,7 @@ Training (``trainer.train``) and inference (``trainer.inference``) both start he
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -22,7 +23,7 @@ from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.attention import resolve_attention
-from rmflow.trainer.modeling.config import ModelConfig
+from rmflow.trainer.modeling.config import ModelConfig, ScoreHead
 from rmflow.trainer.modeling.convert import load_reward_model, read_config, resolve
 from rmflow.trainer.modeling.llama import RewardTransformer
 from rmflow.trainer.objective import objective_for
@@ -79,22 +80,23 @@ def build_model(cfg: TrainConfig, manifest: Manifest, packing: str | None = None
     with LoRA adapters added when the config asks; its attention the one for the rows of
     ``packing`` (resolved) over ``devices``."""
     vocab = manifest.tokenizer.vocab_size
-    labels = objective_for(manifest.kind).num_labels
-    preset = ModelConfig.preset(cfg.model.path, vocab_size=vocab, num_labels=labels) if is_preset(cfg.model.path) else None
+    head = objective_for(manifest.kind, cfg.objective).head(manifest, cfg.attribute_weights)
+    preset = ModelConfig.preset(cfg.model.path, vocab_size=vocab, **dataclasses.asdict(head)) \
+        if is_preset(cfg.model.path) else None
     if preset is None:
         folder = resolve(cfg.model.path)
         model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
         check_tokenizer(manifest, folder, "the model", with_template=False)
         check_model_fits(manifest, model_config)  # before any weight is read
-    model = base_model(cfg, preset, num_labels=labels, packing=packing, devices=devices)
+    model = base_model(cfg, preset, head=head, packing=packing, devices=devices)
     check_model_fits(manifest, model.config)
     return model
 
 
-def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, num_labels: int = 1,
+def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, head: ScoreHead = ScoreHead(),
                packing: str | None = None, devices: int = 1) -> RewardTransformer:
     """The run's initial model: a preset (seeded) or the checkpoint, plus LoRA adapters;
-    ``num_labels``: the score head's outputs (2 for a process reward model); ``packing`` (resolved)
+    ``head``: the score head's (2 outputs for a process reward model; an attribute head's names and weights); ``packing`` (resolved)
     and ``devices``: the rows the model will run on (training's packing, split over the mesh), for
     which ``attention: auto`` is resolved (None: one sequence a row, as scoring has them)."""
     dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
@@ -106,7 +108,7 @@ def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, num_l
                                   attention=attention, scan_layers=cfg.scans_layers())
     else:
         model = load_reward_model(resolve(cfg.model.path), dtype=dtype, remat=cfg.model.gradient_checkpointing,
-                                  seed=cfg.seed, attention=attention, num_labels=num_labels,
+                                  seed=cfg.seed, attention=attention, head=head,
                                   scan_layers=cfg.scans_layers())
     if cfg.lora is not None:
         lora.apply(model, cfg.lora, seed=cfg.seed)

@@ -96,7 +96,9 @@ def _train_step(program: StepProgram, state: TrainState, batch: dict[str, jax.Ar
         (_, sums), grads = grad_fn(state.params, {k: v[0] for k, v in batch.items()}, frozen, others, center,
                                    jax.random.fold_in(step_key, 0))
     else:
-        zeros = (jax.tree.map(jnp.zeros_like, state.params), {k: jnp.zeros((), jnp.float32) for k in keys})
+        first = jax.eval_shape(grad_fn, state.params, {k: v[0] for k, v in batch.items()}, frozen, others, center,
+                               step_key)[0][1]  # the sums' shapes: an attribute head's are per attribute
+        zeros = (jax.tree.map(jnp.zeros_like, state.params), {k: jnp.zeros(first[k].shape, jnp.float32) for k in keys})
         (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.arange(n_micro), batch))
     factor, grad_norm = clip_scale(optax.global_norm(grads), sums[program.objective.count_key],
                                    hyper["max_grad_norm"] if program.clips else 0.0)
@@ -162,9 +164,11 @@ class Trainer:
         an outcome or a process reward model's loss and batch (``trainer.objective``). The
         optimizer's numbers (its schedule over ``total_steps``) and ``center_coef`` are arguments
         of the step too."""
-        if model.config.num_labels != objective.num_labels:
-            raise ValueError(f"a {objective.kind.name} reward model needs a score head of {objective.num_labels} "
-                             f"output(s); this model has {model.config.num_labels}")
+        if not objective.fits(model.config.head):
+            wants = "an attribute head (one output per attribute)" if objective.regression else \
+                f"a score head of {objective.kind.num_labels} output(s)"
+            raise ValueError(f"objective {objective.name} trains {wants}; this model's has {model.config.num_labels}"
+                             + (f" ({', '.join(model.config.attributes)})" if model.config.attributes else ""))
         self.objective = objective
         self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)
         self.program = StepProgram(self.graphdef, objective.name, optim.schedule, optim.adam_b1,

@@ -152,7 +152,7 @@ class Run:
         sums = dict.fromkeys(self.objective.sum_keys, 0.0)
         for s in jax.device_get(outs):
             for k in sums:
-                sums[k] += float(s[k])
+                sums[k] = sums[k] + np.asarray(s[k], np.float64)  # an attribute head's: one per attribute
         return sums
 
     def evaluate(self, params) -> dict[str, Any]:

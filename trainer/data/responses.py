@@ -14,6 +14,8 @@ The row keys are the pairs' (``trainer.data.collate``). Then, with S response sl
 * ``response_scores``: (R, S) float32, each response's score (higher is better);
 * ``response_margins``: (R, S) float32, the score again where its record trains with margins
   from the scores (Bradley-Terry's margin between two responses is the difference), else 0;
+* ``response_attributes``: (R, S, N) float32, each response's N attribute ratings (N = 0 for
+  records that keep none);
 * ``response_group``: (R, S) int32, the record each slot belongs to within its row (1, 2, ...),
   0 for a padding slot; a record's slots are contiguous;
 * ``record_slots``: (n, 3) host only: for each of the n records collated, in order, its row, its
@@ -64,12 +66,13 @@ def _fits(records: Sequence[ResponsesRecord], max_length: int) -> None:
         check_fits(r.prompt_len + max(len(x) for x in r.responses), max_length)
 
 
-def _arrays(rows: int, length: int, slots: int, pad_id: int) -> dict[str, np.ndarray]:
+def _arrays(rows: int, length: int, slots: int, pad_id: int, attributes: int) -> dict[str, np.ndarray]:
     return {
         **empty_rows(rows, length, pad_id),
         "reward_index": np.zeros((rows, slots), np.int32),
         "response_scores": np.zeros((rows, slots), np.float32),
         "response_margins": np.zeros((rows, slots), np.float32),
+        "response_attributes": np.zeros((rows, slots, attributes), np.float32),
         "response_group": np.zeros((rows, slots), np.int32),
     }
 
@@ -79,7 +82,11 @@ def _collate(records: Sequence[ResponsesRecord], placement: list[list[int]], len
     units = [responses_unit(r) for r in records]
     length = length_of(max(sum(len(units[i].ids) for i in row) for row in placement))
     slots = step_slots(max(sum(records[i].k for i in row) for row in placement))
-    b = _arrays(len(placement), length, slots, pad_id)
+    n_attr = {r.attributes.shape[1] for r in records}
+    if len(n_attr) > 1:
+        raise ValueError(f"records of one batch keep different numbers of attribute ratings {sorted(n_attr)}: "
+                         "preprocess every set with the same --attributes")
+    b = _arrays(len(placement), length, slots, pad_id, n_attr.pop() if n_attr else 0)
     record_slots = np.zeros((len(records), 3), np.int32)
     for row, members in enumerate(placement):
         start = first = 0
@@ -91,6 +98,7 @@ def _collate(records: Sequence[ResponsesRecord], placement: list[list[int]], len
             b["segment_ids"][row, start:end] = j + 1
             b["reward_index"][row, first : first + r.k] = start + u.reward_at
             b["response_scores"][row, first : first + r.k] = r.scores
+            b["response_attributes"][row, first : first + r.k] = r.attributes
             if r.margin_from_scores:
                 b["response_margins"][row, first : first + r.k] = r.scores
             b["response_group"][row, first : first + r.k] = j + 1

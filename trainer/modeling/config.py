@@ -41,6 +41,21 @@ class ModelConfigError(RmflowError, ValueError):
     """The checkpoint's config.json describes something rmflow cannot build; says what."""
 
 
+# config.json's key for an attribute head's weights by name ({"helpfulness": 0.65, ...}): the
+# reward is the outputs' weighted sum (``rmflow export`` writes it; ``from_hf`` reads it back).
+ATTRIBUTE_WEIGHTS = "attribute_weights"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreHead:
+    """A model's score head: its outputs, and for an attribute head (the regression objectives)
+    each output's name and its weight in the reward."""
+
+    num_labels: int = 1
+    attributes: tuple[str, ...] = ()
+    attribute_weights: tuple[float, ...] = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -68,13 +83,25 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # Mistral; Qwen2 when use_sliding_window
     pad_token_id: int | None = None
-    num_labels: int = 1  # outputs of the score head: its reward model kind's (schemas.kinds)
+    num_labels: int = 1  # outputs of the score head: its reward model kind's (schemas.kinds), or one per attribute
+    # An attribute head (the regression objectives): one output per attribute, by name, and the
+    # reward their weighted sum; an outcome model's kind otherwise. () for the kinds' own heads.
+    attributes: tuple[str, ...] = ()
+    attribute_weights: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        try:
-            kind_of_head(self.num_labels)
-        except UnknownKind as e:
-            raise ModelConfigError(f"num_labels {self.num_labels}: {e}") from None
+        object.__setattr__(self, "attributes", tuple(self.attributes))
+        object.__setattr__(self, "attribute_weights", tuple(float(w) for w in self.attribute_weights))
+        if self.attributes or self.attribute_weights:
+            if not len(self.attributes) == len(self.attribute_weights) == self.num_labels:
+                raise ModelConfigError(f"an attribute head needs one name and one weight per output: num_labels "
+                                       f"{self.num_labels}, attributes {self.attributes}, attribute_weights "
+                                       f"{self.attribute_weights}")
+        else:
+            try:
+                kind_of_head(self.num_labels)
+            except UnknownKind as e:
+                raise ModelConfigError(f"num_labels {self.num_labels}: {e}") from None
         if self.model_type not in ARCHITECTURES:
             raise ModelConfigError(
                 f"model_type {self.model_type!r} is not supported; rmflow builds {sorted(ARCHITECTURES)}"
@@ -88,6 +115,19 @@ class ModelConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+
+    @property
+    def head(self) -> ScoreHead:
+        return ScoreHead(self.num_labels, self.attributes, self.attribute_weights)
+
+    @property
+    def kind(self) -> ModelKind:
+        """The reward model kind of the score head: an attribute head's reward is one score per
+        conversation, an outcome model's."""
+        return OUTCOME if self.attributes else kind_of_head(self.num_labels)
+
+    def with_head(self, head: ScoreHead) -> ModelConfig:
+        return dataclasses.replace(self, **dataclasses.asdict(head))
 
     @property
     def hf_prefix(self) -> str:
@@ -158,7 +198,7 @@ class ModelConfig:
             rope_short_factor=short,
             sliding_window=_sliding_window(d),
             pad_token_id=d.get("pad_token_id"),
-            num_labels=_num_labels(d),
+            **dataclasses.asdict(_head(d)),
         )
 
     @classmethod
@@ -191,11 +231,21 @@ def hf_num_labels(d: Mapping[str, Any]) -> int:
     return int(d.get("num_labels") or len(d.get("id2label") or {0: 0, 1: 1}))
 
 
-def _num_labels(d: Mapping[str, Any]) -> int:
-    """The score head's outputs a checkpoint brings: a classifier's label count (checked against
-    its kind when its weights are loaded); for a causal LM, the outcome head's (a fresh head of
-    the size the run asks for replaces it)."""
-    return hf_num_labels(d) if head_kind(d) is not None else OUTCOME.num_labels
+def _head(d: Mapping[str, Any]) -> ScoreHead:
+    """The score head a checkpoint brings: a classifier's labels (checked against its kind when
+    its weights are loaded), an attribute head's with its names (``id2label``) and weights
+    (``attribute_weights``, as ``rmflow export`` writes them); for a causal LM, the outcome head's
+    (a fresh head of the size the run asks for replaces it)."""
+    if head_kind(d) is None:
+        return ScoreHead(OUTCOME.num_labels)
+    weights = d.get(ATTRIBUTE_WEIGHTS)
+    if not weights:
+        return ScoreHead(hf_num_labels(d))
+    labels = d.get("id2label") or {}
+    names = tuple(str(labels.get(str(i), labels.get(i, ""))) for i in range(hf_num_labels(d)))
+    if not isinstance(weights, Mapping) or set(weights) != set(names):
+        raise ModelConfigError(f"{ATTRIBUTE_WEIGHTS} {weights!r} must weigh each output of id2label {labels!r} by name")
+    return ScoreHead(len(names), names, tuple(float(weights[n]) for n in names))
 
 
 def _longrope(d: Mapping[str, Any], rope: dict[str, Any], heads: int) -> tuple[int, tuple[float, ...], dict]:

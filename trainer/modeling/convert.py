@@ -9,7 +9,6 @@ process reward model) brings its own.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import mmap
 import os
@@ -21,7 +20,7 @@ import numpy as np
 from flax import nnx
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_of_head
-from rmflow.trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
+from rmflow.trainer.modeling.config import ATTRIBUTE_WEIGHTS, ModelConfig, ScoreHead, head_kind, hf_num_labels
 from rmflow.trainer.modeling.llama import RewardTransformer
 
 IGNORED = ("lm_head.weight",)  # a causal LM's head: not part of a reward model
@@ -145,24 +144,32 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
+def _describe(head: ScoreHead) -> str:
+    if head.attributes:
+        return "a model with an attribute head (" + ", ".join(f"{n} x {w:g}" for n, w in zip(head.attributes, head.attribute_weights)) + ")"
+    return kind_of_head(head.num_labels).description
+
+
 def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False, seed: int = 0,
-                      attention: str = "auto", num_labels: int | None = None, scan_layers: bool = True
+                      attention: str = "auto", head: ScoreHead | None = None, scan_layers: bool = True
                       ) -> RewardTransformer:
-    """Build the reward model a checkpoint describes and load its weights. ``num_labels``: the
-    head the caller needs (1: reward, 2: process model); None takes the checkpoint's."""
+    """Build the reward model a checkpoint describes and load its weights. ``head``: the score
+    head the caller needs (1 output: reward, 2: process model, or an attribute head); None takes
+    the checkpoint's."""
     folder = resolve(checkpoint)
     cfg, raw = read_config(folder)
     tensors = read_tensors(folder)
-    head = head_kind(raw)  # None: a causal LM, which gets a fresh score head
-    is_classifier = head is not None
-    if head is not None and hf_num_labels(raw) != head.num_labels:
-        raise CheckpointError(f"a *{head.hf_head} checkpoint must have num_labels={head.num_labels} to be "
-                              f"{head.description}; {checkpoint} has {hf_num_labels(raw)}")
-    if head is not None and num_labels is not None and head.num_labels != num_labels:
-        raise CheckpointError(f"{checkpoint} is {head.description}, but this run trains "
-                              f"{kind_of_head(num_labels).description}: start from its base model instead")
-    if num_labels is not None:
-        cfg = dataclasses.replace(cfg, num_labels=num_labels)
+    kind = head_kind(raw)  # None: a causal LM, which gets a fresh score head
+    is_classifier = kind is not None
+    if kind is not None and not cfg.attributes and hf_num_labels(raw) != kind.num_labels:
+        raise CheckpointError(f"a *{kind.hf_head} checkpoint must have num_labels={kind.num_labels} to be "
+                              f"{kind.description} (or name its outputs' {ATTRIBUTE_WEIGHTS}: an attribute head); "
+                              f"{checkpoint} has {hf_num_labels(raw)}")
+    if kind is not None and head is not None and cfg.head != head:
+        raise CheckpointError(f"{checkpoint} is {_describe(cfg.head)}, but this run trains {_describe(head)}: "
+                              "start from its base model instead")
+    if head is not None:
+        cfg = cfg.with_head(head)
     tensors = split_fused(tensors, cfg)
     model = RewardTransformer(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention,
                               scan_layers=scan_layers)

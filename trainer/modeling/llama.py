@@ -17,7 +17,6 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from rmflow.schemas.kinds import kind_of_head
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.attention import (
     attention,
@@ -330,7 +329,8 @@ class RewardTransformer(nnx.Module):
     """Decoder + ``score`` head, shaped by the reward model kind of ``cfg.num_labels``
     (``schemas.kinds``): a reward per sequence, or for a process reward model (Hugging Face's
     ``*ForTokenClassification`` head, with bias) the two class logits (incorrect, correct) of
-    each scored step.
+    each scored step, or for an attribute head (``cfg.attributes``) one output per attribute, the
+    reward their weighted sum.
 
     ``reward_index`` holds the explicit index of each sequence's reward token (each step's end),
     (B,) or (B, K) for K per row; scores come back in float32 with the same shape: the reward,
@@ -345,7 +345,7 @@ class RewardTransformer(nnx.Module):
         self.model = DecoderModel(cfg, dtype=dtype, remat=remat, rngs=rngs, attention=attention,
                                   scan_layers=scan_layers)
         std = score_init_std if score_init_std is not None else 1.0 / math.sqrt(cfg.hidden_size + 1)
-        self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=kind_of_head(cfg.num_labels).head_bias, dtype=dtype,
+        self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=cfg.kind.head_bias, dtype=dtype,
                                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
     def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
@@ -359,6 +359,12 @@ class RewardTransformer(nnx.Module):
         g = self.hidden_at(input_ids, positions, segment_ids, reward_index, branch_ids)
         return self.score(g).astype(jnp.float32)
 
+    def reward_of(self, logits: jax.Array) -> jax.Array:
+        """The score head's outputs (..., num_labels) -> the reward (...): the output; a process
+        model's log-odds; an attribute head's weighted sum (``attribute_weights``)."""
+        if self.config.attributes:
+            return jnp.sum(logits * jnp.asarray(self.config.attribute_weights, logits.dtype), axis=-1)
+        return logits[..., 0] if logits.shape[-1] == 1 else logits[..., 1] - logits[..., 0]
+
     def __call__(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
-        out = self.logits(input_ids, positions, segment_ids, reward_index, branch_ids)
-        return out[..., 0] if out.shape[-1] == 1 else out[..., 1] - out[..., 0]
+        return self.reward_of(self.logits(input_ids, positions, segment_ids, reward_index, branch_ids))

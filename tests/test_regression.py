@@ -1,0 +1,149 @@
+"""The regression objectives of K responses per prompt: an attribute head (one output per rated
+attribute) fitted to the ratings, the reward the outputs' weighted sum.
+
+* the regression sums and metrics by hand (RMSE and Pearson's r per attribute, padding ignored);
+* a run on rated responses through the real preprocess stage learns the ratings, alone and beside
+  a ranking loss, packed and one record a row alike; its best checkpoint ranks by a lower-is-better
+  error; it evaluates, exports as ``*ForSequenceClassification`` with ``num_labels`` = N, the
+  attribute names and weights, scored by transformers as rmflow scores it (1e-4, float32), and
+  loads back;
+* what cannot train is refused in one line: no ratings kept, weights of an attribute not kept,
+  weights without a regression objective.
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rmflow.trainer.loss import regression_metrics_of_sums, regression_sums
+
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+NAMES = ("helpfulness", "verbosity")
+
+
+def test_regression_sums_and_metrics_by_hand():
+    rng = np.random.default_rng(0)
+    pred, rated = rng.normal(size=(2, 5, 2)), rng.normal(size=(2, 5, 2))
+    group = np.array([[1, 1, 1, 2, 2], [1, 1, 0, 0, 0]])  # three records, padding slots last
+    sums = {k: np.asarray(v, np.float64) for k, v in regression_sums(jnp.asarray(pred), jnp.asarray(rated),
+                                                                     jnp.asarray(group)).items()}
+    real = group > 0
+    p, y = pred[real], rated[real]  # (7, 2)
+    records = [(0, slice(0, 3)), (0, slice(3, 5)), (1, slice(0, 2))]
+    assert sums["mse_sum"] == pytest.approx(sum(((pred[r, s] - rated[r, s]) ** 2).mean() for r, s in records), rel=1e-5)
+    m = regression_metrics_of_sums({**sums, "prompts": 3.0, "responses": 7.0, "pairs": 0.0, "loss_sum": 0.0,
+                                    "rank_loss_sum": 0.0, "center_sum": 0.0, "correct": 0.0, "ties": 0.0,
+                                    "best_sum": 0.0, "tau_sum": 0.0, "tau_prompts": 0.0, "reward_sum": 0.0,
+                                    "reward_sq_sum": 0.0}, NAMES)
+    for j, name in enumerate(NAMES):
+        assert m[f"{name}_rmse"] == pytest.approx(np.sqrt(((p[:, j] - y[:, j]) ** 2).mean()), rel=1e-5)
+        assert m[f"{name}_pearson"] == pytest.approx(np.corrcoef(p[:, j], y[:, j])[0, 1], rel=1e-4)
+    assert m["mse"] == pytest.approx(sums["mse_sum"] / 3)
+    flat = regression_metrics_of_sums({**sums, "prompts": 3.0, "responses": 7.0, "attr_pred_sq_sum":
+                                       sums["attr_pred_sum"] ** 2 / 7, **{k: 0.0 for k in ("pairs", "loss_sum",
+                                       "rank_loss_sum", "center_sum", "correct", "ties", "best_sum", "tau_sum",
+                                       "tau_prompts", "reward_sum", "reward_sq_sum")}}, NAMES)
+    assert np.isnan(flat["helpfulness_pearson"])  # outputs that do not vary have no correlation
+
+
+@pytest.fixture(scope="module")
+def rated(tmp_path_factory, tokenizer_dir):
+    """Prompts with 4 replies of random words, each rated: helpfulness 4 when the reply says
+    "excellent" (else 0), verbosity its word count; scored by preprocess's weights."""
+    from rmflow.pipelines.preprocess import run
+    from rmflow.schemas.config import PreprocessConfig
+
+    base = tmp_path_factory.mktemp("rated")
+    rng = np.random.default_rng(0)
+    with open(base / "rated.jsonl", "w") as f:
+        for i in range(160):
+            replies, ratings = [], []
+            for j in range(4):
+                words = list(rng.choice(WORDS, int(rng.integers(1, 7))))
+                if (i + j) % 2:
+                    words.insert(int(rng.integers(0, len(words) + 1)), "excellent")
+                replies.append(" ".join(words))
+                ratings.append({"helpfulness": 4.0 * ("excellent" in words), "verbosity": float(len(words))})
+            f.write(json.dumps({"prompt": f"question {i}: {' '.join(rng.choice(WORDS, 3))}?", "responses": replies,
+                                "attributes": ratings}) + "\n")
+    stats = run(PreprocessConfig(inputs=(str(base / "rated.jsonl"),), output=str(base / "shards"),
+                                 tokenizer=tokenizer_dir, max_length=128, eval_fraction=0.2, num_shards=1,
+                                 attributes=",".join(NAMES), attribute_weights="helpfulness=1,verbosity=-0.1")).stats
+    assert stats["kind"] == "multi-response" and stats["counts"]["errors"] == 0, stats["counts"]
+    return base / "shards"
+
+
+def _train(shards, out, **kw):
+    from rmflow.schemas.train_config import TrainConfig
+    from rmflow.trainer.train import run as train
+
+    return train(TrainConfig.from_dict({"data": str(shards), "model": "micro", "output": str(out), "batch_size": 8,
+                                        "seed": 0, "optimizer": {"learning_rate": 3e-3, "warmup_steps": 1},
+                                        "logging": {"steps": 5}, **kw}))
+
+
+@pytest.mark.slow
+def test_a_regression_run_learns_the_ratings_evaluates_and_exports_with_its_attribute_head(rated, tmp_path):
+    import torch
+    from rmflow.schemas.config import EvalConfig, ExportConfig
+    from rmflow.trainer.export import export
+    from rmflow.trainer.inference import load_model, score_sequences
+    from transformers import AutoModelForSequenceClassification
+
+    from rmflow.eval.evaluation import run_eval
+
+    result = _train(rated, tmp_path / "run", objective="bradley-terry+regression", max_steps=60, eval_steps=30,
+                    checkpoint={"save_steps": 30, "metric_for_best": "eval_helpfulness_rmse"})
+    first, last = result.history[0], result.history[-1]
+    assert last["helpfulness_rmse"] < 0.6 * first["helpfulness_rmse"]
+    assert last["eval_helpfulness_pearson"] > 0.9 and last["eval_verbosity_pearson"] > 0.9, last
+    assert load_model(str(tmp_path / "run"), "best").step == 60  # the lower error ranks first
+    assert last["eval_accuracy"] > 0.6 and "eval_best_of_k_accuracy" in last
+    # packed rows and one record a row give the same loss and metrics
+    losses = {p: _train(rated, tmp_path / f"two-{p}", objective="regression", max_steps=2,
+                        data={"train": str(rated), "packing": p}).history[-1] for p in ("pack", "none")}
+    for key in ("loss", "mse", "helpfulness_rmse", "eval_mse"):
+        assert losses["pack"][key] == pytest.approx(losses["none"][key], abs=1e-5), key
+    # from raw moments summed in float32 per batch: alike to the digits those keep
+    assert losses["pack"]["eval_verbosity_pearson"] == pytest.approx(losses["none"]["eval_verbosity_pearson"], abs=1e-3)
+
+    m = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(rated),), output=str(tmp_path / "eval")))
+    assert m["kind"] == "outcome" and m["ranking"]["pair_accuracy"] > 0.6
+
+    folder = export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "export")))
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["num_labels"] == 2 and config["id2label"] == {"0": "helpfulness", "1": "verbosity"}
+    assert config["attribute_weights"] == {"helpfulness": 1.0, "verbosity": -0.1}
+    loaded = load_model(str(tmp_path / "run"))
+    seqs = [np.arange(3, 3 + n) * 7 % 500 + 3 for n in (5, 9, 14)]
+    ours = score_sequences(loaded.model, seqs, pad_id=loaded.pad_id)
+    hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        outputs = np.stack([hf(input_ids=torch.tensor([s.tolist()])).logits[0].numpy() for s in seqs])
+    np.testing.assert_allclose(outputs @ np.array([1.0, -0.1]), ours, atol=1e-4)
+    back = load_model(folder)  # the export read back: the same attribute head
+    assert back.model.config.attributes == NAMES and back.kind.name == "outcome"
+    np.testing.assert_allclose(score_sequences(back.model, seqs, pad_id=back.pad_id), ours, atol=1e-5)
+
+
+def test_what_cannot_train_an_attribute_head_is_refused_in_one_line(rated, tmp_path, tokenizer_dir):
+    from rmflow.pipelines.preprocess import run
+    from rmflow.schemas.config import PreprocessConfig
+    from rmflow.schemas.options import ConfigError
+    from rmflow.schemas.train_config import TrainConfig
+    from rmflow.trainer.errors import TrainError
+
+    lines = (rated.parent / "rated.jsonl").read_text().splitlines()[:12]
+    (tmp_path / "few.jsonl").write_text("\n".join(lines) + "\n")
+    run(PreprocessConfig(inputs=(str(tmp_path / "few.jsonl"),), output=str(tmp_path / "unrated"),
+                         tokenizer=tokenizer_dir, max_length=128, eval_fraction=0.0, num_shards=1,
+                         attribute_weights="helpfulness=1"))  # scored by a rating, which is not kept
+    with pytest.raises(TrainError, match="do not keep: preprocess with --attributes"):
+        _train(tmp_path / "unrated", tmp_path / "a", objective="regression", max_steps=3)
+    with pytest.raises(TrainError, match="weigh honesty, which the records do not keep"):
+        _train(rated, tmp_path / "b", objective="regression", attribute_weights="honesty=1", max_steps=3)
+    with pytest.raises(ConfigError, match="objective bradley-terry trains none"):
+        TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", "attribute_weights": "helpfulness=1"})
+    with pytest.raises(ConfigError, match="objective 'ridge'"):
+        TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", "objective": "ridge"})
