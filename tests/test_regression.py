@@ -110,6 +110,10 @@ def test_a_regression_run_learns_the_ratings_evaluates_and_exports_with_its_attr
 
     m = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(rated),), output=str(tmp_path / "eval")))
     assert m["kind"] == "outcome" and m["ranking"]["pair_accuracy"] > 0.6
+    attrs = m["ranking"]["attributes"]  # the head's outputs against the held-out ratings
+    assert attrs["helpfulness"]["pearson"] == pytest.approx(last["eval_helpfulness_pearson"], abs=1e-3)
+    assert attrs["verbosity"]["rmse"] == pytest.approx(last["eval_verbosity_rmse"], rel=1e-3)
+    assert "| helpfulness |" in (tmp_path / "eval" / "report.md").read_text()
 
     folder = export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "export")))
     config = json.loads((tmp_path / "export" / "config.json").read_text())
@@ -122,6 +126,7 @@ def test_a_regression_run_learns_the_ratings_evaluates_and_exports_with_its_attr
     with torch.no_grad():
         outputs = np.stack([hf(input_ids=torch.tensor([s.tolist()])).logits[0].numpy() for s in seqs])
     np.testing.assert_allclose(outputs @ np.array([1.0, -0.1]), ours, atol=1e-4)
+    _scores_its_attributes(tmp_path, folder)
     back = load_model(folder)  # the export read back: the same attribute head
     assert back.model.config.attributes == NAMES and back.kind.name == "outcome"
     np.testing.assert_allclose(score_sequences(back.model, seqs, pad_id=back.pad_id), ours, atol=1e-5)
@@ -147,3 +152,40 @@ def test_what_cannot_train_an_attribute_head_is_refused_in_one_line(rated, tmp_p
         TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", "attribute_weights": "helpfulness=1"})
     with pytest.raises(ConfigError, match="objective 'ridge'"):
         TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", "objective": "ridge"})
+
+
+def _scores_its_attributes(tmp_path, model):
+    """The API, `rmflow score` and `rmflow serve` give each conversation's attribute outputs by
+    name beside its reward (their weighted sum), a K-response line's for each response, its
+    prompt computed once, equal to each conversation alone."""
+    from rmflow import RewardModel
+    from rmflow.scoring.scorers import score_file
+    from tests.test_serve import KEY, Server
+
+    rm = RewardModel.load(str(model))
+    assert rm.attributes == NAMES and rm.attribute_weights == {"helpfulness": 1.0, "verbosity": -0.1}
+    chats = [[{"role": "user", "content": "question 1: alpha?"}, {"role": "assistant", "content": reply}]
+             for reply in ("bravo excellent", "charlie delta echo foxtrot golf", "hotel")]
+    rewards, attributes = rm.score(chats), rm.score_attributes(chats)
+    for reward, a in zip(rewards, attributes):
+        assert reward == pytest.approx(a["helpfulness"] - 0.1 * a["verbosity"], abs=1e-5)
+    assert attributes[0]["helpfulness"] > attributes[2]["helpfulness"]  # it says "excellent"
+    record = {"prompt": "question 1: alpha?", "responses": [c[1]["content"] for c in chats], "scores": [2, 1, 0]}
+    (tmp_path / "in.jsonl").write_text(json.dumps({"messages": chats[0]}) + "\n" + json.dumps(record) + "\n")
+    score_file(str(model), str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"))
+    one, group = (json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines())
+    assert one["attribute_scores"] == pytest.approx(attributes[0], abs=1e-5)
+    for got, want in zip(group["response_attribute_scores"], attributes):
+        assert got == pytest.approx(want, abs=1e-5)
+    server = Server(model, "--max-batch-rows", "4", "--token-budget", "512", env={"RMFLOW_API_KEY": KEY})
+    try:
+        r = server.post("/v1/score", {"conversations": chats})
+        assert r.status_code == 200, r.text
+        for got, want in zip(r.json()["attribute_scores"], attributes):
+            assert got == pytest.approx(want, abs=1e-5)
+        r = server.post("/v1/score", {"responses": [record]})
+        assert r.status_code == 200, r.text
+        for got, want in zip(r.json()["response_attribute_scores"][0], attributes):
+            assert got == pytest.approx(want, abs=1e-5)
+    finally:
+        server.stop()

@@ -70,14 +70,18 @@ def _rewards(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx) -> ja
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _step_probabilities(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx, branches=None) -> jax.Array:
-    logits = nnx.merge(graphdef, state).logits(ids, pos, seg, idx, branches)
-    return jax.nn.softmax(logits, axis=-1)[..., 1]
+def _rewards_and_outputs(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx, branches=None
+                         ) -> tuple[jax.Array, jax.Array]:
+    """The rewards and the score head's outputs (an attribute head's: one per attribute)."""
+    model = nnx.merge(graphdef, state)
+    outputs = model.logits(ids, pos, seg, idx, branches)
+    return model.reward_of(outputs), outputs
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _slot_rewards(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx, branches) -> jax.Array:
-    return nnx.merge(graphdef, state)(ids, pos, seg, idx, branches)
+def _step_probabilities(graphdef: nnx.GraphDef, state: nnx.State, ids, pos, seg, idx, branches=None) -> jax.Array:
+    logits = nnx.merge(graphdef, state).logits(ids, pos, seg, idx, branches)
+    return jax.nn.softmax(logits, axis=-1)[..., 1]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -310,6 +314,7 @@ class SequenceScorer:
     def __init__(self, model: RewardTransformer, shapes: ScoringShapes, *, pad_id: int = 0):
         self._graphdef, self._state = nnx.split(model)
         self.shapes, self.pad_id = shapes, pad_id
+        self.attributes = model.config.attributes  # an attribute head's outputs, by name: scored beside the reward
         self.compiled: set[tuple[int, int]] = set()  # shapes run so far
 
     def warm_up(self) -> None:
@@ -318,13 +323,20 @@ class SequenceScorer:
             self._run_padded(np.full((rows, length), self.pad_id, np.int32), np.zeros((rows, length), np.int32),
                              np.zeros(rows, np.int32))
 
-    def _run_padded(self, ids: np.ndarray, seg: np.ndarray, last: np.ndarray) -> np.ndarray:
+    def _run_padded(self, ids: np.ndarray, seg: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         self.compiled.add(ids.shape)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-        return np.asarray(_rewards(self._graphdef, self._state, ids, pos, seg, last))
+        if self.attributes:
+            rewards, outputs = _rewards_and_outputs(self._graphdef, self._state, ids, pos, seg, last)
+            return np.asarray(rewards), np.asarray(outputs)
+        return np.asarray(_rewards(self._graphdef, self._state, ids, pos, seg, last)), None
 
     def run(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
         """Rewards of one batch: at most the rows of the length its longest sequence needs."""
+        return self.run_outputs(sequences)[0]
+
+    def run_outputs(self, sequences: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rewards of one batch and, for an attribute head, its outputs (B, N); else None."""
         length = self.shapes.length_for(max(len(s) for s in sequences))
         if len(sequences) > self.shapes.rows(length):
             raise ValueError(f"{len(sequences)} sequences of up to {length} tokens: a batch holds "
@@ -335,7 +347,8 @@ class SequenceScorer:
         last = np.zeros(rows, np.int32)
         for row, s in enumerate(sequences):
             ids[row, : len(s)], seg[row, : len(s)], last[row] = s, 1, len(s) - 1
-        return self._run_padded(ids, seg, last)[: len(sequences)]
+        rewards, outputs = self._run_padded(ids, seg, last)
+        return rewards[: len(sequences)], None if outputs is None else outputs[: len(sequences)]
 
     def score(self, sequences: Sequence[np.ndarray], progress=None) -> np.ndarray:
         """Rewards of any number of sequences (each at its last token), in input order."""
@@ -440,8 +453,17 @@ def score_responses(model: RewardTransformer, records: Sequence[ResponsesRecord]
     """The reward of each response of each record, in order, each prompt computed once: the
     records packed as in training (``ResponsesPackCollate``, one row of about ``tokens`` tokens,
     or one record) and scored at every response's reward token."""
+    return score_responses_outputs(model, records, tokens=tokens, max_length=max_length, pad_id=pad_id)[0]
+
+
+def score_responses_outputs(model: RewardTransformer, records: Sequence[ResponsesRecord], *, tokens: int = 8192,
+                            max_length: int | None = None, pad_id: int = 0
+                            ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``score_responses``, and the score head's outputs of each response of each record, (K, N)
+    (an attribute head's: one per attribute)."""
     graphdef, state = nnx.split(model)
     out: list[np.ndarray] = []
+    heads: list[np.ndarray] = []
     start = 0
     while start < len(records):
         end, size = start, 0
@@ -451,18 +473,20 @@ def score_responses(model: RewardTransformer, records: Sequence[ResponsesRecord]
         chunk = records[start:end]
         longest = max(r.prompt_len + max(len(x) for x in r.responses) for r in chunk)
         b = ResponsesPackCollate(len(chunk), max(max_length or 0, longest), pad_id)(chunk)
-        rewards = _slot_rewards(graphdef, state, *(b[k] for k in ("input_ids", "positions", "segment_ids",
-                                                                     "reward_index", "branch_ids")))
+        rewards, outputs = _rewards_and_outputs(graphdef, state, *(b[k] for k in (
+            "input_ids", "positions", "segment_ids", "reward_index", "branch_ids")))
         out += record_values(np.asarray(rewards), b["record_slots"])
+        heads += record_values(np.asarray(outputs), b["record_slots"])
         start = end
-    return out
+    return out, heads
 
 
 def score_groups(model: RewardTransformer, groups: Sequence[Sequence[np.ndarray]], *, pad_id: int = 0
-                 ) -> list[np.ndarray]:
+                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The reward of each sequence of each group (one prompt's K conversations, each the prompt and
     one response, as encoded for scoring), at its last token, the tokens the group's sequences
-    share at their start computed once (``score_responses``)."""
+    share at their start computed once (``score_responses``); and each sequence's score head
+    outputs, (K, N) a group."""
     records = []
     for seqs in groups:
         seqs = [np.asarray(s, np.int32) for s in seqs]
@@ -473,7 +497,7 @@ def score_groups(model: RewardTransformer, groups: Sequence[Sequence[np.ndarray]
         records.append(ResponsesRecord(prompt_ids=seqs[0][:shared], responses=[s[shared:] for s in seqs],
                                        lasts=[len(s) - 1 for s in seqs], scores=np.zeros(len(seqs)),
                                        record_id="0" * 32))
-    return score_responses(model, records, pad_id=pad_id)
+    return score_responses_outputs(model, records, pad_id=pad_id)
 
 
 def _unit_tokens(r: ResponsesRecord) -> int:

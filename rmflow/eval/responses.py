@@ -104,13 +104,41 @@ def eval_records(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[st
     """The multi-response kind's evaluator: shards of ``ResponsesRecord`` (or raw files read into
     them), each response's reward that of its own conversation with its prompt (the prompt
     computed once, ``score_responses``), ranked as ``run_responses`` ranks them."""
-    from rmflow.trainer.inference import score_responses
+    from rmflow.trainer.inference import score_responses_outputs
 
-    rewards = np.concatenate(score_responses(loaded.model, records, pad_id=loaded.pad_id))  # each prompt once
+    rewards, outputs = score_responses_outputs(loaded.model, records, pad_id=loaded.pad_id)  # each prompt once
+    rewards = np.concatenate(rewards)
     lengths = [r.lasts[i] + 1 for r in records for i in range(r.k)]
     spans = np.cumsum([0] + [r.k for r in records])
-    return _ranked(cfg, loaded, records, rewards, lengths, list(zip(spans[:-1], spans[1:])),
-                   {"count": 0, "reasons": {}, "first": None})
+    metrics, write = _ranked(cfg, loaded, records, rewards, lengths, list(zip(spans[:-1], spans[1:])),
+                             {"count": 0, "reasons": {}, "first": None})
+    names = loaded.model.config.attributes
+    if names and records and data_attributes(cfg) == names:  # an attribute head against the ratings it learned
+        metrics["ranking"]["attributes"] = attribute_metrics(np.concatenate(outputs),
+                                                             np.concatenate([r.attributes for r in records]), names)
+    return metrics, write
+
+
+def data_attributes(cfg: EvalConfig) -> tuple[str, ...]:
+    """The attribute ratings the evaluated shards keep, by name (their manifest's); () for raw files."""
+    from rmflow.trainer import storage
+    from rmflow.trainer.setup import read_manifest
+
+    if len(cfg.data) != 1 or not storage.is_shard_folder([cfg.data[0]]):
+        return ()
+    return read_manifest(cfg.data[0]).attributes
+
+
+def attribute_metrics(outputs: np.ndarray, ratings: np.ndarray, names: tuple[str, ...]) -> dict[str, dict]:
+    """Per attribute, the head's outputs (n, N) against the ratings (n, N): RMSE and Pearson's r
+    (nan where either does not vary)."""
+    out = {}
+    for j, name in enumerate(names):
+        p, y = outputs[:, j].astype(np.float64), ratings[:, j].astype(np.float64)
+        varies = p.std() > 0 and y.std() > 0
+        out[name] = {"rmse": float(np.sqrt(np.mean((p - y) ** 2))),
+                     "pearson": float(np.corrcoef(p, y)[0, 1]) if varies else float("nan")}
+    return out
 
 
 def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, rewards, lengths, spans, skipped
@@ -160,4 +188,7 @@ def markdown(m: dict[str, Any], model: str, data: list[str]) -> str:
                   "| --- | ---: | ---: | ---: | ---: |"]
         lines += [f"| {k} | {v['prompts']:,} | {v['pair_accuracy']:.4f} | {v['best_of_k_accuracy']:.4f} | "
                   f"{v['length_baseline']['pair_accuracy']:.4f} |" for k, v in r["subsets"].items()]
+    if r.get("attributes"):  # an attribute head's outputs against the ratings
+        lines += ["", "| attribute | RMSE | Pearson's r |", "| --- | ---: | ---: |"]
+        lines += [f"| {k} | {v['rmse']:.4f} | {v['pearson']:.4f} |" for k, v in r["attributes"].items()]
     return "\n".join(lines) + "\n"

@@ -71,6 +71,11 @@ def _encode_each(items: Sequence[Any], encode, what: str) -> list:
     return out
 
 
+def attribute_scores(names: Sequence[str], outputs: Any) -> dict[str, float]:
+    """An attribute head's outputs of one conversation, by name."""
+    return {n: float(v) for n, v in zip(names, outputs)}
+
+
 class RewardModel:
     """A trained reward model with its tokenizer: ``load``, then ``score`` / ``score_pairs``."""
 
@@ -211,13 +216,46 @@ class RewardModel:
             self._scorers[shapes] = make(self._loaded.model, shapes, pad_id=self._loaded.pad_id)
         return self._scorers[shapes]
 
+    @property
+    def attributes(self) -> tuple[str, ...]:
+        """An attribute head's outputs, by name (a model trained with a regression objective); ()
+        for any other model. Its reward is their weighted sum (``attribute_weights``)."""
+        return self._loaded.model.config.attributes
+
+    @property
+    def attribute_weights(self) -> dict[str, float]:
+        return dict(zip(self.attributes, self._loaded.model.config.attribute_weights))
+
     def score_groups(self, groups: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
         """The reward of each encoded conversation (``encode``) of each group, one group a prompt's
         K responses, the prompt computed once (``trainer.inference.score_groups``); equal to
         ``score_ids`` of each alone."""
+        return self.score_groups_outputs(groups)[0]
+
+    def score_groups_outputs(self, groups: Sequence[Sequence[np.ndarray]]
+                             ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """``score_groups``, and each conversation's score head outputs, (K, N) a group (an
+        attribute head's: one per attribute, ``attributes``)."""
         from rmflow.trainer.inference import score_groups
 
         return score_groups(self._loaded.model, groups, pad_id=self._loaded.pad_id)
+
+    def score_attributes(self, conversations: Sequence[Conversation], *, batch_size: int = SCORING_BATCH_SIZE
+                         ) -> list[dict[str, float]]:
+        """An attribute head's outputs for each conversation, by name (``attributes``), in input
+        order; the reward (``score``) is their weighted sum."""
+        self._require(OUTCOME, "score_attributes")
+        if not self.attributes:
+            raise WrongModelKind("score_attributes: this model has no attribute head (it was not trained with a "
+                                 "regression objective); use score")
+        seqs = _encode_each(conversations, self.encode, "conversation")
+        scorer = self.scorer(self.shapes(batch_size))
+        out: list[dict[str, float]] = [{}] * len(seqs)
+        for batch in scorer.shapes.plan([len(s) for s in seqs]):
+            _, outputs = scorer.run_outputs([seqs[i] for i in batch])
+            for i, row in zip(batch, outputs):
+                out[i] = attribute_scores(self.attributes, row)
+        return out
 
     def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
                   progress=None) -> np.ndarray:

@@ -45,7 +45,14 @@ from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
 from rmflow.schemas.paths import is_url
 from rmflow.scoring.api import BadConversation, RewardModel
-from rmflow.scoring.scorers import BEST_RESPONSE, RESPONSE_SCORES, echoed, response_fields, responses_of
+from rmflow.scoring.scorers import (
+    BEST_RESPONSE,
+    RESPONSE_ATTRIBUTES,
+    RESPONSE_SCORES,
+    echoed,
+    group_fields,
+    responses_of,
+)
 
 SCORES_PREFIX = "scores"
 BEST_FILE = "best.jsonl"
@@ -53,7 +60,7 @@ PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = "summary.json"
 PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
 SCORE_FIELDS = tuple(dict.fromkeys((*PAIR_FIELDS, *(f for s in every("scorer").values() for f in s.fields),
-                                    RESPONSE_SCORES, BEST_RESPONSE)))  # last, in this order
+                                    RESPONSE_SCORES, BEST_RESPONSE, RESPONSE_ATTRIBUTES)))  # last, in this order
 JOB_FIELDS = frozenset({"source", "line", "error", *SCORE_FIELDS})  # rmflow's: a record's own is input_<name>
 CONTENT_FIELDS = ("messages", "chosen", "rejected", "prompt", "completions", "steps")  # not echoed back
 RESPONSES_CONTENT = ("responses", "answers", "instruction")  # a K-response record's, besides: not echoed back
@@ -180,8 +187,8 @@ class RewardModelHandler(ModelHandler):
         for i, rs in per.items():
             out[i] = {"fields": _fields(kinds[i], rs)}
         if groups:
-            for i, scores in zip(groups, model.score_groups(list(groups.values()))):
-                out[i] = {"fields": response_fields([float(x) for x in scores])}
+            for i, fields in zip(groups, group_fields(model, list(groups.values()))):
+                out[i] = {"fields": fields}
         return [PredictionResult(ex, r) for ex, r in zip(batch, out)]
 
     def get_metrics_namespace(self) -> str:

@@ -33,7 +33,7 @@ from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.metrics import STEP_THRESHOLD
 from rmflow.schemas.stops import refuse_if_stopping
-from rmflow.scoring.api import BadConversation, RewardModel
+from rmflow.scoring.api import BadConversation, RewardModel, attribute_scores
 
 
 def _lines(path: str):
@@ -115,8 +115,8 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
         if progress:
             progress(len(batch))
     if groups:  # a record of K responses: its prompt computed once
-        for (row, _), scores in zip(groups, rm.score_groups([g for _, g in groups])):
-            rows[row].update(response_fields([float(s) for s in scores]))
+        for (row, _), fields in zip(groups, group_fields(rm, [g for _, g in groups])):
+            rows[row].update(fields)
         if progress:
             progress(len(groups))
     _write(output_path, rows)
@@ -125,9 +125,18 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
 
 
 
-def response_fields(scores: list[float]) -> dict[str, Any]:
-    """A K-response record's output: its responses' scores in the given order and the best's index."""
-    return {RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__)}
+def response_fields(scores: list[float], attributes: list[dict[str, float]] | None = None) -> dict[str, Any]:
+    """A K-response record's output: its responses' scores in the given order and the best's index;
+    for an attribute head, each response's outputs by name."""
+    return {RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__),
+            **({RESPONSE_ATTRIBUTES: attributes} if attributes else {})}
+
+
+def group_fields(rm: RewardModel, groups: list[list]) -> list[dict[str, Any]]:
+    """``response_fields`` of each group of encoded conversations (one prompt's K), its prompt computed once."""
+    rewards, outputs = rm.score_groups_outputs(groups)
+    return [response_fields([float(s) for s in r], [attribute_scores(rm.attributes, o) for o in out]
+                            if rm.attributes else None) for r, out in zip(rewards, outputs)]
 
 
 def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
@@ -149,9 +158,10 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
 
 
 def _run_outcome(rm: RewardModel, seqs: list, shapes) -> list[dict[str, Any]]:
-    scores = rm.scorer(shapes).run(seqs)
+    scores, outputs = rm.scorer(shapes).run_outputs(seqs)
     normalized = rm.normalize(scores) if rm.normalization and rm.normalization.get("std") else None
-    return [{"score": float(s), **({"score_normalized": float(normalized[k])} if normalized is not None else {})}
+    return [{"score": float(s), **({"score_normalized": float(normalized[k])} if normalized is not None else {}),
+             **({ATTRIBUTE_SCORES: attribute_scores(rm.attributes, outputs[k])} if outputs is not None else {})}
             for k, s in enumerate(scores)]
 
 
@@ -185,12 +195,14 @@ class Scorer:
 
 # Each reward model kind's scoring of one input (a JSONL line, a server request item): its part
 # of the kind's handlers (rmflow.handlers).
-OUTCOME_SCORER = Scorer(RewardModel.encode, len, _run_outcome, ("score", "score_normalized"), _warm)
+ATTRIBUTE_SCORES = "attribute_scores"  # an attribute head's outputs by name (RewardModel.attributes)
+OUTCOME_SCORER = Scorer(RewardModel.encode, len, _run_outcome, ("score", "score_normalized", ATTRIBUTE_SCORES), _warm)
 PROCESS_SCORER = Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
                         _warm, _step_slots)
-RESPONSE_SCORES, BEST_RESPONSE = "response_scores", "best_response"  # a K-response record's (responses_of)
+# a K-response record's (responses_of)
+RESPONSE_SCORES, BEST_RESPONSE, RESPONSE_ATTRIBUTES = "response_scores", "best_response", "response_attribute_scores"
 OUTPUT_FIELDS = frozenset({*(f for s in (OUTCOME_SCORER, PROCESS_SCORER) for f in s.fields), RESPONSE_SCORES,
-                           BEST_RESPONSE})  # rmflow's: never a record's own
+                           BEST_RESPONSE, RESPONSE_ATTRIBUTES})  # rmflow's: never a record's own
 
 
 def _write(path: str, rows: list[dict[str, Any]]) -> None:

@@ -39,6 +39,7 @@ from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import ServeConfig
 from rmflow.schemas.errors import RmflowError
+from rmflow.scoring.scorers import ATTRIBUTE_SCORES, RESPONSE_ATTRIBUTES
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
 from rmflow.server.metrics import ServerMetrics
 from rmflow.server.protocol import (
@@ -225,6 +226,8 @@ def create_app(service: Service) -> Starlette:
             per = [results[end - k : end] for k, end in zip(parsed.options["groups"], ends)]
             out = {"response_scores": [[r["score"] for r in rs] for rs in per],
                    "best_responses": [max(range(len(rs)), key=lambda i, rs=rs: rs[i]["score"]) for rs in per]}
+            if service.rm.attributes:  # an attribute head's outputs, by name, beside each reward
+                out[RESPONSE_ATTRIBUTES] = [[r[ATTRIBUTE_SCORES] for r in rs] for rs in per]
             if parsed.options.get("normalized"):
                 out["normalized_response_scores"] = [[r["score_normalized"] for r in rs] for rs in per]
             return {**out, "model": identity()}
@@ -233,6 +236,8 @@ def create_app(service: Service) -> Starlette:
             if field == "score_normalized" and not parsed.options.get("normalized"):
                 continue
             out[column] = [r[field] for r in results]
+        if service.rm.attributes:
+            out[ATTRIBUTE_SCORES] = [r[ATTRIBUTE_SCORES] for r in results]
         return {**out, "model": identity()}
 
     def reward(r: dict[str, Any]) -> float:
