@@ -18,7 +18,7 @@ pairwise accuracy; then the ratios against the listwise run. ``--repeat`` altern
 and reports medians and spreads.
 
     .venv/bin/python benchmarks/listwise.py [--prompts 150] [--batch-size 4] [--max-length 1024]
-        [--listwise-batch-size N] [--ranking-loss bradley-terry] [--repeat 1]
+        [--listwise-batch-size N] [--objective bradley-terry] [--repeat 1]
 
 Needs the `bench` extra (trl, torch CPU).
 """
@@ -81,7 +81,7 @@ def main() -> None:
                     "as --batch-size on average)")
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--learning-rate", type=float, default=1e-4)
-    ap.add_argument("--ranking-loss", default="bradley-terry")
+    ap.add_argument("--objective", default="bradley-terry")
     ap.add_argument("--repeat", type=int, default=1)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="rmflow-listwise-") as tmp:
@@ -95,7 +95,7 @@ def main() -> None:
         runs = {
             "rmflow listwise": ("rmflow", {**common, "shards": str(work / "whole"), "steps": 0, "batch": listwise_batch,
                                            "warmup": max(1, math.ceil(train_prompts / listwise_batch) // 10),
-                                           "ranking_loss": a.ranking_loss, "work": str(work / "listwise")}),
+                                           "objective": a.objective, "work": str(work / "listwise")}),
             "rmflow expanded pairs": ("rmflow", {**common, "shards": str(work / "pairs"), "steps": 0,
                                                  "warmup": max(1, pair_steps // 10), "work": str(work / "pairs-rm")}),
             "TRL expanded pairs": ("trl", {**common, "shards": str(work / "pairs"), "steps": pair_steps,
@@ -120,7 +120,7 @@ def main() -> None:
           f"{counts['whole']['pairs_written_train']} train prompts "
           f"({train_pairs} pairs expanded), {counts['whole']['pairs_written_eval']} held out; tiny Llama, SmolLM2 "
           f"tokenizer, {a.batch_size} pairs or {listwise_batch} prompts a step, max_length {a.max_length}, "
-          f"{a.ranking_loss}, one epoch; "
+          f"{a.objective}, one epoch; "
           f"median of {a.repeat} (spread min-max)\n")
     head = ("run", "steps", "epoch s", "spread", "listwise faster by", "real tokens", "tokens run", "peak MiB",
             "held-out pairwise accuracy")

@@ -86,7 +86,7 @@ def main() -> None:
             run = tmp / f"run-{mode}"
             train(TrainConfig.from_dict({"data": str(shards), "model": a.model, "output": str(run),
                                          "max_steps": a.steps, "batch_size": a.batch_size, "seed": 0,
-                                         "ranking_loss": LISTWISE.get(mode, "bradley-terry"),
+                                         "objective": LISTWISE.get(mode, "bradley-terry"),
                                          "optimizer": {"learning_rate": a.learning_rate,
                                                        "warmup_steps": max(a.steps // 10, 1)},
                                          "logging": {"report_to": []}, "compilation_cache": "off"}))

@@ -271,7 +271,7 @@ def child_rmflow(args: dict) -> dict:
                       model={"path": args["model"], "dtype": args.get("dtype", "float32"), "gradient_checkpointing": bool(args.get("grad_ckpt")), "attention": args.get("attention", "auto"), "scan_layers": args.get("scan_layers", "auto")},
                       output=args["work"] + f"/rm-{args['mode']}", max_steps=args["steps"], batch_size=args["batch"],
                       optimizer={"learning_rate": args["lr"], "warmup_steps": args["warmup"], "schedule": "linear", "max_grad_norm": 1.0},
-                      center_rewards_coefficient=args["center"], ranking_loss=args.get("ranking_loss", "bradley-terry"), logging={"steps": 1, "report_to": ()}, seed=0,
+                      center_rewards_coefficient=args["center"], objective=args.get("objective", "bradley-terry"), logging={"steps": 1, "report_to": ()}, seed=0,
                       compilation_cache=args["cache"])
     start = time.perf_counter()
     result = run(cfg, on_log=on_log)

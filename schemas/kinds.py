@@ -14,7 +14,11 @@ kind names or head widths itself.
   conversation as an outcome model does (``scores_as``): it evaluates, exports, scores and serves
   as one.
 
-A new kind (say, a multi-attribute regression model) is one entry here, its record type in
+A multi-response run's regression objectives give the model an attribute head (one output per
+rated attribute, its reward their weighted sum): still an outcome model, whose score head
+``trainer.modeling.config.ScoreHead`` describes; ``kind_of_head`` knows only the kinds' own heads.
+
+A new kind (say, a generative judge) is one entry here, its record type in
 ``schemas/record.py``, its rendering recipe (``rendering``), its objective in
 ``trainer/objective.py``, its scoring core in ``trainer/inference.py`` and its handler set in
 ``rmflow/handlers.py``; ``tests/test_kinds.py`` names any that lacks it.

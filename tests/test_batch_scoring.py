@@ -251,7 +251,7 @@ def test_the_scoring_template_entry_point_runs_locally_with_the_launchers_argume
 
 
 def test_the_job_scores_a_k_response_line_with_its_prompt_once(job, monkeypatch):
-    """The Beam job's model handler gives one prompt's K responses to RewardModel.score_groups
+    """The Beam job's model handler gives one prompt's K responses to RewardModel.score_groups_outputs
     (the prompt computed once, as local `rmflow score` does), the other lines to the sequence
     scorer; the scores equal each response scored alone."""
     from rmflow.scoring.api import RewardModel
@@ -259,8 +259,8 @@ def test_the_job_scores_a_k_response_line_with_its_prompt_once(job, monkeypatch)
 
     base, rm, convs, _, _ = job
     grouped = []
-    real = RewardModel.score_groups
-    monkeypatch.setattr(RewardModel, "score_groups", lambda self, groups: grouped.append(len(groups))
+    real = RewardModel.score_groups_outputs
+    monkeypatch.setattr(RewardModel, "score_groups_outputs", lambda self, groups: grouped.append(len(groups))
                         or real(self, groups))
     k = {"prompt": "Pick one.", "responses": ["A.", "B, because it is longer.", "C"], "scores": [1, 3, 2]}
     spec = JobSpec(model=str(base / "run"), step=None, staging="", output="", num_shards=1, token_budget=1024,

@@ -313,6 +313,7 @@ def test_scoring_records_computes_each_prompt_once_and_equals_each_conversation_
 
     groups = [[r.sequence(i) for i in range(r.k)] for r in recs[:3]]
     groups.append([np.array([5, 6, 7], np.int32), np.array([8, 6], np.int32), np.array([5, 6, 7, 9], np.int32)])
-    got = score_groups(model, groups)
+    got, outputs = score_groups(model, groups)
+    assert [o.shape for o in outputs] == [(len(g), 1) for g in groups]  # the score head's, one output a sequence
     flat = [s for g in groups for s in g]
     np.testing.assert_allclose(np.concatenate(got), score_sequences(model, flat, batch_size=4), atol=1e-5, rtol=0)

@@ -177,8 +177,8 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
     loaded = LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, render,
                          exported.get("step"), exported.get("run"), exported.get("max_length"), exported.get("kind"))
     if loaded.kind != model.config.kind:
-        raise ModelLoadError(f"{path}: {EXPORT_INFO} says it is {loaded.kind.description}; its config.json's score "
-                             f"head ({model.config.num_labels} output(s)) is {model.config.kind.description}")
+        raise ModelLoadError(f"{path}: {EXPORT_INFO} says it is {loaded.kind.description}; its config.json has "
+                             f"{model.config.num_labels} output(s), {model.config.kind.description}")
     return loaded
 
 
