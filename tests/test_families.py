@@ -103,6 +103,26 @@ def test_a_longrope_config_is_read_within_its_original_context_or_refused_naming
         ModelConfig.from_hf({**d, "rope_scaling": {"type": "longrope", "long_factor": [3.0, 4.0]}})
 
 
+def test_rope_on_part_of_each_head_is_read_where_transformers_applies_it_and_refused_elsewhere():
+    """partial_rotary_factor (Phi-4-mini: 0.75, top level or among the RoPE parameters) sets the
+    rotated dimensions, also the short factors' count; a family whose transformers code rotates
+    whole heads, or a factor leaving an odd or empty part, is refused naming the field."""
+    from rmflow.trainer.modeling.config import ModelConfig, ModelConfigError
+
+    d = {"model_type": "phi3", "vocab_size": 10, "hidden_size": 32, "intermediate_size": 6, "num_hidden_layers": 1,
+         "num_attention_heads": 2}
+    assert ModelConfig.from_hf({**d, "partial_rotary_factor": 0.75}).rotary_dim == 12
+    assert ModelConfig.from_hf({**d, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                         "partial_rotary_factor": 0.5}}).rotary_dim == 8
+    with pytest.raises(ModelConfigError, match="one number per rotated pair of dimensions .6."):
+        ModelConfig.from_hf({**d, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
+                             "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}})
+    for bad, field in (({**d, "model_type": "llama", "partial_rotary_factor": 0.5}, "model_type llama"),
+                       ({**d, "partial_rotary_factor": 0.7}, "partial_rotary_factor 0.7")):
+        with pytest.raises(ModelConfigError, match=field):
+            ModelConfig.from_hf(bad)
+
+
 def test_a_lora_run_of_a_fused_family_exports_merged_and_refuses_an_adapter(synthetic, tokenizer_dir,  # noqa: F811
                                                                             tmp_path):
     from rmflow.trainer.export import ExportError

@@ -35,6 +35,12 @@ ARCHS = {
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 1.2, 1.1, 3.0,
                                                                                             1.0, 1.3],
                             "long_factor": [4.0] * 8, "original_max_position_embeddings": 32}}),
+    # Phi-4-mini: LongRoPE on the first 3/4 of each head's dimensions
+    "phi4-mini-partial-rotary": ("Phi3Config", "Phi3", {
+        "original_max_position_embeddings": 32, "partial_rotary_factor": 0.75,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0, 1.5, 2.0, 1.2, 1.1, 3.0], "long_factor": [4.0] * 6,
+                            "original_max_position_embeddings": 32}}),
 }
 
 
@@ -76,7 +82,8 @@ def test_rewards_match_sequence_classification(arch, tmp_path):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sliding-window", "olmo2", "phi3-longrope-window"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sliding-window", "olmo2", "phi3-longrope-window",
+                                  "phi4-mini-partial-rotary"])
 def test_every_layer_matches(arch, tmp_path):
     hf = build_hf(arch, "ForSequenceClassification", tmp_path)
     ids, mask = batch(1)

@@ -3,8 +3,9 @@
 Covers Llama 2/3 (RoPE scaling: linear, llama3), Mistral, Qwen2/2.5 (q/k/v bias), Qwen3
 (q/k RMSNorm over each head, explicit head_dim), OLMo 2 (q/k RMSNorm over the whole projection,
 each sublayer's output normalised instead of its input), Phi-3 (q/k/v and gate/up projections
-fused in the checkpoint, ``FUSED_PROJECTIONS``; LongRoPE within the original context) and
-SmolLM2 (a Llama with tied embeddings).
+fused in the checkpoint, ``FUSED_PROJECTIONS``; LongRoPE within the original context; RoPE on
+a part of each head, ``partial_rotary_factor``, as Phi-4-mini) and SmolLM2 (a Llama with tied
+embeddings).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ FUSED_PROJECTIONS = {
              ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))),
 }
 QK_NORM_OVER = ("head", "projection")
+# Families whose attention rotates only the first ``partial_rotary_factor`` of each head's
+# dimensions (transformers' apply_rotary_pos_emb splits there); the others rotate all of it.
+PARTIAL_ROTARY = ("phi3",)
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -80,6 +84,7 @@ class ModelConfig:
     post_norms: bool = False  # OLMo 2: each sublayer's output normalised before the residual, its input not
     norm_weight_in_float32: bool = False  # OLMo 2: RMSNorm's weight applied before the cast to the compute dtype
     tie_word_embeddings: bool = False
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions RoPE rotates (the first ones)
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # Mistral; Qwen2 when use_sliding_window
     pad_token_id: int | None = None
@@ -106,6 +111,13 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model_type {self.model_type!r} is not supported; rmflow builds {sorted(ARCHITECTURES)}"
             )
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor}: RoPE needs an even number of "
+                                   f"dimensions from 2 to head_dim {self.head_dim}")
+        if self.partial_rotary_factor != 1 and self.model_type not in PARTIAL_ROTARY:
+            raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor} for model_type "
+                                   f"{self.model_type}: transformers rotates a part of each head only for "
+                                   f"{', '.join(PARTIAL_ROTARY)}")
         if self.qk_norm_over not in QK_NORM_OVER:
             raise ModelConfigError(f"qk_norm_over {self.qk_norm_over!r}: one of {QK_NORM_OVER}")
         if self.rope_type not in ROPE_TYPES:
@@ -115,6 +127,11 @@ class ModelConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (the first ones), as transformers counts them."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def head(self) -> ScoreHead:
@@ -160,12 +177,11 @@ class ModelConfig:
         rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
         rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first configs name LongRoPE "su"
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
-        if (rope.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise ModelConfigError("partial_rotary_factor != 1 is not supported")
+        partial = float(rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
         positions = d.get("max_position_embeddings", 4096)
         short: tuple[float, ...] = ()
         if rope_type == "longrope":
-            positions, short, rope = _longrope(d, rope, heads)
+            positions, short, rope = _longrope(d, rope, heads, partial)
         params = tuple(sorted((k, float(v)) for k, v in rope.items()
                               if k in ("factor", "low_freq_factor", "high_freq_factor",
                                        "original_max_position_embeddings", "attention_factor")))
@@ -194,6 +210,7 @@ class ModelConfig:
             post_norms=model_type == "olmo2",
             norm_weight_in_float32=model_type == "olmo2",
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            partial_rotary_factor=partial,
             max_position_embeddings=positions,
             rope_short_factor=short,
             sliding_window=_sliding_window(d),
@@ -248,7 +265,8 @@ def _head(d: Mapping[str, Any]) -> ScoreHead:
     return ScoreHead(len(names), names, tuple(float(weights[n]) for n in names))
 
 
-def _longrope(d: Mapping[str, Any], rope: dict[str, Any], heads: int) -> tuple[int, tuple[float, ...], dict]:
+def _longrope(d: Mapping[str, Any], rope: dict[str, Any], heads: int, partial: float = 1.0
+              ) -> tuple[int, tuple[float, ...], dict]:
     """LongRoPE (Phi-3) as rmflow runs it: within the context it was pretrained at
     (``original_max_position_embeddings``, the positions rmflow then allows), where transformers
     takes each frequency's ``short_factor`` and scales cos and sin by the attention factor
@@ -257,10 +275,11 @@ def _longrope(d: Mapping[str, Any], rope: dict[str, Any], heads: int) -> tuple[i
     # the top-level value first, as transformers reads it (its Phi3Config keeps one there)
     original = d.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
     short = rope.get("short_factor")
-    head_dim = d.get("head_dim") or d["hidden_size"] // heads
-    if not original or not isinstance(short, (list, tuple)) or len(short) != head_dim // 2:
+    rotary = int((d.get("head_dim") or d["hidden_size"] // heads) * partial)  # the dimensions RoPE rotates
+    if not original or not isinstance(short, (list, tuple)) or len(short) != rotary // 2:
         raise ModelConfigError(f"a longrope config needs original_max_position_embeddings and a short_factor of "
-                               f"head_dim / 2 = {head_dim // 2} numbers; got {original!r} and {short!r}")
+                               f"one number per rotated pair of dimensions ({rotary // 2}); got {original!r} and "
+                               f"{short!r}")
     factor = rope.get("factor") or d.get("max_position_embeddings", original) / original
     attention = rope.get("attention_factor")
     if attention is None:

@@ -63,7 +63,7 @@ def _norm(cfg: ModelConfig, dim: int, dtype) -> RMSNorm:
 
 def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
     """Inverse frequencies, with the checkpoint's RoPE scaling (as transformers computes them)."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim  # the dimensions rotated (all, or the first part: partial_rotary_factor)
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     p = dict(cfg.rope_params)
     if cfg.rope_type == "linear":
@@ -101,7 +101,13 @@ def _rotate_half(x: jax.Array) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
+    """RoPE on the first ``cos.shape[-1]`` dimensions of each head (all of them, or a part:
+    ``ModelConfig.partial_rotary_factor``); the rest pass unchanged."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
+    head, rest = x[..., :rot], x[..., rot:]
+    return jnp.concatenate([head * cos[:, :, None, :] + _rotate_half(head) * sin[:, :, None, :], rest], axis=-1)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
