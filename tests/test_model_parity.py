@@ -41,6 +41,10 @@ ARCHS = {
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                             "short_factor": [1.0, 1.5, 2.0, 1.2, 1.1, 3.0], "long_factor": [4.0] * 6,
                             "original_max_position_embeddings": 32}}),
+    # Gemma 2: a local then a global layer (window 8), soft-capped logits (a cap small enough to
+    # bite on random weights), query_pre_attn_scalar apart from head_dim, GeGLU, (1 + w) norms
+    "gemma2": ("Gemma2Config", "Gemma2", {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 0.5,
+                                         "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0}),
 }
 
 
@@ -67,6 +71,10 @@ def build_hf(arch, head, tmp_path, **extra):
     cfg = getattr(transformers, config_cls)(**COMMON, **kw, **extra, num_labels=1)
     cfg._attn_implementation = "eager"
     model = getattr(transformers, f"{prefix}{head}")(cfg).eval()
+    with torch.no_grad():  # norms initialise to a constant: perturbed, so that their weights count
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
     model.save_pretrained(tmp_path)
     return model
 
@@ -83,7 +91,7 @@ def test_rewards_match_sequence_classification(arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sliding-window", "olmo2", "phi3-longrope-window",
-                                  "phi4-mini-partial-rotary"])
+                                  "phi4-mini-partial-rotary", "gemma2"])
 def test_every_layer_matches(arch, tmp_path):
     hf = build_hf(arch, "ForSequenceClassification", tmp_path)
     ids, mask = batch(1)

@@ -34,7 +34,7 @@ from tests.test_model_parity import ARCHS, build_hf
 VOCAB = 97
 
 
-def assert_attention_equals_reference(impl, window, t, block, branches=2):
+def assert_attention_equals_reference(impl, window, t, block, branches=2, scale=None, softcap=None):
     rng = np.random.default_rng(t)
     b, n, k, d = 2, 4, 2, 16
     seg, pos, br = packed_layout(rng, b, t, branches=branches)
@@ -44,7 +44,8 @@ def assert_attention_equals_reference(impl, window, t, block, branches=2):
 
     def run(impl, block):
         def f(q, k, v):
-            o = attention(q, k, v, seg, pos, br, implementation=impl, window=window, block=block)
+            o = attention(q, k, v, seg, pos, br, implementation=impl, window=window, block=block, scale=scale,
+                          softcap=softcap)
             o = jnp.where(seg[:, :, None, None] > 0, o, 0.0)  # padding queries are never read
             return (o * weights).sum(), o
         # jitted: one compilation, not one per operation (the blockwise loops' bodies included)
@@ -69,6 +70,22 @@ def test_pallas_attention_equals_reference_in_interpret_mode(window, t):
     """The Pallas kernels (forward, dq, dk/dv) run here in interpret mode: the same kernel code
     the GPU compiles through Triton, executed with JAX operations."""
     assert_attention_equals_reference("pallas", window, t, 32)  # several blocks, a partial last one
+
+
+@pytest.mark.parametrize("impl,t,block", [("blockwise", 300, 64), ("pallas", 150, 32)])
+def test_soft_capped_logits_at_another_scale_equal_the_reference(impl, t, block):
+    """Gemma 2's logits: scaled by query_pre_attn_scalar^-0.5 and soft-capped (a cap of 1.5 on
+    scores of unit normals bites), outputs and every gradient through the cap, window on."""
+    assert_attention_equals_reference(impl, 17, t, block, scale=0.6, softcap=1.5)
+
+
+def test_cudnn_is_never_chosen_for_soft_capped_logits_and_refused_when_asked():
+    from rmflow.trainer.modeling.attention import resolve_attention
+
+    assert resolve_attention("auto", jnp.bfloat16, "gpu", softcap=True) == "pallas"
+    assert resolve_attention("auto", jnp.bfloat16, "gpu", packed=True, devices=8, softcap=True) == "blockwise"
+    with pytest.raises(ValueError, match="cudnn cannot soft-cap"):
+        resolve_attention("cudnn", jnp.bfloat16, "gpu", softcap=True)
 
 
 @pytest.mark.parametrize("block,warps,stages", [(64, 4, 3), (128, 8, 2)])

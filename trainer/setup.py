@@ -100,7 +100,9 @@ def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, head:
     and ``devices``: the rows the model will run on (training's packing, split over the mesh), for
     which ``attention: auto`` is resolved (None: one sequence a row, as scoring has them)."""
     dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+    arch = preset_config if is_preset(cfg.model.path) else read_config(resolve(cfg.model.path))[0]
     attention = resolve_attention(cfg.model.attention, dtype, jax.default_backend(), packed=packing == "pack",
+                                  softcap=bool(arch.attn_logit_softcapping),
                                   devices=devices)
     if is_preset(cfg.model.path):
         model = RewardTransformer(preset_config, dtype=dtype, remat=cfg.model.gradient_checkpointing,

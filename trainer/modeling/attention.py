@@ -38,29 +38,41 @@ import functools
 import jax
 import jax.numpy as jnp
 from rmflow.schemas.train_config import ATTENTION  # one list: the config validates against it
-from rmflow.trainer.modeling.masking import allowed, dense_mask  # noqa: F401 - the rules, imported from here too
+from rmflow.trainer.modeling.masking import (  # noqa: F401 - the rules, imported from here too
+    allowed,
+    cap_gradient,
+    capped_scores,
+    dense_mask,
+)
 
 BLOCK = 128
 _NEG = -1e30
 
 
-def resolve_attention(name: str, dtype, backend: str | None = None, packed: bool = False, devices: int = 1) -> str:
+def resolve_attention(name: str, dtype, backend: str | None = None, packed: bool = False, devices: int = 1,
+                      softcap: bool = False) -> str:
     """``auto`` -> the implementation for this backend, compute dtype, row layout (``packed``:
     rows of several units, as ``packing: pack`` builds them) and number of devices the rows are
     split over. On one GPU, packed rows take the Pallas kernels (they skip the blocks the mask
     empties, where cuDNN would take a dense mask over the whole row); over several GPUs they are
     not chosen: they have no partitioning rule, so XLA would give every device all the rows. One
-    sequence a row takes cuDNN on GPUs in 16-bit types. Blockwise elsewhere."""
+    sequence a row takes cuDNN on GPUs in 16-bit types, unless the model soft-caps its logits
+    (``softcap``: Gemma 2), which cuDNN cannot: then Pallas on one GPU. Blockwise elsewhere."""
     if name not in ATTENTION:
         raise ValueError(f"attention {name!r}: use one of {ATTENTION}")
+    if name == "cudnn" and softcap:
+        raise ValueError("attention cudnn cannot soft-cap the logits, which this model does (attn_logit_softcapping): "
+                         "use auto, pallas, blockwise or xla")
     if name != "auto":
         return name
     backend = backend or jax.default_backend()
     sixteen = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if backend == "gpu" and devices == 1 and packed:
         return "pallas"
-    if backend == "gpu" and sixteen:
+    if backend == "gpu" and sixteen and not softcap:
         return "cudnn"
+    if backend == "gpu" and devices == 1 and softcap:
+        return "pallas"
     return "blockwise"
 
 
@@ -70,28 +82,50 @@ def takes_dense_mask(implementation: str) -> bool:
 
 
 def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: str, window: int | None = None,
-              mask: jax.Array | None = None, block: int | None = None) -> jax.Array:
-    """q (B, T, N, D), k/v (B, T, K, D) with N a multiple of K -> (B, T, N, D)."""
-    scale = q.shape[-1] ** -0.5
+              mask: jax.Array | None = None, block: int | None = None, scale: float | None = None,
+              softcap: float | None = None) -> jax.Array:
+    """q (B, T, N, D), k/v (B, T, K, D) with N a multiple of K -> (B, T, N, D). ``scale``: the
+    query-key products' (default D^-0.5); ``softcap``: the logits soft-capped (``capped_scores``,
+    Gemma 2), which cuDNN's kernel cannot do (``resolve_attention`` never picks it then)."""
+    scale = scale or q.shape[-1] ** -0.5
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids, positions, branch_ids, window=window, block=block or BLOCK)
+        return blockwise_attention(q, k, v, segment_ids, positions, branch_ids, window=window, block=block or BLOCK,
+                                   scale=scale, softcap=softcap)
     if implementation == "pallas":
         from rmflow.trainer.modeling.pallas_attention import BLOCK as PALLAS_BLOCK
         from rmflow.trainer.modeling.pallas_attention import pallas_attention
 
         return pallas_attention(q, k, v, segment_ids, positions, branch_ids, window=window,
-                                block=block or PALLAS_BLOCK)
+                                block=block or PALLAS_BLOCK, scale=scale, softcap=softcap)
     if mask is None:
         mask = dense_mask(segment_ids, positions, branch_ids, window)
     if implementation == "cudnn":
+        if softcap:
+            raise ValueError("attention cudnn cannot soft-cap the logits (attn_logit_softcapping): use pallas, "
+                             "blockwise or xla")
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
     if implementation == "xla":
+        if softcap:  # the reference, written out: jax.nn's takes no cap
+            return _dense_capped(q, k, v, mask, scale, softcap)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
     raise ValueError(f"attention implementation {implementation!r}: use one of {ATTENTION[1:]}")
 
 
-def attention_at(q, k, v, query_index, segment_ids, positions, branch_ids, *, window: int | None = None
-                 ) -> jax.Array:
+def _dense_capped(q, k, v, mask, scale: float, softcap: float) -> jax.Array:
+    """The dense reference with soft-capped logits: (B, 1, T, T) ``mask``, float32 scores."""
+    b, t, n, d = q.shape
+    kh = k.shape[2]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, kh, n // kh, d), k,
+                        preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, :, None], capped_scores(scores, softcap), _NEG)
+    p = jax.nn.softmax(scores, axis=-1)
+    p = jnp.where(mask[:, :, None].any(-1, keepdims=True), p, 0.0)  # a query that sees nothing: zeros
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, d).astype(q.dtype)
+
+
+def attention_at(q, k, v, query_index, segment_ids, positions, branch_ids, *, window: int | None = None,
+                 scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Queries at a few tokens of each row only, against every key: q (B, S, N, D) for the tokens
     ``query_index`` (B, S), k/v (B, T, K, D) -> (B, S, N, D), by the same rules as ``attention``.
     Dense over the keys: S is small (the reward tokens), so the scores are (B, N, S, T)."""
@@ -102,8 +136,8 @@ def attention_at(q, k, v, query_index, segment_ids, positions, branch_ids, *, wi
     ok = allowed(at(segment_ids), at(positions), at(branch_ids), query_index, segment_ids, positions, branch_ids,
                  idx, window)[:, None, None]  # (B, 1, 1, S, T)
     scores = jnp.einsum("bskgd,btkd->bkgst", q.reshape(b, s, kh, n // kh, d), k,
-                        preferred_element_type=jnp.float32) * d**-0.5
-    p = jax.nn.softmax(jnp.where(ok, scores, _NEG), axis=-1)
+                        preferred_element_type=jnp.float32) * (scale or d**-0.5)
+    p = jax.nn.softmax(jnp.where(ok, capped_scores(scores, softcap), _NEG), axis=-1)
     out = jnp.einsum("bkgst,btkd->bskgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, s, n, d).astype(q.dtype)
 
@@ -112,7 +146,7 @@ def attention_at(q, k, v, query_index, segment_ids, positions, branch_ids, *, wi
 
 
 def blockwise_attention(q, k, v, segment_ids, positions, branch_ids, *, window: int | None = None,
-                        block: int = BLOCK) -> jax.Array:
+                        block: int = BLOCK, scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Flash attention in pure JAX (see the module doc). Padding queries get zeros."""
     b, t, n, d = q.shape
     block = min(block, t)
@@ -121,7 +155,7 @@ def blockwise_attention(q, k, v, segment_ids, positions, branch_ids, *, window: 
         widen = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
         q, k, v, segment_ids, positions, branch_ids = map(widen, (q, k, v, segment_ids, positions, branch_ids))
     out = _flash(q, k, v, segment_ids.astype(jnp.int32), positions.astype(jnp.int32),
-                 branch_ids.astype(jnp.int32), window, block)
+                 branch_ids.astype(jnp.int32), window, block, (scale, softcap))
     return out[:, :t]
 
 
@@ -179,10 +213,11 @@ class _Layout:
     """Blocked views of one call's inputs: q as (nb, B, K, G * Qb, D) for GQA (G query heads per
     KV head), k and v as (nb, B, K, Kb, D)."""
 
-    def __init__(self, q, k, v, seg, pos, br, block):
+    def __init__(self, q, k, v, seg, pos, br, block, logits=(None, None)):
         b, t, n, d = q.shape
         kh = k.shape[2]
-        self.groups, self.block, self.scale = n // kh, block, d**-0.5
+        self.groups, self.block = n // kh, block
+        self.scale, self.softcap = logits[0] or d**-0.5, logits[1]
         self.q = _heads_major(q.reshape(b, t, kh, n // kh, d), block)
         self.k = _heads_major(k[:, :, :, None], block)
         self.v = _heads_major(v[:, :, :, None], block)
@@ -199,20 +234,20 @@ class _Layout:
         """Scaled float32 scores of query block i against key block j, (B, K, G, Qb, Kb), masked by ``ok``."""
         s = jnp.einsum("bkrd,bksd->bkrs", qi, self.k[j], preferred_element_type=jnp.float32) * self.scale
         b, kh, _, kb = s.shape
-        s = s.reshape(b, kh, self.groups, self.block, kb)
+        s = capped_scores(s.reshape(b, kh, self.groups, self.block, kb), self.softcap)
         return jnp.where(ok, s, _NEG)
 
     def rows(self, x):  # (B, K, G, Qb, ...) -> (B, K, G * Qb, ...)
         return x.reshape(x.shape[0], x.shape[1], self.groups * self.block, *x.shape[4:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _flash(q, k, v, seg, pos, br, window, block):
-    return _flash_fwd(q, k, v, seg, pos, br, window, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, seg, pos, br, window, block, logits):
+    return _flash_fwd(q, k, v, seg, pos, br, window, block, logits)[0]
 
 
-def _flash_fwd(q, k, v, seg, pos, br, window, block):
-    lay = _Layout(q, k, v, seg, pos, br, block)
+def _flash_fwd(q, k, v, seg, pos, br, window, block, logits):
+    lay = _Layout(q, k, v, seg, pos, br, block, logits)
     nb = lay.q.shape[0]
 
     def query_block(i):
@@ -246,9 +281,9 @@ def _flash_fwd(q, k, v, seg, pos, br, window, block):
     return out, (q, k, v, seg, pos, br, out, lse)
 
 
-def _flash_bwd(window, block, res, dout):
+def _flash_bwd(window, block, logits, res, dout):
     q, k, v, seg, pos, br, out, lse = res
-    lay = _Layout(q, k, v, seg, pos, br, block)
+    lay = _Layout(q, k, v, seg, pos, br, block, logits)
     b, t, n, d = q.shape
     kh = k.shape[2]
     do = _heads_major(dout.reshape(b, t, kh, n // kh, d).astype(jnp.float32), block)  # (nb, B, K, G * Qb, D)
@@ -268,6 +303,8 @@ def _flash_bwd(window, block, res, dout):
             dv_j = jnp.einsum("bkrs,bkrd->bksd", p, doi)
             dp = jnp.einsum("bkrd,bksd->bkrs", doi, lay.v[j], preferred_element_type=jnp.float32)
             ds = p * (dp - delta_i) * lay.scale
+            if lay.softcap:  # through the cap: times 1 - tanh²
+                ds = ds * lay.rows(cap_gradient(s, lay.softcap, ok))
             dq_i = dq_i + jnp.einsum("bkrs,bksd->bkrd", ds, lay.k[j], preferred_element_type=jnp.float32)
             dk_j = jnp.einsum("bkrs,bkrd->bksd", ds, qi, preferred_element_type=jnp.float32)
             return dq_i, dk.at[j].add(dk_j), dv.at[j].add(dv_j)

@@ -26,6 +26,7 @@ ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "qwen3": "Qwen3",
     "olmo2": "Olmo2",
     "phi3": "Phi3",
+    "gemma2": "Gemma2",
 }
 # Checkpoint tensors that hold several of the model's projections, concatenated on their output
 # axis in this order (split when a checkpoint loads, joined again when a model exports).
@@ -37,6 +38,8 @@ QK_NORM_OVER = ("head", "projection")
 # Families whose attention rotates only the first ``partial_rotary_factor`` of each head's
 # dimensions (transformers' apply_rotary_pos_emb splits there); the others rotate all of it.
 PARTIAL_ROTARY = ("phi3",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (Gemma: GeGLU with tanh-approximated gelu)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -85,6 +88,17 @@ class ModelConfig:
     norm_weight_in_float32: bool = False  # OLMo 2: RMSNorm's weight applied before the cast to the compute dtype
     tie_word_embeddings: bool = False
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions RoPE rotates (the first ones)
+    # Gemma 2: the embeddings scaled by sqrt(hidden_size); RMSNorm weights w applied as (1 + w) in
+    # float32; every sublayer normalised on the way in and on the way out; GeGLU; attention logits
+    # soft-capped (cap * tanh(logits / cap)) and scaled by query_pre_attn_scalar^-0.5 instead of
+    # head_dim^-0.5; layers alternating local (sliding-window) and global attention (layer_types).
+    embed_scale: bool = False
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + w)
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    attn_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[str, ...] = ()  # each layer's attention; () every layer alike (sliding_window if set)
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # Mistral; Qwen2 when use_sliding_window
     pad_token_id: int | None = None
@@ -118,6 +132,15 @@ class ModelConfig:
             raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor} for model_type "
                                    f"{self.model_type}: transformers rotates a part of each head only for "
                                    f"{', '.join(PARTIAL_ROTARY)}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
+                                 or set(self.layer_types) - set(LAYER_TYPES)):
+            raise ModelConfigError(f"layer_types {list(self.layer_types)}: one of {LAYER_TYPES} for each of the "
+                                   f"{self.num_hidden_layers} layers")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ModelConfigError("layer_types has sliding_attention layers but the config sets no sliding_window")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelConfigError(f"hidden activation {self.hidden_act!r} is not supported; supported: {ACTIVATIONS}")
         if self.qk_norm_over not in QK_NORM_OVER:
             raise ModelConfigError(f"qk_norm_over {self.qk_norm_over!r}: one of {QK_NORM_OVER}")
         if self.rope_type not in ROPE_TYPES:
@@ -127,6 +150,16 @@ class ModelConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to every earlier token)."""
+        if self.layer_types and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def rotary_dim(self) -> int:
@@ -208,8 +241,9 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "olmo2"),
             qk_norm_over="projection" if model_type == "olmo2" else "head",
             post_norms=model_type == "olmo2",
-            norm_weight_in_float32=model_type == "olmo2",
+            norm_weight_in_float32=model_type in ("olmo2", "gemma2"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            **(_gemma(d) if model_type == "gemma2" else {"hidden_act": d.get("hidden_act") or "silu"}),
             partial_rotary_factor=partial,
             max_position_embeddings=positions,
             rope_short_factor=short,
@@ -285,6 +319,18 @@ def _longrope(d: Mapping[str, Any], rope: dict[str, Any], heads: int, partial: f
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
     return int(original), tuple(float(x) for x in short), {"attention_factor": float(attention)}
+
+
+def _gemma(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 2's traits (see ``ModelConfig``), read as transformers reads them: GeGLU from
+    ``hidden_activation``, the layers sliding and global by ``layer_types`` (by default the even
+    layers sliding, as Gemma2Config makes them)."""
+    layers = d["num_hidden_layers"]
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return {"embed_scale": True, "norm_offset": 1.0, "sandwich_norms": True,
+            "hidden_act": d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
+            "attn_logit_softcapping": d.get("attn_logit_softcapping"),
+            "query_pre_attn_scalar": d.get("query_pre_attn_scalar"), "layer_types": tuple(types)}
 
 
 def _sliding_window(d: Mapping[str, Any]) -> int | None:

@@ -42,23 +42,28 @@ def _proj(linear: nnx.Linear, x: jax.Array) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     """RMSNorm in float32; the weight applied after the cast to the compute dtype (Llama, Qwen,
-    Phi-3), or with ``weight_in_float32`` before it (OLMo 2): one rounding instead of two."""
+    Phi-3), or with ``weight_in_float32`` before it (OLMo 2, Gemma): one rounding instead of two.
+    ``offset``: the weight w is applied as (offset + w) (Gemma: 1, its weights stored as w, zero
+    at initialisation)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, weight_in_float32: bool = False):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.eps, self.dtype, self.weight_in_float32 = eps, dtype, weight_in_float32
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, weight_in_float32: bool = False,
+                 offset: float = 0.0):
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32))
+        self.eps, self.dtype, self.weight_in_float32, self.offset = eps, dtype, weight_in_float32, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...] + self.offset if self.offset else self.weight[...]
         if self.weight_in_float32:
-            return (self.weight[...] * y).astype(self.dtype)
-        return self.weight.astype(self.dtype) * y.astype(self.dtype)
+            return (w * y).astype(self.dtype)
+        return w.astype(self.dtype) * y.astype(self.dtype)
 
 
 def _norm(cfg: ModelConfig, dim: int, dtype) -> RMSNorm:
-    """An RMSNorm of ``dim`` as the family normalises (``cfg.norm_weight_in_float32``)."""
-    return RMSNorm(dim, cfg.rms_norm_eps, dtype=dtype, weight_in_float32=cfg.norm_weight_in_float32)
+    """An RMSNorm of ``dim`` as the family normalises (``cfg.norm_weight_in_float32``, ``cfg.norm_offset``)."""
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype=dtype, weight_in_float32=cfg.norm_weight_in_float32,
+                   offset=cfg.norm_offset)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
@@ -111,12 +116,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["segment_ids", "positions", "branch_ids", "mask"],
-                   meta_fields=["implementation", "window"])
+                   data_fields=["segment_ids", "positions", "branch_ids", "mask", "window_masks"],
+                   meta_fields=["implementation", "window", "windows"])
 @dataclasses.dataclass(frozen=True)
 class AttentionContext:
     """What every layer's attention needs besides its activations (a pytree; the
-    implementation and window are static)."""
+    implementation and window are static). A model whose layers attend over different windows
+    (Gemma 2's local and global layers) has each one's dense mask in ``window_masks`` (by
+    ``windows``); a layer takes its own with ``for_window``."""
 
     segment_ids: jax.Array
     positions: jax.Array
@@ -124,6 +131,14 @@ class AttentionContext:
     implementation: str
     window: int | None
     mask: jax.Array | None = None
+    window_masks: tuple | None = None
+    windows: tuple = ()
+
+    def for_window(self, window: int | None) -> AttentionContext:
+        if window == self.window:
+            return self
+        mask = self.window_masks[self.windows.index(window)] if self.window_masks is not None else None
+        return dataclasses.replace(self, window=window, mask=mask)
 
 
 class Attention(nnx.Module):
@@ -134,6 +149,7 @@ class Attention(nnx.Module):
         self.k_proj = _linear(cfg, dtype, h, self.n_kv * hd, cfg.qkv_bias, rngs)
         self.v_proj = _linear(cfg, dtype, h, self.n_kv * hd, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, dtype, self.n_heads * hd, h, cfg.o_bias, rngs)
+        self.scale, self.softcap = cfg.attention_scale, cfg.attn_logit_softcapping
         # q/k RMSNorm (``cfg.qk_norm_over``): over each head's vector (Qwen3) or over the whole
         # projection, before it is cut into heads (OLMo 2)
         self.qk_norm = cfg.qk_norm and cfg.qk_norm_over
@@ -159,7 +175,7 @@ class Attention(nnx.Module):
         v = _proj(self.v_proj, x).reshape(b, t, self.n_kv, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, ctx.segment_ids, ctx.positions, ctx.branch_ids, implementation=ctx.implementation,
-                        window=ctx.window, mask=ctx.mask)
+                        window=ctx.window, mask=ctx.mask, scale=self.scale, softcap=self.softcap)
         return _proj(self.o_proj, out.reshape(b, t, self.n_heads * self.head_dim))
 
     def at(self, x, index, cos, sin, ctx: AttentionContext):
@@ -171,7 +187,8 @@ class Attention(nnx.Module):
         q, k = self._qk(take(x), x)
         v = _proj(self.v_proj, x).reshape(b, t, self.n_kv, self.head_dim)
         q, k = apply_rope(q, take(cos), take(sin)), apply_rope(k, cos, sin)
-        out = attention_at(q, k, v, index, ctx.segment_ids, ctx.positions, ctx.branch_ids, window=ctx.window)
+        out = attention_at(q, k, v, index, ctx.segment_ids, ctx.positions, ctx.branch_ids, window=ctx.window,
+                           scale=self.scale, softcap=self.softcap)
         return _proj(self.o_proj, out.reshape(b, s, self.n_heads * self.head_dim))
 
 
@@ -181,28 +198,44 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(cfg, dtype, h, i, cfg.mlp_bias, rngs)
         self.up_proj = _linear(cfg, dtype, h, i, cfg.mlp_bias, rngs)
         self.down_proj = _linear(cfg, dtype, i, h, cfg.mlp_bias, rngs)
+        self.hidden_act = cfg.hidden_act
 
     def __call__(self, x):
-        return _proj(self.down_proj, nnx.silu(_proj(self.gate_proj, x)) * _proj(self.up_proj, x))
+        gate = _proj(self.gate_proj, x)
+        gate = nnx.silu(gate) if self.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        return _proj(self.down_proj, gate * _proj(self.up_proj, x))
 
 
 class DecoderLayer(nnx.Module):
     """Attention then MLP, each added to the residual stream: normalised on the way in
     (``input_layernorm``, ``post_attention_layernorm``: Llama's names, the second being the MLP's
     input norm), or with ``cfg.post_norms`` on the way out (OLMo 2: ``post_attention_layernorm``,
-    ``post_feedforward_layernorm``)."""
+    ``post_feedforward_layernorm``), or with ``cfg.sandwich_norms`` both (Gemma 2:
+    ``input_layernorm``, ``post_attention_layernorm`` on the attention's output,
+    ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``). ``window``: this layer's
+    sliding window (``ModelConfig.layer_window``; a static attribute, so layers of different
+    windows run unscanned, ``run_layers``)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, index: int = 0):
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
-        self.post_norms = cfg.post_norms
-        if cfg.post_norms:
+        self.post_norms, self.sandwich = cfg.post_norms, cfg.sandwich_norms
+        self.window = cfg.layer_window(index)
+        if cfg.sandwich_norms:
+            self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
+        elif cfg.post_norms:
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         else:
             self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, dtype)
 
     def __call__(self, x, cos, sin, ctx):
+        ctx = ctx.for_window(self.window)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, ctx))
             return x + self.post_feedforward_layernorm(self.mlp(x))
@@ -214,6 +247,10 @@ class DecoderLayer(nnx.Module):
         ``self(x, ...)`` taken at ``index``, without the MLP, queries and output projection of the
         other tokens."""
         x_at = jnp.take_along_axis(x, index[..., None], axis=1)
+        ctx = ctx.for_window(self.window)
+        if self.sandwich:
+            x_at = x_at + self.post_attention_layernorm(self.self_attn.at(self.input_layernorm(x), index, cos, sin, ctx))
+            return x_at + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x_at)))
         if self.post_norms:
             x_at = x_at + self.post_attention_layernorm(self.self_attn.at(x, index, cos, sin, ctx))
             return x_at + self.post_feedforward_layernorm(self.mlp(x_at))
@@ -288,12 +325,15 @@ class DecoderModel(nnx.Module):
                  scan_layers: bool = True):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=jnp.float32,
                                       embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, index=i)
+                                for i in range(cfg.num_hidden_layers)])
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None  # Gemma: embeddings times sqrt(hidden)
+        self.windows = tuple(dict.fromkeys(cfg.layer_window(i) for i in range(cfg.num_hidden_layers)))
         self.norm = _norm(cfg, cfg.hidden_size, dtype)
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # a constant, not a parameter
         self.rope_scale = rope_attention_factor(cfg)
         self.sliding_window, self.dtype = cfg.sliding_window, dtype
-        self.attention = resolve_attention(attention, dtype)
+        self.attention = resolve_attention(attention, dtype, softcap=bool(cfg.attn_logit_softcapping))
         self.remat, self.scan_layers = remat, scan_layers
 
     def __call__(self, input_ids, positions, segment_ids, branch_ids=None):
@@ -308,12 +348,16 @@ class DecoderModel(nnx.Module):
         """Embeddings, RoPE tables and the attention context (with the dense mask, built once,
         when ``full_layers`` layers run over every token with a mask-taking implementation)."""
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # the scale rounded to the compute dtype, as transformers does
+            x = x * jnp.asarray(self.embed_scale, x.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq[...], self.dtype, self.rope_scale)
         if branch_ids is None:
             branch_ids = jnp.zeros_like(segment_ids)
         ctx = AttentionContext(segment_ids, positions, branch_ids, self.attention, self.sliding_window)
         if takes_dense_mask(self.attention) and full_layers:
-            ctx = dataclasses.replace(ctx, mask=dense_mask(segment_ids, positions, branch_ids, self.sliding_window))
+            masks = tuple(dense_mask(segment_ids, positions, branch_ids, w) for w in self.windows)
+            ctx = dataclasses.replace(ctx, mask=dense_mask(segment_ids, positions, branch_ids, self.sliding_window),
+                                      window_masks=masks if len(masks) > 1 else None, windows=self.windows)
         return x, cos, sin, ctx
 
     def hidden_states(self, input_ids, positions, segment_ids, branch_ids=None) -> list[jax.Array]:

@@ -24,3 +24,18 @@ def dense_mask(segment_ids, positions, branch_ids, window: int | None) -> jax.Ar
     """(B, 1, T, T) mask for the reference implementation."""
     idx = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
     return allowed(segment_ids, positions, branch_ids, idx, segment_ids, positions, branch_ids, idx, window)[:, None]
+
+
+def capped_scores(s: jax.Array, softcap: float | None) -> jax.Array:
+    """Attention logits soft-capped as Gemma 2's are: ``softcap * tanh(s / softcap)`` (None: as
+    they are). Every implementation caps before masking and the softmax."""
+    return s if not softcap else softcap * jnp.tanh(s / softcap)
+
+
+def cap_gradient(capped: jax.Array, softcap: float | None, ok: jax.Array):
+    """d capped / d s at the allowed entries (1 - tanh², from the capped values), 0 elsewhere;
+    1.0 without a cap. The blockwise and Pallas backward passes multiply the scores' gradient by it."""
+    if not softcap:
+        return 1.0
+    t = capped / softcap
+    return jnp.where(ok, 1.0 - t * t, 0.0)

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from rmflow.trainer.modeling.masking import allowed
+from rmflow.trainer.modeling.masking import allowed, cap_gradient, capped_scores
 
 # The block size and Triton's launch settings (warps per program, software-pipelining depth) for
 # every kernel: the fastest combination ``benchmarks/gpu.py``'s kernel part measured on Hopper
@@ -39,9 +39,11 @@ _NEG = -1e30
 
 def pallas_attention(q, k, v, segment_ids, positions, branch_ids, *, window: int | None = None,
                      block: int = BLOCK, interpret: bool | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> jax.Array:
+                     num_stages: int | None = None, scale: float | None = None,
+                     softcap: float | None = None) -> jax.Array:
     """q (B, T, N, D), k/v (B, T, K, D) -> (B, T, N, D); ``interpret``: None = on CPU only;
-    ``num_warps`` and ``num_stages``: Triton's settings (None: ``NUM_WARPS``, ``NUM_STAGES``)."""
+    ``num_warps`` and ``num_stages``: Triton's settings (None: ``NUM_WARPS``, ``NUM_STAGES``);
+    ``scale`` (default D^-0.5) and ``softcap`` (``capped_scores``) as ``attention`` takes them."""
     b, t, n, d = q.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -52,7 +54,7 @@ def pallas_attention(q, k, v, segment_ids, positions, branch_ids, *, window: int
         q, k, v, segment_ids, positions, branch_ids = map(widen, (q, k, v, segment_ids, positions, branch_ids))
     meta = tuple(a.astype(jnp.int32) for a in (segment_ids, positions, branch_ids))
     launch = (num_warps or NUM_WARPS, num_stages or NUM_STAGES)
-    out = _attention(q, k, v, *meta, window, block, interpret, launch)
+    out = _attention(q, k, v, *meta, window, block, interpret, launch, (scale or d**-0.5, softcap))
     return out[:, :t]
 
 
@@ -81,7 +83,7 @@ def _iota(start, block):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, sq_ref, pq_ref, bq_ref, first_ref, sk_ref, pk_ref, bk_ref, o_ref, lse_ref,
-                    *, block, scale, window):
+                    *, block, scale, window, softcap):
     i = pl.program_id(2)
     q = q_ref[...]
     meta_q = (sq_ref[...], pq_ref[...], bq_ref[...], _iota(i * block, block))
@@ -91,7 +93,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, sq_ref, pq_ref, bq_ref, first_ref, sk_r
         m, denom, acc = carry
         keys = pl.ds(pl.multiple_of(j * block, block), block)
         ok = _mask(*meta_q, sk_ref[keys], pk_ref[keys], bk_ref[keys], _iota(j * block, block), window)
-        s = jnp.where(ok, jnp.dot(q, k_ref[keys, :].T, preferred_element_type=jnp.float32) * scale, _NEG)
+        s = jnp.where(ok, capped_scores(jnp.dot(q, k_ref[keys, :].T, preferred_element_type=jnp.float32) * scale,
+                                        softcap), _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
@@ -107,7 +110,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sq_ref, pq_ref, bq_ref, first_ref, sk_r
 
 
 def _dkdv_kernel(q_ref, do_ref, lse_ref, delta_ref, sq_ref, pq_ref, bq_ref, k_ref, v_ref, sk_ref, pk_ref, bk_ref,
-                 last_ref, dk_ref, dv_ref, *, block, scale, window):
+                 last_ref, dk_ref, dv_ref, *, block, scale, window, softcap):
     j = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     meta_k = (sk_ref[...], pk_ref[...], bk_ref[...], _iota(j * block, block))
@@ -117,11 +120,11 @@ def _dkdv_kernel(q_ref, do_ref, lse_ref, delta_ref, sq_ref, pq_ref, bq_ref, k_re
         rows = pl.ds(pl.multiple_of(i * block, block), block)
         q, do = q_ref[rows, :], do_ref[rows, :]
         ok = _mask(sq_ref[rows], pq_ref[rows], bq_ref[rows], _iota(i * block, block), *meta_k, window)
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+        s = capped_scores(jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale, softcap)
         p = jnp.where(ok, jnp.exp(s - lse_ref[rows][:, None]), 0.0)
         dv = dv + jnp.dot(p.astype(do.dtype).T, do, preferred_element_type=jnp.float32)
         dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta_ref[rows][:, None]) * scale
+        ds = p * (dp - delta_ref[rows][:, None]) * cap_gradient(s, softcap, ok) * scale
         return dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=jnp.float32), dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
@@ -131,7 +134,7 @@ def _dkdv_kernel(q_ref, do_ref, lse_ref, delta_ref, sq_ref, pq_ref, bq_ref, k_re
 
 
 def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, sq_ref, pq_ref, bq_ref, first_ref, k_ref, v_ref, sk_ref, pk_ref,
-               bk_ref, dq_ref, *, block, scale, window):
+               bk_ref, dq_ref, *, block, scale, window, softcap):
     i = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
@@ -141,10 +144,10 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, sq_ref, pq_ref, bq_ref, first_
         keys = pl.ds(pl.multiple_of(j * block, block), block)
         k = k_ref[keys, :]
         ok = _mask(*meta_q, sk_ref[keys], pk_ref[keys], bk_ref[keys], _iota(j * block, block), window)
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+        s = capped_scores(jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale, softcap)
         p = jnp.where(ok, jnp.exp(s - lse), 0.0)
         dp = jnp.dot(do, v_ref[keys, :].T, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta) * scale
+        ds = p * (dp - delta) * cap_gradient(s, softcap, ok) * scale
         return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
     dq = jax.lax.fori_loop(jnp.min(first_ref[...]) // block, i + 1, visit, jnp.zeros(q.shape, jnp.float32))
@@ -180,11 +183,11 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, launch):
                           interpret=interpret, **extra)
 
 
-def _forward(q, k, v, seg, pos, br, window, block, interpret, launch):
+def _forward(q, k, v, seg, pos, br, window, block, interpret, launch, logits):
     b, t, n, d = q.shape
     sp = _specs(t, d, block, n // k.shape[2])
     first, _ = segment_bounds(seg)
-    kernel = functools.partial(_forward_kernel, block=block, scale=d**-0.5, window=window)
+    kernel = functools.partial(_forward_kernel, block=block, scale=logits[0], window=window, softcap=logits[1])
     out, lse = _call(
         kernel, (b, n, t // block),
         [sp["block"], sp["kv_row"], sp["kv_row"], sp["meta_block"], sp["meta_block"], sp["meta_block"],
@@ -195,17 +198,18 @@ def _forward(q, k, v, seg, pos, br, window, block, interpret, launch):
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention(q, k, v, seg, pos, br, window, block, interpret, launch):
-    return _forward(q, k, v, seg, pos, br, window, block, interpret, launch)[0]
+# ``logits``: (scale, softcap), static: how a query-key product becomes a score
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _attention(q, k, v, seg, pos, br, window, block, interpret, launch, logits):
+    return _forward(q, k, v, seg, pos, br, window, block, interpret, launch, logits)[0]
 
 
-def _attention_fwd(q, k, v, seg, pos, br, window, block, interpret, launch):
-    out, lse = _forward(q, k, v, seg, pos, br, window, block, interpret, launch)
+def _attention_fwd(q, k, v, seg, pos, br, window, block, interpret, launch, logits):
+    out, lse = _forward(q, k, v, seg, pos, br, window, block, interpret, launch, logits)
     return out, (q, k, v, seg, pos, br, out, lse)
 
 
-def _attention_bwd(window, block, interpret, launch, res, dout):
+def _attention_bwd(window, block, interpret, launch, logits, res, dout):
     q, k, v, seg, pos, br, out, lse = res
     b, t, n, d = q.shape
     kh = k.shape[2]
@@ -214,7 +218,7 @@ def _attention_bwd(window, block, interpret, launch, res, dout):
     first, last = segment_bounds(seg)
     delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
     dout = dout.astype(q.dtype)
-    kw = dict(block=block, scale=d**-0.5, window=window)
+    kw = dict(block=block, scale=logits[0], window=window, softcap=logits[1])
     # dk, dv per query head (grid over key blocks), then summed over each KV head's group
     dk, dv = _call(
         functools.partial(_dkdv_kernel, **kw), (b, n, t // block),
