@@ -24,6 +24,9 @@ from tests.test_train import synthetic  # noqa: F401 - the fixture
 FAMILIES = {  # family -> (config class, model class prefix, its own options)
     "olmo2": ("Olmo2Config", "Olmo2", {}),
     "phi3": ("Phi3Config", "Phi3", {}),  # its q/k/v and gate/up projections fused in the checkpoint
+    # local (window 8) and global layers, soft-capped logits, its own attention scale
+    "gemma2": ("Gemma2Config", "Gemma2", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+                                         "attn_logit_softcapping": 50.0}),
 }
 
 
@@ -192,3 +195,26 @@ def test_rms_norm_rounds_in_bfloat16_as_the_family_does(family):
 
 
 FAMILY_PREFIX = {"llama": "Llama", "olmo2": "Olmo2"}
+
+
+def test_a_gemma2_config_is_read_as_transformers_reads_it_or_refused_naming_the_field():
+    """Gemma 2's layers sliding and global by layer_types (by default the even ones sliding), its
+    activation, cap and scale; an encoder-style (bidirectional) config, an activation rmflow does
+    not run, a sliding layer without a window: refused before any weight loads, naming the field."""
+    from rmflow.trainer.modeling.config import ModelConfig, ModelConfigError
+
+    d = {"model_type": "gemma2", "vocab_size": 10, "hidden_size": 32, "intermediate_size": 6, "num_hidden_layers": 3,
+         "num_attention_heads": 2, "head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 50.0,
+         "query_pre_attn_scalar": 144, "hidden_activation": "gelu_pytorch_tanh"}
+    cfg = ModelConfig.from_hf(d)
+    assert [cfg.layer_window(i) for i in range(3)] == [4, None, 4]
+    assert cfg.attention_scale == pytest.approx(144 ** -0.5) and cfg.attn_logit_softcapping == 50.0
+    assert (cfg.embed_scale, cfg.norm_offset, cfg.sandwich_norms, cfg.hidden_act) == (True, 1.0, True,
+                                                                                     "gelu_pytorch_tanh")
+    assert ModelConfig.from_hf({**d, "layer_types": ["full_attention"] * 3}).layer_window(0) is None
+    for bad, field in (({**d, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+                       ({**d, "hidden_activation": "relu"}, "hidden activation 'relu'"),
+                       ({**d, "sliding_window": None}, "sets no sliding_window"),
+                       ({**d, "layer_types": ["full_attention"]}, "layer_types")):
+        with pytest.raises(ModelConfigError, match=field):
+            ModelConfig.from_hf(bad)

@@ -4,8 +4,9 @@ Covers Llama 2/3 (RoPE scaling: linear, llama3), Mistral, Qwen2/2.5 (q/k/v bias)
 (q/k RMSNorm over each head, explicit head_dim), OLMo 2 (q/k RMSNorm over the whole projection,
 each sublayer's output normalised instead of its input), Phi-3 (q/k/v and gate/up projections
 fused in the checkpoint, ``FUSED_PROJECTIONS``; LongRoPE within the original context; RoPE on
-a part of each head, ``partial_rotary_factor``, as Phi-4-mini) and SmolLM2 (a Llama with tied
-embeddings).
+a part of each head, ``partial_rotary_factor``, as Phi-4-mini), Gemma 2 (``_gemma``: scaled
+embeddings, (1 + w) norms before and after each sublayer, GeGLU, soft-capped attention logits,
+local and global layers) and SmolLM2 (a Llama with tied embeddings).
 """
 
 from __future__ import annotations
@@ -325,6 +326,9 @@ def _gemma(d: Mapping[str, Any]) -> dict[str, Any]:
     """Gemma 2's traits (see ``ModelConfig``), read as transformers reads them: GeGLU from
     ``hidden_activation``, the layers sliding and global by ``layer_types`` (by default the even
     layers sliding, as Gemma2Config makes them)."""
+    if d.get("use_bidirectional_attention"):
+        raise ModelConfigError("use_bidirectional_attention: rmflow's attention is causal (an encoder-style Gemma "
+                               "is not supported)")
     layers = d["num_hidden_layers"]
     types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     return {"embed_scale": True, "norm_offset": 1.0, "sandwich_norms": True,
