@@ -27,7 +27,11 @@ FAMILIES = {  # family -> (config class, model class prefix, its own options)
     # local (window 8) and global layers, soft-capped logits, its own attention scale
     "gemma2": ("Gemma2Config", "Gemma2", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
                                          "attn_logit_softcapping": 50.0}),
+    # Gemma 3's language model: q/k norms, a sliding then a global layer, each with its RoPE
+    "gemma3": ("Gemma3TextConfig", "Gemma3Text", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+                                                 "layer_types": ["sliding_attention", "full_attention"]}),
 }
+CAUSAL = {"gemma3": "Gemma3ForCausalLM"}  # a base checkpoint's class, where not PREFIXForCausalLM
 
 
 def base_checkpoint(family: str, folder: pathlib.Path, tokenizer_dir: str) -> pathlib.Path:
@@ -39,7 +43,7 @@ def base_checkpoint(family: str, folder: pathlib.Path, tokenizer_dir: str) -> pa
     cfg = getattr(transformers, config_cls)(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             max_position_embeddings=256, pad_token_id=tok.pad_token_id, **kw)
-    getattr(transformers, f"{prefix}ForCausalLM")(cfg).save_pretrained(folder)
+    getattr(transformers, CAUSAL.get(family, f"{prefix}ForCausalLM"))(cfg).save_pretrained(folder)
     for f in pathlib.Path(tokenizer_dir).iterdir():
         if f.is_file():
             shutil.copy(f, folder / f.name)
@@ -218,3 +222,15 @@ def test_a_gemma2_config_is_read_as_transformers_reads_it_or_refused_naming_the_
                        ({**d, "layer_types": ["full_attention"]}, "layer_types")):
         with pytest.raises(ModelConfigError, match=field):
             ModelConfig.from_hf(bad)
+
+
+def test_a_family_transformers_has_no_head_for_is_refused_at_export_naming_the_class():
+    from rmflow.schemas.kinds import OUTCOME, PROCESS
+    from rmflow.trainer.export import ExportError, check_hf_class
+    from rmflow.trainer.modeling.config import ModelConfig
+
+    cfg = ModelConfig.from_hf({"model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 32, "intermediate_size": 6,
+                               "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "sliding_window": 4})
+    check_hf_class(cfg, OUTCOME)  # Gemma3TextForSequenceClassification
+    with pytest.raises(ExportError, match="transformers has no Gemma3TextForTokenClassification"):
+        check_hf_class(cfg, PROCESS)

@@ -45,6 +45,12 @@ ARCHS = {
     # bite on random weights), query_pre_attn_scalar apart from head_dim, GeGLU, (1 + w) norms
     "gemma2": ("Gemma2Config", "Gemma2", {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 0.5,
                                          "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0}),
+    # Gemma 3 (text): q/k norms, a RoPE per layer type (the global layer's linearly scaled)
+    "gemma3": ("Gemma3TextConfig", "Gemma3Text", {
+        "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
 }
 
 
@@ -91,7 +97,7 @@ def test_rewards_match_sequence_classification(arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sliding-window", "olmo2", "phi3-longrope-window",
-                                  "phi4-mini-partial-rotary", "gemma2"])
+                                  "phi4-mini-partial-rotary", "gemma2", "gemma3"])
 def test_every_layer_matches(arch, tmp_path):
     hf = build_hf(arch, "ForSequenceClassification", tmp_path)
     ids, mask = batch(1)

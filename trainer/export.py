@@ -141,6 +141,19 @@ def export(cfg: ExportConfig) -> str:
     return folder
 
 
+def check_hf_class(model_cfg: ModelConfig, kind: ModelKind) -> None:
+    """The Hugging Face class an export of ``kind`` names must exist in transformers (Gemma 3's
+    text model has a sequence classifier but no token classifier, so a process reward model of it
+    has no Hugging Face layout)."""
+    import transformers
+
+    name = f"{model_cfg.hf_prefix}{kind.hf_head}"
+    if not hasattr(transformers, name):
+        raise ExportError(f"transformers has no {name}, so {kind.description} of a {model_cfg.model_type} model has no "
+                          "Hugging Face layout to export to: score and serve it from its run directory (rmflow "
+                          "score, rmflow serve and the API read runs)")
+
+
 def push_to_hub(folder: str, repo: str) -> str:
     """Upload an export to the Hub repository ``repo`` (created private if missing); returns the
     commit's URL. Any failure (no network, no token, no right) is one line saying so, the export
@@ -176,6 +189,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
                       "shards were made with into it", RmflowWarning, stacklevel=2)
     pad = run.manifest.tokenizer.pad_token_id
     kind = kind_named(run.manifest.model_kind)  # the run's own: its Hugging Face head, as TRL and Axolotl export that kind
+    check_hf_class(run.model_config, kind)
     with staged_output(output) as staging:  # swapped in whole; an interrupted export leaves the old one
         if adapter:
             base_path = os.path.abspath(resolve(run.config.model.path)) if not is_preset(run.config.model.path) else None

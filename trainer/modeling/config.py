@@ -6,7 +6,8 @@ each sublayer's output normalised instead of its input), Phi-3 (q/k/v and gate/u
 fused in the checkpoint, ``FUSED_PROJECTIONS``; LongRoPE within the original context; RoPE on
 a part of each head, ``partial_rotary_factor``, as Phi-4-mini), Gemma 2 (``_gemma``: scaled
 embeddings, (1 + w) norms before and after each sublayer, GeGLU, soft-capped attention logits,
-local and global layers) and SmolLM2 (a Llama with tied embeddings).
+local and global layers), Gemma 3's language model (``gemma3_text``: Gemma 2's traits, q/k norms,
+a RoPE per layer type, ``_gemma3_rope``) and SmolLM2 (a Llama with tied embeddings).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "olmo2": "Olmo2",
     "phi3": "Phi3",
     "gemma2": "Gemma2",
+    "gemma3_text": "Gemma3Text",  # Gemma 3's language model (its base checkpoints: Gemma3ForCausalLM)
 }
+GEMMA = ("gemma2", "gemma3_text")
 # Checkpoint tensors that hold several of the model's projections, concatenated on their output
 # axis in this order (split when a checkpoint loads, joined again when a model exports).
 FUSED_PROJECTIONS = {
@@ -100,6 +103,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     layer_types: tuple[str, ...] = ()  # each layer's attention; () every layer alike (sliding_window if set)
+    # Gemma 3: the sliding layers' RoPE base (default RoPE), the others taking rope_theta and its
+    # scaling; None: one RoPE for every layer
+    sliding_rope_theta: float | None = None
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # Mistral; Qwen2 when use_sliding_window
     pad_token_id: int | None = None
@@ -208,6 +214,9 @@ class ModelConfig:
                                    "(is it complete, and from a transformers model?)")
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        sliding_theta = None
+        if model_type == "gemma3_text":  # a RoPE per layer type: the global layers' read below
+            rope, sliding_theta = _gemma3_rope(d)
         rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
         rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first configs name LongRoPE "su"
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
@@ -239,12 +248,13 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "olmo2"),
+            qk_norm=model_type in ("qwen3", "olmo2", "gemma3_text"),
             qk_norm_over="projection" if model_type == "olmo2" else "head",
             post_norms=model_type == "olmo2",
-            norm_weight_in_float32=model_type in ("olmo2", "gemma2"),
+            norm_weight_in_float32=model_type in ("olmo2", *GEMMA),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            **(_gemma(d) if model_type == "gemma2" else {"hidden_act": d.get("hidden_act") or "silu"}),
+            **(_gemma(d) if model_type in GEMMA else {"hidden_act": d.get("hidden_act") or "silu"}),
+            sliding_rope_theta=sliding_theta,
             partial_rotary_factor=partial,
             max_position_embeddings=positions,
             rope_short_factor=short,
@@ -323,18 +333,40 @@ def _longrope(d: Mapping[str, Any], rope: dict[str, Any], heads: int, partial: f
 
 
 def _gemma(d: Mapping[str, Any]) -> dict[str, Any]:
-    """Gemma 2's traits (see ``ModelConfig``), read as transformers reads them: GeGLU from
-    ``hidden_activation``, the layers sliding and global by ``layer_types`` (by default the even
-    layers sliding, as Gemma2Config makes them)."""
+    """Gemma 2's and 3's traits (see ``ModelConfig``), read as transformers reads them: GeGLU from
+    ``hidden_activation``, the layers sliding and global by ``layer_types`` (by default every
+    ``sliding_window_pattern``-th layer global: Gemma 2's 2, Gemma 3's 6, as their configs make
+    them)."""
     if d.get("use_bidirectional_attention"):
         raise ModelConfigError("use_bidirectional_attention: rmflow's attention is causal (an encoder-style Gemma "
                                "is not supported)")
     layers = d["num_hidden_layers"]
-    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    pattern = d.get("sliding_window_pattern") or (2 if d.get("model_type") == "gemma2" else 6)
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                     for i in range(layers)]
     return {"embed_scale": True, "norm_offset": 1.0, "sandwich_norms": True,
             "hidden_act": d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
             "attn_logit_softcapping": d.get("attn_logit_softcapping"),
             "query_pre_attn_scalar": d.get("query_pre_attn_scalar"), "layer_types": tuple(types)}
+
+
+def _gemma3_rope(d: Mapping[str, Any]) -> tuple[dict[str, Any], float]:
+    """Gemma 3's RoPE: the global layers' (``rope_parameters.full_attention``, or the top-level
+    ``rope_theta`` and ``rope_scaling`` of older configs; base 1e6) and the sliding layers' base
+    (``rope_parameters.sliding_attention``, or ``rope_local_base_freq``; 1e4), whose RoPE must be
+    the default one, as every Gemma 3 has it."""
+    given = d.get("rope_parameters") or {}
+    if "full_attention" in given or "sliding_attention" in given:
+        full, local = dict(given.get("full_attention") or {}), dict(given.get("sliding_attention") or {})
+    else:
+        full, local = dict(given or d.get("rope_scaling") or {}), {}
+    full.setdefault("rope_theta", d.get("rope_theta") or 1e6)
+    local.setdefault("rope_theta", d.get("rope_local_base_freq") or 1e4)
+    kind = local.get("rope_type") or local.get("type") or "default"
+    if kind != "default":
+        raise ModelConfigError(f"rope_parameters.sliding_attention rope_type {kind!r}: rmflow runs the sliding "
+                               "layers' default RoPE (their own base) only")
+    return full, float(local["rope_theta"])
 
 
 def _sliding_window(d: Mapping[str, Any]) -> int | None:

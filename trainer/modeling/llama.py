@@ -221,6 +221,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
         self.post_norms, self.sandwich = cfg.post_norms, cfg.sandwich_norms
         self.window = cfg.layer_window(index)
+        self.rope = int(bool(cfg.sliding_rope_theta) and self.window is not None)  # its RoPE table (DecoderModel)
         if cfg.sandwich_norms:
             self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
@@ -231,8 +232,13 @@ class DecoderLayer(nnx.Module):
             self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, dtype)
 
+    def _tables(self, cos, sin):
+        """This layer's RoPE tables, of the model's one or two (Gemma 3: global, sliding)."""
+        return (cos[self.rope], sin[self.rope]) if isinstance(cos, tuple) else (cos, sin)
+
     def __call__(self, x, cos, sin, ctx):
         ctx = ctx.for_window(self.window)
+        cos, sin = self._tables(cos, sin)
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -248,6 +254,7 @@ class DecoderLayer(nnx.Module):
         other tokens."""
         x_at = jnp.take_along_axis(x, index[..., None], axis=1)
         ctx = ctx.for_window(self.window)
+        cos, sin = self._tables(cos, sin)
         if self.sandwich:
             x_at = x_at + self.post_attention_layernorm(self.self_attn.at(self.input_layernorm(x), index, cos, sin, ctx))
             return x_at + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x_at)))
@@ -331,6 +338,10 @@ class DecoderModel(nnx.Module):
         self.windows = tuple(dict.fromkeys(cfg.layer_window(i) for i in range(cfg.num_hidden_layers)))
         self.norm = _norm(cfg, cfg.hidden_size, dtype)
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # a constant, not a parameter
+        # Gemma 3: the sliding layers' own RoPE (default, their own base); each layer takes its table
+        self.sliding_inv_freq = nnx.Variable(rope_inv_freq(dataclasses.replace(
+            cfg, rope_type="default", rope_params=(), rope_theta=cfg.sliding_rope_theta))) \
+            if cfg.sliding_rope_theta else None
         self.rope_scale = rope_attention_factor(cfg)
         self.sliding_window, self.dtype = cfg.sliding_window, dtype
         self.attention = resolve_attention(attention, dtype, softcap=bool(cfg.attn_logit_softcapping))
@@ -351,6 +362,9 @@ class DecoderModel(nnx.Module):
         if self.embed_scale is not None:  # the scale rounded to the compute dtype, as transformers does
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq[...], self.dtype, self.rope_scale)
+        if self.sliding_inv_freq is not None:  # (the global layers', the sliding layers')
+            local = rope_cos_sin(positions, self.sliding_inv_freq[...], self.dtype)
+            cos, sin = (cos, local[0]), (sin, local[1])
         if branch_ids is None:
             branch_ids = jnp.zeros_like(segment_ids)
         ctx = AttentionContext(segment_ids, positions, branch_ids, self.attention, self.sliding_window)
