@@ -31,7 +31,12 @@ FAMILIES = {  # family -> (config class, model class prefix, its own options)
     "gemma3": ("Gemma3TextConfig", "Gemma3Text", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
                                                  "layer_types": ["sliding_attention", "full_attention"]}),
 }
-CAUSAL = {"gemma3": "Gemma3ForCausalLM"}  # a base checkpoint's class, where not PREFIXForCausalLM
+CAUSAL = {"gemma3": "Gemma3ForCausalLM"}
+FAMILIES.update({  # mixtures of experts: a router over 4 experts, 2 a token
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3Moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", "Mixtral", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2}),
+})  # a base checkpoint's class, where not PREFIXForCausalLM
 
 
 def base_checkpoint(family: str, folder: pathlib.Path, tokenizer_dir: str) -> pathlib.Path:

@@ -51,6 +51,12 @@ ARCHS = {
         "layer_types": ["sliding_attention", "full_attention"],
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
+    # mixtures of experts: Qwen3-MoE with a dense layer and its chosen experts' weights as they
+    # are; Mixtral's renormalised, with a window
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3Moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 24, "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", "Mixtral", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                            "sliding_window": 8}),
 }
 
 
@@ -97,7 +103,7 @@ def test_rewards_match_sequence_classification(arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sliding-window", "olmo2", "phi3-longrope-window",
-                                  "phi4-mini-partial-rotary", "gemma2", "gemma3"])
+                                  "phi4-mini-partial-rotary", "gemma2", "gemma3", "qwen3-moe", "mixtral"])
 def test_every_layer_matches(arch, tmp_path):
     hf = build_hf(arch, "ForSequenceClassification", tmp_path)
     ids, mask = batch(1)

@@ -29,7 +29,7 @@ from rmflow.trainer.inference import NORMALIZATION_FILE, write_normalization
 from rmflow.trainer.model_card import model_card
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.config import ATTRIBUTE_WEIGHTS, ModelConfig
-from rmflow.trainer.modeling.convert import hf_name, join_fused, resolve
+from rmflow.trainer.modeling.convert import hf_name, join_fused, resolve, unstack_experts
 from rmflow.trainer.modeling.llama import RewardTransformer
 
 MAX_SHARD_BYTES = 2 << 30
@@ -72,7 +72,7 @@ def state_dict(model: RewardTransformer) -> dict[str, np.ndarray]:
         name, transpose = hf_name(path)
         value = np.asarray(var[...], np.float32)
         out[name] = np.ascontiguousarray(value.T if transpose else value)
-    return join_fused(out, model.config)
+    return unstack_experts(join_fused(out, model.config), model.config)
 
 
 def _save_file(tensors: dict[str, np.ndarray], path: str) -> None:

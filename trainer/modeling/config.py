@@ -30,6 +30,15 @@ ARCHITECTURES = {  # model_type -> Hugging Face class prefix
     "phi3": "Phi3",
     "gemma2": "Gemma2",
     "gemma3_text": "Gemma3Text",  # Gemma 3's language model (its base checkpoints: Gemma3ForCausalLM)
+    "qwen3_moe": "Qwen3Moe",
+    "mixtral": "Mixtral",
+}
+# Mixture-of-experts families: the checkpoint's name of a sparse layer's block and of each expert's
+# gate, up and down projections (``experts.E.NAME.weight``); the model's are ``mlp`` and
+# ``experts.gate_proj`` ... stacked over the experts (``modeling.convert.stack_experts``).
+MOE_LAYOUT = {
+    "qwen3_moe": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
 }
 GEMMA = ("gemma2", "gemma3_text")
 # Checkpoint tensors that hold several of the model's projections, concatenated on their output
@@ -106,6 +115,17 @@ class ModelConfig:
     # Gemma 3: the sliding layers' RoPE base (default RoPE), the others taking rope_theta and its
     # scaling; None: one RoPE for every layer
     sliding_rope_theta: float | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral): the layers whose MLP is a router over
+    # num_experts experts of moe_intermediate_size, each token sent to its num_experts_per_tok
+    # most probable ones, their outputs weighted by the router's probabilities (renormalised
+    # over the chosen ones with norm_topk_prob); router_aux_loss_coef: the checkpoint's
+    # load-balancing coefficient (the train option's default)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # Mistral; Qwen2 when use_sliding_window
     pad_token_id: int | None = None
@@ -140,6 +160,12 @@ class ModelConfig:
                                    f"{self.model_type}: transformers rotates a part of each head only for "
                                    f"{', '.join(PARTIAL_ROTARY)}")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
+        if self.sparse_layers and not (0 < self.num_experts_per_tok <= self.num_experts
+                                       and self.moe_intermediate_size > 0):
+            raise ModelConfigError(f"a mixture of experts needs 1 <= num_experts_per_tok <= num_experts and a "
+                                   f"moe_intermediate_size: got {self.num_experts_per_tok}, {self.num_experts}, "
+                                   f"{self.moe_intermediate_size}")
         if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
                                  or set(self.layer_types) - set(LAYER_TYPES)):
             raise ModelConfigError(f"layer_types {list(self.layer_types)}: one of {LAYER_TYPES} for each of the "
@@ -248,13 +274,14 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "olmo2", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "olmo2", "gemma3_text", "qwen3_moe"),
             qk_norm_over="projection" if model_type == "olmo2" else "head",
             post_norms=model_type == "olmo2",
             norm_weight_in_float32=model_type in ("olmo2", *GEMMA),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             **(_gemma(d) if model_type in GEMMA else {"hidden_act": d.get("hidden_act") or "silu"}),
             sliding_rope_theta=sliding_theta,
+            **(_experts(d) if model_type in MOE_LAYOUT else {}),
             partial_rotary_factor=partial,
             max_position_embeddings=positions,
             rope_short_factor=short,
@@ -369,7 +396,29 @@ def _gemma3_rope(d: Mapping[str, Any]) -> tuple[dict[str, Any], float]:
     return full, float(local["rope_theta"])
 
 
+def _experts(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A mixture of experts as transformers builds it: Qwen3-MoE's sparse layers are every
+    ``decoder_sparse_step``-th one not in ``mlp_only_layers``, Mixtral's all of them (its expert
+    size ``intermediate_size``, its chosen experts' weights always renormalised). Router jitter
+    noise, a training-time perturbation, is not applied (as dropout is not)."""
+    layers = d["num_hidden_layers"]
+    if d["model_type"] == "mixtral":
+        experts = d.get("num_local_experts") or 0
+        return {"num_experts": experts, "num_experts_per_tok": d.get("num_experts_per_tok") or 0,
+                "moe_intermediate_size": d["intermediate_size"], "norm_topk_prob": True,
+                "sparse_layers": tuple(range(layers)) if experts else (),
+                "router_aux_loss_coef": float(d.get("router_aux_loss_coef") or 0.0)}
+    # hub configs name it num_experts; transformers 5 writes num_local_experts
+    experts, step = d.get("num_experts") or d.get("num_local_experts") or 0, d.get("decoder_sparse_step") or 1
+    dense = set(d.get("mlp_only_layers") or ())
+    return {"num_experts": experts, "num_experts_per_tok": d.get("num_experts_per_tok") or 0,
+            "moe_intermediate_size": d.get("moe_intermediate_size") or 0,
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "sparse_layers": tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0),
+            "router_aux_loss_coef": float(d.get("router_aux_loss_coef") or 0.0)}
+
+
 def _sliding_window(d: Mapping[str, Any]) -> int | None:
-    if d.get("model_type") in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+    if d.get("model_type") in ("qwen2", "qwen3", "qwen3_moe") and not d.get("use_sliding_window", False):
         return None
     return d.get("sliding_window") or None

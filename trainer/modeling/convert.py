@@ -20,7 +20,14 @@ import numpy as np
 from flax import nnx
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_of_head
-from rmflow.trainer.modeling.config import ATTRIBUTE_WEIGHTS, ModelConfig, ScoreHead, head_kind, hf_num_labels
+from rmflow.trainer.modeling.config import (
+    ATTRIBUTE_WEIGHTS,
+    MOE_LAYOUT,
+    ModelConfig,
+    ScoreHead,
+    head_kind,
+    hf_num_labels,
+)
 from rmflow.trainer.modeling.llama import RewardTransformer
 
 IGNORED = ("lm_head.weight",)  # a causal LM's head: not part of a reward model
@@ -73,6 +80,47 @@ def join_fused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np
             prefix = name[: -len(f"{first}.weight")]
             tensors[f"{prefix}{fused}.weight"] = np.concatenate(
                 [tensors.pop(f"{prefix}{part}.weight") for part, _ in parts], axis=0)
+    return tensors
+
+
+def _sparse_prefixes(tensors, cfg: ModelConfig):
+    """(the checkpoint's block prefix, the model's, the projections' checkpoint names) of each
+    sparse layer (``MOE_LAYOUT``)."""
+    block, names = MOE_LAYOUT[cfg.model_type]
+    for layer in cfg.sparse_layers:
+        yield f"model.layers.{layer}.{block}.", f"model.layers.{layer}.mlp.", names
+
+
+def stack_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """A mixture of experts' checkpoint tensors as the model holds them: each sparse layer's router
+    as ``mlp.gate`` and its experts' projections, (out, in) one tensor an expert, stacked and
+    transposed to (E, in, out) (``Experts``). A missing expert is an error naming it."""
+    if not cfg.sparse_layers:
+        return tensors
+    for theirs, ours, names in _sparse_prefixes(tensors, cfg):
+        if f"{theirs}gate.weight" in tensors:
+            tensors[f"{ours}gate.weight"] = tensors.pop(f"{theirs}gate.weight")
+        for mine, name in names.items():
+            keys = [f"{theirs}experts.{e}.{name}.weight" for e in range(cfg.num_experts)]
+            missing = [k for k in keys if k not in tensors]
+            if len(missing) == len(keys):
+                continue  # reported as the model's missing tensor
+            if missing:
+                raise CheckpointError(f"the checkpoint lacks {', '.join(missing[:3])}"
+                                      + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                                      + f": a {cfg.model_type} layer has {cfg.num_experts} experts")
+            tensors[f"{ours}experts.{mine}"] = np.stack([tensors.pop(k).T for k in keys])
+    return tensors
+
+
+def unstack_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The inverse of ``stack_experts``: the layout the family's checkpoints have (an export)."""
+    for theirs, ours, names in _sparse_prefixes(tensors, cfg):
+        tensors[f"{theirs}gate.weight"] = tensors.pop(f"{ours}gate.weight")
+        for mine, name in names.items():
+            stacked = tensors.pop(f"{ours}experts.{mine}")
+            for e in range(cfg.num_experts):
+                tensors[f"{theirs}experts.{e}.{name}.weight"] = np.ascontiguousarray(stacked[e].T)
     return tensors
 
 
@@ -170,7 +218,7 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
                               "start from its base model instead")
     if head is not None:
         cfg = cfg.with_head(head)
-    tensors = split_fused(tensors, cfg)
+    tensors = stack_experts(split_fused(tensors, cfg), cfg)
     model = RewardTransformer(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention,
                               scan_layers=scan_layers)
     state = nnx.state(model, nnx.Param)

@@ -206,6 +206,64 @@ class MLP(nnx.Module):
         return _proj(self.down_proj, gate * _proj(self.up_proj, x))
 
 
+class Experts(nnx.Module):
+    """Every expert's gate, up and down projections, stacked on a leading expert axis: (E, H, I),
+    (E, H, I), (E, I, H) (the checkpoint's per-expert tensors, ``modeling.convert.stack_experts``)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = nnx.initializers.normal(INIT_STD)
+        self.gate_proj = nnx.Param(init(rngs.params(), (e, h, i), jnp.float32))
+        self.up_proj = nnx.Param(init(rngs.params(), (e, h, i), jnp.float32))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), jnp.float32))
+        self.dtype, self.hidden_act = dtype, cfg.hidden_act
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """``x`` (M, H): token copies sorted by expert, ``group_sizes`` (E,) of them per expert ->
+        (M, H), each through its expert: grouped matrix products (``jax.lax.ragged_dot``), no loop
+        over the experts."""
+        def grouped(a, w):
+            return jax.lax.ragged_dot(a, w[...].astype(self.dtype), group_sizes, preferred_element_type=jnp.float32)
+
+        gate = grouped(x, self.gate_proj)
+        gate = nnx.silu(gate) if self.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        return grouped((gate * grouped(x, self.up_proj)).astype(self.dtype), self.down_proj).astype(self.dtype)
+
+
+class SparseMoE(nnx.Module):
+    """A router over the experts (Qwen3-MoE's and Mixtral's sparse block, as ``mlp``): each token's
+    router probabilities (softmax in float32), its ``num_experts_per_tok`` most probable experts,
+    their weights (renormalised over the chosen with ``norm_topk_prob``), the token copies sorted
+    by expert and computed by ``Experts`` as groups, then added back weighted."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.gate = _linear(cfg, dtype, cfg.hidden_size, cfg.num_experts, False, rngs)
+        self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
+        self.top_k, self.norm_topk, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.num_experts
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``x`` (N, H) -> the router's probabilities (N, E) and each token's chosen experts'
+        weights and indices, (N, k)."""
+        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+        weights, chosen = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdims=True)
+        return probs, weights, chosen
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        _, weights, chosen = self.route(x)
+        flat = chosen.reshape(-1)  # (N * k,) each copy's expert
+        order = jnp.argsort(flat, stable=True)
+        token = order // self.top_k  # the token of each sorted copy
+        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        out = self.experts(x[token], sizes)  # (N * k, H), sorted by expert
+        weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None].astype(x.dtype).astype(jnp.float32)
+        y = jnp.zeros(x.shape, jnp.float32).at[token].add(weighted)
+        return y.astype(x.dtype).reshape(shape)
+
+
 class DecoderLayer(nnx.Module):
     """Attention then MLP, each added to the residual stream: normalised on the way in
     (``input_layernorm``, ``post_attention_layernorm``: Llama's names, the second being the MLP's
@@ -218,7 +276,8 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, index: int = 0):
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs) if index in cfg.sparse_layers else MLP(cfg, dtype=dtype,
+                                                                                                 rngs=rngs)
         self.post_norms, self.sandwich = cfg.post_norms, cfg.sandwich_norms
         self.window = cfg.layer_window(index)
         self.rope = int(bool(cfg.sliding_rope_theta) and self.window is not None)  # its RoPE table (DecoderModel)
