@@ -280,6 +280,10 @@ class TrainConfig(Config):
     center_rewards_coefficient: float = option(
         0.0, "Weight of the reward-centering term mean((r_chosen + r_rejected)^2) (Eisenstein et al. 2023); with K "
         "responses per prompt, (2 * the mean of the prompt's rewards)^2, the same at K = 2.")
+    router_aux_loss_coefficient: float = option(
+        -1.0, "Mixture-of-experts models (Qwen3-MoE, Mixtral): weight of the router's load-balancing loss (Switch "
+        "Transformer's, as transformers computes it), logged as router_aux_loss; -1 = the checkpoint's "
+        "router_aux_loss_coef, 0 = off. Other models have no router.", was=NEW)
     objective: str = option(
         RANKING_LOSSES[0], "K responses per prompt (shards of kind multi-response): bradley-terry (the mean of the pairs' "
         "loss over every two responses whose scores differ), plackett-luce (the likelihood of the whole ranking, "
@@ -327,6 +331,9 @@ class TrainConfig(Config):
                                   f"objective {self.objective} trains none (use regression or "
                                   f"{RANKING_LOSSES[0]}+{REGRESSION})")
             parse_weights(self.attribute_weights)
+        if self.router_aux_loss_coefficient < 0 and self.router_aux_loss_coefficient != -1:
+            raise ConfigError(f"router_aux_loss_coefficient {self.router_aux_loss_coefficient}: -1 (the model's), 0 "
+                              "(off) or a positive weight")
         if self.center_rewards_coefficient < 0:
             raise ConfigError(f"center_rewards_coefficient {self.center_rewards_coefficient}: must be >= 0")
         save, metric = self.checkpoint.save_steps, self.checkpoint.metric_for_best

@@ -239,3 +239,47 @@ def test_a_family_transformers_has_no_head_for_is_refused_at_export_naming_the_c
     check_hf_class(cfg, OUTCOME)  # Gemma3TextForSequenceClassification
     with pytest.raises(ExportError, match="transformers has no Gemma3TextForTokenClassification"):
         check_hf_class(cfg, PROCESS)
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_the_router_load_balancing_loss_equals_transformers(family, tmp_path):
+    """The router statistics summed over the layers give transformers' load_balancing_loss_func
+    of the same tokens' router logits (padding left out by the mask), within 1e-5."""
+    import jax.numpy as jnp
+    from rmflow.trainer.modeling.convert import load_reward_model
+    from rmflow.trainer.modeling.llama import router_loss
+
+    from tests.test_model_parity import ARCHS, batch, build_hf
+
+    hf = build_hf(family, "ForSequenceClassification", tmp_path)
+    ids, mask = batch()
+    with torch.no_grad():
+        logits = hf.model(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(),
+                          output_router_logits=True).router_logits
+    module = __import__(f"transformers.models.{hf.config.model_type}.modeling_{hf.config.model_type}",
+                        fromlist=["load_balancing_loss_func"])
+    experts = ARCHS[family][2].get("num_experts") or ARCHS[family][2]["num_local_experts"]
+    expected = float(module.load_balancing_loss_func(logits, experts, 2, torch.tensor(mask)))
+    model = load_reward_model(str(tmp_path))
+    t = ids.shape[1]
+    every = jnp.broadcast_to(jnp.arange(t), ids.shape)  # the last layer at every token: a full forward
+    _, stats = model.model.hidden_at(jnp.asarray(ids), every, jnp.asarray(mask), every, with_router=True)
+    assert float(router_loss(stats, experts)) == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_mixture_of_experts_logs_its_router_loss_weighted_by_the_option(synthetic, tokenizer_dir,  # noqa: F811
+                                                                         tmp_path):
+    """router_aux_loss is logged; the option's coefficient (the checkpoint's by default) is what
+    the loss adds: the same step's loss differs by the coefficient times it."""
+    base = base_checkpoint("qwen3-moe", tmp_path / "base", tokenizer_dir)
+    losses = {}
+    for coef in (0.0, 0.5):
+        result = train(TrainConfig.from_dict({
+            "data": str(synthetic), "model": str(base), "output": str(tmp_path / f"run-{coef}"), "max_steps": 1,
+            "batch_size": 8, "seed": 0, "router_aux_loss_coefficient": coef, "logging": {"steps": 1},
+            "optimizer": {"warmup_steps": 0}}))
+        losses[coef] = result.history[0]
+    assert losses[0.0]["router_aux_loss"] == pytest.approx(losses[0.5]["router_aux_loss"], rel=1e-6)
+    assert losses[0.0]["router_aux_loss"] >= 1.0  # k = 2 experts a token: 2 at a perfect balance
+    assert losses[0.5]["loss"] == pytest.approx(losses[0.0]["loss"], rel=1e-6)  # the reward loss, logged apart
+    assert losses[0.5]["grad_norm"] != pytest.approx(losses[0.0]["grad_norm"], rel=1e-6)  # the router's trained

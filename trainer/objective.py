@@ -50,6 +50,7 @@ from rmflow.trainer.loss import (
 from rmflow.trainer.modeling.config import ScoreHead
 
 ROW_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids")
+ROUTER_SUM = "router_aux_sum"  # a mixture of experts' load-balancing loss, summed over units (``step._loss``)
 _MODEL_ARGS = ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids")
 
 
@@ -144,8 +145,16 @@ class Objective:
         """``head`` is one this objective trains."""
         return bool(head.attributes) == self.regression and (self.regression or head.num_labels == self.kind.num_labels)
 
+    def with_router(self) -> Objective:
+        """This objective for a mixture of experts: its sums and metrics also the router's
+        load-balancing loss (``router_aux_loss``, per unit)."""
+        return dataclasses.replace(self, sum_keys=self.sum_keys + (ROUTER_SUM,))
+
     def metrics(self, sums: dict[str, Any]) -> dict[str, Any]:
-        return regression_metrics_of_sums(sums, self.attributes) if self.regression else self.metrics_of_sums(sums)
+        out = regression_metrics_of_sums(sums, self.attributes) if self.regression else self.metrics_of_sums(sums)
+        if ROUTER_SUM in sums and sums.get(self.count_key):
+            out["router_aux_loss"] = float(sums[ROUTER_SUM]) / float(sums[self.count_key])
+        return out
 
     @property
     def metric_names(self) -> tuple[str, ...]:

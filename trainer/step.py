@@ -24,8 +24,8 @@ import optax
 from flax import nnx
 from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
 from rmflow.trainer.modeling import lora
-from rmflow.trainer.modeling.llama import RewardTransformer
-from rmflow.trainer.objective import OUTCOME, Objective, objective_for, pair_rewards
+from rmflow.trainer.modeling.llama import RewardTransformer, router_loss
+from rmflow.trainer.objective import OUTCOME, ROUTER_SUM, Objective, objective_for, pair_rewards
 from rmflow.trainer.optimizer import (
     clip_scale,
     hyperparameters,
@@ -59,10 +59,15 @@ class StepProgram:
     adam_b2: float
     decays: bool
     clips: bool
+    experts: int = 0  # a mixture of experts' count: its router's load-balancing loss is added (``_loss``)
 
     @property
     def objective(self) -> Objective:
         return objective_for(self.kind)
+
+    @property
+    def sum_keys(self) -> tuple[str, ...]:
+        return self.objective.sum_keys + ((ROUTER_SUM,) if self.experts else ())
 
     def model(self, params: Any, frozen: Any, others: Any) -> RewardTransformer:
         return nnx.merge(self.graphdef, params, frozen, others)
@@ -72,31 +77,60 @@ class StepProgram:
                                               weight_decay=float(self.decays)), hyper=hyper)
 
 
-def _objective(program: StepProgram, params, mb, frozen, others, center_coef, key=None):
+class _RouterTap:
+    """The model as an objective's loss sees it, keeping each forward's router statistics."""
+
+    def __init__(self, model: RewardTransformer):
+        self.model, self.config, self.stats = model, model.config, []
+
+    def logits(self, *args):
+        out, stats = self.model.logits(*args, with_router=True)
+        self.stats.append(stats)
+        return out
+
+    def reward_of(self, logits):
+        return self.model.reward_of(logits)
+
+    def __call__(self, *args):
+        return self.reward_of(self.logits(*args))
+
+
+def _loss(program: StepProgram, model: RewardTransformer, mb, hyper_center, hyper_router):
+    """The objective's summed loss and metric sums; for a mixture of experts plus the router's
+    load-balancing loss (``router_loss`` of the statistics summed over the step's forwards) times
+    its coefficient, per unit (scaled by the objective's count, as the rest is summed), and its
+    sum (``ROUTER_SUM``)."""
+    if not program.experts:
+        return program.objective.loss(model, mb, hyper_center)
+    tap = _RouterTap(model)
+    total, sums = program.objective.loss(tap, mb, hyper_center)
+    aux = router_loss(sum(tap.stats), program.experts) * sums[program.objective.count_key]
+    return total + hyper_router * aux, {**sums, ROUTER_SUM: aux}
+
+
+def _objective(program: StepProgram, params, mb, frozen, others, hyper, key=None):
     """``key``: LoRA adapter dropout's, in training (``lora.dropout_key``); None: no dropout."""
     with lora.dropout_key(key):
-        return program.objective.loss(program.model(params, frozen, others), mb, center_coef)
+        return _loss(program, program.model(params, frozen, others), mb, hyper["center_coef"], hyper["router_coef"])
 
 
 def _train_step(program: StepProgram, state: TrainState, batch: dict[str, jax.Array], frozen: Any, others: Any,
                 hyper: dict[str, jax.Array]):
     grad_fn = jax.value_and_grad(functools.partial(_objective, program), has_aux=True)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # resumes draw alike
-    center = hyper["center_coef"]
-
     def micro(carry, x):
         grads, sums = carry
         i, mb = x
-        (_, s), g = grad_fn(state.params, mb, frozen, others, center, jax.random.fold_in(step_key, i))
+        (_, s), g = grad_fn(state.params, mb, frozen, others, hyper, jax.random.fold_in(step_key, i))
         return (jax.tree.map(jnp.add, grads, g), {k: sums[k] + s[k] for k in keys}), None
 
-    keys = program.objective.sum_keys
+    keys = program.sum_keys
     n_micro = jax.tree.leaves(batch)[0].shape[0]
     if n_micro == 1:  # one micro-batch: no accumulator buffers
-        (_, sums), grads = grad_fn(state.params, {k: v[0] for k, v in batch.items()}, frozen, others, center,
+        (_, sums), grads = grad_fn(state.params, {k: v[0] for k, v in batch.items()}, frozen, others, hyper,
                                    jax.random.fold_in(step_key, 0))
     else:
-        first = jax.eval_shape(grad_fn, state.params, {k: v[0] for k, v in batch.items()}, frozen, others, center,
+        first = jax.eval_shape(grad_fn, state.params, {k: v[0] for k, v in batch.items()}, frozen, others, hyper,
                                step_key)[0][1]  # the sums' shapes: an attribute head's are per attribute
         zeros = (jax.tree.map(jnp.zeros_like, state.params), {k: jnp.zeros(first[k].shape, jnp.float32) for k in keys})
         (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.arange(n_micro), batch))
@@ -110,18 +144,19 @@ def _train_step(program: StepProgram, state: TrainState, batch: dict[str, jax.Ar
     return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
 
-def _eval_step(program: StepProgram, params: Any, mb: dict[str, jax.Array], frozen: Any, others: Any, center_coef):
-    return program.objective.loss(program.model(params, frozen, others), mb, center_coef)[1]
+def _eval_step(program: StepProgram, params: Any, mb: dict[str, jax.Array], frozen: Any, others: Any, coefs):
+    """The metric sums of one micro-batch; ``coefs``: the centering and router coefficients."""
+    return _loss(program, program.model(params, frozen, others), mb, *coefs)[1]
 
 
 _TRAIN_JIT = jax.jit(_train_step, static_argnums=0, donate_argnums=1)
 
 
 def _eval_stacked(program: StepProgram, params: Any, batch: dict[str, jax.Array], frozen: Any, others: Any,
-                  center_coef):
+                  coefs):
     """The eval step on one micro-batch stacked as the loop places batches (taken apart inside
     the program, so the same placement and compile-ahead serve training and evaluation)."""
-    return _eval_step(program, params, {k: v[0] for k, v in batch.items()}, frozen, others, center_coef)
+    return _eval_step(program, params, {k: v[0] for k, v in batch.items()}, frozen, others, coefs)
 
 
 _EVAL_STACKED_JIT = jax.jit(_eval_stacked, static_argnums=0)
@@ -157,7 +192,8 @@ class Trainer:
     """Holds the model's static structure and runs the process-wide jitted steps over a TrainState pytree."""
 
     def __init__(self, model: RewardTransformer, optim: OptimizerConfig, *, total_steps: int = 1000,
-                 center_coef: float = 0.0, seed: int = 0, trainable=nnx.Param, objective: Objective = OUTCOME):
+                 center_coef: float = 0.0, seed: int = 0, trainable=nnx.Param, objective: Objective = OUTCOME,
+                 router_coef: float = 0.0):
         """``trainable``: an NNX filter of the parameters to train (all, or with LoRA the adapters and
         the score head); the other parameters are frozen: no gradient, no optimizer state, passed
         to the jitted steps as an argument (never baked into the compiled program). ``objective``:
@@ -171,10 +207,13 @@ class Trainer:
                              + (f" ({', '.join(model.config.attributes)})" if model.config.attributes else ""))
         self.objective = objective
         self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)
+        experts = model.config.num_experts if model.config.sparse_layers else 0
         self.program = StepProgram(self.graphdef, objective.name, optim.schedule, optim.adam_b1,
-                                   optim.adam_b2, bool(optim.weight_decay), bool(optim.max_grad_norm))
+                                   optim.adam_b2, bool(optim.weight_decay), bool(optim.max_grad_norm), experts)
+        self.objective = objective.with_router() if experts else objective
         hyper = hyperparameters(optim, total_steps)
-        self.hyper = jax.tree.map(jnp.asarray, {**hyper, "center_coef": np.float32(center_coef)})
+        self.hyper = jax.tree.map(jnp.asarray, {**hyper, "center_coef": np.float32(center_coef),
+                                                "router_coef": np.float32(router_coef)})
         self.tx = make_optimizer(optim, hyper=hyper)
         self.init_state = TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
@@ -228,8 +267,8 @@ class Trainer:
         """The eval step's metric sums on one micro-batch stacked as the loop places batches
         (``stack_micro_batches`` of one); compiled ahead like the train step's shapes."""
         if self._abstract_state is None:
-            return _EVAL_STACKED_JIT(self.program, params, batch, self.frozen, self.others, self.hyper["center_coef"])
-        return self._executable("eval", batch)(params, batch, self.frozen, self.others, self.hyper["center_coef"])
+            return _EVAL_STACKED_JIT(self.program, params, batch, self.frozen, self.others, self._coefs())
+        return self._executable("eval", batch)(params, batch, self.frozen, self.others, self._coefs())
 
     def _executable(self, step: str, batch: dict[str, jax.Array]):
         """The compiled ``step`` ("train" or "eval") for the batch's shapes: made before, being made
@@ -321,10 +360,13 @@ class Trainer:
         else:
             with _TRACE_LOCK:
                 lowered = _EVAL_STACKED_JIT.lower(self.program, self._abstract_state.params, abstract_batch,
-                                                  self.frozen, self.others, self.hyper["center_coef"])
+                                                  self.frozen, self.others, self._coefs())
         compiled = lowered.compile()
         with _EXECUTABLES_LOCK:
             return _EXECUTABLES.setdefault(key, compiled)
+
+    def _coefs(self) -> tuple:
+        return self.hyper["center_coef"], self.hyper["router_coef"]
 
     def model(self, params: Any, frozen: Any = None) -> RewardTransformer:
         return self.program.model(params, self.frozen if frozen is None else frozen, self.others)
@@ -334,7 +376,7 @@ class Trainer:
 
     def _objective(self, params, mb, frozen, key=None):
         """The summed objective and its metric sums (``key``: LoRA dropout's; None: none)."""
-        return _objective(self.program, params, mb, frozen, self.others, self.hyper["center_coef"], key)
+        return _objective(self.program, params, mb, frozen, self.others, self.hyper, key)
 
 
 def _shapes(batch: dict[str, Any]) -> tuple:
@@ -345,6 +387,8 @@ def make_trainer(cfg: TrainConfig, model: RewardTransformer, total_steps: int, o
                  ) -> Trainer:
     """The jitted trainer of a run's config: its optimizer, centering, seed, LoRA's trainable
     parameters and the objective of its kind (an outcome model's by default)."""
+    coef = cfg.router_aux_loss_coefficient
     return Trainer(model, cfg.optimizer, total_steps=total_steps, center_coef=cfg.center_rewards_coefficient,
+                   router_coef=model.config.router_aux_loss_coef if coef == -1 else coef,
                    seed=cfg.seed, trainable=lora.trainable_filter(cfg.lora),
                    objective=objective or OUTCOME)

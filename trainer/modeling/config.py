@@ -191,6 +191,12 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def router_stats_size(self) -> int:
+        """The length of a layer's router statistics (``llama.SparseMoE``): per expert the chosen
+        count and the probability sum, then the tokens; 0 for a model without experts."""
+        return 2 * self.num_experts + 1 if self.sparse_layers else 0
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

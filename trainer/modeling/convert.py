@@ -86,6 +86,8 @@ def join_fused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np
 def _sparse_prefixes(tensors, cfg: ModelConfig):
     """(the checkpoint's block prefix, the model's, the projections' checkpoint names) of each
     sparse layer (``MOE_LAYOUT``)."""
+    if not cfg.sparse_layers:
+        return
     block, names = MOE_LAYOUT[cfg.model_type]
     for layer in cfg.sparse_layers:
         yield f"model.layers.{layer}.{block}.", f"model.layers.{layer}.mlp.", names

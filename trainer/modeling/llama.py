@@ -250,10 +250,16 @@ class SparseMoE(nnx.Module):
             weights = weights / weights.sum(-1, keepdims=True)
         return probs, weights, chosen
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x`` (..., H) and ``real`` (...) (not padding) -> the block's output and its router
+        statistics over the real tokens (``router_loss``): per expert the times it was chosen and
+        its probabilities' sum, then the tokens."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        _, weights, chosen = self.route(x)
+        probs, weights, chosen = self.route(x)
+        w = real.reshape(-1).astype(jnp.float32)
+        counts = (jax.nn.one_hot(chosen, self.num_experts, dtype=jnp.float32).sum(1) * w[:, None]).sum(0)
+        stats = jnp.concatenate([counts, (probs * w[:, None]).sum(0), w.sum()[None]])
         flat = chosen.reshape(-1)  # (N * k,) each copy's expert
         order = jnp.argsort(flat, stable=True)
         token = order // self.top_k  # the token of each sorted copy
@@ -261,7 +267,17 @@ class SparseMoE(nnx.Module):
         out = self.experts(x[token], sizes)  # (N * k, H), sorted by expert
         weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None].astype(x.dtype).astype(jnp.float32)
         y = jnp.zeros(x.shape, jnp.float32).at[token].add(weighted)
-        return y.astype(x.dtype).reshape(shape)
+        return y.astype(x.dtype).reshape(shape), stats
+
+
+def router_loss(stats: jax.Array, num_experts: int) -> jax.Array:
+    """The load-balancing auxiliary loss (Switch Transformer's, as transformers computes it for
+    Qwen3-MoE and Mixtral) from the router statistics summed over the sparse layers: the experts'
+    shares of the chosen slots times their mean probabilities, summed, times the expert count
+    (1 · k at a perfect balance, k experts a token)."""
+    counts, probs, rows = stats[:num_experts], stats[num_experts: 2 * num_experts], stats[-1]
+    rows = jnp.maximum(rows, 1.0)
+    return num_experts * jnp.sum((counts / rows) * (probs / rows))
 
 
 class DecoderLayer(nnx.Module):
@@ -280,6 +296,7 @@ class DecoderLayer(nnx.Module):
                                                                                                  rngs=rngs)
         self.post_norms, self.sandwich = cfg.post_norms, cfg.sandwich_norms
         self.window = cfg.layer_window(index)
+        self.router_size = cfg.router_stats_size  # this layer's router statistics: zeros for a dense MLP
         self.rope = int(bool(cfg.sliding_rope_theta) and self.window is not None)  # its RoPE table (DecoderModel)
         if cfg.sandwich_norms:
             self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
@@ -295,17 +312,28 @@ class DecoderLayer(nnx.Module):
         """This layer's RoPE tables, of the model's one or two (Gemma 3: global, sliding)."""
         return (cos[self.rope], sin[self.rope]) if isinstance(cos, tuple) else (cos, sin)
 
+    def _mlp(self, x, real):
+        """The MLP's output and the router statistics (``SparseMoE``; zeros for a dense MLP)."""
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp(x, real)
+        return self.mlp(x), jnp.zeros((self.router_size,), jnp.float32)
+
     def __call__(self, x, cos, sin, ctx):
+        """The layer's output and its router statistics, (``router_stats_size``,)."""
         ctx = ctx.for_window(self.window)
         cos, sin = self._tables(cos, sin)
+        real = ctx.segment_ids > 0
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            y, stats = self._mlp(self.pre_feedforward_layernorm(x), real)
+            return x + self.post_feedforward_layernorm(y), stats
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, ctx))
-            return x + self.post_feedforward_layernorm(self.mlp(x))
+            y, stats = self._mlp(x, real)
+            return x + self.post_feedforward_layernorm(y), stats
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y, stats = self._mlp(self.post_attention_layernorm(x), real)
+        return x + y, stats
 
     def at(self, x, index, cos, sin, ctx):
         """The layer's outputs at the tokens ``index`` (B, S) only, (B, S, H): equal to
@@ -314,14 +342,18 @@ class DecoderLayer(nnx.Module):
         x_at = jnp.take_along_axis(x, index[..., None], axis=1)
         ctx = ctx.for_window(self.window)
         cos, sin = self._tables(cos, sin)
+        real = jnp.take_along_axis(ctx.segment_ids, index, axis=1) > 0
         if self.sandwich:
             x_at = x_at + self.post_attention_layernorm(self.self_attn.at(self.input_layernorm(x), index, cos, sin, ctx))
-            return x_at + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x_at)))
+            y, stats = self._mlp(self.pre_feedforward_layernorm(x_at), real)
+            return x_at + self.post_feedforward_layernorm(y), stats
         if self.post_norms:
             x_at = x_at + self.post_attention_layernorm(self.self_attn.at(x, index, cos, sin, ctx))
-            return x_at + self.post_feedforward_layernorm(self.mlp(x_at))
+            y, stats = self._mlp(x_at, real)
+            return x_at + self.post_feedforward_layernorm(y), stats
         x_at = x_at + self.self_attn.at(self.input_layernorm(x), index, cos, sin, ctx)
-        return x_at + self.mlp(self.post_attention_layernorm(x_at))
+        y, stats = self._mlp(self.post_attention_layernorm(x_at), real)
+        return x_at + y, stats
 
 
 def _layer_forward(layer: DecoderLayer, x, cos, sin, ctx):
@@ -352,8 +384,9 @@ def apply_layer(layer, index, fn, x, *args, remat: bool):
 
 
 def run_layers(layers, fn, x, *args, scan: bool, remat: bool, collect: bool = False):
-    """``x`` through ``layers`` in order, ``fn(layer, x, *args)`` each; with ``collect``, also
-    every layer's output, stacked (L, ...).
+    """``x`` through ``layers`` in order, ``fn(layer, x, *args)`` each (a layer's output and its
+    router statistics); returns the output and the statistics summed over the layers, with
+    ``collect`` also every layer's output, stacked (L, ...).
 
     ``scan``: one ``jax.lax.scan`` over the layers' parameters, stacked at call time, so the
     compiled program holds the layer once and a deep model compiles in about the time of a
@@ -365,22 +398,25 @@ def run_layers(layers, fn, x, *args, scan: bool, remat: bool, collect: bool = Fa
     (``lora.layer_key``), so both paths draw the same masks."""
     layers = list(layers)
     graphdef = nnx.graphdef(layers[0]) if layers else None
+    total = jnp.zeros((layers[0].router_size if layers else 0,), jnp.float32)
     if not (scan and len(layers) > 1 and all(nnx.graphdef(layer) == graphdef for layer in layers[1:])):
         outs = []
         for i, layer in enumerate(layers):
-            x = apply_layer(layer, i, fn, x, *args, remat=remat)
+            x, stats = apply_layer(layer, i, fn, x, *args, remat=remat)
+            total = total + stats
             outs.append(x)
-        return (x, jnp.stack(outs)) if collect else x
+        return (x, jnp.stack(outs), total) if collect else (x, total)
     call, key = (_apply_layer_remat if remat else _apply_layer), lora.current_key()
 
-    def body(h, xs):
+    def body(carry, xs):
+        h, acc = carry
         i, state = xs
-        h = call(graphdef, h, i, state, fn, key, *args)
-        return h, (h if collect else None)
+        h, stats = call(graphdef, h, i, state, fn, key, *args)
+        return (h, acc + stats), (h if collect else None)
 
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[nnx.state(layer) for layer in layers])
-    x, outs = jax.lax.scan(body, x, (jnp.arange(len(layers), dtype=jnp.int32), stacked))
-    return (x, outs) if collect else x
+    (x, total), outs = jax.lax.scan(body, (x, total), (jnp.arange(len(layers), dtype=jnp.int32), stacked))
+    return (x, outs, total) if collect else (x, total)
 
 
 class DecoderModel(nnx.Module):
@@ -409,7 +445,7 @@ class DecoderModel(nnx.Module):
     def __call__(self, input_ids, positions, segment_ids, branch_ids=None):
         """Hidden states before the final norm, (B, T, H)."""
         x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers))
-        return self._run(self.layers, _layer_forward, x, cos, sin, ctx)
+        return self._run(self.layers, _layer_forward, x, cos, sin, ctx)[0]
 
     def _run(self, layers, fn, x, *args, collect: bool = False):
         return run_layers(layers, fn, x, *args, scan=self.scan_layers, remat=self.remat, collect=collect)
@@ -436,16 +472,20 @@ class DecoderModel(nnx.Module):
     def hidden_states(self, input_ids, positions, segment_ids, branch_ids=None) -> list[jax.Array]:
         """The embeddings and each layer's output (for per-layer parity checks)."""
         x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers))
-        _, outs = self._run(self.layers, _layer_forward, x, cos, sin, ctx, collect=True)
+        _, outs, _ = self._run(self.layers, _layer_forward, x, cos, sin, ctx, collect=True)
         return [x, *outs]
 
-    def hidden_at(self, input_ids, positions, segment_ids, index, branch_ids=None) -> jax.Array:
+    def hidden_at(self, input_ids, positions, segment_ids, index, branch_ids=None, *, with_router: bool = False):
         """Hidden states before the final norm at the tokens ``index`` (B, S), (B, S, H). Every
         layer but the last runs over all tokens; the last one only at ``index`` (its outputs
-        elsewhere feed nothing), which gives the same values for a fraction of its work."""
+        elsewhere feed nothing), which gives the same values for a fraction of its work.
+        ``with_router``: also the router statistics summed over the layers (the last layer's
+        over the tokens ``index``), for the load-balancing loss (``router_loss``)."""
         x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers) - 1)
-        x = self._run(self.layers[:-1], _layer_forward, x, cos, sin, ctx)
-        return apply_layer(self.layers[-1], len(self.layers) - 1, _layer_at, x, index, cos, sin, ctx, remat=self.remat)
+        x, stats = self._run(self.layers[:-1], _layer_forward, x, cos, sin, ctx)
+        x, last = apply_layer(self.layers[-1], len(self.layers) - 1, _layer_at, x, index, cos, sin, ctx,
+                              remat=self.remat)
+        return (x, stats + last) if with_router else x
 
 
 class RewardTransformer(nnx.Module):
@@ -471,16 +511,22 @@ class RewardTransformer(nnx.Module):
         self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=cfg.kind.head_bias, dtype=dtype,
                                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
-    def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
-        """Final-norm hidden states at the reward tokens, (B, [K,] H)."""
+    def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None, *,
+                  with_router: bool = False):
+        """Final-norm hidden states at the reward tokens, (B, [K,] H) (``with_router``: and the
+        router statistics, ``DecoderModel.hidden_at``)."""
         idx = reward_index if reward_index.ndim == 2 else reward_index[:, None]
-        g = self.model.norm(self.model.hidden_at(input_ids, positions, segment_ids, idx, branch_ids))  # (B, K, H)
-        return g if reward_index.ndim == 2 else g[:, 0]
+        g, stats = self.model.hidden_at(input_ids, positions, segment_ids, idx, branch_ids, with_router=True)
+        g = self.model.norm(g)  # (B, K, H)
+        g = g if reward_index.ndim == 2 else g[:, 0]
+        return (g, stats) if with_router else g
 
-    def logits(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):
-        """The score head's outputs at the reward tokens, (B, [K,] num_labels), float32."""
-        g = self.hidden_at(input_ids, positions, segment_ids, reward_index, branch_ids)
-        return self.score(g).astype(jnp.float32)
+    def logits(self, input_ids, positions, segment_ids, reward_index, branch_ids=None, *, with_router: bool = False):
+        """The score head's outputs at the reward tokens, (B, [K,] num_labels), float32
+        (``with_router``: and the router statistics)."""
+        g, stats = self.hidden_at(input_ids, positions, segment_ids, reward_index, branch_ids, with_router=True)
+        out = self.score(g).astype(jnp.float32)
+        return (out, stats) if with_router else out
 
     def reward_of(self, logits: jax.Array) -> jax.Array:
         """The score head's outputs (..., num_labels) -> the reward (...): the output; a process
