@@ -227,11 +227,13 @@ class Config:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = [k for k in data if k not in fields]
         if unknown:
-            moved = moved_keys(cls)
+            grouped = moved_keys(cls)
+            moved = {**grouped, **getattr(cls, "RENAMED", {})}  # grouped in sections, or renamed
             renamed = [f"{k} is now {moved[k]}" for k in unknown if k in moved]
             if renamed:
-                raise ConfigError(f"{cls.__name__}: {'; '.join(renamed)} (options are grouped in sections: "
-                                  "write them nested in YAML, or dotted in --set)")
+                why = (" (options are grouped in sections: write them nested in YAML, or dotted in --set)"
+                       if any(k in grouped for k in unknown) else "")
+                raise ConfigError(f"{cls.__name__}: {'; '.join(renamed)}{why}")
             hint = f"; {cls.UNKNOWN_HINT}" if cls.UNKNOWN_HINT else ""
             raise ConfigError(f"unknown {cls.__name__} keys {sorted(unknown)}; known: {sorted(fields)}{hint}")
         return cls(**data)

@@ -229,9 +229,10 @@ class CheckpointConfig(Config):
     keep_newest: int = option(2, "The newest checkpoints kept, besides the best ones (keep_best).",
                               was="save_total_limit", resume_free=True)
     metric_for_best: str = option("", "Metric that ranks checkpoints, e.g. eval_accuracy or eval/NAME/accuracy "
-                                      "(lower is better for names ending in loss, higher for the others); the "
-                                      "keep_best best checkpoints survive pruning, and export and eval take --step "
-                                      "best. Every save must then be at an eval step.", resume_free=True)
+                                      "(lower is better for names ending in loss or mse, e.g. eval_mse and "
+                                      "eval_NAME_rmse, higher for the others); the keep_best best checkpoints "
+                                      "survive pruning, and export and eval take --step best. Every save must then "
+                                      "be at an eval step.", resume_free=True)
     keep_best: int = option(1, "With metric_for_best: the best checkpoints kept besides the keep_newest newest.",
                             resume_free=True)
 
@@ -267,6 +268,10 @@ class LoggingConfig(Config):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(Config):
     """Everything that determines a `rmflow train` run (written to RUN/config.json)."""
+
+    # Options renamed since runs stored them: read under the new name (``from_stored``), and named
+    # when given under the old one (``Config.from_dict``).
+    RENAMED = {"ranking_loss": "objective"}
 
     data: DataConfig = section(DataConfig, "The training and eval data.")
     model: BaseModelConfig = section(BaseModelConfig, "The base model and how it computes.")
@@ -350,6 +355,7 @@ class TrainConfig(Config):
     def from_stored(cls, data: Mapping[str, Any]) -> TrainConfig:
         """A config read from a run's config.json, which runs written before the options were
         grouped in sections hold flat: each flat key is put in its place."""
+        data = {RENAMED.get(k, k): v for k, v in data.items()}  # an option's name of before, as runs stored it
         if "optimizer" in data:
             return cls.from_dict(data)
         moved = moved_keys(cls)
@@ -382,6 +388,8 @@ class TrainConfig(Config):
         paths = {leaf.path: leaf for leaf in leaves(TrainConfig) if leaf.was_flat}
         out = {(k if paths[k].was == NEW else paths[k].was): v for k, v in self.flat().items()
                if k in paths and not (paths[k].was == NEW and v == paths[k].default)}
+        if out.get("objective") in RANKING_LOSSES:  # a ranking loss under the name it was hashed under
+            out["ranking_loss"] = out.pop("objective")
         return out | {"lora": dataclasses.asdict(self.lora) if self.lora is not None else None}
 
     def resume_changes(self, stored: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -398,6 +406,8 @@ def _lora_as_one(flat: dict[str, Any]) -> dict[str, Any]:
         lora["target_modules"] = sorted(lora["target_modules"])
     return {k: v for k, v in flat.items() if not k.startswith("lora")} | {"lora": lora}
 
+
+RENAMED = TrainConfig.RENAMED
 
 # Options a checkpoint cannot continue under, and why (even with --allow-config-change).
 RESUME_FIXED = {

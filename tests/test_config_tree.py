@@ -106,4 +106,11 @@ def test_a_workflow_s_train_identity_is_the_flat_layout_of_before():
     assert {k: identity[k] for k in flat} == flat
     assert set(identity) == {leaf.was for leaf in leaves(TrainConfig) if leaf.was_flat and leaf.was != NEW} | {"lora"}
     # an option added since enters the hash only when set, under its own name
-    assert TrainConfig.from_stored({**flat, "objective": "plackett-luce"}).identity()["objective"] == "plackett-luce"
+    assert TrainConfig.from_stored({**flat, "objective": "regression"}).identity()["objective"] == "regression"
+    # a renamed option: runs stored it under its old name (read, and hashed as then); given so, it is named
+    for stored in ({**flat, "ranking_loss": "plackett-luce"},
+                   {**TrainConfig.from_stored(flat).to_dict(), "ranking_loss": "plackett-luce"}):
+        old = TrainConfig.from_stored(stored)
+        assert old.objective == "plackett-luce" and old.identity()["ranking_loss"] == "plackett-luce"
+    with pytest.raises(ConfigError, match="ranking_loss is now objective$"):
+        TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", "ranking_loss": "plackett-luce"})

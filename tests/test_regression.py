@@ -11,6 +11,7 @@ attribute) fitted to the ratings, the reward the outputs' weighted sum.
   weights without a regression objective.
 """
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -74,13 +75,17 @@ def rated(tmp_path_factory, tokenizer_dir):
     return base / "shards"
 
 
-def _train(shards, out, **kw):
+WEIGHTS = "helpfulness=1,verbosity=-0.1"  # the reward's, as preprocessing scored the replies
+
+
+def _train(shards, out, resume=False, allow_config_change=False, **kw):
     from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.train import run as train
 
     return train(TrainConfig.from_dict({"data": str(shards), "model": "micro", "output": str(out), "batch_size": 8,
                                         "seed": 0, "optimizer": {"learning_rate": 3e-3, "warmup_steps": 1},
-                                        "logging": {"steps": 5}, **kw}))
+                                        "logging": {"steps": 5}, **kw}),
+                 resume=resume, allow_config_change=allow_config_change)
 
 
 @pytest.mark.slow
@@ -94,14 +99,14 @@ def test_a_regression_run_learns_the_ratings_evaluates_and_exports_with_its_attr
     from rmflow.eval.evaluation import run_eval
 
     result = _train(rated, tmp_path / "run", objective="bradley-terry+regression", max_steps=60, eval_steps=30,
-                    checkpoint={"save_steps": 30, "metric_for_best": "eval_helpfulness_rmse"})
+                    attribute_weights=WEIGHTS, checkpoint={"save_steps": 30, "metric_for_best": "eval_helpfulness_rmse"})
     first, last = result.history[0], result.history[-1]
     assert last["helpfulness_rmse"] < 0.6 * first["helpfulness_rmse"]
     assert last["eval_helpfulness_pearson"] > 0.9 and last["eval_verbosity_pearson"] > 0.9, last
     assert load_model(str(tmp_path / "run"), "best").step == 60  # the lower error ranks first
     assert last["eval_accuracy"] > 0.6 and "eval_best_of_k_accuracy" in last
     # packed rows and one record a row give the same loss and metrics
-    losses = {p: _train(rated, tmp_path / f"two-{p}", objective="regression", max_steps=2,
+    losses = {p: _train(rated, tmp_path / f"two-{p}", objective="regression", max_steps=2, attribute_weights=WEIGHTS,
                         data={"train": str(rated), "packing": p}).history[-1] for p in ("pack", "none")}
     for key in ("loss", "mse", "helpfulness_rmse", "eval_mse"):
         assert losses["pack"][key] == pytest.approx(losses["none"][key], abs=1e-5), key
@@ -119,6 +124,8 @@ def test_a_regression_run_learns_the_ratings_evaluates_and_exports_with_its_attr
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["num_labels"] == 2 and config["id2label"] == {"0": "helpfulness", "1": "verbosity"}
     assert config["attribute_weights"] == {"helpfulness": 1.0, "verbosity": -0.1}
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "one output per attribute: helpfulness, verbosity" in card and "[1, -0.1]" in card
     loaded = load_model(str(tmp_path / "run"))
     seqs = [np.arange(3, 3 + n) * 7 % 500 + 3 for n in (5, 9, 14)]
     ours = score_sequences(loaded.model, seqs, pad_id=loaded.pad_id)
@@ -148,6 +155,9 @@ def test_what_cannot_train_an_attribute_head_is_refused_in_one_line(rated, tmp_p
         _train(tmp_path / "unrated", tmp_path / "a", objective="regression", max_steps=3)
     with pytest.raises(TrainError, match="weigh honesty, which the records do not keep"):
         _train(rated, tmp_path / "b", objective="regression", attribute_weights="honesty=1", max_steps=3)
+    # responses scored by their ratings here, but a responses layout may carry scores of its own
+    with pytest.raises(TrainError, match="give --attribute-weights NAME=WEIGHT"):
+        _train(rated, tmp_path / "c", objective="regression", max_steps=3)
     with pytest.raises(ConfigError, match="objective bradley-terry trains none"):
         TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", "attribute_weights": "helpfulness=1"})
     with pytest.raises(ConfigError, match="objective 'ridge'"):
@@ -189,3 +199,74 @@ def _scores_its_attributes(tmp_path, model):
             assert got == pytest.approx(want, abs=1e-5)
     finally:
         server.stop()
+
+
+def test_a_run_keeps_its_head_and_its_eval_sets_keep_its_ratings(rated, tmp_path, tokenizer_dir):
+    """A resume that would train another head (another objective, other ratings) is refused
+    before any file of the run changes; a named eval set keeping other ratings is refused; raw
+    eval files are preprocessed with the run's ratings; a ranking-only run collates no ratings
+    (a mixture of sets keeping different ones trains); an export continues with other weights."""
+    from rmflow.trainer.errors import TrainError
+    from rmflow.trainer.inference import load_model
+
+    from tests.test_listwise import record
+
+    run = tmp_path / "run"
+    _train(rated, run, max_steps=2, checkpoint={"save_steps": 2})
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(TrainError, match="score head of 1 output.s.; this config trains one of 2 output.s. "
+                                         ".helpfulness, verbosity."):
+        _train(rated, run, max_steps=4, objective="regression", attribute_weights=WEIGHTS, resume=True,
+               allow_config_change=True)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert load_model(str(run)).step == 2
+
+    raw = rated.parent / "rated.jsonl"
+    (tmp_path / "held.jsonl").write_text("\n".join(raw.read_text().splitlines()[:8]) + "\n")
+    from rmflow.schemas.train_config import TrainConfig
+    from rmflow.trainer.train import run as train
+
+    from rmflow.eval.sets import preprocess_eval_sets
+
+    cfg = TrainConfig.from_dict({"data": {"train": str(rated), "eval": {"held": [str(tmp_path / "held.jsonl")]}},
+                                 "model": "micro", "output": str(tmp_path / "raw-eval"), "batch_size": 8,
+                                 "objective": "regression", "attribute_weights": WEIGHTS, "max_steps": 2,
+                                 "optimizer": {"warmup_steps": 1}})
+    result = train(preprocess_eval_sets(cfg))  # as rmflow train does: with the run's ratings
+    assert result.history[-1]["eval/held/helpfulness_rmse"] >= 0
+    with pytest.raises(TrainError, match="keeps the attribute ratings verbosity, helpfulness; the head fits "
+                                         "helpfulness, verbosity"):
+        from rmflow.pipelines.preprocess import run as preprocess
+        from rmflow.schemas.config import PreprocessConfig
+
+        preprocess(PreprocessConfig(inputs=(str(tmp_path / "held.jsonl"),), output=str(tmp_path / "swapped"),
+                                    tokenizer=tokenizer_dir, max_length=128, eval_fraction=0.0, num_shards=1,
+                                    attributes="verbosity,helpfulness"))
+        _train(rated, tmp_path / "swapped-run", objective="regression", attribute_weights=WEIGHTS, max_steps=2,
+               data={"train": str(rated), "eval": {"swapped": str(tmp_path / "swapped")}})
+
+    import numpy as np
+    from rmflow.trainer.data.responses import ResponsesCollate
+    from rmflow.trainer.objective import objective_for
+
+    rng = np.random.default_rng(0)
+    a = record(0, 4, [3, 2], [1.0, 0.0], rng)
+    b = dataclasses.replace(record(1, 4, [3, 2], [1.0, 0.0], rng), attributes=np.ones((2, 2)))
+    ranking = objective_for("multi-response")
+    assert ranking.padded(2, 64)([a, b])["response_attributes"].shape[-1] == 0  # not collated: any ratings mix
+    with pytest.raises(ValueError, match="different numbers of attribute ratings"):
+        ResponsesCollate(2, 64)([a, b])
+
+    folder = export_of(tmp_path / "run-reg", rated)
+    continued = _train(rated, tmp_path / "continued", objective="regression", attribute_weights="helpfulness=2",
+                       max_steps=2, model=str(folder))
+    assert continued.history[-1]["step"] == 2
+    assert json.loads((tmp_path / "continued" / "model_config.json").read_text())["attribute_weights"] == [2.0, 0.0]
+
+
+def export_of(run, rated):
+    from rmflow.schemas.config import ExportConfig
+    from rmflow.trainer.export import export
+
+    _train(rated, run, objective="regression", attribute_weights=WEIGHTS, max_steps=2)
+    return export(ExportConfig(run=str(run), output=str(run) + "-export"))

@@ -57,11 +57,23 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
              '                {"role": "assistant", "content": "Eight minutes in boiling water."}]',
              "ids = tok.apply_chat_template(conversation, return_tensors=\"pt\", return_dict=True)",
              "with torch.no_grad():",
-             f"    logits = model(**ids).logits  # the score head's outputs: {kind.description}",
+             *_usage_outputs(run, kind),
              "```", "",
              "As a reward server for RL loops (native, OpenRLHF and verl endpoints): `rmflow serve --model PATH`.",
              "", f"License: {license_ or 'not recorded: the base model and the data set it; add it here'}.", ""]
     return "\n".join(lines)
+
+
+def _usage_outputs(run: RunFiles, kind: ModelKind) -> list[str]:
+    """The usage example's last lines: what the logits are, and for an attribute head the reward
+    as their weighted sum (``attribute_weights`` in config.json)."""
+    cfg = run.model_config
+    if not cfg.attributes:
+        return [f"    logits = model(**ids).logits  # the score head's outputs: {kind.description}"]
+    weights = ", ".join(f"{w:g}" for w in cfg.attribute_weights)
+    return [f"    logits = model(**ids).logits[0]  # one output per attribute: {', '.join(cfg.attributes)}",
+            f"reward = float(logits @ torch.tensor([{weights}]))  # their weighted sum (config.json's "
+            "attribute_weights)"]
 
 
 def _get(flat: dict[str, Any], dotted: str) -> Any:

@@ -18,6 +18,7 @@ each reward model kind's training strategy, its batch keys, loss, metrics and co
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,9 @@ from rmflow.trainer.loss import (
 from rmflow.trainer.modeling.config import ScoreHead
 
 ROW_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids")
+# Layouts whose records preprocessing always scores by its attribute_weights (a regression head
+# takes them as its reward's weights by default; other layouts' scores may come from elsewhere).
+SCORED_BY_WEIGHTS = ("helpsteer",)
 ROUTER_SUM = "router_aux_sum"  # a mixture of experts' load-balancing loss, summed over units (``step._loss``)
 _MODEL_ARGS = ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids")
 
@@ -133,6 +137,11 @@ class Objective:
             raise ConfigError(f"objective {self.ranking} fits the responses' attribute ratings, which these shards "
                               "do not keep: preprocess with --attributes NAME,NAME,... (the ratings to keep)")
         given = attribute_weights.strip()
+        if not given and manifest.config.get("format") not in SCORED_BY_WEIGHTS:
+            raise ConfigError(f"objective {self.ranking}: give --attribute-weights NAME=WEIGHT,... over "
+                              f"{', '.join(names)} (the reward is the outputs' weighted sum); only shards of a layout "
+                              f"always scored by preprocessing's weights ({', '.join(SCORED_BY_WEIGHTS)}) take those "
+                              "by default")
         weights = parse_weights(attribute_weights if given else manifest.config.get("attribute_weights") or "")
         what = "attribute_weights" if given else "the shards' scores (preprocess's attribute_weights)"
         return ScoreHead(len(names), names, weights_over(names, weights, what))
@@ -175,7 +184,8 @@ PROCESS = Objective(kinds.PROCESS, (*ROW_KEYS, "reward_index", "step_labels", "s
 _RESPONSE_KEYS = ("reward_index", "response_scores", "response_margins", "response_group")
 RESPONSES = tuple(
     Objective(kinds.RESPONSES, (*ROW_KEYS, *_RESPONSE_KEYS), _RESPONSE_KEYS, RANKING_SUM_KEYS, "prompts",
-              ranking_metrics_of_sums, _listwise(ranking), ResponsesCollate, ResponsesPackCollate, ranking)
+              ranking_metrics_of_sums, _listwise(ranking), functools.partial(ResponsesCollate, attributes=False),
+              functools.partial(ResponsesPackCollate, attributes=False), ranking)  # ratings not collated
     for ranking in RANKING_LOSSES)
 _ATTRIBUTE_KEYS = (*_RESPONSE_KEYS, "response_attributes")
 REGRESSIONS = tuple(

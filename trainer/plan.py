@@ -163,6 +163,11 @@ def _named_eval_sets(eval_data: dict[str, list[str]], sources, manifest: Manifes
                              "(eval_*); name only held-out sets")
         named = read_manifest(folder)
         check_same_preprocessing((DataSource("the data", ""), DataSource(name, folder)), [manifest, named])
+        if objective.regression and named.attributes != objective.attributes:
+            raise TrainError(f"data.eval {name}: {folder} keeps the attribute ratings "
+                             f"{', '.join(named.attributes) or '(none)'}; the head fits "
+                             f"{', '.join(objective.attributes)}, in that order: preprocess it with --attributes "
+                             f"{','.join(objective.attributes)}")
         try:
             named.check_compatible(max_length=max_length)
         except ManifestError as e:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -47,6 +48,7 @@ from rmflow.trainer.plan import plan_run
 from rmflow.trainer.rundir import (
     CONFIG_HISTORY,
     METRICS_FILE,
+    MODEL_CONFIG,
     append_history,
     read_history,
     record_config,
@@ -105,7 +107,7 @@ class Run:
         return make_loader(paths, batch_size=plan.local_batch, max_length=plan.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train,
                            worker_count=self.cfg.data.workers if workers is None else workers,
-                           pad_id=plan.pad_id, packing=plan.packing, rows=plan.rows, kind=self.objective.kind.name,
+                           pad_id=plan.pad_id, packing=plan.packing, rows=plan.rows, kind=self.objective.name,
                            weights=weights, per_doubling=per_doubling)
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
@@ -172,6 +174,23 @@ class Run:
         return out
 
 
+def check_same_head(run_dir: str, model_config) -> None:
+    """A resumed run's score head must be its checkpoints' (its outputs and their names: another
+    objective or other attribute ratings make another head), checked before any file of the run
+    is rewritten, so that a refused resume leaves the run as it was."""
+    with open(os.path.join(run_dir, MODEL_CONFIG)) as f:
+        stored = json.load(f)
+    before = (stored.get("num_labels", 1), tuple(stored.get("attributes") or ()))
+    now = (model_config.num_labels, model_config.attributes)
+    if before != now:
+        def said(head):
+            return f"{head[0]} output(s)" + (f" ({', '.join(head[1])})" if head[1] else "")
+
+        raise TrainError(f"--resume: the run's checkpoints hold a score head of {said(before)}; this config trains "
+                         f"one of {said(now)} (another objective or other attribute ratings): resume with the run's "
+                         "objective and data, or start a new run (another --output)")
+
+
 def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None] | None = None,
         on_start: Callable[[int, ModelKind], None] | None = None, allow_config_change: bool = False) -> TrainResult:
     """Train; ``on_start(step, kind)`` is called once every check has passed, before the first step
@@ -224,6 +243,8 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     if resume and latest is None:
         warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
                       RmflowWarning, stacklevel=2)
+    if latest is not None:
+        check_same_head(run_dir, r.trainer.model(r.trainer.init_state.params).config)
     if primary:  # one writer for the run's own files; every process takes part in checkpoints
         write_run_files(run_dir, cfg, r.trainer.model(r.trainer.init_state.params).config,
                         None if is_preset(cfg.model.path) else resolve(cfg.model.path), data_dir=r.plan.primary)

@@ -20,7 +20,7 @@ import warnings
 from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import ERRORS_FILE, TOKENIZER_DIR
-from rmflow.schemas.train_config import TrainConfig
+from rmflow.schemas.train_config import REGRESSION, TrainConfig
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.rundir import EVAL_DATA
@@ -39,6 +39,7 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
     from rmflow.pipelines.staging import SUFFIX as STAGING_SUFFIX
 
     data = storage.stage_shards(cfg.sources[0].path)
+    fits_ratings = REGRESSION in cfg.objective.split("+")
     manifest = read_manifest(data)
     root = storage.cache_dir(cfg.output, EVAL_DATA) if storage.is_remote(cfg.output) \
         else os.path.join(cfg.output, EVAL_DATA)
@@ -53,7 +54,11 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
                 inputs=tuple(paths), output=folder, tokenizer=os.path.join(data, TOKENIZER_DIR),
                 max_length=cfg.data.max_length or manifest.max_length, length_policy=manifest.length_policy,
                 step_separator=manifest.step_separator, eval_fraction=0.0,
-                max_bad_fraction=1.0, overwrite=True))
+                max_bad_fraction=1.0, overwrite=True,
+                # a regression head's ratings, as the training shards keep them, and the weights their scores came from
+                **({"attributes": manifest.config["attributes"]} if manifest.attributes and fits_ratings else {}),
+                **({"attribute_weights": manifest.config["attribute_weights"]}
+                   if manifest.config.get("attribute_weights") else {})))
         except PreprocessError as e:
             for staging in glob.glob(glob.escape(folder) + STAGING_SUFFIX + "*"):
                 if os.path.exists(os.path.join(staging, ERRORS_FILE)):

@@ -76,7 +76,7 @@ def resolve_packing(packing: str, backend: str, devices: int = 1) -> str:
 
 def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int, kind: str = OUTCOME.name,
                per_doubling: int = FINEST):
-    """The collation of a packing mode for the records of a reward model kind (its objective's,
+    """The collation of a packing mode for the records of a reward model kind or objective (its objective's,
     ``trainer.objective``); ``per_doubling``: how finely ``pack`` and ``bucket`` round row
     lengths (``fine_length``)."""
     from rmflow.trainer.objective import objective_for  # not in Grain's workers: they get the collation

@@ -77,12 +77,12 @@ def _arrays(rows: int, length: int, slots: int, pad_id: int, attributes: int) ->
     }
 
 
-def _collate(records: Sequence[ResponsesRecord], placement: list[list[int]], length_of, pad_id: int
-             ) -> dict[str, np.ndarray]:
+def _collate(records: Sequence[ResponsesRecord], placement: list[list[int]], length_of, pad_id: int,
+             attributes: bool = True) -> dict[str, np.ndarray]:
     units = [responses_unit(r) for r in records]
     length = length_of(max(sum(len(units[i].ids) for i in row) for row in placement))
     slots = step_slots(max(sum(records[i].k for i in row) for row in placement))
-    n_attr = {r.attributes.shape[1] for r in records}
+    n_attr = {r.attributes.shape[1] for r in records} if attributes else {0}
     if len(n_attr) > 1:
         raise ValueError(f"records of one batch keep different numbers of attribute ratings {sorted(n_attr)}: "
                          "preprocess every set with the same --attributes")
@@ -98,7 +98,8 @@ def _collate(records: Sequence[ResponsesRecord], placement: list[list[int]], len
             b["segment_ids"][row, start:end] = j + 1
             b["reward_index"][row, first : first + r.k] = start + u.reward_at
             b["response_scores"][row, first : first + r.k] = r.scores
-            b["response_attributes"][row, first : first + r.k] = r.attributes
+            if attributes:
+                b["response_attributes"][row, first : first + r.k] = r.attributes
             if r.margin_from_scores:
                 b["response_margins"][row, first : first + r.k] = r.scores
             b["response_group"][row, first : first + r.k] = j + 1
@@ -120,6 +121,7 @@ class ResponsesCollate:
     pad_id: int = 0
     lengths: str = "pow2"
     per_doubling: int = FINEST
+    attributes: bool = True  # collate the attribute ratings (the regression objectives'); else width 0
 
     def __call__(self, records: Sequence[ResponsesRecord]) -> dict[str, np.ndarray]:
         _fits(records, self.max_length)
@@ -129,7 +131,7 @@ class ResponsesCollate:
         length_of = (lambda n: bucket_length(n, self.max_length) if n <= self.max_length
                      else 1 << (n - 1).bit_length()) if self.lengths == "pow2" \
             else (lambda n: fine_length(n, self.per_doubling))
-        return _collate(records, placement, length_of, self.pad_id)
+        return _collate(records, placement, length_of, self.pad_id, self.attributes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +144,12 @@ class ResponsesPackCollate:
     pad_id: int = 0
     rows: int = 1
     per_doubling: int = FINEST
+    attributes: bool = True  # as ResponsesCollate's
 
     def __call__(self, records: Sequence[ResponsesRecord]) -> dict[str, np.ndarray]:
         _fits(records, self.max_length)
         placement = assign_rows([r.prompt_len + sum(len(x) for x in r.responses) for r in records], self.rows)
-        return _collate(records, placement, lambda n: fine_length(n, self.per_doubling), self.pad_id)
+        return _collate(records, placement, lambda n: fine_length(n, self.per_doubling), self.pad_id, self.attributes)
 
 
 def record_values(values: np.ndarray, record_slots: np.ndarray) -> list[np.ndarray]:

@@ -215,7 +215,8 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
         raise CheckpointError(f"a *{kind.hf_head} checkpoint must have num_labels={kind.num_labels} to be "
                               f"{kind.description} (or name its outputs' {ATTRIBUTE_WEIGHTS}: an attribute head); "
                               f"{checkpoint} has {hf_num_labels(raw)}")
-    if kind is not None and head is not None and cfg.head != head:
+    # the same outputs by name (an attribute head's weights are the run's: not parameters)
+    if kind is not None and head is not None and (cfg.num_labels, cfg.attributes) != (head.num_labels, head.attributes):
         raise CheckpointError(f"{checkpoint} is {_describe(cfg.head)}, but this run trains {_describe(head)}: "
                               "start from its base model instead")
     if head is not None:
