@@ -283,3 +283,18 @@ def test_a_mixture_of_experts_logs_its_router_loss_weighted_by_the_option(synthe
     assert losses[0.0]["router_aux_loss"] >= 1.0  # k = 2 experts a token: 2 at a perfect balance
     assert losses[0.5]["loss"] == pytest.approx(losses[0.0]["loss"], rel=1e-6)  # the reward loss, logged apart
     assert losses[0.5]["grad_norm"] != pytest.approx(losses[0.0]["grad_norm"], rel=1e-6)  # the router's trained
+
+
+def test_lora_on_a_mixture_of_experts_adapts_the_attention_and_refuses_the_experts(synthetic, tokenizer_dir,  # noqa: F811
+                                                                                    tmp_path):
+    from rmflow.trainer.errors import TrainError
+
+    base = base_checkpoint("mixtral", tmp_path / "base", tokenizer_dir)
+    common = {"data": str(synthetic), "model": str(base), "max_steps": 2, "batch_size": 8,
+              "optimizer": {"warmup_steps": 1}}
+    result = train(TrainConfig.from_dict({**common, "output": str(tmp_path / "lora"),
+                                          "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}))
+    assert result.history[-1]["step"] == 2 and "router_aux_loss" in result.history[-1]
+    with pytest.raises(TrainError, match="lora.target_modules gate_proj: this mixture of experts"):
+        train(TrainConfig.from_dict({**common, "output": str(tmp_path / "experts"),
+                                     "lora": {"rank": 4, "target_modules": ["q_proj", "gate_proj"]}}))

@@ -117,6 +117,68 @@ def test_meshes_match_one_device_and_shard_as_the_rules_say():
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), (out.stdout[-2000:], out.stderr[-4000:])
 
 
+EXPERTS_SCRIPT = textwrap.dedent('''
+    import dataclasses
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tests.test_step import CFG, records
+    from rmflow.trainer.data import Collate
+    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.parallel import describe, make_mesh
+    from rmflow.trainer.parallel.mesh import BATCH_AXES
+    from rmflow.trainer.batching import stack_micro_batches
+    from rmflow.schemas.train_config import OptimizerConfig
+    from rmflow.trainer.step import Trainer
+
+    assert len(jax.devices()) == 8
+    MOE = dataclasses.replace(CFG, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=16, sparse_layers=(0, 1), router_aux_loss_coef=0.01)
+
+    def fresh():
+        return Trainer(RewardTransformer(MOE, rngs=nnx.Rngs(0)), OptimizerConfig(learning_rate=1e-3), total_steps=5,
+                       router_coef=0.5)
+
+    host = [{k: np.asarray(v) for k, v in stack_micro_batches([Collate(8, 64)(records(8, seed=s))]).items()}
+            for s in range(2)]
+
+    def train(mesh):
+        t = fresh()
+        state = t.init_state if mesh is None else t.use_mesh(mesh)
+        out = []
+        for hb in host:
+            b = {k: jnp.asarray(v) for k, v in hb.items()} if mesh is None else \
+                jax.device_put(hb, NamedSharding(mesh, P(None, BATCH_AXES)))
+            state, m = t.train_step(state, b)
+            out.append((float(m["loss_sum"]), float(m["router_aux_sum"])))
+        return state, out
+
+    ref_state, ref = train(None)
+    for shape in [(1, 1, 2, 4), (2, 1, 1, 4), (1, 2, 2, 2)]:
+        mesh = make_mesh(shape)
+        state, got = train(mesh)
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+        for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+        specs = {name: spec for name, _, spec in describe(state.params, mesh)}
+        up = [n for n in specs if n.endswith("mlp.experts.up_proj")][0]
+        assert specs[up][0] == "expert", specs[up]
+        w = state.params["model"]["layers"][0]["mlp"]["experts"]["up_proj"][...]
+        assert w.addressable_shards[0].data.shape[0] == 4 // mesh.shape["expert"]
+        print("mesh", shape, "ok")
+    print("OK")
+''')
+
+
+@pytest.mark.slow
+def test_experts_shard_over_the_expert_axis_with_the_loss_and_gradients_of_one_device():
+    """A mixture of experts on 8 fake devices, its experts split over the expert axis (with data,
+    fsdp and tensor too): the reward loss, the router's loss and the parameters after two steps
+    equal one device's (1e-5), each device holding its share of the experts."""
+    out = run_8_devices(EXPERTS_SCRIPT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), (out.stdout[-2000:], out.stderr[-4000:])
+
+
 def test_mesh_shape_resolution():
     assert mesh_shape((-1, 1, 1), 8) == (8, 1, 1)
     assert mesh_shape((1, -1, 2), 8) == (1, 4, 2)

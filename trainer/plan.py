@@ -118,7 +118,8 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
                          "center_rewards_coefficient applies to pairwise (outcome) reward models; set it to 0")
     if cfg.batch_size % shards:
         raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {shards} batch shards "
-                         f"(mesh data x fsdp = {mesh_shape['data']} x {mesh_shape['fsdp']})")
+                         f"(mesh data x fsdp x expert = "
+                         f"{' x '.join(str(mesh_shape.get(a, 1)) for a in ('data', 'fsdp', 'expert'))})")
     if shards % processes:
         raise TrainError(f"the mesh splits batches {shards} ways, not a multiple of the {processes} processes")
     local_batch = cfg.batch_size // processes

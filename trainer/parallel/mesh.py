@@ -1,9 +1,13 @@
-"""The device mesh: named axes ``data``, ``fsdp`` and ``tensor``, its shape from the config.
+"""The device mesh: named axes ``data``, ``fsdp``, ``tensor`` and ``expert``, its shape from the
+config.
 
 ``data`` replicates the parameters and splits the batch; ``fsdp`` splits the batch and shards
 the parameters and optimizer state (each device holds 1/n, gathered per layer when used);
-``tensor`` shards attention heads and MLP columns within a layer. Batches are split over
-``data`` x ``fsdp`` (``BATCH_AXES``). One size may be -1: it takes the devices left over.
+``tensor`` shards attention heads and MLP columns within a layer; ``expert`` splits the batch
+and shards a mixture of experts' experts (each device holds 1/n of them; the rest of the model
+is replicated over it, as over ``data``). Batches are split over ``data`` x ``fsdp`` x ``expert``
+(``BATCH_AXES``). One size may be -1: it takes the devices left over. A shape of three sizes
+leaves ``expert`` at 1.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import jax
 from jax.sharding import AxisType, Mesh
 from rmflow.schemas.errors import RmflowError
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "tensor", "expert")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 class MeshError(RmflowError, ValueError):
@@ -24,8 +28,9 @@ class MeshError(RmflowError, ValueError):
 
 
 def mesh_shape(requested: Sequence[int], n_devices: int) -> tuple[int, ...]:
-    """``requested`` (one entry per axis, at most one -1) resolved against ``n_devices``."""
-    if len(requested) != len(AXES):
+    """``requested`` (one entry per axis, or the first three: ``expert`` then 1; at most one -1)
+    resolved against ``n_devices``, as long as given."""
+    if len(requested) not in (len(AXES) - 1, len(AXES)):
         raise MeshError(f"mesh shape {tuple(requested)} needs one size per axis {AXES}")
     if any(s == 0 or s < -1 for s in requested) or list(requested).count(-1) > 1:
         raise MeshError(f"mesh shape {tuple(requested)}: sizes are positive, and at most one is -1 (the rest)")
@@ -45,6 +50,7 @@ def make_mesh(requested: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Devic
     propagates shardings from the parameters' and the batch's)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(requested, len(devices))
+    shape = tuple(shape) + (1,) * (len(AXES) - len(shape))
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
@@ -52,4 +58,4 @@ def batch_shards(mesh: Mesh | Mapping[str, int]) -> int:
     """How many pieces a batch is split into (rows per micro-batch are a multiple of this), for a
     mesh or a mesh's shape (axis -> size)."""
     shape = mesh.shape if isinstance(mesh, Mesh) else mesh
-    return math.prod(shape[a] for a in BATCH_AXES)
+    return math.prod(shape.get(a, 1) for a in BATCH_AXES)

@@ -12,6 +12,9 @@ under the parameter's own name. A dimension the axis size does not divide stays 
     down_proj     (intermediate, hidden) intermediate over tensor, hidden over fsdp
     norms, o_proj bias                   replicated
     score         (hidden, 1)            hidden over fsdp
+    router gate   (hidden, experts)      hidden over fsdp
+    experts' gate/up (experts, hidden, intermediate), down (experts, intermediate, hidden):
+                                         experts over expert, hidden over fsdp, intermediate over tensor
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ RULES: tuple[tuple[str, P], ...] = (
     (r"mlp\.down_proj\.bias$", P()),
     (r"(norm|layernorm)\.weight$", P()),
     (r"score\.kernel$", P("fsdp", None)),
+    (r"mlp\.gate\.kernel$", P("fsdp", None)),
+    (r"mlp\.experts\.(gate|up)_proj$", P("expert", "fsdp", "tensor")),
+    (r"mlp\.experts\.down_proj$", P("expert", "tensor", "fsdp")),
 )
 
 
