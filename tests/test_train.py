@@ -95,7 +95,7 @@ def test_a_run_is_planned_without_a_device(synthetic, tmp_path):
             {"": 2})
     assert (cpu.packing, gpu.packing) == ("pack", "bucket")
     assert (cpu.rows, cpu.local_batch, gpu.rows, gpu.local_batch) == (1, 16, 4, 8)
-    with pytest.raises(TrainError, match=r"batch_size 16 must be a multiple of the 32 batch shards \(mesh data x fsdp = 8 x 4\)"):
+    with pytest.raises(TrainError, match=r"batch_size 16 must be a multiple of the 32 batch shards \(mesh data x fsdp x expert = 8 x 4 x 1\)"):
         plan_run(cfg, mesh_shape={"data": 8, "fsdp": 4, "tensor": 1}, processes=1, backend="gpu")
     with pytest.raises(TrainError, match=r"warmup_steps 100000 >= the run's \d+ steps"):  # one epoch's steps
         plan_run(config(synthetic, tmp_path / "w", max_steps=0, num_epochs=1, optimizer={"warmup_steps": 100_000}),
