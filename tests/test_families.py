@@ -285,16 +285,51 @@ def test_a_mixture_of_experts_logs_its_router_loss_weighted_by_the_option(synthe
     assert losses[0.5]["grad_norm"] != pytest.approx(losses[0.0]["grad_norm"], rel=1e-6)  # the router's trained
 
 
-def test_lora_on_a_mixture_of_experts_adapts_the_attention_and_refuses_the_experts(synthetic, tokenizer_dir,  # noqa: F811
-                                                                                    tmp_path):
-    from rmflow.trainer.errors import TrainError
+def test_lora_on_a_mixture_of_experts_adapts_the_attention_and_each_expert(synthetic, tokenizer_dir,  # noqa: F811
+                                                                           tmp_path):
+    """Adapters on the attention and on every expert (stacked as the experts are) train, with
+    dropout; the merged export is scored by transformers as rmflow scores the run; a PEFT adapter
+    export of the experts is refused, naming them."""
+    from rmflow.trainer.export import ExportError
 
     base = base_checkpoint("mixtral", tmp_path / "base", tokenizer_dir)
-    common = {"data": str(synthetic), "model": str(base), "max_steps": 2, "batch_size": 8,
-              "optimizer": {"warmup_steps": 1}}
-    result = train(TrainConfig.from_dict({**common, "output": str(tmp_path / "lora"),
-                                          "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}))
-    assert result.history[-1]["step"] == 2 and "router_aux_loss" in result.history[-1]
-    with pytest.raises(TrainError, match="lora.target_modules gate_proj: this mixture of experts"):
-        train(TrainConfig.from_dict({**common, "output": str(tmp_path / "experts"),
-                                     "lora": {"rank": 4, "target_modules": ["q_proj", "gate_proj"]}}))
+    result = train(TrainConfig.from_dict({
+        "data": str(synthetic), "model": str(base), "max_steps": 3, "batch_size": 8, "output": str(tmp_path / "lora"),
+        "optimizer": {"warmup_steps": 1, "learning_rate": 1e-2},
+        "lora": {"rank": 4, "dropout": 0.1, "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}}))
+    assert result.history[-1]["step"] == 3 and "router_aux_loss" in result.history[-1]
+    model, _, _ = load_trained_model(str(tmp_path / "lora"))
+    from rmflow.trainer.modeling import lora
+
+    names = lora.adapters(model)
+    assert any(n.endswith("experts.gate_proj") for n in names)
+    a, b = next(v for n, v in names.items() if n.endswith("experts.down_proj"))
+    assert a.shape[0] == b.shape[0] == 4 and float(np.abs(b).max()) > 0  # one pair an expert, trained
+    out = pathlib.Path(export(ExportConfig(run=str(tmp_path / "lora"), output=str(tmp_path / "hf"))))
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    ids = [[2000 + i, 2100 + i, 2200 + i, 5] for i in range(3)]
+    with torch.no_grad():
+        theirs = np.array([float(hf(input_ids=torch.tensor([s])).logits[0, 0]) for s in ids])
+    np.testing.assert_allclose(rmflow_rewards(model, [np.array(s) for s in ids]), theirs, atol=1e-4)
+    with pytest.raises(ExportError, match="adapters on a mixture of experts' experts .down_proj, gate_proj."):
+        export(ExportConfig(run=str(tmp_path / "lora"), output=str(tmp_path / "adapter"), adapter=True))
+
+
+def test_a_mixture_of_experts_resumes_exactly(synthetic, tokenizer_dir, tmp_path):  # noqa: F811
+    """Resumed from step 2's checkpoint, the last two steps are those of the run uninterrupted
+    (router loss included)."""
+    base = base_checkpoint("qwen3-moe", tmp_path / "base", tokenizer_dir)
+
+    def run(out, steps, resume=False):
+        cfg = TrainConfig.from_dict({"data": str(synthetic), "model": str(base), "output": str(out), "max_steps": steps,
+                                     "batch_size": 8, "optimizer": {"warmup_steps": 1, "learning_rate": 1e-3},
+                                     "checkpoint": {"save_steps": 2}, "logging": {"steps": 1}})
+        return train(cfg, resume=resume).history
+
+    whole = run(tmp_path / "whole", 4)
+    run(tmp_path / "parts", 4)
+    shutil.rmtree(tmp_path / "parts" / "checkpoints" / "4")  # as if stopped after step 2's save
+    parts = run(tmp_path / "parts", 4, resume=True)
+    for a, b in zip(whole[-2:], parts[-2:]):
+        assert (a["step"], a["loss"], a["router_aux_loss"]) == pytest.approx((b["step"], b["loss"], b["router_aux_loss"]),
+                                                                             abs=1e-6)

@@ -180,6 +180,10 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         raise ExportError(f"{run_dir}: a {run.model_config.hf_prefix} checkpoint fuses its projections "
                           f"({', '.join(f for f, _ in run.model_config.fused_projections())}), which a PEFT adapter of "
                           "rmflow's separate projections cannot target: export it without --adapter (merged weights)")
+    experts = sorted(set(lora.EXPERT_TARGETS) & set(run.config.lora.target_modules)) if run.config.lora else []
+    if adapter and run.model_config.sparse_layers and experts:
+        raise ExportError(f"{run_dir}: adapters on a mixture of experts' experts ({', '.join(experts)}), stacked over "
+                          "the experts, have no PEFT layout: export it without --adapter (merged weights)")
     base = run.base_config
     if base is None and not is_preset(run.config.model.path):  # a run from before runs kept base_config.json
         with open(os.path.join(resolve(run.config.model.path), "config.json")) as f:

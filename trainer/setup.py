@@ -113,11 +113,6 @@ def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, head:
                                   seed=cfg.seed, attention=attention, head=head,
                                   scan_layers=cfg.scans_layers())
     if cfg.lora is not None:
-        experts = sorted({"gate_proj", "up_proj", "down_proj"} & set(cfg.lora.target_modules))
-        if model.config.sparse_layers and experts:
-            raise TrainError(f"lora.target_modules {', '.join(experts)}: this mixture of experts' MLPs are experts, "
-                             "which LoRA adapters do not reach yet; target the attention (q_proj,k_proj,v_proj,"
-                             "o_proj), or train it fully")
         lora.apply(model, cfg.lora, seed=cfg.seed)
     return model
 

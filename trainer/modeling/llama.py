@@ -223,11 +223,14 @@ class Experts(nnx.Module):
         (M, H), each through its expert: grouped matrix products (``jax.lax.ragged_dot``), no loop
         over the experts."""
         def grouped(a, w):
-            return jax.lax.ragged_dot(a, w[...].astype(self.dtype), group_sizes, preferred_element_type=jnp.float32)
+            return jax.lax.ragged_dot(a, w.astype(self.dtype), group_sizes, preferred_element_type=jnp.float32)
 
-        gate = grouped(x, self.gate_proj)
+        def project(a, name):  # the experts' projection, plus its LoRA adapters when it has them
+            return grouped(a, getattr(self, name)[...]) + lora.expert_delta(self, name, a, group_sizes, grouped)
+
+        gate = project(x, "gate_proj")
         gate = nnx.silu(gate) if self.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-        return grouped((gate * grouped(x, self.up_proj)).astype(self.dtype), self.down_proj).astype(self.dtype)
+        return project((gate * project(x, "up_proj")).astype(self.dtype), "down_proj").astype(self.dtype)
 
 
 class SparseMoE(nnx.Module):

@@ -19,6 +19,11 @@ both of which PEFT's adapters (and their exported weights) have; ``nnx.Dropout``
 RNG state in the model (in every checkpoint) where a key from the seed and step suffices.
 ``base_dtype: bfloat16`` keeps the frozen kernels and embeddings in bfloat16 (half their
 memory; they are upcast where used, and eval and export see the same rounded weights).
+
+A mixture of experts' experts (``llama.Experts``: each projection stacked over the experts,
+(E, in, out)) get one adapter per expert, stacked alike: ``NAME_lora_A`` (E, in, rank) and
+``NAME_lora_B`` (E, rank, out), applied to each token copy with its expert's pair
+(``expert_delta``, grouped as the experts are); ``merge`` folds each into its expert.
 """
 
 from __future__ import annotations
@@ -75,10 +80,31 @@ def lora_linears(model: nnx.Module, targets: tuple[str, ...]):
             yield ".".join(map(str, path)), module
 
 
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_experts(model: nnx.Module, targets: tuple[str, ...]):
+    """(path, experts module, projection) of every targeted projection of every mixture of experts."""
+    for path, module in modules(model):
+        if path and str(path[-1]) == "experts" and hasattr(module, "gate_proj") and not isinstance(module, nnx.List):
+            for name in EXPERT_TARGETS:
+                if name in targets:
+                    yield ".".join(map(str, path)), module, name
+
+
 def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
     """Add adapters to the targeted projections, in place; returns how many were added."""
     key = jax.random.key(seed + 7919)
     n = 0
+    for _, experts, name in lora_experts(model, cfg.target_modules):
+        e, n_in, n_out = getattr(experts, name)[...].shape
+        key, sub = jax.random.split(key)
+        bound = 1.0 / math.sqrt(n_in)  # as each expert's nn.Linear would be initialised
+        setattr(experts, f"{name}_lora_A",
+                nnx.LoRAParam(jax.random.uniform(sub, (e, n_in, cfg.rank), jnp.float32, -bound, bound)))
+        setattr(experts, f"{name}_lora_B", nnx.LoRAParam(jnp.zeros((e, cfg.rank, n_out), jnp.float32)))
+        experts.lora_scale, experts.lora_dropout = cfg.scale, cfg.dropout
+        n += 1
     for name, linear in lora_linears(model, cfg.target_modules):
         n_in, n_out = linear.kernel[...].shape
         key, sub = jax.random.split(key)
@@ -153,9 +179,35 @@ def trainable_filter(cfg: LoraConfig | None):
     return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains("score")))
 
 
+def expert_delta(experts: nnx.Module, name: str, x: jax.Array, group_sizes: jax.Array, grouped) -> jax.Array:
+    """The adapters' contribution to projection ``name`` of token copies ``x`` (M, in) sorted by
+    expert (``grouped``: a grouped product with per-expert matrices), or 0 without adapters."""
+    if not hasattr(experts, f"{name}_lora_A"):
+        return 0.0
+    a = getattr(experts, f"{name}_lora_A")[...].astype(x.dtype)
+    b = getattr(experts, f"{name}_lora_B")[...].astype(x.dtype)
+    key, rate = current_key(), experts.lora_dropout
+    if rate and key is not None:
+        keep, kept_scale = keep_mask(jax.random.fold_in(key, TARGETS.index(name)), x.shape, rate)
+        x = jnp.where(keep, x * jnp.asarray(kept_scale, x.dtype), 0.0).astype(x.dtype)
+    return grouped(grouped(x, a).astype(x.dtype), b) * jnp.asarray(experts.lora_scale, jnp.float32)
+
+
+def _drop_expert_adapter(experts: nnx.Module, name: str) -> None:
+    delattr(experts, f"{name}_lora_A")
+    delattr(experts, f"{name}_lora_B")
+
+
 def merge(model: nnx.Module) -> int:
     """Fold every adapter into its kernel (W + A B scale) and drop the adapters, in place."""
     n = 0
+    for _, experts, name in lora_experts(model, EXPERT_TARGETS):
+        if hasattr(experts, f"{name}_lora_A"):
+            a, b = getattr(experts, f"{name}_lora_A")[...], getattr(experts, f"{name}_lora_B")[...]
+            w = getattr(experts, name)[...].astype(jnp.float32) + jnp.einsum("eir,ero->eio", a, b) * experts.lora_scale
+            setattr(experts, name, nnx.Param(w))
+            _drop_expert_adapter(experts, name)
+            n += 1
     for _, linear in lora_linears(model, TARGETS):
         if hasattr(linear, "lora_A"):
             w = linear.kernel[...].astype(jnp.float32) + (linear.lora_A[...] @ linear.lora_B[...]) * linear.lora_scale
@@ -168,6 +220,10 @@ def merge(model: nnx.Module) -> int:
 def strip(model: nnx.Module) -> int:
     """Remove every adapter without merging it (the base model), in place."""
     n = 0
+    for _, experts, name in lora_experts(model, EXPERT_TARGETS):
+        if hasattr(experts, f"{name}_lora_A"):
+            _drop_expert_adapter(experts, name)
+            n += 1
     for _, linear in lora_linears(model, TARGETS):
         if hasattr(linear, "lora_A"):
             del linear.lora_A, linear.lora_B, linear.lora_scale, linear.lora_dropout, linear.lora_index
@@ -177,5 +233,7 @@ def strip(model: nnx.Module) -> int:
 
 def adapters(model: nnx.Module) -> dict[str, tuple[jax.Array, jax.Array]]:
     """name -> (A, B) of every adapter."""
-    return {name: (lin.lora_A[...], lin.lora_B[...]) for name, lin in lora_linears(model, TARGETS)
-            if hasattr(lin, "lora_A")}
+    out = {name: (lin.lora_A[...], lin.lora_B[...]) for name, lin in lora_linears(model, TARGETS)
+           if hasattr(lin, "lora_A")}
+    return out | {f"{path}.{name}": (getattr(ex, f"{name}_lora_A")[...], getattr(ex, f"{name}_lora_B")[...])
+                  for path, ex, name in lora_experts(model, EXPERT_TARGETS) if hasattr(ex, f"{name}_lora_A")}
