@@ -37,7 +37,7 @@ calls: a later call runs the remaining parts on the plan an earlier one measured
 ``--checkpointing on`` (or ``off``) runs the ``trl`` part with one gradient checkpointing setting,
 keeping the merged report's rows of the other (a short lease's last minutes).
 
-A lease of 15 minutes, as the one that measured the README's figures: ``prepare .gpu/inputs
+A lease of 15 minutes, as the one that measured docs/benchmarks.md's figures: ``prepare .gpu/inputs
 --split-gguf .gpu/a .gpu/b --first-piece-mb 44`` here; call 1 carries ``.gpu/inputs`` and
 ``.gpu/a``, copies both to ``/tmp/keep`` and runs ``run /tmp/keep/inputs $OUT --keep /tmp/keep
 --parts parity,kernel,speed --budget-s 300`` (about 4 minutes); call 2, within the half minute
@@ -78,13 +78,13 @@ WHEELS = ("grain", "array-record", "portpicker", "tensorboardX", "trl", "dataset
 # Reads the real SmolLM2's quantised source (GGUF) into transformers; not one of the project's packages.
 GGUF_WHEEL = "gguf==0.19.0"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bfloat16, SXM; MFU as the README defines it
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bfloat16, SXM; MFU as docs/benchmarks.md defines it
 
 # Sizes: the GPU check's, and the rehearsal's (the same code path at toy sizes on CPU).
 # kernel_configs: (implementation, block, Triton warps, Triton stages); speed_runs: (model, packing, scan layers).
 SIZES = {
     "gpu": {"max_length": 2048, "speed_batch": 32, "speed_steps": 6, "bucket_steps": 4, "parity_t": 2048,
-            # blockwise's parity on the GPU was measured before (README); the kernels new to the GPU here
+            # blockwise's parity on the GPU was measured before (docs/benchmarks.md); the kernels new to the GPU here
             "parity_cases": (("pallas", "float32", None), ("pallas", "float32", 300), ("pallas", "bfloat16", None),
                              ("cudnn", "bfloat16", None)),
             "kernel_configs": (("pallas", 64, 4, 2), ("pallas", 64, 4, 3), ("pallas", 64, 4, 4), ("pallas", 64, 8, 3),

@@ -6,7 +6,7 @@
    an accelerator.
 2. The CPU side of ``ACCELERATOR_COMPILE_COST``: one packed train step of a preset, compiled and
    timed here (compile seconds, step seconds, and compile over step: the steps a compilation
-   costs). The accelerator side is the GPU check's (``benchmarks/gpu.py``, README).
+   costs). The accelerator side is the GPU check's (``benchmarks/gpu.py``, docs/benchmarks.md).
 
     .venv/bin/python benchmarks/gpu.py prepare .gpu/inputs --no-wheels   # the shards: HH-RLHF + UltraFeedback, 2048
     .venv/bin/python benchmarks/rounding.py .gpu/inputs/train [--batch-size 16] [--preset micro] [--steps 5]

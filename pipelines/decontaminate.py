@@ -215,7 +215,7 @@ class CheckFn(beam.DoFn):
         self.replies, self.mark_only = replies, mark_only
 
     def process(self, pair, index: EvalIndex):
-        if pair.is_tokenized:  # ids, no text: nothing to compare with (the README says so)
+        if pair.is_tokenized:  # ids, no text: nothing to compare with (docs/preprocessing.md says so)
             yield pair
             return
         hit = index.first_overlap(record_texts(pair, self.replies))

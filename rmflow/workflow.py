@@ -96,7 +96,7 @@ class Workflow:
         given = spec.get("data")
         if "data.train" in spec or not isinstance(given, (dict, type(None))) or "train" in (given or {}):
             raise ConfigError("train.data.train: a workflow trains on its preprocess stage's shards; to mix several "
-                              "shard sets, run `rmflow train --data set=weight,...` (README, Mixtures)")
+                              "shard sets, run `rmflow train --data set=weight,...` (docs/training.md, Mixtures)")
         if "output" in spec:
             raise ConfigError("train.output: a workflow sets it (its run goes to OUTPUT/run); drop it")
         try:

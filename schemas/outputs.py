@@ -5,7 +5,7 @@ command writes it: a second process that names the same folder is refused in one
 holder (host, process id, command, start time). The lock is ``flock`` on a file beside the folder
 (``.<name>.rmflow-lock``), so the kernel releases it when its process dies, however it dies; the
 next command then takes it over and says so. Remote outputs (gs://) have no such lock: object
-stores offer none, and the README says so.
+stores offer none, and docs/preprocessing.md says so.
 
 ``staged_output(output)`` gives a staging folder beside ``output`` and swaps it in when the block
 ends without an error: an earlier output there is replaced whole (no stale file survives), and an

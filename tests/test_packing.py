@@ -442,7 +442,7 @@ def test_a_run_on_gpus_packs_and_builds_its_model_with_the_attention_for_its_row
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU (CI has none); "
-                    "measured on an H100 with benchmarks/device.py, see the README")
+                    "measured on an H100 with benchmarks/device.py, see docs/benchmarks.md")
 def test_cudnn_attention_equals_reference_on_gpu():
     rng = np.random.default_rng(0)
     b, t, n, k, d = 2, 1024, 8, 2, 64

@@ -4,7 +4,7 @@ The machinery is preprocess's (``pipelines/template.py``): parameters derived fr
 ``ScoreConfig`` (help texts included, values validated by regexes), ``{date}`` in the output
 expanded at launch, the launch request body. The image differs: scoring workers need JAX, so the
 scoring template is built from ``deploy/dataflow/Dockerfile`` with the ``all,gcp`` extras (CPU
-workers) or ``all,gcp,cuda`` and an accelerator (GPU workers); see the README.
+workers) or ``all,gcp,cuda`` and an accelerator (GPU workers); see docs/scoring-serving.md.
 
     python -m rmflow.scoring.template metadata > deploy/dataflow/score-metadata.json
     python -m rmflow.scoring.template launch-body --template gs://b/templates/rmflow-score.json \\

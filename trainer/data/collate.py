@@ -53,7 +53,7 @@ def fine_length(longest: int, per_doubling: int = FINEST) -> int:
 # How many times dearer a compilation is, against the steps it serves, on an accelerator than on
 # a CPU: a step runs tens to hundreds of times faster there while compiling a shape takes as long
 # or longer (XLA autotunes each new shape's kernels), so a shape must serve that many more
-# batches before a finer grid of lengths pays. The figures it rests on: README, "Benchmarks".
+# batches before a finer grid of lengths pays. The figures it rests on: docs/benchmarks.md.
 ACCELERATOR_COMPILE_COST = 16
 
 

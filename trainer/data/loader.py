@@ -65,7 +65,7 @@ def resolve_packing(packing: str, backend: str, devices: int = 1) -> str:
     pairs; on the GPU with the Pallas kernels, ``resolve_attention``), ``bucket`` over several
     GPUs (the Pallas kernels have no partitioning rule yet; cuDNN's fused attention takes one
     sequence a row) and on TPU, whose splash attention takes no run-time mask that could express
-    the shared prompt. ``devices``: how many devices the batch is split over. README, "Packing,
+    the shared prompt. ``devices``: how many devices the batch is split over. docs/training.md, "Packing,
     attention and speed", has the measurements behind these."""
     if packing not in PACKING:
         raise ValueError(f"packing {packing!r}: use one of {PACKING}")

@@ -30,7 +30,7 @@ from rmflow.trainer.modeling.masking import allowed, cap_gradient, capped_scores
 
 # The block size and Triton's launch settings (warps per program, software-pipelining depth) for
 # every kernel: the fastest combination ``benchmarks/gpu.py``'s kernel part measured on Hopper
-# (README, Benchmarks).
+# (docs/benchmarks.md).
 BLOCK = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
