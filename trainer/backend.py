@@ -1,12 +1,8 @@
 """XLA settings rmflow applies itself, before JAX starts its backend.
 
-Measured on the 2-core development CPU with ``benchmarks/profile_step.py --repeat 9`` (tiny
-preset, one packed batch of 8 HH-RLHF pairs, 3,328 tokens), three runs each: turning off
-XLA:CPU's experimental YNNPACK fusions makes the train step 8% faster (median 608 ms, 601-618,
-against 665 ms, 658-669, with ``RMFLOW_XLA_DEFAULTS=1``) and lowers its temporaries (395
-against 424 MiB). Tried the same way and not adopted:
-``--xla_cpu_enable_concurrency_optimized_scheduler=false`` (temporaries 447 MiB, +13%; time
-604 ms, within noise) and ``--xla_cpu_use_fusion_emitters=false`` (681 ms, 12% slower).
+XLA:CPU's experimental YNNPACK fusions are turned off: the train step is faster and its
+temporaries smaller without them (the figures, and the flags tried and not adopted:
+docs/benchmarks.md, "XLA flags on CPU").
 
 XLA aborts the process on a flag it does not know, so a flag is only added for the jaxlib
 versions it was verified on, never when the user's XLA_FLAGS already sets it, and not at all

@@ -1,9 +1,8 @@
 """TensorBoard event files through tensorboardX, without importing PyTorch.
 
 tensorboardX imports torch at import time when it is installed (only to accept torch
-tensors, which rmflow never logs). In a JAX training process that costs about 180 MiB of
-resident memory for nothing (measured: 413 against 233 MiB after import), and most users
-have torch installed. So tensorboardX is imported with torch hidden, unless torch is already
+tensors, which rmflow never logs). In a JAX training process that costs resident memory for
+nothing (about 180 MiB: docs/benchmarks.md), and most users have torch installed. So tensorboardX is imported with torch hidden, unless torch is already
 imported by the caller.
 """
 
