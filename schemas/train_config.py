@@ -194,7 +194,7 @@ class MeshConfig(Config):
     """The devices: how they split the batch and the parameters, and which processes join."""
 
     data: int = option(-1, "Data axis: devices that split the batch and hold whole replicas of the parameters; "
-                           "-1 = the devices left by the other two axes.", was="mesh_data", resume_free=True)
+                           "-1 = the devices left by the other axes.", was="mesh_data", resume_free=True)
     fsdp: int = option(1, "FSDP axis: devices that split the batch and shard the parameters and optimizer state "
                           "(FSDP / ZeRO-3); -1 = the devices left.", was="mesh_fsdp", resume_free=True)
     tensor: int = option(1, "Tensor axis: devices that shard attention heads and MLP columns within each layer; "

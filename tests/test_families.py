@@ -243,8 +243,9 @@ def test_a_family_transformers_has_no_head_for_is_refused_at_export_naming_the_c
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
 def test_the_router_load_balancing_loss_equals_transformers(family, tmp_path):
-    """The router statistics summed over the layers give transformers' load_balancing_loss_func
-    of the same tokens' router logits (padding left out by the mask), within 1e-5."""
+    """The router statistics, summed over every layer but the last (which routes only the reward
+    tokens in training), give transformers' load_balancing_loss_func of those layers' router
+    logits (padding left out by the mask), within 1e-5."""
     import jax.numpy as jnp
     from rmflow.trainer.modeling.convert import load_reward_model
     from rmflow.trainer.modeling.llama import router_loss
@@ -259,8 +260,10 @@ def test_the_router_load_balancing_loss_equals_transformers(family, tmp_path):
     module = __import__(f"transformers.models.{hf.config.model_type}.modeling_{hf.config.model_type}",
                         fromlist=["load_balancing_loss_func"])
     experts = ARCHS[family][2].get("num_experts") or ARCHS[family][2]["num_local_experts"]
-    expected = float(module.load_balancing_loss_func(logits, experts, 2, torch.tensor(mask)))
     model = load_reward_model(str(tmp_path))
+    sparse = model.config.sparse_layers  # the layers transformers' router logits come from, in order
+    logits = tuple(g for layer, g in zip(sparse, logits) if layer != model.config.num_hidden_layers - 1)
+    expected = float(module.load_balancing_loss_func(logits, experts, 2, torch.tensor(mask)))
     t = ids.shape[1]
     every = jnp.broadcast_to(jnp.arange(t), ids.shape)  # the last layer at every token: a full forward
     _, stats = model.model.hidden_at(jnp.asarray(ids), every, jnp.asarray(mask), every, with_router=True)
@@ -333,3 +336,32 @@ def test_a_mixture_of_experts_resumes_exactly(synthetic, tokenizer_dir, tmp_path
     for a, b in zip(whole[-2:], parts[-2:]):
         assert (a["step"], a["loss"], a["router_aux_loss"]) == pytest.approx((b["step"], b["loss"], b["router_aux_loss"]),
                                                                              abs=1e-6)
+
+
+def test_weight_decay_reaches_the_experts_and_gemma_3_applies_no_cap():
+    """The stacked expert matrices decay as every matrix does; Gemma 3's attention, as
+    transformers runs it, never applies its config's cap; Gemma 2 alternates whatever its config's
+    pattern says."""
+    import dataclasses
+
+    from flax import nnx
+    from rmflow.trainer.modeling.config import ModelConfig
+    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.optimizer import decay_mask
+    from rmflow.trainer.parallel import param_name
+
+    from tests.test_step import CFG
+
+    moe = dataclasses.replace(CFG, model_type="mixtral", num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=8, sparse_layers=(0, 1))
+    params = nnx.state(RewardTransformer(moe, rngs=nnx.Rngs(0)), nnx.Param).to_pure_dict()
+    import jax
+
+    mask = {param_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(decay_mask(params))[0]}
+    assert mask["model.layers.0.mlp.experts.down_proj"] and mask["model.layers.0.mlp.gate.kernel"]
+    assert not mask["model.layers.0.input_layernorm.weight"]
+    d = {"vocab_size": 10, "hidden_size": 32, "intermediate_size": 6, "num_hidden_layers": 6, "num_attention_heads": 2,
+         "head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 50.0, "sliding_window_pattern": 3}
+    assert ModelConfig.from_hf({**d, "model_type": "gemma3_text"}).attn_logit_softcapping is None
+    gemma2 = ModelConfig.from_hf({**d, "model_type": "gemma2"})
+    assert [gemma2.layer_window(i) for i in range(6)] == [4, None] * 3 and gemma2.attn_logit_softcapping == 50.0

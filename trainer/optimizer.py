@@ -57,9 +57,12 @@ def learning_rate_schedule(c: OptimizerConfig, total_steps: int) -> optax.Schedu
 
 
 def decay_mask(params: Any) -> Any:
-    """Weight decay on matrices and embeddings only: never on norm weights or biases."""
+    """Weight decay on matrices and embeddings only: never on norm weights or biases. A mixture of
+    experts' stacked expert matrices (``experts.gate_proj`` ...) and their adapters decay too."""
     def decays(path, _) -> bool:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        if len(names) >= 2 and names[-2] == "experts":
+            return True
         return bool(names) and names[-1] in ("kernel", "embedding", "lora_A", "lora_B")
 
     return jax.tree_util.tree_map_with_path(decays, params)

@@ -37,6 +37,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from rmflow.schemas.options import ConfigError
 from rmflow.schemas.train_config import ATTENTION  # one list: the config validates against it
 from rmflow.trainer.modeling.masking import (  # noqa: F401 - the rules, imported from here too
     allowed,
@@ -61,8 +62,8 @@ def resolve_attention(name: str, dtype, backend: str | None = None, packed: bool
     if name not in ATTENTION:
         raise ValueError(f"attention {name!r}: use one of {ATTENTION}")
     if name == "cudnn" and softcap:
-        raise ValueError("attention cudnn cannot soft-cap the logits, which this model does (attn_logit_softcapping): "
-                         "use auto, pallas, blockwise or xla")
+        raise ConfigError("attention cudnn cannot soft-cap the logits, which this model does (attn_logit_softcapping): "
+                          "use auto, pallas, blockwise or xla")
     if name != "auto":
         return name
     backend = backend or jax.default_backend()
@@ -101,8 +102,8 @@ def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: st
         mask = dense_mask(segment_ids, positions, branch_ids, window)
     if implementation == "cudnn":
         if softcap:
-            raise ValueError("attention cudnn cannot soft-cap the logits (attn_logit_softcapping): use pallas, "
-                             "blockwise or xla")
+            raise ConfigError("attention cudnn cannot soft-cap the logits (attn_logit_softcapping): use pallas, "
+                              "blockwise or xla")
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
     if implementation == "xla":
         if softcap:  # the reference, written out: jax.nn's takes no cap

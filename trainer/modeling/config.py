@@ -374,12 +374,14 @@ def _gemma(d: Mapping[str, Any]) -> dict[str, Any]:
         raise ModelConfigError("use_bidirectional_attention: rmflow's attention is causal (an encoder-style Gemma "
                                "is not supported)")
     layers = d["num_hidden_layers"]
-    pattern = d.get("sliding_window_pattern") or (2 if d.get("model_type") == "gemma2" else 6)
+    # Gemma 2 alternates whatever its config says; Gemma 3's configs name their pattern
+    pattern = 2 if d.get("model_type") == "gemma2" else d.get("sliding_window_pattern") or 6
     types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                      for i in range(layers)]
     return {"embed_scale": True, "norm_offset": 1.0, "sandwich_norms": True,
             "hidden_act": d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
-            "attn_logit_softcapping": d.get("attn_logit_softcapping"),
+            # Gemma 3's attention keeps the config's cap but never applies it (as transformers runs it)
+            "attn_logit_softcapping": d.get("attn_logit_softcapping") if d.get("model_type") == "gemma2" else None,
             "query_pre_attn_scalar": d.get("query_pre_attn_scalar"), "layer_types": tuple(types)}
 
 

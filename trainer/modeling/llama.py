@@ -482,13 +482,13 @@ class DecoderModel(nnx.Module):
         """Hidden states before the final norm at the tokens ``index`` (B, S), (B, S, H). Every
         layer but the last runs over all tokens; the last one only at ``index`` (its outputs
         elsewhere feed nothing), which gives the same values for a fraction of its work.
-        ``with_router``: also the router statistics summed over the layers (the last layer's
-        over the tokens ``index``), for the load-balancing loss (``router_loss``)."""
+        ``with_router``: also the router statistics summed over every layer but the last, for the
+        load-balancing loss (``router_loss``): the last layer routes the reward tokens only."""
         x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers) - 1)
         x, stats = self._run(self.layers[:-1], _layer_forward, x, cos, sin, ctx)
-        x, last = apply_layer(self.layers[-1], len(self.layers) - 1, _layer_at, x, index, cos, sin, ctx,
-                              remat=self.remat)
-        return (x, stats + last) if with_router else x
+        x, _ = apply_layer(self.layers[-1], len(self.layers) - 1, _layer_at, x, index, cos, sin, ctx,
+                           remat=self.remat)
+        return (x, stats) if with_router else x
 
 
 class RewardTransformer(nnx.Module):
