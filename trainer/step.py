@@ -10,6 +10,7 @@ update of one k-times-larger batch. What is trained comes from ``trainer.objecti
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import os
@@ -236,6 +237,7 @@ class Trainer:
         from jax.sharding import PartitionSpec as P
         from rmflow.trainer.parallel import BATCH_AXES, shardings
 
+        self._mesh = mesh
         self.state_shardings = shardings(self.init_state, mesh)
         self.frozen = jax.device_put(self.frozen, shardings(self.frozen, mesh))
         replicated = NamedSharding(mesh, P())
@@ -350,7 +352,7 @@ class Trainer:
 
     def lower(self, state: Any, batch: dict[str, Any]):
         """The train step lowered for ``state`` and ``batch`` (arrays or ShapeDtypeStructs)."""
-        with _TRACE_LOCK:
+        with _TRACE_LOCK, self._tracing_mesh():
             return self._train_jit.lower(self.program, state, batch, self.frozen, self.others, self.hyper)
 
     def _compile(self, step: str, abstract_batch: dict[str, jax.ShapeDtypeStruct]):
@@ -358,12 +360,18 @@ class Trainer:
         if step == "train":
             lowered = self.lower(self._abstract_state, abstract_batch)
         else:
-            with _TRACE_LOCK:
+            with _TRACE_LOCK, self._tracing_mesh():
                 lowered = _EVAL_STACKED_JIT.lower(self.program, self._abstract_state.params, abstract_batch,
                                                   self.frozen, self.others, self._coefs())
         compiled = lowered.compile()
         with _EXECUTABLES_LOCK:
             return _EXECUTABLES.setdefault(key, compiled)
+
+    def _tracing_mesh(self):
+        """The mesh set while a mixture of experts' steps are traced, so that each batch shard
+        routes its own rows (``llama.SparseMoE``); other models trace without one."""
+        mesh = getattr(self, "_mesh", None)
+        return jax.set_mesh(mesh) if mesh is not None and self.program.experts else contextlib.nullcontext()
 
     def _coefs(self) -> tuple:
         return self.hyper["center_coef"], self.hyper["router_coef"]

@@ -26,6 +26,7 @@ from rmflow.trainer.modeling.attention import (
     takes_dense_mask,
 )
 from rmflow.trainer.modeling.config import ModelConfig
+from rmflow.trainer.parallel.mesh import BATCH_AXES
 
 INIT_STD = 0.02  # Hugging Face's initializer_range default
 
@@ -254,9 +255,29 @@ class SparseMoE(nnx.Module):
         return probs, weights, chosen
 
     def __call__(self, x: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``x`` (..., H) and ``real`` (...) (not padding) -> the block's output and its router
+        """``x`` (B, T, H) and ``real`` (B, T) (not padding) -> the block's output and its router
         statistics over the real tokens (``router_loss``): per expert the times it was chosen and
-        its probabilities' sum, then the tokens."""
+        its probabilities' sum, then the tokens. Under a device mesh (``jax.set_mesh``, as the
+        trainer traces a mixture of experts) whose batch axes split the rows, each shard routes
+        and computes its own rows (``jax.shard_map``; the experts' weights gathered to it), so no
+        device does another's expert work; the statistics are summed over the shards."""
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = () if mesh.empty else tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+        if axes and x.shape[0] % math.prod(mesh.shape[a] for a in axes) == 0:
+            graphdef, state = nnx.split(self)
+            rows = jax.sharding.PartitionSpec(axes)
+
+            def local(x, real, state):
+                y, stats = nnx.merge(graphdef, state).route_and_compute(x, real)
+                return y, jax.lax.psum(stats, axes)
+
+            return jax.shard_map(local, in_specs=(rows, rows, jax.sharding.PartitionSpec()),
+                                 out_specs=(rows, jax.sharding.PartitionSpec()), axis_names=set(axes),
+                                 check_vma=False)(x, real, state)
+        return self.route_and_compute(x, real)
+
+    def route_and_compute(self, x: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``__call__`` over all of ``x``'s tokens at once."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         probs, weights, chosen = self.route(x)
