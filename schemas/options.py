@@ -244,7 +244,7 @@ class Config:
         types = {leaf.path: leaf.type for leaf in leaves(type(self))}
         scalar = {name: f"{name}.{section_of(f).SCALAR_FORM}" for name, f in sections(type(self)).items()
                   if getattr(section_of(f), "SCALAR_FORM", "")}  # --set data=folder: data.train
-        moved = moved_keys(type(self))
+        moved = {**moved_keys(type(self)), **getattr(type(self), "RENAMED", {})}  # grouped in sections, or renamed
         optional = {name for name, f in sections(type(self)).items() if f.metadata.get("optional")}
         data = self.flat()
         for pair in pairs:

@@ -114,3 +114,6 @@ def test_a_workflow_s_train_identity_is_the_flat_layout_of_before():
         assert old.objective == "plackett-luce" and old.identity()["ranking_loss"] == "plackett-luce"
     with pytest.raises(ConfigError, match="ranking_loss is now objective$"):
         TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", "ranking_loss": "plackett-luce"})
+    with pytest.raises(ConfigError, match="ranking_loss is now objective$"):
+        TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o"}).with_overrides(
+            ["ranking_loss=plackett-luce"])

@@ -224,6 +224,7 @@ class Trainer:
         # Compiled train and eval steps by batch shapes, made on demand or ahead of time
         # (``compile_ahead``, ``compile_evals_ahead``), once the mesh is known (``use_mesh``).
         self._abstract_state = self._batch_sharding = None
+        self._mesh = None  # ``use_mesh``'s: set while a mixture of experts' steps are traced
         self._static_key: tuple = ()  # what an executable's key holds besides the batch's shapes
         self._pending: dict[tuple, concurrent.futures.Future] = {}
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
@@ -370,8 +371,8 @@ class Trainer:
     def _tracing_mesh(self):
         """The mesh set while a mixture of experts' steps are traced, so that each batch shard
         routes its own rows (``llama.SparseMoE``); other models trace without one."""
-        mesh = getattr(self, "_mesh", None)
-        return jax.set_mesh(mesh) if mesh is not None and self.program.experts else contextlib.nullcontext()
+        experts = self._mesh is not None and self.program.experts
+        return jax.set_mesh(self._mesh) if experts else contextlib.nullcontext()
 
     def _coefs(self) -> tuple:
         return self.hyper["center_coef"], self.hyper["router_coef"]
