@@ -289,7 +289,9 @@ class SparseMoE(nnx.Module):
         token = order // self.top_k  # the token of each sorted copy
         sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
         out = self.experts(x[token], sizes)  # (N * k, H), sorted by expert
-        weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None].astype(x.dtype).astype(jnp.float32)
+        # each copy's weight rounded to the compute dtype, as transformers rounds the router's
+        weight = weights.reshape(-1)[order][:, None].astype(x.dtype).astype(jnp.float32)
+        weighted = out.astype(jnp.float32) * weight
         y = jnp.zeros(x.shape, jnp.float32).at[token].add(weighted)
         return y.astype(x.dtype).reshape(shape), stats
 
