@@ -248,18 +248,44 @@ def ranking_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
 
 
 # Sums of the attribute regression: ``mse_sum`` (per prompt, the mean over its responses and
-# attributes of the squared error) is a scalar; the rest are (N,), one per attribute, over
-# every response (the count is the ranking sums' ``responses``).
-REGRESSION_SUM_KEYS = ("mse_sum", "attr_se_sum", "attr_pred_sum", "attr_pred_sq_sum", "attr_label_sum",
-                       "attr_label_sq_sum", "attr_cross_sum")
+# attributes of the squared error) is a scalar; ``attr_se_sum`` is (N,), one per attribute, over
+# every response (the count is the ranking sums' ``responses``). Pearson's r comes from centred
+# moments (``MOMENT_KEYS``), merged by ``merge_sums``, never from raw ones: raw sums of squares in
+# float32 cancel to noise when the outputs vary little against their mean.
+_F32_EPS = float(np.finfo(np.float32).eps)
+MOMENT_KEYS = ("attr_n", "attr_pred_mean", "attr_label_mean", "attr_pred_m2", "attr_label_m2", "attr_cross_m2")
+REGRESSION_SUM_KEYS = ("mse_sum", "attr_se_sum", *MOMENT_KEYS)
+
+
+def merge_sums(a: dict[str, Any], b: dict[str, Any], keys) -> dict[str, Any]:
+    """``a`` and ``b``'s metric statistics together: the sums of ``keys`` added, and where they
+    hold ``MOMENT_KEYS`` the centred moments merged (Chan et al.'s pairwise update: the means'
+    difference corrects the second moments, so no large squares cancel). All zeros is the
+    identity. Written in operators alone, so it merges jax arrays on the device (a step's
+    micro-batches) and numpy float64 on the host (steps, batches, sets) alike."""
+    out = {k: a[k] + b[k] for k in keys if k not in MOMENT_KEYS}
+    if MOMENT_KEYS[0] in keys:
+        na, nb = a["attr_n"], b["attr_n"]
+        n = na + nb
+        share = nb / (n + (n == 0))  # b's share of the merged count (0 for none)
+        weight = na * share  # na * nb / n
+        dp = b["attr_pred_mean"] - a["attr_pred_mean"]
+        dy = b["attr_label_mean"] - a["attr_label_mean"]
+        out.update(attr_n=n, attr_pred_mean=a["attr_pred_mean"] + dp * share,
+                   attr_label_mean=a["attr_label_mean"] + dy * share,
+                   attr_pred_m2=a["attr_pred_m2"] + b["attr_pred_m2"] + dp * dp * weight,
+                   attr_label_m2=a["attr_label_m2"] + b["attr_label_m2"] + dy * dy * weight,
+                   attr_cross_m2=a["attr_cross_m2"] + b["attr_cross_m2"] + dp * dy * weight)
+    return out
 
 
 def regression_sums(outputs, labels, group) -> dict[str, jax.Array]:
     """An attribute head's outputs (R, S, N) against the ratings (R, S, N) of the responses in
     slots whose ``group`` (R, S) is > 0 (padding: 0): the squared-error objective summed over
     prompts (each prompt's mean over its responses and attributes, so a prompt counts once
-    whatever its K) and the exact per-attribute sums of RMSE and Pearson's r
-    (``REGRESSION_SUM_KEYS``)."""
+    whatever its K), the per-attribute squared error summed, and the outputs' and ratings'
+    means and centred second moments over the batch (``REGRESSION_SUM_KEYS``; merged with
+    other batches' by ``merge_sums``)."""
     if outputs.shape != labels.shape or outputs.shape[:2] != group.shape or outputs.ndim != 3:
         raise ValueError(f"regression_sums wants outputs and labels (R, S, N) and group (R, S); got {outputs.shape}, "
                          f"{labels.shape}, {group.shape}")
@@ -275,9 +301,12 @@ def regression_sums(outputs, labels, group) -> dict[str, jax.Array]:
     def over(x):  # (R, S, N) -> (N,) over real slots
         return (x * w).sum((0, 1))
 
-    return {"mse_sum": per_slot.sum(), "attr_se_sum": over(se), "attr_pred_sum": over(p),
-            "attr_pred_sq_sum": over(p * p), "attr_label_sum": over(y), "attr_label_sq_sum": over(y * y),
-            "attr_cross_sum": over(p * y)}
+    n = w.sum()
+    mean_p, mean_y = over(p) / jnp.maximum(n, 1.0), over(y) / jnp.maximum(n, 1.0)
+    dp, dy = p - mean_p, y - mean_y
+    return {"mse_sum": per_slot.sum(), "attr_se_sum": over(se), "attr_n": jnp.broadcast_to(n, mean_p.shape),
+            "attr_pred_mean": mean_p, "attr_label_mean": mean_y, "attr_pred_m2": over(dp * dp),
+            "attr_label_m2": over(dy * dy), "attr_cross_m2": over(dp * dy)}
 
 
 def regression_metrics_of_sums(sums: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
@@ -287,6 +316,18 @@ def regression_metrics_of_sums(sums: dict[str, Any], names: tuple[str, ...]) -> 
     out = ranking_metrics_of_sums(sums)
     if not sums["prompts"]:
         return out
+    n = max(float(sums["responses"]), 1.0)
+    vec = {k: np.broadcast_to(np.asarray(sums[k], np.float64), (len(names),)) for k in REGRESSION_SUM_KEYS[1:]}
+    out["mse"] = float(sums["mse_sum"]) / float(sums["prompts"])
+    def varies(m2, mean):  # a spread above float32's resolution at the mean (rounding is no variation)
+        return m2 > n * (4 * _F32_EPS * abs(mean)) ** 2 and m2 > 0
+
+    for j, name in enumerate(names):
+        var_p, var_y, cov = (vec[k][j] for k in ("attr_pred_m2", "attr_label_m2", "attr_cross_m2"))
+        out[f"{name}_rmse"] = math.sqrt(max(vec["attr_se_sum"][j] / n, 0.0))
+        out[f"{name}_pearson"] = (float(cov / math.sqrt(var_p * var_y)) if varies(var_p, vec["attr_pred_mean"][j])
+                                  and varies(var_y, vec["attr_label_mean"][j]) else float("nan"))
+    return out
     n = max(float(sums["responses"]), 1.0)
     vec = {k: np.broadcast_to(np.asarray(sums[k], np.float64), (len(names),)) for k in REGRESSION_SUM_KEYS[1:]}
     out["mse"] = float(sums["mse_sum"]) / float(sums["prompts"])

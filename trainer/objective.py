@@ -40,6 +40,7 @@ from rmflow.trainer.loss import (
     STEP_SUM_KEYS,
     SUM_KEYS,
     listwise_loss,
+    merge_sums,
     pair_metrics_of_sums,
     pairwise_loss,
     ranking_metrics_of_sums,
@@ -158,6 +159,12 @@ class Objective:
         """This objective for a mixture of experts: its sums and metrics also the router's
         load-balancing loss (``router_aux_loss``, per unit)."""
         return dataclasses.replace(self, sum_keys=self.sum_keys + (ROUTER_SUM,))
+
+    def merge(self, a: dict[str, Any], b: dict[str, Any], keys: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Two batches' metric statistics (of ``keys``, by default ``sum_keys``) as one: sums
+        added, a regression's centred moments merged (``merge_sums``); on the device and on the
+        host alike."""
+        return merge_sums(a, b, keys or self.sum_keys)
 
     def metrics(self, sums: dict[str, Any]) -> dict[str, Any]:
         out = regression_metrics_of_sums(sums, self.attributes) if self.regression else self.metrics_of_sums(sums)

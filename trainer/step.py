@@ -123,7 +123,7 @@ def _train_step(program: StepProgram, state: TrainState, batch: dict[str, jax.Ar
         grads, sums = carry
         i, mb = x
         (_, s), g = grad_fn(state.params, mb, frozen, others, hyper, jax.random.fold_in(step_key, i))
-        return (jax.tree.map(jnp.add, grads, g), {k: sums[k] + s[k] for k in keys}), None
+        return (jax.tree.map(jnp.add, grads, g), program.objective.merge(sums, s, keys)), None
 
     keys = program.sum_keys
     n_micro = jax.tree.leaves(batch)[0].shape[0]

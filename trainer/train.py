@@ -152,9 +152,8 @@ class Run:
         # Each batch's sums stay on the device until the set is done: no wait between batches.
         outs = [self.trainer.eval_batch(params, self.to_device([b])) for b in self.eval_loader(name)]
         sums = dict.fromkeys(self.objective.sum_keys, 0.0)
-        for s in jax.device_get(outs):
-            for k in sums:
-                sums[k] = sums[k] + np.asarray(s[k], np.float64)  # an attribute head's: one per attribute
+        for s in jax.device_get(outs):  # in float64; an attribute head's: one per attribute
+            sums = self.objective.merge(sums, {k: np.asarray(s[k], np.float64) for k in sums})
         return sums
 
     def evaluate(self, params) -> dict[str, Any]:
@@ -167,7 +166,7 @@ class Run:
             if name:
                 out.update({f"eval/{name}/{k}": v for k, v in self.objective.metrics(sums).items()})
             if name in self.plan.data_evals:
-                total = {k: total[k] + sums[k] for k in total}
+                total = self.objective.merge(total, sums)
         if self.plan.data_evals:
             out = {**{f"eval_{k}": v for k, v in self.objective.metrics(total).items()}, **out}
         release_free_memory()  # what compiling the eval shapes left

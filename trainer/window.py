@@ -30,8 +30,7 @@ class MetricWindow:
     def add(self, m: dict[str, Any], micro: list[dict[str, np.ndarray]], slots: int):
         """``slots``: token slots of the step's batch as the device got it (micro-batches padded
         to one length when accumulating)."""
-        for k in self.objective.sum_keys:
-            self.sums[k] = self.sums[k] + np.asarray(m[k], np.float64)  # an attribute head's: one per attribute
+        self.sums = self.objective.merge(self.sums, {k: np.asarray(m[k], np.float64) for k in self.objective.sum_keys})
         self.grad_norm += float(m["grad_norm"])
         self.lr = float(m["learning_rate"])
         self.steps += 1
