@@ -1,12 +1,13 @@
 """`rmflow serve` start-up: seconds from launch until GET /health answers 200 (the model loaded
-and every batch shape compiled), with the default --max-length (the training data's) and with
-another, alternating, without the persistent compilation cache (RMFLOW_COMPILATION_CACHE=off)
-unless --cache is given.
+and every batch shape compiled), with the default options and with each set of other options
+given (by default --max-length 4096), alternating, without the persistent compilation cache
+(RMFLOW_COMPILATION_CACHE=off) unless --cache is given.
 
     rmflow preprocess -i rmflow/demo/hh_rlhf_helpful_sample.jsonl.gz --tokenizer rmflow/demo/tokenizer \\
         -o /tmp/su/shards --max-length 512 --max-bad-fraction 1
     rmflow train --data /tmp/su/shards --model tiny -o /tmp/su/run --set max_steps=1 --set batch_size=2
-    .venv/bin/python benchmarks/serve_startup.py /tmp/su/run --max-length 4096 --repeat 2
+    .venv/bin/python benchmarks/serve_startup.py /tmp/su/run --with="--max-length 4096" \\
+        --with=--no-response-units --repeat 2
 """
 
 from __future__ import annotations
@@ -53,14 +54,17 @@ def start_up(model: str, extra: list[str], cache: bool) -> tuple[float, int, int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="a run directory or an export")
-    ap.add_argument("--max-length", type=int, default=4096, help="the other length, beside the default")
+    ap.add_argument("--with", dest="others", action="append", default=[],
+                    help="serve options to start with beside the default ones (repeatable; default: "
+                         "--max-length 4096)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--cache", action="store_true", help="keep the persistent compilation cache")
     a = ap.parse_args()
+    others = [o.split() for o in a.others or ["--max-length 4096"]]
     for _ in range(a.repeat):
-        for extra in ([], ["--max-length", str(a.max_length)]):
+        for extra in ([], *others):
             seconds, length, shapes = start_up(a.model, extra, a.cache)
-            print(f"{' '.join(extra) or 'default':>18}: ready in {seconds:6.1f} s (max_length {length}, "
+            print(f"{' '.join(extra) or 'default':>20}: ready in {seconds:6.1f} s (max_length {length}, "
                   f"{shapes} batch shapes)", flush=True)
 
 

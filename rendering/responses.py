@@ -342,7 +342,11 @@ def group_rows(rows: list[Row]) -> dict[str, Any]:
 def raw_responses(record: Mapping[str, Any], fmt: str) -> tuple[tuple[Message, ...], list[tuple[Message, ...]]]:
     """The prompt and every response of a record as given (none left out: to score them all).
     Raises BadRecord, an empty response among them included."""
-    prompt, responses, _, _ = _READERS[fmt](record)
+    if fmt == "responses":  # to score them, the responses need no scores or ranks of their own
+        prompt = _prompt(record.get("prompt"), "prompt")
+        responses = [_response(x, f"responses[{i}]") for i, x in enumerate(_list(record, "responses"))]
+    else:
+        prompt, responses, _, _ = _READERS[fmt](record)
     for i, r in enumerate(responses):
         if r == EMPTY:
             raise BadRecord("empty_reply", f"response {i} is empty: nothing to score")

@@ -411,6 +411,11 @@ class ServeConfig(Config):
     max_body_mb: float = option(64.0, "Largest request body, in MiB.")
     shutdown_timeout_s: float = option(30.0, "On SIGTERM: stop accepting, then wait at most this long for the "
                                            "requests in flight to finish.")
+    response_units: bool = option(True, "Score a /v1/score 'responses' record (one prompt's K responses) with its "
+                                        "prompt run once, in units of the prompt and up to 8 responses, whose "
+                                        "shapes compile at start-up beside the conversations' (twice the "
+                                        "compilation); off: each response runs as its own conversation, the "
+                                        "prompt again each time.")
     normalize: bool = option(False, "/get_reward, /classify, /pooling and /v1/embeddings return scores "
                                   "standardised by the model's reward_normalization.json (`rmflow eval "
                                   "--normalize`), as OpenRLHF's --normalize_reward does.")

@@ -261,6 +261,11 @@ class ResponsesRecord:
     def k(self) -> int:
         return len(self.responses)
 
+    @property
+    def unit_len(self) -> int:
+        """Its tokens laid out as one unit: the prompt once, then every response."""
+        return self.prompt_len + sum(len(r) for r in self.responses)
+
     def sequence(self, i: int) -> np.ndarray:
         """The prompt then response ``i``: the whole conversation its reward scores."""
         return np.concatenate([self.prompt_ids, self.responses[i]])
@@ -270,7 +275,7 @@ class ResponsesRecord:
         (prompt and its longest response), the responses, and the tokens stored (prompt once)."""
         longest = max(len(r) for r in self.responses)
         return {"prompt": self.prompt_len, "longest": self.prompt_len + longest, "responses": self.k,
-                "tokens": self.prompt_len + sum(len(r) for r in self.responses)}
+                "tokens": self.unit_len}
 
 
 def _check_responses(prompt_len: int, lengths: list[int], lasts: np.ndarray, scores: np.ndarray,

@@ -206,11 +206,14 @@ def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_s
     record = json.loads(rows[0])
     alone = [[{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": r}]
              for r in record["responses"]]
-    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in [record, *alone, {"responses": 3}]) + "\n")
+    unscored = {"prompt": record["prompt"], "responses": record["responses"]}  # to score: no scores needed
+    lines = [record, unscored, *alone, {"responses": 3}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     counts = score_file(str(tmp_path / "run"), str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"))
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert counts == {"scored": 1 + len(alone), "errors": 1} and "error" in out[-1]
-    assert out[0]["response_scores"] == pytest.approx([o["score"] for o in out[1:-1]], abs=1e-5)
+    assert counts == {"scored": 2 + len(alone), "errors": 1} and "error" in out[-1]
+    assert out[0]["response_scores"] == pytest.approx([o["score"] for o in out[2:-1]], abs=1e-5)
+    assert out[1]["response_scores"] == pytest.approx(out[0]["response_scores"], abs=1e-5)
     assert out[0]["best_response"] == max(range(len(alone)), key=lambda k: out[0]["response_scores"][k])
 
 

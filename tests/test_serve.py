@@ -165,6 +165,36 @@ def test_native_scores_one_prompt_s_k_responses_in_one_item(outcome):
     assert r.status_code == 422 and r.json()["items"][0]["index"] == 1, r.text  # a pair is not K responses
 
 
+def _metric(server, name: str) -> float:
+    text = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    return float(next(x.split()[-1] for x in text.splitlines() if x.startswith(name)))
+
+
+def test_a_k_response_record_runs_its_prompt_once_in_units_of_compiled_shapes(outcome):
+    """Eleven responses to a long prompt, more than a unit's slots and than one row holds: the
+    record is cut into units of the prompt once and several responses (a unit left with one
+    response runs alone), every score equals the response's scored alone, and the server ran
+    the prompt once a unit, not once a response, in shapes it compiled at start-up."""
+    from rmflow.trainer.inference import UNIT_RESPONSES, response_units
+
+    server, rm = outcome
+    prompt = "Summarise the following notes for a busy reader. " + " ".join(f"note {i}: item {i * 7}." for i in range(12))
+    texts = [("Short." if i % 3 else "A longer answer that goes on for a while, " * (1 + i % 4)) + f" ({i})"
+             for i in range(11)]
+    conversations = [[{"role": "user", "content": prompt}, {"role": "assistant", "content": t}] for t in texts]
+    seqs = [rm.encode(c) for c in conversations]
+    units = response_units(seqs, rm.max_length)
+    assert len(units) > 1 and all(getattr(u, "k", 1) <= UNIT_RESPONSES for u in units)
+    assert [getattr(u, "k", 1) for u in units] != [len(seqs)]
+    tokens, scored = _metric(server, "rmflow_tokens_scored_total"), _metric(server, "rmflow_sequences_scored_total")
+    r = server.post("/v1/score", {"responses": [{"prompt": prompt, "responses": texts}]})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["response_scores"][0], rm.score(conversations), atol=1e-5, rtol=0)
+    ran = _metric(server, "rmflow_tokens_scored_total") - tokens
+    assert ran == sum(u.unit_len if hasattr(u, "unit_len") else len(u) for u in units) < sum(len(s) for s in seqs) - len(seqs[0]), ran
+    assert _metric(server, "rmflow_sequences_scored_total") - scored == len(texts)
+
+
 def test_get_reward_as_openrlhf_sends_it_and_classify_as_verl(outcome, conversations):
     server, rm = outcome
     renderer = rm._record_tokenizer()
@@ -385,15 +415,23 @@ def test_sigterm_finishes_what_is_in_flight_then_exits(outcome, conversations):
 
 def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_training_data_s(outcome, conversations):
     """Served without --max-length, a model trained on the demo's 128-token shards compiles shapes
-    up to 128 (not its 4,096 positions). A SIGTERM that finds more work than --shutdown-timeout-s
-    allows answers what has not run with 503 JSON and Retry-After, says so, and exits 0."""
+    up to 128 (not its 4,096 positions). With --no-response-units, a K-response record's responses
+    run as conversations, the prompt in each. A SIGTERM that finds more work than
+    --shutdown-timeout-s allows answers what has not run with 503 JSON and Retry-After, says so,
+    and exits 0."""
     _, rm = outcome
     server = Server(rm._loaded.folder, "--token-budget", "256", "--max-batch-rows", "2", "--shutdown-timeout-s",
-                    "0.5", max_length=None)
+                    "0.5", "--no-response-units", max_length=None)
     try:
         info = requests.get(server.url + "/v1/model", timeout=10).json()
         assert info["max_length"] == 128 and max(n for _, n in info["batch_shapes"]) == 128, info
         assert "up to 128 tokens: the training data's max_length" in server.output()
+        texts = ["A.", "B, as it is longer.", "C"]
+        each = [[{"role": "user", "content": "Pick one."}, {"role": "assistant", "content": t}] for t in texts]
+        tokens = _metric(server, "rmflow_tokens_scored_total")
+        r = server.post("/v1/score", {"responses": [{"prompt": "Pick one.", "responses": texts}]})
+        np.testing.assert_allclose(r.json()["response_scores"][0], rm.score(each), atol=1e-5, rtol=0)
+        assert _metric(server, "rmflow_tokens_scored_total") - tokens == sum(len(rm.encode(c)) for c in each)
         short = [c for c in conversations if len(rm.encode(c)) <= 128][:64]
         result = {}
 
@@ -487,6 +525,52 @@ def test_a_solution_s_step_scores_do_not_depend_on_its_batch(process_run):
         assert a.dtype == np.float32 and len(a) == len(ends) and np.array_equal(a, b)
     scorer = rm.scorer(rm.shapes(8))
     assert scorer.compiled <= {(8, n, s) for n in scorer.shapes.lengths for s in (8, 16, 32, 64)}
+
+
+def test_units_of_k_responses_run_in_the_shapes_warmed_at_load_and_score_as_alone():
+    """``response_units`` cuts one prompt's conversations into units of at most UNIT_RESPONSES
+    responses and max_length tokens (a prompt shared by none: an empty one); a server's batches
+    of units, cut by the plan it uses, run in shapes ``warm_up(units=True)`` compiled, and each
+    response's reward equals its conversation's scored alone."""
+    from flax import nnx
+    from rmflow.schemas.record import ResponsesRecord
+    from rmflow.trainer import inference
+    from rmflow.trainer.inference import UNIT_RESPONSES, ScoringShapes, SequenceScorer, response_units
+    from rmflow.trainer.modeling.config import ModelConfig
+    from rmflow.trainer.modeling.llama import RewardTransformer
+
+    model = RewardTransformer(ModelConfig.micro(300), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+
+    def group(k, prompt_len):
+        prompt = rng.integers(3, 300, prompt_len)
+        return [np.concatenate([prompt, rng.integers(3, 300, int(rng.integers(1, 40)))]) for _ in range(k)]
+
+    groups = [group(11, 30), group(3, 5), group(2, 90), group(9, 0), group(17, 12)]
+    shapes = ScoringShapes(128, max_rows=4, token_budget=256, small_batches=True)  # 9 shapes
+    scorer = SequenceScorer(model, shapes)
+    scorer.warm_up(units=True)
+    warmed = inference._rewards_and_outputs._cache_size()
+    items, owner = [], []
+    for g, seqs in enumerate(groups):
+        units = response_units(seqs, shapes.max_length)
+        assert all(u.k <= UNIT_RESPONSES and u.unit_len <= 128 for u in units if isinstance(u, ResponsesRecord))
+        assert sum(getattr(u, "k", 1) for u in units) == len(seqs)
+        items += units
+        owner += [g] * len(units)
+    assert sum(isinstance(u, ResponsesRecord) for u in items) > len(groups)  # some groups were cut
+    got: list = [None] * len(items)
+    for batch in shapes.plan([getattr(u, "unit_len", None) or len(u) for u in items]):
+        units = [i for i in batch if isinstance(items[i], ResponsesRecord)]
+        if units:
+            for i, r in zip(units, scorer.run_units([items[i] for i in units])[0]):
+                got[i] = r
+        for i in (i for i in batch if not isinstance(items[i], ResponsesRecord)):
+            got[i] = scorer.run([items[i]])
+    assert inference._rewards_and_outputs._cache_size() == warmed  # nothing compiled at request time
+    for g, seqs in enumerate(groups):
+        ours = np.concatenate([got[i] for i in range(len(items)) if owner[i] == g])
+        np.testing.assert_allclose(ours, scorer.score(seqs), atol=1e-5, rtol=0)
 
 
 def test_the_batcher_gives_each_item_its_own_result_and_drains_on_close():

@@ -32,7 +32,7 @@ from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.data import PackCollate, StepPackCollate, bucket_length
 from rmflow.trainer.data.collate import MIN_BUCKET
-from rmflow.trainer.data.responses import ResponsesPackCollate, record_values
+from rmflow.trainer.data.responses import ResponsesPackCollate, record_values, units_in_rows
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
 from rmflow.trainer.modeling.config import head_kind
 from rmflow.trainer.modeling.convert import load_reward_model
@@ -317,11 +317,14 @@ class SequenceScorer:
         self.attributes = model.config.attributes  # an attribute head's outputs, by name: scored beside the reward
         self.compiled: set[tuple[int, int]] = set()  # shapes run so far
 
-    def warm_up(self) -> None:
-        """Compile every shape now (a server does this before it says it is ready)."""
+    def warm_up(self, units: bool = False) -> None:
+        """Compile every shape now (a server does this before it says it is ready); ``units``:
+        also every shape of ``run_units`` (with ``UNIT_RESPONSES`` response slots)."""
         for rows, length in self.shapes.shapes:
             self._run_padded(np.full((rows, length), self.pad_id, np.int32), np.zeros((rows, length), np.int32),
                              np.zeros(rows, np.int32))
+            if units:
+                self._run_units_padded(units_in_rows([], rows, length, self.pad_id))  # UNIT_RESPONSES slots
 
     def _run_padded(self, ids: np.ndarray, seg: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         self.compiled.add(ids.shape)
@@ -349,6 +352,25 @@ class SequenceScorer:
             ids[row, : len(s)], seg[row, : len(s)], last[row] = s, 1, len(s) - 1
         rewards, outputs = self._run_padded(ids, seg, last)
         return rewards[: len(sequences)], None if outputs is None else outputs[: len(sequences)]
+
+    def run_units(self, units: Sequence[ResponsesRecord]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """Rewards of one batch of units (``response_units``: a prompt once, then its responses),
+        one a row, at most the rows of the length its longest unit needs: each unit's rewards
+        (K,) and, for an attribute head, its outputs (K, N); else None."""
+        length = self.shapes.length_for(max(u.unit_len for u in units))
+        if len(units) > self.shapes.rows(length):
+            raise ValueError(f"{len(units)} units of up to {length} tokens: a batch holds {self.shapes.rows(length)}")
+        b = units_in_rows(units, self.shapes.rows_for(len(units), length), length, self.pad_id)
+        rewards, outputs = self._run_units_padded(b)
+        return (record_values(rewards, b["record_slots"]),
+                record_values(outputs, b["record_slots"]) if self.attributes else None)
+
+    def _run_units_padded(self, b: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        idx = b["reward_index"]
+        self.compiled.add((*b["input_ids"].shape, idx.shape[1]))
+        rewards, outputs = _rewards_and_outputs(self._graphdef, self._state, b["input_ids"], b["positions"],
+                                                b["segment_ids"], idx, b["branch_ids"])
+        return np.asarray(rewards), np.asarray(outputs)
 
     def score(self, sequences: Sequence[np.ndarray], progress=None) -> np.ndarray:
         """Rewards of any number of sequences (each at its last token), in input order."""
@@ -467,8 +489,8 @@ def score_responses_outputs(model: RewardTransformer, records: Sequence[Response
     start = 0
     while start < len(records):
         end, size = start, 0
-        while end < len(records) and (end == start or size + _unit_tokens(records[end]) <= tokens):
-            size += _unit_tokens(records[end])
+        while end < len(records) and (end == start or size + records[end].unit_len <= tokens):
+            size += records[end].unit_len
             end += 1
         chunk = records[start:end]
         longest = max(r.prompt_len + max(len(x) for x in r.responses) for r in chunk)
@@ -481,6 +503,21 @@ def score_responses_outputs(model: RewardTransformer, records: Sequence[Response
     return out, heads
 
 
+def _as_unit(seqs: Sequence[np.ndarray], shared: int) -> ResponsesRecord:
+    return ResponsesRecord(prompt_ids=seqs[0][:shared], responses=[s[shared:] for s in seqs],
+                           lasts=[len(s) - 1 for s in seqs], scores=np.zeros(len(seqs)), record_id="0" * 32)
+
+
+def shared_prefix(seqs: Sequence[np.ndarray]) -> int:
+    """How many tokens ``seqs`` share at their start (one prompt's conversations: the prompt),
+    leaving each at least one token of its own (its response, whose last token is its reward's)."""
+    shared = min(len(s) for s in seqs) - 1
+    for s in seqs[1:]:
+        diff = np.flatnonzero(seqs[0][:shared] != s[:shared])
+        shared = int(diff[0]) if diff.size else shared
+    return shared
+
+
 def score_groups(model: RewardTransformer, groups: Sequence[Sequence[np.ndarray]], *, pad_id: int = 0
                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The reward of each sequence of each group (one prompt's K conversations, each the prompt and
@@ -490,18 +527,34 @@ def score_groups(model: RewardTransformer, groups: Sequence[Sequence[np.ndarray]
     records = []
     for seqs in groups:
         seqs = [np.asarray(s, np.int32) for s in seqs]
-        shared = min(len(s) for s in seqs) - 1  # every response keeps a token of its own
-        for s in seqs[1:]:
-            diff = np.flatnonzero(seqs[0][:shared] != s[:shared])
-            shared = int(diff[0]) if diff.size else shared
-        records.append(ResponsesRecord(prompt_ids=seqs[0][:shared], responses=[s[shared:] for s in seqs],
-                                       lasts=[len(s) - 1 for s in seqs], scores=np.zeros(len(seqs)),
-                                       record_id="0" * 32))
+        records.append(_as_unit(seqs, shared_prefix(seqs)))
     return score_responses_outputs(model, records, pad_id=pad_id)
 
 
-def _unit_tokens(r: ResponsesRecord) -> int:
-    return r.prompt_len + sum(len(x) for x in r.responses)
+# The responses one scoring unit holds at most (``response_units``): the response slots of the
+# reward server's compiled unit shapes, each warmed at load.
+UNIT_RESPONSES = MIN_STEP_SLOTS
+
+
+def response_units(seqs: Sequence[np.ndarray], max_length: int) -> list[np.ndarray | ResponsesRecord]:
+    """One prompt's K conversations (each the prompt and one response, as encoded for scoring, at
+    most ``max_length`` tokens) as the fewest units that each hold the prompt once and up to
+    ``UNIT_RESPONSES`` of its responses in ``max_length`` tokens, in order; a unit left with one
+    response is that conversation itself (a plain sequence). Each response's reward equals its
+    conversation's scored alone."""
+    seqs = [np.asarray(s, np.int32) for s in seqs]
+    if len(seqs) < 2:
+        return list(seqs)
+    shared = shared_prefix(seqs)
+    cuts, size = [[]], shared
+    for i, s in enumerate(seqs):
+        own = len(s) - shared
+        if cuts[-1] and (len(cuts[-1]) == UNIT_RESPONSES or size + own > max_length):
+            cuts.append([])
+            size = shared
+        cuts[-1].append(i)
+        size += own
+    return [seqs[c[0]] if len(c) == 1 else _as_unit([seqs[i] for i in c], shared) for c in cuts]
 
 
 def score_steps(model: RewardTransformer, records: Sequence[StepRecord], *, batch_size: int = SCORING_BATCH_SIZE,

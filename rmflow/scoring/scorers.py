@@ -32,6 +32,7 @@ from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.metrics import STEP_THRESHOLD
+from rmflow.schemas.record import ResponsesRecord
 from rmflow.schemas.stops import refuse_if_stopping
 from rmflow.scoring.api import BadConversation, RewardModel, attribute_scores
 
@@ -140,7 +141,8 @@ def group_fields(rm: RewardModel, groups: list[list]) -> list[dict[str, Any]]:
 
 
 def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
-    """A record of K responses to one prompt (a multi-response layout, ``rendering.responses``) as
+    """A record of K responses to one prompt (a multi-response layout, ``rendering.responses``; a
+    ``prompt`` with its ``responses`` needs no scores or ranks here) as
     its K conversations, the prompt and each response, to score in one call (in the given order,
     left-out responses included: every response gets its score); None for any other record."""
     from rmflow.rendering.formats import candidate_formats
@@ -150,6 +152,8 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
     if not isinstance(obj, dict):
         return None
     layouts = [f for f in candidate_formats(obj) if f in MULTI_FORMATS and f not in ROW_FORMATS]
+    if not layouts and isinstance(obj.get("responses"), list) and "prompt" in obj:
+        layouts = ["responses"]  # a prompt and its responses, not yet scored: what scoring is for
     if len(layouts) != 1:
         return None
     prompt, responses = raw_responses(obj, layouts[0])
@@ -157,12 +161,33 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
     return [as_dicts + [{"role": m[0], "content": m[1]} for m in r] for r in responses]
 
 
-def _run_outcome(rm: RewardModel, seqs: list, shapes) -> list[dict[str, Any]]:
-    scores, outputs = rm.scorer(shapes).run_outputs(seqs)
+def _outcome_fields(rm: RewardModel, scores, outputs) -> list[dict[str, Any]]:
     normalized = rm.normalize(scores) if rm.normalization and rm.normalization.get("std") else None
     return [{"score": float(s), **({"score_normalized": float(normalized[k])} if normalized is not None else {}),
              **({ATTRIBUTE_SCORES: attribute_scores(rm.attributes, outputs[k])} if outputs is not None else {})}
             for k, s in enumerate(scores)]
+
+
+def _run_outcome(rm: RewardModel, items: list, shapes) -> list:
+    """One batch of encoded conversations (each gets its fields) and units of one prompt's
+    responses (``response_units``: each gets its responses' fields, a list, the prompt computed
+    once), each kind in one forward of a compiled shape."""
+    scorer, out = rm.scorer(shapes), [None] * len(items)
+    seqs = [i for i, x in enumerate(items) if not isinstance(x, ResponsesRecord)]
+    units = [i for i, x in enumerate(items) if isinstance(x, ResponsesRecord)]
+    if seqs:
+        scores, outputs = scorer.run_outputs([items[i] for i in seqs])
+        for i, fields in zip(seqs, _outcome_fields(rm, scores, outputs)):
+            out[i] = fields
+    if units:
+        rewards, outputs = scorer.run_units([items[i] for i in units])
+        for j, i in enumerate(units):
+            out[i] = _outcome_fields(rm, rewards[j], None if outputs is None else outputs[j])
+    return out
+
+
+def _outcome_size(item) -> int:
+    return item.unit_len if isinstance(item, ResponsesRecord) else len(item)
 
 
 def _run_process(rm: RewardModel, solutions: list, shapes) -> list[dict[str, Any]]:
@@ -170,8 +195,12 @@ def _run_process(rm: RewardModel, solutions: list, shapes) -> list[dict[str, Any
             for p in rm.scorer(shapes).run(solutions)]
 
 
-def _warm(rm: RewardModel, shapes) -> None:
-    rm.scorer(shapes).warm_up()
+def _warm(rm: RewardModel, shapes, units: bool = False) -> None:
+    rm.scorer(shapes).warm_up()  # a process model's: it has no K-response items
+
+
+def _warm_outcome(rm: RewardModel, shapes, units: bool = False) -> None:
+    rm.scorer(shapes).warm_up(units=units)  # ``units``: the shapes of K-response items' units too
 
 
 def _step_slots(solution) -> int:
@@ -188,7 +217,8 @@ class Scorer:
     # one batch that fits a shape of the ScoringShapes -> the fields each input gets
     run: Callable[[RewardModel, list, Any], list[dict[str, Any]]]
     fields: tuple[str, ...]
-    warm_up: Callable[[RewardModel, Any], None]  # compile the batch shapes before the first request
+    # compile the batch shapes before the first request (and, if asked, those of response units)
+    warm_up: Callable[[RewardModel, Any, bool], None]
     # what besides its length fixes an encoded input's batch shape (``ScoringShapes.plan``'s groups)
     group: Callable[[Any], int] = lambda x: 0
 
@@ -196,7 +226,8 @@ class Scorer:
 # Each reward model kind's scoring of one input (a JSONL line, a server request item): its part
 # of the kind's handlers (rmflow.handlers).
 ATTRIBUTE_SCORES = "attribute_scores"  # an attribute head's outputs by name (RewardModel.attributes)
-OUTCOME_SCORER = Scorer(RewardModel.encode, len, _run_outcome, ("score", "score_normalized", ATTRIBUTE_SCORES), _warm)
+OUTCOME_SCORER = Scorer(RewardModel.encode, _outcome_size, _run_outcome, ("score", "score_normalized", ATTRIBUTE_SCORES),
+                        _warm_outcome)
 PROCESS_SCORER = Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
                         _warm, _step_slots)
 # a K-response record's (responses_of)

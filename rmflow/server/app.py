@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import hmac
 import itertools
 import logging
@@ -93,7 +94,7 @@ class Service:
                                     "--normalize` on it first")
         shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=True)
         scorer = handler(rm.kind, "scorer")
-        scorer.warm_up(rm, shapes)
+        scorer.warm_up(rm, shapes, cfg.response_units)
         _ = rm.assistant_marker  # rendered once, before the first request
         self.rm, self.shapes = rm, shapes
         self.batcher = DynamicBatcher(lambda batch: scorer.run(rm, batch, shapes), shapes.plan,
@@ -171,7 +172,7 @@ def create_app(service: Service) -> Starlette:
                 parsed = await run_in_threadpool(reader, body, service.rm, cfg.max_request_items)
                 metrics.template_mismatches.inc(parsed.options.get("template_mismatches", 0))
                 try:
-                    submitted = service.batcher.submit(parsed.encoded, parsed.sizes)
+                    submitted = service.batcher.submit(parsed.encoded, parsed.sizes, parsed.sequences)
                 except QueueFull as e:
                     headers["Retry-After"] = str(math.ceil(e.retry_after))
                     raise RequestError(503, f"overloaded: {e}; retry after {headers['Retry-After']} s",
@@ -223,7 +224,9 @@ def create_app(service: Service) -> Starlette:
     def respond_native(parsed: Parsed, results: list) -> dict[str, Any]:
         if "groups" in parsed.options:  # records of K responses: each record's scores, in the given order
             ends = list(itertools.accumulate(parsed.options["groups"]))
-            per = [results[end - k : end] for k, end in zip(parsed.options["groups"], ends)]
+            # a record's items: units of its responses (a list of fields each), or one response alone
+            per = [[r for item in results[end - k : end] for r in (item if isinstance(item, list) else [item])]
+                   for k, end in zip(parsed.options["groups"], ends)]
             out = {"response_scores": [[r["score"] for r in rs] for rs in per],
                    "best_responses": [max(range(len(rs)), key=lambda i, rs=rs: rs[i]["score"]) for rs in per]}
             if service.rm.attributes:  # an attribute head's outputs, by name, beside each reward
@@ -297,7 +300,8 @@ def create_app(service: Service) -> Starlette:
                              "endpoints": ["/v1/score", "/get_reward", "/classify", "/pooling", "/v1/embeddings"]})
 
     routes = [
-        Route("/v1/score", scoring("score", read_native, respond_native), methods=["POST"]),
+        Route("/v1/score", scoring("score", functools.partial(read_native, units=cfg.response_units), respond_native),
+              methods=["POST"]),
         Route("/get_reward", scoring("get_reward", read_get_reward, respond_get_reward), methods=["POST"]),
         Route("/classify", scoring("classify", read_classify, respond_classify), methods=["POST"]),
         Route("/pooling", scoring("pooling", read_pooling, respond_pooling), methods=["POST"]),

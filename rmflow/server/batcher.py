@@ -49,6 +49,7 @@ class _Item:
     size: int
     future: concurrent.futures.Future
     queued_at: float
+    sequences: int = 1  # the conversations it scores (a unit of one prompt's responses: several)
 
 
 class Submitted(list):
@@ -61,8 +62,9 @@ class Submitted(list):
 class BatchStats:
     """What one forward pass did (the metrics endpoint's histograms read these)."""
 
-    items: int
-    tokens: int
+    items: int  # rows: items run
+    tokens: int  # tokens run (a unit's prompt once)
+    sequences: int  # conversations scored
     seconds: float
     waited: float  # the oldest item's time in the queue before its batch ran
 
@@ -107,10 +109,13 @@ class DynamicBatcher:
         rate = self.tokens_per_second
         return None if not rate else (self._queued_tokens + self._running_tokens + extra_tokens) / rate
 
-    def submit(self, payloads: Sequence[Any], sizes: Sequence[int]) -> Submitted:
-        """Queue a request's items together (all or none); one future per item, in order."""
+    def submit(self, payloads: Sequence[Any], sizes: Sequence[int], sequences: Sequence[int] | None = None
+               ) -> Submitted:
+        """Queue a request's items together (all or none); one future per item, in order.
+        ``sequences``: the conversations each item scores (default one)."""
         now = time.monotonic()
-        items = [_Item(p, int(n), concurrent.futures.Future(), now) for p, n in zip(payloads, sizes)]
+        items = [_Item(p, int(n), concurrent.futures.Future(), now, int(k))
+                 for p, n, k in zip(payloads, sizes, sequences or [1] * len(payloads))]
         tokens = sum(i.size for i in items)
         with self._cond:
             if self._closing:
@@ -243,7 +248,8 @@ class DynamicBatcher:
                 i.future.set_result(r)
             done_tokens += sum(i.size for i in live)
             if self._on_batch:
-                self._on_batch(BatchStats(len(live), sum(i.size for i in live), time.monotonic() - start,
+                self._on_batch(BatchStats(len(live), sum(i.size for i in live), sum(i.sequences for i in live),
+                                          time.monotonic() - start,
                                           start - min(i.queued_at for i in live)))
         elapsed = time.monotonic() - started
         with self._cond:

@@ -37,7 +37,8 @@ class ServerMetrics:
         self.errors = Counter("rmflow_request_errors", "Requests refused or failed, by endpoint and reason.",
                               ["endpoint", "reason"], registry=r)
         self.sequences = Counter("rmflow_sequences_scored", "Sequences scored.", registry=r)
-        self.tokens = Counter("rmflow_tokens_scored", "Real (unpadded) tokens scored.", registry=r)
+        self.tokens = Counter("rmflow_tokens_scored", "Real (unpadded) tokens run: one prompt's K responses "
+                                                      "with their prompt once.", registry=r)
         self.template_mismatches = Counter("rmflow_template_mismatches",
                                            "Rendered texts without the reward model's assistant marker.", registry=r)
         Gauge("rmflow_queue_depth", "Sequences waiting for a forward pass.", registry=r).set_function(queue_depth)
@@ -59,9 +60,9 @@ class ServerMetrics:
 
     def batch(self, stats) -> None:
         """One forward pass (``batcher.BatchStats``)."""
-        self.sequences.inc(stats.items)
+        self.sequences.inc(stats.sequences)
         self.tokens.inc(stats.tokens)
-        self.batch_items.observe(stats.items)
+        self.batch_items.observe(stats.sequences)
         self.batch_tokens.observe(stats.tokens)
         self.forward.observe(stats.seconds)
         self.queue_wait.observe(stats.waited)

@@ -45,6 +45,7 @@ class Parsed:
     sizes: list[int]
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    sequences: list[int] | None = None  # the conversations each item scores (None: one each)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -116,15 +117,17 @@ PROCESS_NATIVE = Native("solutions", "solution", {"step_scores": "step_scores", 
 RESPONSES_KEY = "responses"  # POST /v1/score: records of one prompt's K responses (an outcome model)
 
 
-def read_native(body: Any, rm: RewardModel, max_items: int) -> Parsed:
+def read_native(body: Any, rm: RewardModel, max_items: int, units: bool = True) -> Parsed:
     """``{"conversations": [...], "normalized": false, "truncate": "error"}`` (an outcome model),
     ``{"responses": [{"prompt": ..., "responses": [...]}, ...]}`` (an outcome model: each record's
-    responses scored with its prompt; ``Parsed.options["groups"]``: how many each record holds)
+    responses scored with its prompt; ``units``: the prompt computed once, the record queued as
+    units of ``trainer.inference.response_units``, else a conversation an item;
+    ``Parsed.options["groups"]``: how many items each record is queued as)
     or ``{"solutions": [{"prompt": ..., "completions": [...]}, ...]}`` (a process model)."""
     body = _object(body)
     native = handler(rm.kind, "protocol")
     if RESPONSES_KEY in body and native.key not in body and kind_named(rm.kind).normalizable:
-        return _read_responses(body, rm, native, max_items)
+        return _read_responses(body, rm, native, max_items, units)
     for other in every("protocol").values():
         if other is not native and other.key in body and native.key not in body:
             raise RequestError(400, f"this is {kind_named(rm.kind).description}: send '{native.key}', not "
@@ -148,8 +151,9 @@ def _options(body: dict[str, Any], rm: RewardModel) -> tuple[bool, str]:
     return normalized, truncate
 
 
-def _read_responses(body: dict[str, Any], rm: RewardModel, native, max_items: int) -> Parsed:
+def _read_responses(body: dict[str, Any], rm: RewardModel, native, max_items: int, units: bool) -> Parsed:
     from rmflow.scoring.scorers import responses_of
+    from rmflow.trainer.inference import response_units
 
     records = _list(body, RESPONSES_KEY, max_items)
     normalized, truncate = _options(body, rm)
@@ -166,12 +170,17 @@ def _read_responses(body: dict[str, Any], rm: RewardModel, native, max_items: in
         return [scorer.encode(rm, c, truncate=truncate) for c in conversations]
 
     grouped = _encode_all(records, encode, "responses")
-    encoded = [x for group in grouped for x in group]
-    if len(encoded) > max_items:
-        raise RequestError(413, f"'{RESPONSES_KEY}' holds {len(encoded)} responses, at most {max_items} a request "
+    responses = sum(len(g) for g in grouped)
+    if responses > max_items:
+        raise RequestError(413, f"'{RESPONSES_KEY}' holds {responses} responses, at most {max_items} a request "
                                 "(--max-request-items counts each response); split the request", reason="too_many_items")
+    # each record's prompt computed once: its responses in units of the prompt and several responses
+    # (the server's --response-units); else each response alone, a conversation an item
+    items = [response_units(g, rm.max_length) if units else g for g in grouped]
+    encoded = [u for record in items for u in record]
     return Parsed(encoded, [scorer.size(x) for x in encoded],
-                  {"normalized": normalized, "groups": [len(g) for g in grouped]})
+                  {"normalized": normalized, "groups": [len(u) for u in items]},
+                  sequences=[getattr(x, "k", 1) for x in encoded])
 
 
 def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: bool) -> list[Any]:

@@ -148,8 +148,21 @@ class ResponsesPackCollate:
 
     def __call__(self, records: Sequence[ResponsesRecord]) -> dict[str, np.ndarray]:
         _fits(records, self.max_length)
-        placement = assign_rows([r.prompt_len + sum(len(x) for x in r.responses) for r in records], self.rows)
+        placement = assign_rows([r.unit_len for r in records], self.rows)
         return _collate(records, placement, lambda n: fine_length(n, self.per_doubling), self.pad_id, self.attributes)
+
+
+def units_in_rows(records: Sequence[ResponsesRecord], rows: int, length: int, pad_id: int = 0
+                  ) -> dict[str, np.ndarray]:
+    """One record a row in a shape the caller fixed (``rows`` x ``length``, empty rows after the
+    records; response slots a power of two from 8), no attribute ratings: what scoring with
+    compiled shapes runs (``trainer.inference.SequenceScorer.run_units``)."""
+    if len(records) > rows:
+        raise ValueError(f"{len(records)} records for {rows} rows")
+    for r in records:
+        check_fits(r.unit_len, length)
+    placement = [[i] for i in range(len(records))] + [[] for _ in range(rows - len(records))]
+    return _collate(records, placement, lambda n: length, pad_id, attributes=False)
 
 
 def record_values(values: np.ndarray, record_slots: np.ndarray) -> list[np.ndarray]:
