@@ -134,6 +134,7 @@ def test_health_says_loading_until_warm_then_the_model(outcome):
     assert info["max_length"] == MAX_LENGTH and [n for _, n in info["batch_shapes"]][-1] == MAX_LENGTH
     assert [1, MAX_LENGTH] in info["batch_shapes"]  # a lone sequence runs in a one-row forward
     assert len(info["batch_shapes"]) == 25 and max(r for r, _ in info["batch_shapes"]) == 16  # --max-batch-rows
+    assert info["response_units"] and "each also for response units" in server.output()
 
 
 def test_native_scores_equal_the_api(outcome, conversations):
@@ -425,6 +426,7 @@ def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_training_
     try:
         info = requests.get(server.url + "/v1/model", timeout=10).json()
         assert info["max_length"] == 128 and max(n for _, n in info["batch_shapes"]) == 128, info
+        assert not info["response_units"]
         assert "up to 128 tokens: the training data's max_length" in server.output()
         texts = ["A.", "B, as it is longer.", "C"]
         each = [[{"role": "user", "content": "Pick one."}, {"role": "assistant", "content": t}] for t in texts]
@@ -471,6 +473,7 @@ def test_a_process_model_serves_step_scores_equal_to_the_api(process_run):
         for got, exp in zip(r.json()["step_scores"], want):
             np.testing.assert_allclose(got, exp, atol=1e-5, rtol=0)
         assert r.json()["first_errors"] == [int(np.argmax(p < 0.5)) if (p < 0.5).any() else -1 for p in want]
+        assert not requests.get(server.url + "/v1/model", timeout=10).json()["response_units"]  # none to score
         r = server.post("/get_reward", {"query": ["x"]})
         assert r.status_code == 400 and "outcome" in r.json()["error"]
         r = server.post("/v1/score", {"conversations": [[{"role": "user", "content": "q"}]]})

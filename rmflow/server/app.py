@@ -40,6 +40,7 @@ from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import ServeConfig
 from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.kinds import kind_named
 from rmflow.scoring.scorers import ATTRIBUTE_SCORES, RESPONSE_ATTRIBUTES
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
 from rmflow.server.metrics import ServerMetrics
@@ -73,6 +74,7 @@ class Service:
         self.rm = None
         self.batcher: DynamicBatcher | None = None
         self.shapes = None
+        self.units = False  # the shapes of K-response units compiled and used (--response-units)
         self.error: str | None = None
         self.ready = threading.Event()
         self.max_length_source = ""
@@ -94,7 +96,9 @@ class Service:
                                     "--normalize` on it first")
         shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=True)
         scorer = handler(rm.kind, "scorer")
-        scorer.warm_up(rm, shapes, cfg.response_units)
+        # K-response records in units of compiled shapes: an outcome model's (a process model has none)
+        self.units = cfg.response_units and kind_named(rm.kind).normalizable
+        scorer.warm_up(rm, shapes, self.units)
         _ = rm.assistant_marker  # rendered once, before the first request
         self.rm, self.shapes = rm, shapes
         self.batcher = DynamicBatcher(lambda batch: scorer.run(rm, batch, shapes), shapes.plan,
@@ -297,6 +301,7 @@ def create_app(service: Service) -> Starlette:
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
         return JSONResponse({**identity(), "max_length": service.rm.max_length,
                              "batch_shapes": [list(s) for s in service.shapes.shapes],
+                             "response_units": service.units,
                              "endpoints": ["/v1/score", "/get_reward", "/classify", "/pooling", "/v1/embeddings"]})
 
     routes = [
@@ -380,7 +385,8 @@ def serve(cfg: ServeConfig) -> int:
             time.sleep(0.01)
         print(f"rmflow serve: ready on http://{cfg.host}:{sock.getsockname()[1]} ({service.rm.description}, "
               f"{service.rm.kind} reward model, up to {service.rm.max_length:,} tokens: "
-              f"{service.max_length_source}; {len(service.shapes.shapes)} batch shapes compiled)", flush=True)
+              f"{service.max_length_source}; {len(service.shapes.shapes)} batch shapes compiled"
+              f"{', each also for response units' if service.units else ''})", flush=True)
 
     threading.Thread(target=load, name="rmflow-load", daemon=True).start()
     try:
