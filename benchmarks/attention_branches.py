@@ -1,8 +1,8 @@
 """Blockwise attention over packed rows of K branches a unit, forward and backward, against the
-kernel of an earlier revision (by default the one before it skipped key blocks holding only other
-branches' tokens), in one process, alternated, median and spread of the repeats.
+kernel at another git revision (``--against REV``: the change to measure is what lies between),
+in one process, alternated, median and spread of the repeats.
 
-    .venv/bin/python benchmarks/attention_branches.py [--against 42bd277] [--tokens 4096] [--repeat 6]
+    .venv/bin/python benchmarks/attention_branches.py --against REV [--tokens 4096] [--repeat 6]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main() -> None:
     from tests.layouts import packed_layout
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--against", default="42bd277")
+    ap.add_argument("--against", required=True, help="the git revision whose kernel to compare with")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=6)
     a = ap.parse_args()

@@ -1,7 +1,7 @@
 """The embedded demo end to end, as `make demo` runs it (`rmflow run rmflow/demo/workflow.yaml`):
 each run in a fresh process with an empty compilation cache (a user's first run), alternating
 rmflow as it is with a reference, the same run with every row rounded to 8 lengths per
-doubling (``trainer.data.collate.FINEST``: what every run did before ``lengths_per_doubling``).
+doubling (``trainer.data.collate.FINEST``, the finest rounding, whatever the run's length).
 
 Prints each variant's wall time (median and range), the ratio of the medians, the programs XLA
 compiled and the seconds it spent, and the final train loss and eval metrics, which must agree

@@ -37,10 +37,10 @@ calls: a later call runs the remaining parts on the plan an earlier one measured
 ``--checkpointing on`` (or ``off``) runs the ``trl`` part with one gradient checkpointing setting,
 keeping the merged report's rows of the other (a short lease's last minutes).
 
-A lease of 15 minutes, as the one that measured docs/benchmarks.md's figures: ``prepare .gpu/inputs
+A lease of 15 minutes: ``prepare .gpu/inputs
 --split-gguf .gpu/a .gpu/b --first-piece-mb 44`` here; call 1 carries ``.gpu/inputs`` and
 ``.gpu/a``, copies both to ``/tmp/keep`` and runs ``run /tmp/keep/inputs $OUT --keep /tmp/keep
---parts parity,kernel,speed --budget-s 300`` (about 4 minutes); call 2, within the half minute
+--parts parity,kernel,speed --budget-s 300``; call 2, within the half minute
 the machine stays warm, carries ``.gpu/b`` and runs ``run /tmp/keep/inputs $OUT --keep /tmp/keep
 --parts real,trl --gguf /tmp/keep/piece-0 .gpu/b/piece-1 --budget-s`` with what is left. A later
 lease on the same kind of card continues from the report a previous one kept in
@@ -84,7 +84,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bfloat16, SXM; MFU as docs
 # kernel_configs: (implementation, block, Triton warps, Triton stages); speed_runs: (model, packing, scan layers).
 SIZES = {
     "gpu": {"max_length": 2048, "speed_batch": 32, "speed_steps": 6, "bucket_steps": 4, "parity_t": 2048,
-            # blockwise's parity on the GPU was measured before (docs/benchmarks.md); the kernels new to the GPU here
+            # the kernels this check is for (blockwise's GPU parity is in docs/benchmarks.md, not rechecked)
             "parity_cases": (("pallas", "float32", None), ("pallas", "float32", 300), ("pallas", "bfloat16", None),
                              ("cudnn", "bfloat16", None)),
             "kernel_configs": (("pallas", 64, 4, 2), ("pallas", 64, 4, 3), ("pallas", 64, 4, 4), ("pallas", 64, 8, 3),

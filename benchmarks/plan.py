@@ -1,5 +1,5 @@
 """How much of a scoring plan's compute is real tokens: ``ScoringShapes.plan`` (the cut with the
-fewest padded tokens) against the former cut (sorted, a new batch only when the rows run out),
+fewest padded tokens) against a greedy cut (sorted, a new batch only when the rows run out),
 on the lengths of real HH-RLHF conversations, for server-sized takes of k queued requests and for
 the whole set at once. Pure arithmetic over the batch shapes (no model runs).
 
@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from serve import conversations  # noqa: E402
 
 
-def former_cut(shapes, lengths):
+def greedy_cut(shapes, lengths):
     batches = []
     for i in np.argsort(lengths, kind="stable"):
         if not batches or len(batches[-1]) + 1 > shapes.rows(shapes.length_for(int(lengths[i]))):
@@ -58,13 +58,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{len(lengths)} HH-RLHF conversations (median {int(np.median(lengths))} tokens); real / computed tokens:")
     for k in (16, 32, 48, 64, len(lengths)):
-        real = plan = former = 0
+        real = plan = greedy = 0
         for _ in range(200 if k < len(lengths) else 1):
             take = rng.choice(lengths, k, replace=False) if k < len(lengths) else lengths
             real += int(take.sum())
             plan += computed(shapes, shapes.plan(take), take)
-            former += computed(shapes, former_cut(shapes, take), take)
-        print(f"  {'all' if k == len(lengths) else k:>4} queued: plan {real / plan:.2f}, former cut {real / former:.2f}")
+            greedy += computed(shapes, greedy_cut(shapes, take), take)
+        print(f"  {'all' if k == len(lengths) else k:>4} queued: plan {real / plan:.2f}, greedy cut {real / greedy:.2f}")
 
 
 if __name__ == "__main__":

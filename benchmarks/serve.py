@@ -7,8 +7,8 @@ references, in the same run: the same conversations scored offline by the same c
 same batch shapes, already compiled, from the conversations (rendered with the chat template,
 tokenized, batched, run: what the server does for each request) and from their token ids (the
 forward passes alone); and one forward pass of a single sequence of the median length. Prints
-the ratios the issue asks for. The clients run on the same machine as the server and take CPU
-from it (on 2 cores, a large share).
+the server's throughput and latency as ratios of those references. The clients run on the same
+machine as the server and take CPU from it (on a machine of few cores, a large share).
 
     .venv/bin/python benchmarks/serve.py [--model RUN_OR_EXPORT] [--n 512] [--max-length 512] [--repeat 3]
     .venv/bin/python benchmarks/serve.py --overload 200 --concurrency ''   # overload only

@@ -11,8 +11,8 @@ The pure core (``words``, ``ngrams``, ``EvalIndex``) is wrapped by the Beam step
 ``Decontaminate`` in one of two ways, which find the same overlaps:
 
 * ``side-input`` (small evaluation sets): the evaluation n-grams are built once, in the pipeline,
-  into a side input (an index of 8-byte hashes: measured at about 140 bytes an n-gram in a
-  worker's memory), and every training record is checked against it;
+  into a side input (an index of 8-byte hashes, held in each worker's memory: its size per
+  n-gram is in docs/preprocessing.md), and every training record is checked against it;
 * ``join`` (large ones, which no worker could hold): every n-gram of every training record and of
   every evaluation prompt is keyed by its hash and the two are joined (CoGroupByKey), then each
   record's hits are joined back to the record. It shuffles every n-gram, so it is the slower one
@@ -50,7 +50,7 @@ from rmflow.schemas.config import DECONTAMINATE_METHODS
 CONTAMINATED = "contaminated"
 MARKED = "marked"  # the tag of records found contaminated and kept (mark_only)
 CONTAMINATION_FILE = "contamination.jsonl"  # in the output, with mark_only: the records kept
-JOIN_ABOVE_BYTES = 64 * 2**20  # evaluation text above this: join (the side input would be ~1.5 GiB a worker)
+JOIN_ABOVE_BYTES = 64 * 2**20  # evaluation text above this: join (a side input of more would crowd a worker's memory)
 _WORD = re.compile(r"[^\W_]+")  # letters and digits, any script
 PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "query", "input", "text")
 

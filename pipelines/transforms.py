@@ -313,8 +313,8 @@ class TokenizerFiles(beam.PTransform):
     input. The graph holds only their folder's name: the launcher wrote them, as used, into the
     job's staging folder (``make_plan``), where the workers read them and whence they are published
     with the shards. Beam bz2-pickles every DoFn at level 9 when the graph is built and again as
-    each bundle processor starts: a DoFn holding the 1.8 MB tokenizer cost a small local job about
-    half a second of (de)compression, and every Dataflow job that much more graph to submit
+    each bundle processor starts: a DoFn holding the tokenizer's files would make every job
+    (de)compress them each time, and every Dataflow job submit that much more graph
     (tests/test_remote.py checks that no transform holds the files)."""
 
     def __init__(self, folder: str, name: str):
@@ -333,7 +333,7 @@ class _TokenizerDoFn(beam.DoFn):
     """Takes the tokenizer's files as a side input (``TokenizerFiles``); the tokenizer built from
     them is shared by every DoFn of the worker process and built once (``shared_record_tokenizer``).
     A DoFn serves one step, whose side input is always the same files: it looks them up once, on
-    its first batch (``setup`` cannot read side inputs), not per batch (their key hashes 1.8 MB)."""
+    its first batch (``setup`` cannot read side inputs), not per batch (their key hashes all of the tokenizer's files)."""
 
     def __init__(self, step_separator: str = STEP_SEPARATOR):
         self.step_separator = step_separator

@@ -4,8 +4,8 @@ One table, read by the config (a preset name is not a path), the trainer (the ar
 export and the workflow. Each preset is a Llama; its vocabulary comes from the shards.
 
 * ``tiny``: 4 layers, hidden 256: the demo's model and the benchmarks'.
-* ``micro``: 2 layers, hidden 64: a smoke-test model (about 15x less compute per step than
-  tiny on CPU, and a third less compile time), what the test suite trains.
+* ``micro``: 2 layers, hidden 64: a smoke-test model, far cheaper than tiny to compile and run,
+  what the test suite trains.
 """
 
 from __future__ import annotations

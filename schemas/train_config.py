@@ -109,7 +109,7 @@ class BaseModelConfig(Config):
                                       "time, one layer in the compiled program), off (unrolled: a copy per layer), "
                                       "or auto: on with LoRA and for eval, scoring and serving, off for full "
                                       "fine-tuning (where the stacking's extra weight and gradient copies cost more "
-                                      "than the scan saves, measured on CPU).", resume_free=True)
+                                      "than the scan saves on CPU).", resume_free=True)
     attention: str = option("auto", "Attention implementation: auto (blockwise on CPU and TPU; on GPUs pallas for "
                                     "packed rows on one GPU, cudnn for one sequence a row in bfloat16, else "
                                     "blockwise), xla (dense reference), blockwise (memory-efficient, pure JAX), "

@@ -9,9 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # XLA's CPU backend tuned to compile fast: without LLVM's optimisation passes, and with the older
 # elemental emitters rather than the MLIR fusion emitters. The tests' many small programs compile
-# far faster (tests/test_train.py: 157 s -> 102 s from the first; the second compiles a whole model
-# ~40% faster again, 3 shapes of a micro model's gradient 5.1 s -> 2.9 s, its ops one by one
-# 10.0 s -> 5.9 s) and run the same operations. Set before JAX is imported; the processes the
+# far faster and run the same operations. Set before JAX is imported; the processes the
 # tests start inherit it. RMFLOW_TEST_XLA_OPT=1 keeps XLA's defaults. A flag this jaxlib does not
 # know would abort every process (XLA exits on unknown flags), so each is probed once first.
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
@@ -43,8 +41,7 @@ _fast_compile_flags()
 
 def _nan_never_matches() -> None:
     """numpy's array comparisons take NaN in the same place on both sides as equal, so a
-    comparison of two NaN results passes (a scoring test did, on token ids past the model's
-    vocabulary). In this suite NaN matches nothing: ``assert_allclose`` defaults to
+    comparison of two NaN results passes. In this suite NaN matches nothing: ``assert_allclose`` defaults to
     ``equal_nan=False`` (a test expecting NaN says ``equal_nan=True``), and ``assert_array_equal``
     and ``assert_array_almost_equal`` refuse a NaN in the result unless given ``nan_ok=True``."""
     import functools
@@ -79,8 +76,7 @@ def xla_defaults_env() -> dict[str, str]:
     """This process's environment with XLA's own optimisation back (the fast-compile flags above
     removed, any other flag kept): for a test process that runs long programs many times, like
     the demo's 40 steps on rows of 2,000+ tokens, where level 0's slower code costs more than its
-    faster compiles save (the demo alone: 189 s at the tests' flags, 121 s at XLA's defaults),
-    and which should run what a user runs."""
+    faster compiles save, and which should run what a user runs."""
     fast = {f.split("=")[0] for f in FAST_COMPILE_FLAGS}
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in fast]
     return {**os.environ, "XLA_FLAGS": " ".join(kept)}
@@ -89,8 +85,8 @@ def xla_defaults_env() -> dict[str, str]:
 def pytest_configure(config):
     """One persistent compilation cache for the whole run, never the user's ~/.cache: a fresh
     folder the xdist workers and every process a test starts share (they inherit the variable),
-    so the tiny models' train and eval steps compile once per run instead of once per test
-    (test_train.py's time: 440 s -> 290 s). Removed when the run ends. The tests of the cache
+    so the tiny models' train and eval steps compile once per run instead of once per test.
+    Removed when the run ends. The tests of the cache
     itself name folders of their own."""
     if hasattr(config, "workerinput") or "RMFLOW_COMPILATION_CACHE" in os.environ:
         return

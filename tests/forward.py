@@ -1,6 +1,6 @@
 """Our reward model's forward, jitted, for tests that compare it with another implementation:
 one compilation a (model, shape), where running the model op by op compiles each of its hundreds
-of operations for every new shape (tens of seconds on 2 cores)."""
+of operations for every new shape."""
 
 from flax import nnx
 

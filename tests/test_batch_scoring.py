@@ -170,9 +170,8 @@ def test_a_process_model_job_scores_steps_as_the_core_and_reruns_byte_identical(
     run, records = process_run
     rm = RewardModel.load(str(run))
     solutions = [{"id": f"s{i}", "prompt": r["prompt"], "completions": r["completions"]} for i, r in enumerate(records)]
-    # Up to 512 tokens (21 of the 40): the model's positions would admit solutions
-    # of 2048 tokens, which the API's 16-row batches make the test's costliest forwards (up to 1024
-    # tokens, 35 solutions, the test took half as long again).
+    # Up to 512 tokens (21 of the 40): the model's positions would admit solutions of 2048 tokens,
+    # which the API's 16-row batches would make the test's costliest forwards.
     solutions = [s for s in solutions if len(rm.encode_steps(s)[0]) <= 512]
     assert len(solutions) >= 20
     lines = [json.dumps(s) for s in solutions] + [json.dumps({"id": "empty", "prompt": "q", "completions": []})]

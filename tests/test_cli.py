@@ -83,8 +83,8 @@ def test_cli_options_are_their_config_fields():
 
 
 def test_no_help_text_holds_brackets_rich_would_eat():
-    """typer renders help with rich, which reads ``[serve]`` as markup and drops it (the serve
-    command's help once said "pip install 'rmflow'"): no command's or option's help holds one."""
+    """typer renders help with rich, which reads ``[serve]`` as markup and drops it ("pip install
+    'rmflow[serve]'" would print as "pip install 'rmflow'"): no command's or option's help holds one."""
     import re
 
     import typer.main

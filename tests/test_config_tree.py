@@ -78,7 +78,7 @@ def test_resume_changes_ignore_where_a_run_logs_and_count_lora_as_one_option():
 
 
 def test_what_a_break_it_pass_found_stays_fixed():
-    """Each input a review found mishandled: read as meant, or refused in one line by its path."""
+    """Inputs easy to mishandle: each read as meant, or refused in one line by its path."""
     # an optional section given as {} is absent (as a flat lora: {} was); --set lora=none removes it
     assert TrainConfig.from_dict({**BASE, "lora": {}}).lora is None
     assert TrainConfig.from_stored({**BASE, "lora": {}}).lora is None

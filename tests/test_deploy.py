@@ -76,7 +76,7 @@ def test_worked_train_configs_are_valid(name):
 
 def test_the_suite_starts_without_xdist():
     """`make test-airflow` runs pytest in a virtualenv without pytest-xdist: the conftest must not
-    need it (an xdist hook once made that run fail before collecting anything)."""
+    need it (an xdist-only hook would fail that run before collecting anything)."""
     import subprocess
     import sys
 

@@ -59,8 +59,8 @@ CONVERSATIONAL = st.fixed_dictionaries({"prompt": MESSAGES, "chosen": st.one_of(
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(record=st.one_of(RECORD, JSON, STEPWISE, PROCESSBENCH, CONVERSATIONAL))
-@example(record={"prompt": [{"role": "user", "content": "q"}], "rejected": "r",  # found by this test: a lone
-                 "chosen": [{"role": "assistant", "content": "", "tool_calls": [{"a": "\ud800"}]}]})  # surrogate
+@example(record={"prompt": [{"role": "user", "content": "q"}], "rejected": "r",  # a lone surrogate
+                 "chosen": [{"role": "assistant", "content": "", "tool_calls": [{"a": "\ud800"}]}]})  # in a tool call
 def test_adapters_raise_only_bad_record(record):
     for fmt in FORMATS:
         try:

@@ -1,5 +1,5 @@
 """What real users do to a tool: reruns into the same folders, relative paths from elsewhere,
-mismatched tokenizers, odd files, interrupted commands. Each test failed before its fix.
+mismatched tokenizers, odd files, interrupted commands. Each test guards one such case.
 
 Every command's errors are one line (exit 1, no traceback); checks run before anything is
 written; nothing is silently wrong or silently skipped.

@@ -72,8 +72,8 @@ def test_scanned_layers_equal_unrolled_layers(remat):
 @pytest.mark.parametrize("scan", [True, False])
 def test_remat_with_adapter_dropout_draws_the_masks_of_the_step(scan):
     """Recomputing a layer in the backward pass must draw the same dropout masks as the forward
-    pass, and the masks of the key given: once nnx.remat reused a trace across calls, so a later
-    call failed with a leaked tracer, or ran with another call's key."""
+    pass, and the masks of the key given (nnx.remat may reuse a trace across calls: a key read
+    inside it would leak a tracer, or be another call's)."""
     plain = value_and_grad(model(scan, remat=False, dropout=0.3), jax.random.key(3))
     rematted = value_and_grad(model(scan, remat=True, dropout=0.3), jax.random.key(3))
     np.testing.assert_allclose(rematted[0], plain[0], rtol=1e-6)
@@ -125,8 +125,7 @@ def _temp_bytes(dropout: float) -> int:
 def test_adapter_dropout_keeps_no_extra_activations():
     """LoRA's dropped inputs are recomputed in the backward pass, not kept: with dropout the
     backward's working memory (scanned layers, the default) is close to without (kept, each
-    adapted projection added an activation of its input's size: LoRA with dropout took more
-    memory than full fine-tuning)."""
+    adapted projection would add an activation of its input's size)."""
     with_dropout, without = _temp_bytes(0.1), _temp_bytes(0.0)
     assert with_dropout < 1.25 * without, (with_dropout, without)
 

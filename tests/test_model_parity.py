@@ -182,7 +182,7 @@ def test_mismatched_checkpoint_lists_every_problem(tmp_path):
 
 def test_a_bfloat16_checkpoint_is_read_on_the_host_as_float32(tmp_path):
     """Checkpoints saved in bfloat16 (most published ones) read as float32 numpy arrays, every
-    value kept (read on the host since the reader no longer converts on the default device)."""
+    value kept (converted by numpy on the host, never on a device)."""
     import torch
     from rmflow.trainer.modeling.convert import read_tensors
     from safetensors.torch import save_file

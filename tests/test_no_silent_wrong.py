@@ -1,7 +1,6 @@
-"""Issue 16: no silent wrong results (the cases that need no trained model). Each test fails
-without its fix: layouts never guessed, nothing decoded lossily, conversations rendered whole,
-folders read only for their inputs, values no model should see refused, output folders locked
-and written whole."""
+"""No silent wrong results (the cases that need no trained model): layouts never guessed, nothing
+decoded lossily, conversations rendered whole, folders read only for their inputs, values no
+model should see refused, output folders locked and written whole."""
 
 import decimal
 import gzip
@@ -33,7 +32,7 @@ HH = {"chosen": "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?",
       "rejected": "\n\nHuman: Hi there\n\nAssistant: Go away."}
 
 
-# --------------------------------------------------------------------------- 1. layouts
+# --------------------------------------------------------------------------- layouts
 
 
 @pytest.mark.parametrize("record, candidates", [
@@ -64,7 +63,7 @@ def test_a_file_of_ambiguous_records_is_not_guessed_at(tmp_path):
     assert result.stats["counts"]["pairs_written"] == 6  # read as transcripts: a user turn, then the reply
 
 
-# --------------------------------------------------------------------------- 3. lossy decoding
+# --------------------------------------------------------------------------- lossy decoding
 
 
 def test_parquet_bytes_that_are_not_utf8_are_refused_and_decimals_are_numbers(tmp_path):
@@ -77,7 +76,7 @@ def test_parquet_bytes_that_are_not_utf8_are_refused_and_decimals_are_numbers(tm
     assert "not valid UTF-8" in bad_problem and "\ufffd" not in bad_text
 
 
-# --------------------------------------------------------------------------- 4. conversations
+# --------------------------------------------------------------------------- conversations
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +125,7 @@ def test_tool_calls_are_rendered_or_the_record_refused(demo_tok):
         demo_tok.chat_template = original
 
 
-# --------------------------------------------------------------------------- 5. what a folder holds
+# --------------------------------------------------------------------------- what a folder holds
 
 
 def test_folders_yield_their_inputs_only(tmp_path):
@@ -171,7 +170,7 @@ def test_a_job_refused_before_it_starts_leaves_nothing_behind(tmp_path, monkeypa
     assert list(system_tmp.iterdir()) == [] and not (tmp_path / "out").exists()
 
 
-# --------------------------------------------------------------------------- 10. values
+# --------------------------------------------------------------------------- values
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -226,7 +225,7 @@ def test_workflow_lists_only_real_config_changes(tmp_path):
     assert changed_keys(str(tmp_path / "run"), TrainConfig.from_dict({**cfg.to_dict(), "seed": 3})) == ["seed: 0 -> 3"]
 
 
-# --------------------------------------------------------------------------- 2, 9. output folders
+# --------------------------------------------------------------------------- output folders
 
 HOLD = """
 import sys, time
@@ -326,7 +325,7 @@ def test_a_full_disk_during_export_is_an_oserror(tmp_path, monkeypatch):
     assert e.value.filename == str(tmp_path / "model.safetensors")
 
 
-# --------------------------------------------------------------------------- 12, 13. messages
+# --------------------------------------------------------------------------- messages
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused_before_any_record(tmp_path):
@@ -389,8 +388,8 @@ def test_sigterm_stops_a_preprocess_job_and_removes_its_staging(tmp_path, after)
 
 
 def test_a_sigterm_arriving_in_a_finalizer_is_not_lost():
-    """Python ignores an exception raised in ``__del__``: a SIGTERM whose KeyboardInterrupt was raised
-    there (a regex object collected mid-job) let preprocess run to the end and publish (exit 0)."""
+    """Python ignores an exception raised in ``__del__``: a SIGTERM whose KeyboardInterrupt is raised
+    there (a regex object collected mid-job) must still keep preprocess from publishing."""
     import time
 
     class Collected:
@@ -449,7 +448,7 @@ def test_json_that_is_not_text_is_refused_wherever_it_hides():
 
 def test_the_suite_s_array_comparisons_never_take_nan_for_a_match():
     """A comparison of two NaN results must fail (tests/conftest.py): numpy takes NaN in the same
-    place on both sides as equal, and a scoring test passed that way on a model's NaN output."""
+    place on both sides as equal."""
     from numpy.testing import assert_allclose  # imported by name, as many tests do
 
     nan = np.array([1.0, np.nan])

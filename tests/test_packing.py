@@ -332,7 +332,7 @@ def test_loader_modes_serve_every_pair_once_and_resume_exactly(shards, packing):
 
 def test_an_endless_loader_takes_batches_of_one(shards):
     """Training reads endlessly (its steps decide when to stop): in batches of one record too
-    (Grain's endless repeat overflowed len() there), every pair served once per pass."""
+    (Grain's endless repeat overflows len() in batches of one), every pair served once per pass."""
     it = iter(make_loader(shards, batch_size=1, max_length=64, seed=2, num_epochs=None, shard_by_process=False,
                           packing="pack"))
     served = [next(it) for _ in range(80)]

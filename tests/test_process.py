@@ -344,7 +344,7 @@ def process_run(synthetic_steps):
     cfg = TrainConfig(data=str(synthetic_steps / "shards"), model="micro", output=str(synthetic_steps / "run"),
                       batch_size=16, optimizer={"learning_rate": 2e-3, "warmup_steps": 10}, max_steps=60,
                       eval_steps=60, checkpoint={"save_steps": 60}, logging={"steps": 20},
-                      seed=0)  # eval figures 1.0 from step 40 (was 120 steps)
+                      seed=0)  # enough steps for every eval figure to reach 1.0
     return train(cfg), synthetic_steps / "run"
 
 

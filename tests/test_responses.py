@@ -292,7 +292,7 @@ def test_ranking_metrics_by_hand():
 
 
 def test_what_a_break_it_pass_found_in_multi_response_data_stays_fixed(tmp_path):
-    """Each input a review found mishandled, read as meant or refused with its reason."""
+    """Inputs easy to mishandle, each read as meant or refused with its reason."""
     scored = read_responses(LAYOUTS["responses"], "responses", source="/a/x.jsonl", line=1)
     moved = read_responses(LAYOUTS["responses"], "responses", source="gs://b/y.jsonl", line=9)
     # best-random picks by the record's content, not by where the file is

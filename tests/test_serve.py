@@ -677,13 +677,13 @@ def test_unpadded_strips_runs_in_linear_time():
     assert unpadded("<pad><e>hi<e>\n<e><pad>", rm) == unpadded("hi", rm) == "hi<e>\n"
     start = time.monotonic()
     assert unpadded("<pad>" * 200_000 + "hi" + "<e>" * 200_000, rm) == "hi<e>\n"
-    assert time.monotonic() - start < 2  # slicing per token was quadratic: minutes
+    assert time.monotonic() - start < 2  # linear in the text's length (slicing per token: quadratic)
 
 
 def test_the_plan_pads_the_fewest_tokens():
     """``ScoringShapes.plan`` cuts sorted inputs into the batches that cost the fewest padded
     tokens (plus a fixed cost a batch): checked against every way to cut small random lists, and
-    on a server-sized take of real lengths it pads far less than cutting by rows alone did."""
+    on a server-sized take of real lengths it pads far less than cutting by rows alone."""
     import itertools
 
     from rmflow.trainer.inference import BATCH_OVERHEAD_TOKENS, ScoringShapes
@@ -708,10 +708,10 @@ def test_the_plan_pads_the_fewest_tokens():
                                                     for p in parts))
         assert cost(plan, lengths) == best
     # Server-sized takes (48 queued requests of HH-RLHF-like lengths) on the server benchmark's
-    # shapes: never more padding than the former cut (sorted, a new batch only when the rows ran
+    # shapes: never more padding than a greedy cut (sorted, a new batch only when the rows run
     # out), and less in all.
     shapes = ScoringShapes(512, max_rows=64, token_budget=8192, small_batches=True)
-    ours = former = 0
+    ours = greedy = 0
     for _ in range(20):
         lengths = np.minimum(rng.lognormal(5.2, 0.6, 48).astype(int) + 1, 512)
         by_rows = []
@@ -721,8 +721,8 @@ def test_the_plan_pads_the_fewest_tokens():
             by_rows[-1].append(i)
         a, b = cost(shapes.plan(lengths), lengths), cost([np.array(x) for x in by_rows], lengths)
         assert a <= b
-        ours, former = ours + a, former + b
-    assert ours < 0.95 * former
+        ours, greedy = ours + a, greedy + b
+    assert ours < 0.95 * greedy
 
 
 def test_a_grpo_reward_function_asks_the_server_and_gets_the_api_s_rewards(outcome, conversations):

@@ -203,7 +203,7 @@ def test_a_shape_compiled_ahead_is_compiled_off_the_training_thread_and_trains_a
 def test_a_step_finds_its_executable_without_describing_the_state_again(monkeypatch):
     """Every step (and every batch read ahead) looks up its compiled executable: the state's, the
     frozen parameters' and their shardings' description is made once, in ``use_mesh``, not per
-    lookup (flattening a deep model's state took milliseconds a lookup, a GPU step's worth a step)."""
+    lookup (flattening a deep model's state on every lookup is costly)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from rmflow.trainer import step as step_module

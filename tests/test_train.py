@@ -59,7 +59,7 @@ def config(data, out, **kw):
 
 def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
     """``lengths_per_doubling`` decides each loader's rounding: a short run's rows are powers of
-    two (few programs to compile: what made the demo compile 15 shapes for 40 steps), a long
+    two (few programs to compile), a long
     run's one of 8 lengths per doubling (little padding); an eval set's, its batches times the
     run's evaluations."""
     from rmflow.trainer.train import Run
@@ -147,7 +147,7 @@ def test_a_run_builds_its_model_for_the_rows_its_packing_makes(synthetic, tmp_pa
 
 @pytest.mark.slow
 def test_learning_works_on_a_synthetic_preference(synthetic, tmp_path):
-    # Eval accuracy is 1.0 from about step 20 on: 60 steps leave a wide margin (150 did too, at 2.5x the time).
+    # 60 steps: the task is learnt well before the end, a wide margin for the accuracy bound.
     result = train(config(synthetic, tmp_path / "run", max_steps=60, eval_steps=20, checkpoint={"save_steps": 60}))
     final = result.history[-1]
     assert final["step"] == 60 and final["eval_pairs"] > 40
@@ -257,8 +257,8 @@ def test_shards_must_match_the_run(synthetic, tmp_path, tokenizer_dir):
 
 
 def test_tensorboard_writer_does_not_import_torch(tmp_path):
-    """tensorboardX imports torch when installed (it is, in the test environment): ~180 MiB of a
-    training process's memory for nothing. rmflow's writer keeps it out."""
+    """tensorboardX imports torch when installed (it is, in the test environment): memory a
+    training process has no use for. rmflow's writer keeps it out."""
     import textwrap
 
     script = textwrap.dedent(f'''

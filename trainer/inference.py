@@ -1,6 +1,6 @@
 """One inference path: a trained reward model loaded with what scoring it needs, and the scoring
-core every consumer shares (`rmflow eval`, `rmflow score`, the Python API, export; next, the
-reward server and batch scoring).
+core every consumer shares (`rmflow eval`, `rmflow score`, the Python API, export, the reward
+server and batch scoring).
 
 ``load_model`` reads a run directory (its newest or a given checkpoint) or an exported
 checkpoint folder, local or remote, with its tokenizer folder, pad id, step separator and kind
@@ -89,8 +89,8 @@ def _packed_pair_rewards(graphdef: nnx.GraphDef, state: nnx.State, batch: dict) 
     return pair_rewards(nnx.merge(graphdef, state), batch)
 
 
-# A forward pass's fixed cost, in tokens, when ``ScoringShapes.plan`` weighs one batch against two
-# (on this machine's CPU about 64 tokens' compute; it keeps the plan from splitting for nothing).
+# A forward pass's fixed cost, in tokens, when ``ScoringShapes.plan`` weighs one batch against two:
+# it keeps the plan from splitting a batch to save a few padded tokens.
 BATCH_OVERHEAD_TOKENS = 64
 
 

@@ -88,7 +88,7 @@ def clip_scale(summed_norm: jax.Array, pairs: jax.Array, max_norm) -> tuple[jax.
     """(factor, norm): the gradient of the summed objective times ``factor`` is the mean
     gradient, clipped to ``max_norm`` as optax.clip_by_global_norm does; ``norm`` is the mean
     gradient's norm before clipping. One multiply instead of a divide and a clip, so the step
-    holds one gradient-sized temporary fewer (50 MiB for a 49k-token vocabulary at hidden 256)."""
+    holds one gradient-sized temporary fewer."""
     n = jnp.maximum(pairs, 1.0)
     norm = summed_norm / n
     if isinstance(max_norm, (int, float)) and not max_norm:

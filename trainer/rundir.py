@@ -195,7 +195,7 @@ def read_run(run_dir: str) -> RunFiles:
     if os.path.exists(os.path.join(run_dir, DATA_MANIFEST)):
         text = _read_text(run_dir, DATA_MANIFEST)
     else:  # a run written before runs kept their data's manifest: read it where it was
-        data = cfg.sources[0].path  # such a run trained on one set: mixtures came later
+        data = cfg.sources[0].path  # such a run trained on one set
         if not os.path.isabs(data) and not is_url(data):
             raise RunDirError(
                 f"{run_dir} was written by an older rmflow and names its shards by the relative path "

@@ -2,7 +2,7 @@
 
 tensorboardX imports torch at import time when it is installed (only to accept torch
 tensors, which rmflow never logs). In a JAX training process that costs resident memory for
-nothing (about 180 MiB: docs/benchmarks.md), and most users have torch installed. So tensorboardX is imported with torch hidden, unless torch is already
+nothing (figures: docs/benchmarks.md), and most users have torch installed. So tensorboardX is imported with torch hidden, unless torch is already
 imported by the caller.
 """
 

@@ -13,7 +13,7 @@ a resumed run draws the same masks), each decoder layer folds in its number (``l
 each projection its target's index; outside it, as in eval and export, there is no dropout. The
 backward pass keeps each mask (a byte an element) and recomputes the dropped input from it
 (``jax.checkpoint``): kept, the dropped input would be one more float activation per adapted
-projection, which made LoRA with dropout take more memory than full fine-tuning.
+projection.
 Flax's ``nnx.LoRA`` module is not used: it has no ``alpha / rank`` scale and no input dropout,
 both of which PEFT's adapters (and their exported weights) have; ``nnx.Dropout`` would carry its
 RNG state in the model (in every checkpoint) where a key from the seed and step suffices.
@@ -146,8 +146,8 @@ def delta(linear: nnx.Linear, x: jax.Array) -> jax.Array:
 def keep_mask(key, shape: tuple[int, ...], rate: float) -> tuple[jax.Array, float]:
     """Inverted dropout's keep mask for ``shape`` and the kept inputs' scale. Each element draws
     16 random bits, two from each 32-bit word the generator makes (``jax.random.bernoulli``
-    makes a word an element and converts it to a float: on CPU that cost as much as the
-    projection the mask serves, half the random words and no conversion cost a third). The rate
+    makes a word an element and converts it to a float; two 16-bit draws a word and an integer
+    compare avoid both). The rate
     is applied as a multiple of 1/65536 (0.05: 3277/65536, 5e-6 off) and the scale is the
     applied rate's, so the dropped input stays unbiased."""
     cut = min(max(round(rate * 65536), 1), 65535)
@@ -165,9 +165,9 @@ def _dropped_delta_fn(x, a, b, key, rate: float, scale: float):
 
 
 # ``((drop(x) A) B) scale``. The backward pass keeps the mask (one byte an element) and recomputes
-# the dropped input from it and ``x`` (which the layer holds anyway): kept, the dropped input was
-# one more float activation per adapted projection; recomputed from the key, the mask's random
-# bits were drawn twice.
+# the dropped input from it and ``x`` (which the layer holds anyway): keeping the dropped input
+# would add a float activation per adapted projection; recomputing the mask from the key would
+# draw its random bits twice.
 _dropped_delta = jax.checkpoint(_dropped_delta_fn, static_argnums=(4, 5),
                                 policy=jax.checkpoint_policies.save_only_these_names("lora_dropout_keep"))
 
