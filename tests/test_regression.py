@@ -77,6 +77,14 @@ def test_pearson_merged_over_batches_keeps_its_digits():
     assert m["helpfulness_pearson"] == pytest.approx(truth, abs=2e-3)
     assert m["helpfulness_rmse"] == pytest.approx(np.sqrt(((pred[:, 0] - y[:, 0]) ** 2).mean()), rel=1e-5)
     assert host["attr_n"] == 60
+    # ratings that do not vary, in a batch large enough that a float32 mean rounds: no correlation
+    flat = regression_sums(jnp.asarray(rng.normal(size=(1024, 1, 1)), jnp.float32), jnp.full((1024, 1, 1), 0.7),
+                           jnp.ones((1024, 1), jnp.int32))
+    m = regression_metrics_of_sums({**{k: np.asarray(v, np.float64) for k, v in flat.items()}, "prompts": 1024.0,
+                                    "responses": 1024.0, **{k: 0.0 for k in (
+        "pairs", "loss_sum", "rank_loss_sum", "center_sum", "correct", "ties", "best_sum", "tau_sum", "tau_prompts",
+        "reward_sum", "reward_sq_sum")}}, NAMES[:1])
+    assert np.isnan(m["helpfulness_pearson"]) and float(flat["attr_label_m2"][0]) == 0.0
 
 
 @pytest.fixture(scope="module")

@@ -444,3 +444,15 @@ def test_preprocess_keeps_each_response_s_attribute_ratings_in_its_record(tmp_pa
     assert set(by_k) == {(1.0, 0.0), (3.0, 1.0)}, by_k  # the fruits' other two rows; hi and bye
     np.testing.assert_array_equal(by_k[1.0, 0.0].attributes, [[3.0, 4.0], [2.0, 4.0]])  # correctness, coherence
     np.testing.assert_array_equal(by_k[3.0, 1.0].attributes, [[4.0, 4.0], [4.0, 4.0]])
+
+
+def test_only_a_prompt_with_its_responses_and_nothing_else_is_scored_as_k_responses():
+    """A prompt with unscored responses is K responses to score; a record that is something else
+    (a preference pair, a conversation) is read as that, whatever extra ``responses`` it carries."""
+    from rmflow.scoring.scorers import responses_of
+
+    assert len(responses_of({"prompt": "q", "responses": ["a", "b", "c"]})) == 3
+    assert len(responses_of({"prompt": "q", "responses": ["a", "b"], "scores": [1, 0]})) == 2
+    assert responses_of({"prompt": "q", "chosen": "a", "rejected": "b", "responses": ["x", "y"]}) is None
+    assert responses_of({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                         "prompt": "q", "responses": ["x", "y"]}) is None

@@ -596,6 +596,8 @@ def test_the_batcher_gives_each_item_its_own_result_and_drains_on_close():
     assert max(seen) > 1  # items from different submits shared batches
     with pytest.raises(QueueFull):
         b.submit(list(range(65)), [1] * 65)
+    with pytest.raises(QueueFull):  # 9 units of 8 responses: 72 sequences, though 9 items
+        b.submit(list(range(9)), [40] * 9, [8] * 9)
     pending = b.submit(list(range(30)), [60] * 30)
     b.close()
     assert [f.result(0) for f in pending] == [2 * i for i in range(30)]

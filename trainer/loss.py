@@ -301,12 +301,17 @@ def regression_sums(outputs, labels, group) -> dict[str, jax.Array]:
     def over(x):  # (R, S, N) -> (N,) over real slots
         return (x * w).sum((0, 1))
 
-    n = w.sum()
-    mean_p, mean_y = over(p) / jnp.maximum(n, 1.0), over(y) / jnp.maximum(n, 1.0)
+    n = jnp.maximum(w.sum(), 1.0)
+    mean_p, mean_y = over(p) / n, over(y) / n
     dp, dy = p - mean_p, y - mean_y
-    return {"mse_sum": per_slot.sum(), "attr_se_sum": over(se), "attr_n": jnp.broadcast_to(n, mean_p.shape),
-            "attr_pred_mean": mean_p, "attr_label_mean": mean_y, "attr_pred_m2": over(dp * dp),
-            "attr_label_m2": over(dy * dy), "attr_cross_m2": over(dp * dy)}
+    # A second pass corrects the means' rounding (it grows with the batch), so that values that do
+    # not vary keep no spread: m2 = sum(d^2) - sum(d)^2 / n, sum(d) ~ 0.
+    cp, cy = over(dp), over(dy)
+    return {"mse_sum": per_slot.sum(), "attr_se_sum": over(se), "attr_n": jnp.broadcast_to(w.sum(), mean_p.shape),
+            "attr_pred_mean": mean_p + cp / n, "attr_label_mean": mean_y + cy / n,
+            "attr_pred_m2": jnp.maximum(over(dp * dp) - cp * cp / n, 0.0),
+            "attr_label_m2": jnp.maximum(over(dy * dy) - cy * cy / n, 0.0),
+            "attr_cross_m2": over(dp * dy) - cp * cy / n}
 
 
 def regression_metrics_of_sums(sums: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
@@ -319,6 +324,7 @@ def regression_metrics_of_sums(sums: dict[str, Any], names: tuple[str, ...]) -> 
     n = max(float(sums["responses"]), 1.0)
     vec = {k: np.broadcast_to(np.asarray(sums[k], np.float64), (len(names),)) for k in REGRESSION_SUM_KEYS[1:]}
     out["mse"] = float(sums["mse_sum"]) / float(sums["prompts"])
+
     def varies(m2, mean):  # a spread above float32's resolution at the mean (rounding is no variation)
         return m2 > n * (4 * _F32_EPS * abs(mean)) ** 2 and m2 > 0
 
@@ -327,15 +333,4 @@ def regression_metrics_of_sums(sums: dict[str, Any], names: tuple[str, ...]) -> 
         out[f"{name}_rmse"] = math.sqrt(max(vec["attr_se_sum"][j] / n, 0.0))
         out[f"{name}_pearson"] = (float(cov / math.sqrt(var_p * var_y)) if varies(var_p, vec["attr_pred_mean"][j])
                                   and varies(var_y, vec["attr_label_mean"][j]) else float("nan"))
-    return out
-    n = max(float(sums["responses"]), 1.0)
-    vec = {k: np.broadcast_to(np.asarray(sums[k], np.float64), (len(names),)) for k in REGRESSION_SUM_KEYS[1:]}
-    out["mse"] = float(sums["mse_sum"]) / float(sums["prompts"])
-    for j, name in enumerate(names):
-        sp, sy = vec["attr_pred_sum"][j], vec["attr_label_sum"][j]
-        var_p = n * vec["attr_pred_sq_sum"][j] - sp * sp
-        var_y = n * vec["attr_label_sq_sum"][j] - sy * sy
-        cov = n * vec["attr_cross_sum"][j] - sp * sy
-        out[f"{name}_rmse"] = math.sqrt(max(vec["attr_se_sum"][j] / n, 0.0))
-        out[f"{name}_pearson"] = float(cov / math.sqrt(var_p * var_y)) if var_p > 0 and var_y > 0 else float("nan")
     return out

@@ -151,9 +151,10 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
 
     if not isinstance(obj, dict):
         return None
-    layouts = [f for f in candidate_formats(obj) if f in MULTI_FORMATS and f not in ROW_FORMATS]
-    if not layouts and isinstance(obj.get("responses"), list) and "prompt" in obj:
-        layouts = ["responses"]  # a prompt and its responses, not yet scored: what scoring is for
+    found = candidate_formats(obj)
+    layouts = [f for f in found if f in MULTI_FORMATS and f not in ROW_FORMATS]
+    if not found and "messages" not in obj and isinstance(obj.get("responses"), list) and "prompt" in obj:
+        layouts = ["responses"]  # a prompt and its responses, not yet scored (and nothing else): to score
     if len(layouts) != 1:
         return None
     prompt, responses = raw_responses(obj, layouts[0])

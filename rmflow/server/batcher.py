@@ -10,9 +10,9 @@ each item's future with its own result. The HTTP event loop never touches the de
   arrival order, at most one token budget from each a pass: requests finish in the order they
   came, yet a small request never waits behind all of a big one's.
 * Bounded: a new request is refused (``QueueFull``: the server answers 503 with Retry-After) when
-  the queue holds ``max_queue`` items, or when the work ahead of it would take longer than
-  ``max_queue_wait_s`` at the throughput the forward passes have measured; an empty queue always
-  takes a request. Clients that would time out waiting get an answer they can retry instead.
+  the queue would hold more than ``max_queue`` sequences (a unit of K responses counts K), or
+  when the work ahead of it would take longer than ``max_queue_wait_s`` at the throughput the
+  forward passes have measured; an empty queue always takes a request. Clients that would time out waiting get an answer they can retry instead.
 * Cancellable: ``cancel`` drops a request's waiting items (its client went away).
 * ``close`` stops taking new items and finishes every queued one; ``cut`` fails the waiting ones
   with ``Closed`` (a shutdown out of time): the batch on the device still finishes.
@@ -101,7 +101,7 @@ class DynamicBatcher:
 
     @property
     def depth(self) -> int:
-        """Items waiting for a forward pass."""
+        """Sequences (conversations) waiting for a forward pass."""
         return self._queued_items
 
     def estimated_wait(self, extra_tokens: int = 0) -> float | None:
@@ -120,8 +120,8 @@ class DynamicBatcher:
         with self._cond:
             if self._closing:
                 raise Closed(self._cut or "the server is shutting down")
-            if self._queued_items + len(items) > self.max_queue:
-                raise QueueFull(f"{self._queued_items} items queued, at most {self.max_queue}")
+            if self._queued_items + sum(i.sequences for i in items) > self.max_queue:
+                raise QueueFull(f"{self._queued_items} sequences queued, at most {self.max_queue}")
             ahead = self.estimated_wait()  # the work before this request's own (however big it is)
             if self.max_queue_wait_s and self._queued_items and ahead is not None and ahead > self.max_queue_wait_s:
                 raise QueueFull(f"about {ahead:.1f} s of work queued ahead of this request, at most "
@@ -133,7 +133,7 @@ class DynamicBatcher:
             if not items:
                 return out
             self._requests[out.request] = collections.deque(items)
-            self._queued_items += len(items)
+            self._queued_items += sum(i.sequences for i in items)
             self._queued_tokens += tokens
             self._cond.notify()
         return out
@@ -142,7 +142,7 @@ class DynamicBatcher:
         """Drop a request's items that have not run (its client went away); how many were dropped."""
         with self._cond:
             waiting = self._requests.pop(submitted.request, collections.deque())
-            self._queued_items -= len(waiting)
+            self._queued_items -= sum(i.sequences for i in waiting)
             self._queued_tokens -= sum(i.size for i in waiting)
         return sum(f.cancel() for f in submitted)  # taken but not yet run: skipped by the loop
 
@@ -206,7 +206,7 @@ class DynamicBatcher:
                         break
                 if not took:
                     break
-            self._queued_items -= len(taken)
+            self._queued_items -= sum(i.sequences for i in taken)
             self._queued_tokens -= tokens
             self._running_tokens = tokens
             return taken
