@@ -18,7 +18,7 @@ pairwise accuracy; then the ratios against the listwise run. ``--repeat`` altern
 and reports medians and spreads.
 
     .venv/bin/python benchmarks/listwise.py [--prompts 150] [--batch-size 4] [--max-length 1024]
-        [--listwise-batch-size N] [--objective bradley-terry] [--repeat 1]
+        [--listwise-batch-size N] [--objective bradley-terry] [--repeat 1] [--runs NAME,...]
 
 Needs the `bench` extra (trl, torch CPU).
 """
@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--objective", default="bradley-terry")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--runs", default="", help="run only these, comma-separated (of: rmflow listwise, rmflow "
+                                                "expanded pairs, TRL expanded pairs); default all three")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="rmflow-listwise-") as tmp:
         work = pathlib.Path(tmp)
@@ -102,11 +104,14 @@ def main() -> None:
                                            "warmup": max(1, pair_steps // 10), "trl_order": "own",
                                            "work": str(work / "trl")}),
         }
+        if a.runs:
+            runs = {name: runs[name] for name in (x.strip() for x in a.runs.split(","))}
         results: dict[str, list[dict]] = {name: [] for name in runs}
         for rep in range(a.repeat):
             order = list(runs) if rep % 2 == 0 else list(reversed(runs))  # alternate, as the machine drifts
             for name in order:
                 kind, args = runs[name]
+                args = {**args, "work": os.path.join(args["work"], f"rep-{rep}")}  # a run's own folders
                 os.makedirs(args["work"], exist_ok=True)
                 out, launched = vs_trl.launch(kind, args)
                 steps = out["steps"]
@@ -125,7 +130,7 @@ def main() -> None:
     head = ("run", "steps", "epoch s", "spread", "listwise faster by", "real tokens", "tokens run", "peak MiB",
             "held-out pairwise accuracy")
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
-    base = statistics.median(r["wall"] for r in results["rmflow listwise"])
+    base = statistics.median(r["wall"] for r in results.get("rmflow listwise") or next(iter(results.values())))
     for name, rs in results.items():
         wall = statistics.median(r["wall"] for r in rs)
         r0 = rs[0]
