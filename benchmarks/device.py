@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from rmflow.schemas.train_config import OptimizerConfig
 from rmflow.trainer.batching import stack_micro_batches
@@ -67,26 +68,31 @@ PARITY_CASES = (("blockwise", "float32", None), ("blockwise", "float32", 300), (
 
 
 def check_parity(t: int = 2048, cases=PARITY_CASES, longest: int = 300, emit=None) -> list[dict]:
-    """Each (implementation, dtype, window) against the dense reference on packed rows of ``t``
-    tokens (units of 16 to ``longest`` tokens): the largest output difference and the largest
-    gradient difference relative to the reference's largest gradient (q, k, v). One row each,
-    also handed to ``emit`` as it is measured; ``error`` where the device does not support it."""
+    """Each (implementation, dtype, window[, head_dim, softcap]) against the dense reference on
+    packed rows of ``t`` tokens (units of 16 to ``longest`` tokens; 8 query and 2 KV heads of 64
+    unless the case names its head size, and the logits soft-capped where it names a cap, as
+    Gemma 2 does): the largest output difference and the largest gradient difference relative to
+    the reference's largest gradient (q, k, v). One row each, also handed to ``emit`` as it is
+    measured; ``error`` where the device does not support it."""
     emit = emit or (lambda row: None)
     jax.config.update("jax_default_matmul_precision", "highest")  # float32 means float32 (GPUs default to TF32)
     rng = np.random.default_rng(0)
-    b, n, k, d = 2, 8, 2, 64
+    b, n, k = 2, 8, 2
     seg, pos, br = packed_layout(rng, b, t, (16, longest))
-    q = rng.normal(size=(b, t, n, d)).astype(np.float32)
-    kv = [rng.normal(size=(b, t, k, d)).astype(np.float32) for _ in range(2)]
+    inputs = {}  # head size -> (q, k, v), drawn once each
     real = seg[:, :, None, None] > 0
     rows = []
-    for impl, dtype_name, window in cases:
+    for impl, dtype_name, window, *shape in cases:
+        d, softcap = shape if shape else (64, None)
         dtype = jnp.dtype(dtype_name)
         window = min(window, longest) if window else None
-        args = [jnp.asarray(x, dtype) for x in (q, *kv)]
+        if d not in inputs:
+            inputs[d] = [rng.normal(size=(b, t, h, d)).astype(np.float32) for h in (n, k, k)]
+        args = [jnp.asarray(x, dtype) for x in inputs[d]]
+        extra = {"head_dim": d, "softcap": softcap} if shape else {}
 
-        def loss(q, k, v, impl=impl, window=window):
-            o = attention(q, k, v, seg, pos, br, implementation=impl, window=window)
+        def loss(q, k, v, impl=impl, window=window, softcap=softcap):
+            o = attention(q, k, v, seg, pos, br, implementation=impl, window=window, softcap=softcap)
             return jnp.where(real, o, 0).astype(jnp.float32).sum(), o
 
         f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -96,7 +102,7 @@ def check_parity(t: int = 2048, cases=PARITY_CASES, longest: int = 300, emit=Non
             (_, o), g = f(*args)
         except Exception as e:  # noqa: BLE001 - report what the device does not support
             print(f"parity {impl} {jnp.dtype(dtype).name}: not available here: {type(e).__name__}: {str(e)[:300]}")
-            rows.append({"attention": impl, "dtype": dtype_name, "window": window,
+            rows.append({"attention": impl, "dtype": dtype_name, "window": window, **extra,
                          "error": f"{type(e).__name__}: {str(e)[:300]}"})
             emit(rows[-1])
             continue
@@ -105,9 +111,10 @@ def check_parity(t: int = 2048, cases=PARITY_CASES, longest: int = 300, emit=Non
                                                   - jnp.where(real, r, 0).astype(jnp.float32))))
         grads = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32)))
                        / jnp.max(jnp.abs(r.astype(jnp.float32)))) for a, r in zip(g, g_ref)]
-        print(f"parity {impl:9s} {jnp.dtype(dtype).name:8s} window={window}: max |out - ref| {diff(o, o_ref):.2e}, "
+        print(f"parity {impl:9s} {jnp.dtype(dtype).name:8s} window={window} head_dim={d} softcap={softcap}: "
+              f"max |out - ref| {diff(o, o_ref):.2e}, "
               f"max |grad - ref| / max |ref| (q, k, v) {', '.join(f'{x:.2e}' for x in grads)}")
-        rows.append({"attention": impl, "dtype": dtype_name, "window": window, "out_max_abs": diff(o, o_ref),
+        rows.append({"attention": impl, "dtype": dtype_name, "window": window, **extra, "out_max_abs": diff(o, o_ref),
                      "grad_max_rel": max(grads)})
         emit(rows[-1])
     jax.config.update("jax_default_matmul_precision", None)
@@ -189,6 +196,22 @@ def attention_seconds(batch: dict, impl: str, heads: int, kv_heads: int, head_di
     return timed(step, q, k, v, repeat=repeat)
 
 
+def optimizer_seconds(trainer: Trainer, state) -> float:
+    """The step's parameter update alone, as the step does it after the gradients (global norm,
+    scaling, the optimizer's update, applied): median seconds. The parameters stand in for the
+    gradients, which have their shapes and dtypes."""
+    tx = trainer.program.optimizer(trainer.hyper)
+
+    @jax.jit
+    def update(params, opt_state):
+        norm = optax.global_norm(params)
+        grads = jax.tree.map(lambda g: g / norm, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return timed(update, state.params, state.opt_state)
+
+
 def packed_batches(records, batch_size: int, steps: int, max_length: int, pool: int = 8):
     """``steps`` packed batches of ``batch_size`` pairs (pairs drawn in a seeded shuffle) that
     share one row length, the most common among ``pool * steps`` batches: one compilation, and
@@ -216,8 +239,9 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
                launch: tuple[int, int] | None = None, scan: bool = True, profile: bool = True) -> dict:
     """Steady-state training throughput of one configuration (every shape compiled first); one
     row: real tokens/s, padding, model TFLOP/s, MFU over ``peak`` TFLOP/s, compilations and,
-    with ``profile``, the share of the step the attention takes (one layer's forward and
-    backward timed alone on each batch's rows, times the layers). ``launch``: the Pallas
+    with ``profile``, the shares of the step the attention takes (one layer's forward and
+    backward timed alone on each batch's rows, times the layers) and the parameter update
+    (``optimizer_seconds``). ``launch``: the Pallas
     kernels' (num_warps, num_stages); ``scan``: the layers as one scanned layer."""
     cfg = ModelConfig(**(config or CONFIGS[name]))
     impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
@@ -244,7 +268,7 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
             state, m = trainer.train_step(state, b)
         jax.block_until_ready(m)
         seconds = time.perf_counter() - start
-        attn = None
+        attn = update = None
         if profile:
             per_shape = {}
             for b in batches:
@@ -252,6 +276,7 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
                     per_shape[b["input_ids"].shape] = attention_seconds(b, impl, cfg.num_attention_heads,
                                                                         cfg.num_key_value_heads, cfg.head_dim)
             attn = sum(per_shape[b["input_ids"].shape] for b in batches) * cfg.num_hidden_layers
+            update = optimizer_seconds(trainer, state) * len(batches)
         kernel = set_kernel()  # the settings the measured step used
     finally:
         restore_kernel(before)
@@ -268,9 +293,12 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
            f"{'/'.join(str(s[1]) for s in sorted(shapes))}", "real_tokens_per_s": real / seconds,
            "padding": 1 - computed / slots, "computed_per_real": computed / real,
            "model_tflops": flops / seconds / 1e12, "mfu": flops / seconds / 1e12 / peak, "step_ms": 1e3 * seconds / len(batches),
-           "attention_share": attn / seconds if attn is not None else None, "shapes": len(shapes), "compile_s": compile_s}
+           "attention_share": attn / seconds if attn is not None else None,
+           "optimizer_share": update / seconds if update is not None else None,
+           "shapes": len(shapes), "compile_s": compile_s}
     block_note = f" (block {row['block']})" if row["block"] else ""
-    share = f" attention {attn / seconds:.0%} of the step" if attn is not None else ""
+    share = (f" attention {attn / seconds:.0%}, parameter update {update / seconds:.0%} of the step"
+             if attn is not None else "")
     print(f"| {name} | {packing} | {impl}{block_note} | {batch_size} | {real / seconds:,.0f} | {row['padding']:.3f} "
           f"| {row['model_tflops']:,.1f} | {row['mfu']:.1%} | {len(shapes)} in {compile_s:.0f} s |{share}", flush=True)
     return row

@@ -19,9 +19,10 @@ Two steps, because the GPU machine has no Beam and no network:
      each packed-row kernel and setting (Pallas block size, Triton warps and pipeline stages; the
      blockwise kernel; cuDNN with the dense mask): milliseconds and attention TFLOP/s; the fastest,
      with its own settings, goes on to ``speed``;
-   - ``speed``: training throughput (real tokens/s, MFU, the attention's share of the step) with
-     Qwen2.5-0.5B- and SmolLM2-135M-shaped weights at max_length 2048 in bfloat16: ``pack`` with
-     that kernel against ``bucket`` with cuDNN, and layers scanned against unrolled; the faster
+   - ``speed``: training throughput (real tokens/s, MFU, the attention's and the parameter
+     update's shares of the step) with Qwen2.5-0.5B- and SmolLM2-135M-shaped weights at
+     max_length 2048 in bfloat16, at 32 and 64 pairs a step: ``pack`` with that kernel against
+     ``bucket`` with cuDNN, and layers scanned against unrolled; what is faster on SmolLM2
      becomes the plan the trainers below use;
    - ``real``: the model of ``--checkpoint`` (the real SmolLM2-135M-Instruct; ``--gguf`` builds
      it from the pieces of its quantised source, ``split_gguf`` below) trained into a reward
@@ -44,7 +45,9 @@ A lease of 15 minutes: ``prepare .gpu/inputs
 the machine stays warm, carries ``.gpu/b`` and runs ``run /tmp/keep/inputs $OUT --keep /tmp/keep
 --parts real,trl --gguf /tmp/keep/piece-0 .gpu/b/piece-1 --budget-s`` with what is left. A later
 lease on the same kind of card continues from the report a previous one kept in
-``benchmarks/results``: copy it to ``/tmp/keep/gpu.json`` first, and run only the parts to redo.
+``benchmarks/results``: copy it to ``/tmp/keep/gpu.json`` first, and run only the parts to redo
+(the ``speed`` part alone takes a whole lease: ``--parts speed --budget-s 540``; without a kept
+``kernel`` part it runs the Pallas kernel with its defaults, the settings measured fastest).
 
 ``--rehearse`` runs the same code path on this CPU at toy sizes (a 2-layer model, short rows,
 a few steps), preparing its inputs in a temporary folder: ``python benchmarks/gpu.py rehearse
@@ -81,26 +84,34 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bfloat16, SXM; MFU as docs/benchmarks.md defines it
 
 # Sizes: the GPU check's, and the rehearsal's (the same code path at toy sizes on CPU).
-# kernel_configs: (implementation, block, Triton warps, Triton stages); speed_runs: (model, packing, scan layers).
+# parity_cases: (implementation, dtype, window[, head_dim, softcap]);
+# kernel_configs: (implementation, block, Triton warps, Triton stages); speed_runs: (model, packing, scan layers,
+# pairs a step), in order of need (a run that would not fit the budget is recorded as skipped): the MFU goal's
+# Qwen2.5-0.5B first, at 32 pairs (the SmolLM2 figure's batch) and at 64 (twice the tokens a step for the
+# same fixed costs: the optimizer's update, the launches); then SmolLM2's pack and bucket, and its scanned
+# layers against unrolled for the plan.
 SIZES = {
-    "gpu": {"max_length": 2048, "speed_batch": 32, "speed_steps": 6, "bucket_steps": 4, "parity_t": 2048,
+    "gpu": {"max_length": 2048, "kernel_batch": 32, "speed_steps": 6, "bucket_steps": 4, "parity_t": 2048,
             # the kernels this check is for (blockwise's GPU parity is in docs/benchmarks.md, not rechecked)
             "parity_cases": (("pallas", "float32", None), ("pallas", "float32", 300), ("pallas", "bfloat16", None),
-                             ("cudnn", "bfloat16", None)),
+                             ("cudnn", "bfloat16", None),
+                             # Gemma 2's attention: heads of 256, logits soft-capped at 50, a sliding window
+                             ("pallas", "float32", 300, 256, 50.0), ("pallas", "bfloat16", None, 256, 50.0)),
             "kernel_configs": (("pallas", 64, 4, 2), ("pallas", 64, 4, 3), ("pallas", 64, 4, 4), ("pallas", 64, 8, 3),
                                ("pallas", 128, 4, 3), ("blockwise", 512, None, None), ("cudnn", None, None, None)),
             "kernel_heads": (9, 3, 64),
-            "speed_runs": (("SmolLM2-135M", "pack", False), ("SmolLM2-135M", "bucket", False),
-                           ("Qwen2.5-0.5B", "pack", False), ("Qwen2.5-0.5B", "bucket", False),
-                           ("SmolLM2-135M", "pack", True)),
+            "speed_runs": (("Qwen2.5-0.5B", "pack", False, 32), ("Qwen2.5-0.5B", "bucket", False, 32),
+                           ("Qwen2.5-0.5B", "pack", False, 64), ("Qwen2.5-0.5B", "bucket", False, 64),
+                           ("SmolLM2-135M", "pack", False, 32), ("SmolLM2-135M", "bucket", False, 32),
+                           ("SmolLM2-135M", "pack", True, 32)),
             "trl_steps": 30, "trl_batch": 16, "checkpointing": (False, True), "real_batch": 16, "real_steps": 0,
             "lr": 1e-5},
-    "rehearse": {"max_length": 256, "speed_batch": 4, "speed_steps": 2, "parity_t": 256,
+    "rehearse": {"max_length": 256, "kernel_batch": 4, "speed_steps": 2, "parity_t": 256,
                  "parity_cases": (("blockwise", "float32", None), ("cudnn", "bfloat16", None),
-                                  ("pallas", "float32", 100)),
+                                  ("pallas", "float32", 100), ("blockwise", "float32", 100, 32, 50.0)),
                  "kernel_configs": (("pallas", 64, None, None), ("blockwise", 64, None, None)),
                  "kernel_heads": (4, 2, 16),
-                 "speed_runs": (("toy", "pack", False), ("toy", "bucket", False), ("toy", "pack", True)),
+                 "speed_runs": (("toy", "pack", False, 4), ("toy", "bucket", False, 4), ("toy", "pack", True, 4)),
                  "trl_steps": 6, "trl_batch": 2, "checkpointing": (True,),
                  "real_batch": 4, "real_steps": 3, "lr": 1e-4},
 }
@@ -261,7 +272,7 @@ def part_kernel(ctx: Ctx) -> None:
     import device
 
     records = device.load_records(ctx.inputs / "train")
-    rows = device.kernel_sweep(records, ctx.size["speed_batch"], ctx.size["max_length"], ctx.size["kernel_heads"],
+    rows = device.kernel_sweep(records, ctx.size["kernel_batch"], ctx.size["max_length"], ctx.size["kernel_heads"],
                                ctx.size["kernel_configs"], steps=1, emit=ctx.add)
     timed = [r for r in rows if "ms" in r]
     if timed:
@@ -284,47 +295,63 @@ def kernel_choice(plan: dict) -> dict:
 
 
 def part_speed(ctx: Ctx) -> None:
-    """Throughput of each (model, packing, layers) run; then pack against bucket per model and,
-    as the plan the trainers use, the faster packing (with its attention) on SmolLM2."""
+    """Throughput of each (model, packing, layers, pairs a step) run, in the order of
+    ``speed_runs``; then the summaries ``speed_summaries`` draws from them."""
     import device
 
     records = device.load_records(ctx.inputs / "train")
     peak, kernel = _peak(), kernel_choice(ctx.plan)
     packed = ctx.plan.get("packed_attention", "pallas")  # the kernel part's fastest (on CPU: of the rehearsal's)
     started, runs = time.time(), 0
-    for name, packing, scan in ctx.size["speed_runs"]:
+    for name, packing, scan, batch in ctx.size["speed_runs"]:
         spent = (time.time() - started) / max(runs, 1)  # a run's time so far, to see if the next fits
         if ctx.left() < max(60.0, 1.2 * spent) and runs:
-            ctx.add({"model": name, "packing": packing, "scan_layers": scan, "skipped": "out of time"})
+            ctx.add({"model": name, "packing": packing, "scan_layers": scan, "pairs_per_step": batch,
+                     "skipped": "out of time"})
             continue
         config = TOY if name == "toy" else None
         block = kernel.get("block", 0)
         launch = (kernel.get("num_warps"), kernel.get("num_stages"))
         steps = ctx.size["speed_steps"] if packing == "pack" else ctx.size.get("bucket_steps", ctx.size["speed_steps"])
-        ctx.add(device.throughput(name, records, packing, ctx.size["speed_batch"], steps, peak, block, packed,
+        ctx.add(device.throughput(name, records, packing, batch, steps, peak, block, packed,
                                   max_length=ctx.size["max_length"], config=config, launch=launch, scan=scan))
         runs += 1
-    measured = [r for r in ctx.rows if "real_tokens_per_s" in r]
-    plan = {}
-    for name in dict.fromkeys(r["model"] for r in measured):
-        by = {(r["packing"], r["scan_layers"]): r for r in measured if r["model"] == name}
+    ctx.add(*speed_summaries(ctx.rows, trained="toy" if ctx.rehearse else PLAN_MODEL))
+
+
+PLAN_MODEL = "SmolLM2-135M"  # the model the trl and real parts train: the speed part's plan is measured on it
+
+
+def speed_summaries(rows: list[dict], trained: str) -> list[dict]:
+    """For each model and batch measured: ``pack`` over ``bucket`` (unrolled layers where both
+    ran so, else scanned) and scanned over unrolled layers; then the plan for the ``trained``
+    model at its smallest batch measured: the faster packing (with its attention), and scanned
+    layers unless they are more than 5% slower."""
+    measured = [r for r in rows if "real_tokens_per_s" in r]
+    out, plan = [], {}
+    for name, batch in dict.fromkeys((r["model"], r["pairs_per_step"]) for r in measured):
+        by = {(r["packing"], r["scan_layers"]): r for r in measured
+              if r["model"] == name and r["pairs_per_step"] == batch}
         scan = not (("pack", False) in by and ("bucket", False) in by)  # compared unrolled, else scanned
         pack, bucket = by.get(("pack", scan)), by.get(("bucket", scan))
+        planned = name == trained and batch == min(r["pairs_per_step"] for r in measured if r["model"] == name)
         if pack and bucket:
             ratio = pack["real_tokens_per_s"] / bucket["real_tokens_per_s"]
-            ctx.add({"model": name, "summary": "pack / bucket", "ratio": ratio, "pack_mfu": pack["mfu"],
-                     "bucket_mfu": bucket["mfu"], "pack_attention": pack["attention"], "pack_block": pack["block"]})
-            if not plan:  # the first model (SmolLM2's shape): the one the trainers below train
+            out.append({"model": name, "pairs_per_step": batch, "summary": "pack / bucket", "ratio": ratio,
+                        "pack_mfu": pack["mfu"], "bucket_mfu": bucket["mfu"], "pack_attention": pack["attention"],
+                        "pack_block": pack["block"]})
+            if planned:
                 best = pack if ratio > 1 else bucket
-                plan = {"packing": best["packing"], "attention": best["attention"]}
+                plan.update(packing=best["packing"], attention=best["attention"])
         scanned, unrolled = by.get(("pack", True)), by.get(("pack", False))
         if scanned and unrolled:
-            ctx.add({"model": name, "summary": "scanned / unrolled layers", "ratio":
-                     scanned["real_tokens_per_s"] / unrolled["real_tokens_per_s"],
-                     "compile_s_scanned": scanned["compile_s"], "compile_s_unrolled": unrolled["compile_s"]})
-            plan["scan_layers"] = "on" if scanned["real_tokens_per_s"] >= 0.95 * unrolled["real_tokens_per_s"] else "off"
-    if plan:
-        ctx.add({"summary": "plan", **plan})
+            out.append({"model": name, "pairs_per_step": batch, "summary": "scanned / unrolled layers", "ratio":
+                        scanned["real_tokens_per_s"] / unrolled["real_tokens_per_s"],
+                        "compile_s_scanned": scanned["compile_s"], "compile_s_unrolled": unrolled["compile_s"]})
+            if planned:
+                fast = scanned["real_tokens_per_s"] >= 0.95 * unrolled["real_tokens_per_s"]
+                plan["scan_layers"] = "on" if fast else "off"
+    return out + ([{"summary": "plan", **plan}] if plan else [])
 
 
 def model_folder(ctx: Ctx) -> str:

@@ -39,10 +39,13 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     assert measured[("blockwise", "float32")]["out_max_abs"] < 1e-5
     assert measured[("pallas", "float32")]["grad_max_rel"] < 1e-5
     assert any(r["attention"] == "cudnn" and "error" in r for r in parts["parity"])
+    (capped,) = [r for r in parts["parity"] if r.get("softcap")]  # Gemma 2's shape: heads of 32 here, capped logits
+    assert capped["head_dim"] == 32 and capped["window"] == 100 and capped["out_max_abs"] < 1e-5
     # speed: pack against bucket, with a ratio
     (summary,) = [r for r in parts["speed"] if r.get("summary") == "pack / bucket"]
     assert summary["ratio"] > 0 and {r.get("packing") for r in parts["speed"]} >= {"pack", "bucket"}
-    assert all(r["attention_share"] > 0 for r in parts["speed"] if "attention_share" in r)
+    timed_runs = [r for r in parts["speed"] if "real_tokens_per_s" in r]
+    assert timed_runs and all(0 < r["attention_share"] and 0 < r["optimizer_share"] < 1 for r in timed_runs)
     # trl: both trainers measured, the ratios computed
     trainers = [r for r in parts["trl"] if "trainer" in r]
     assert {r["trainer"] for r in trainers} == {"TRL RewardTrainer", "rmflow"}
@@ -69,6 +72,32 @@ def _gpu_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_speed_summaries_compare_within_a_model_and_batch_and_plan_on_the_trained_model():
+    """pack over bucket and scanned over unrolled are drawn per (model, pairs a step), never across
+    batches; the plan comes from the model the later parts train, at its smallest batch."""
+    gpu = _gpu_script()
+
+    def row(model, packing, scan, batch, tps):
+        return {"model": model, "packing": packing, "scan_layers": scan, "pairs_per_step": batch,
+                "real_tokens_per_s": tps, "mfu": tps / 1000, "attention": "pallas" if packing == "pack" else "cudnn",
+                "block": 64 if packing == "pack" else None, "compile_s": 1.0}
+
+    rows = [row("Q", "pack", False, 32, 150.0), row("Q", "bucket", False, 32, 100.0),
+            row("Q", "pack", False, 64, 300.0), row("Q", "bucket", False, 64, 400.0),
+            {"model": "Q", "packing": "pack", "scan_layers": True, "pairs_per_step": 64, "skipped": "out of time"},
+            row("S", "pack", False, 32, 90.0), row("S", "bucket", True, 32, 120.0),
+            row("S", "pack", True, 32, 100.0)]
+    out = gpu.speed_summaries(rows, trained="S")
+    ratios = {(r["model"], r["pairs_per_step"], r["summary"]): r["ratio"] for r in out if "ratio" in r}
+    assert ratios == {("Q", 32, "pack / bucket"): 1.5, ("Q", 64, "pack / bucket"): 0.75,
+                      ("S", 32, "pack / bucket"): 100 / 120,  # no unrolled bucket: both scanned
+                      ("S", 32, "scanned / unrolled layers"): 100 / 90}
+    assert out[-1] == {"summary": "plan", "packing": "bucket", "attention": "cudnn", "scan_layers": "on"}
+    assert [r for r in gpu.speed_summaries(rows, trained="Q") if r.get("summary") == "plan"] == [
+        {"summary": "plan", "packing": "pack", "attention": "pallas"}]  # batch 32's, not 64's
+    assert gpu.speed_summaries(rows[4:5], trained="Q") == []
 
 
 def test_the_real_checkpoints_source_travels_in_pieces_that_join_back(tmp_path):
