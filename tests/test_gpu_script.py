@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -98,6 +99,35 @@ def test_speed_summaries_compare_within_a_model_and_batch_and_plan_on_the_traine
     assert [r for r in gpu.speed_summaries(rows, trained="Q") if r.get("summary") == "plan"] == [
         {"summary": "plan", "packing": "pack", "attention": "pallas"}]  # batch 32's, not 64's
     assert gpu.speed_summaries(rows[4:5], trained="Q") == []
+
+
+def test_a_speed_run_that_fails_is_recorded_and_the_next_runs_still_run(tmp_path, monkeypatch):
+    """A run the device cannot hold (bucket's widest rows at the larger batch) is recorded with
+    its error; the runs after it are measured and summarised."""
+    import types
+
+    gpu = _gpu_script()
+    calls = []
+
+    def throughput(name, records, packing, batch, *args, scan, **kw):
+        calls.append((packing, batch))
+        if (packing, batch) == ("bucket", 8):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.1GiB")
+        return {"model": name, "packing": packing, "scan_layers": scan, "pairs_per_step": batch, "mfu": 0.1,
+                "real_tokens_per_s": 100.0 * (2 if packing == "pack" else 1), "attention": packing, "block": None,
+                "compile_s": 1.0}
+
+    fake = types.SimpleNamespace(load_records=lambda folder: [], throughput=throughput)
+    monkeypatch.setitem(sys.modules, "device", fake)
+    monkeypatch.setattr(gpu, "_peak", lambda: 1.0)
+    size = {**gpu.SIZES["rehearse"], "speed_runs": (("toy", "bucket", False, 8), ("toy", "pack", False, 4),
+                                                    ("toy", "bucket", False, 4))}
+    ctx = gpu.Ctx(size, tmp_path, tmp_path, None, True, {}, deadline=time.time() + 600, rows_file=tmp_path / "rows")
+    gpu.part_speed(ctx)
+    assert calls == [("bucket", 8), ("pack", 4), ("bucket", 4)]
+    assert "RESOURCE_EXHAUSTED" in ctx.rows[0]["error"] and ctx.rows[0]["pairs_per_step"] == 8
+    assert [r["ratio"] for r in ctx.rows if r.get("summary") == "pack / bucket"] == [2.0]
+    assert ctx.rows[-1] == {"summary": "plan", "packing": "pack", "attention": "pack"}
 
 
 def test_the_real_checkpoints_source_travels_in_pieces_that_join_back(tmp_path):
