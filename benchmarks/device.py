@@ -101,7 +101,8 @@ def check_parity(t: int = 2048, cases=PARITY_CASES, longest: int = 300, emit=Non
         try:
             (_, o), g = f(*args)
         except Exception as e:  # noqa: BLE001 - report what the device does not support
-            print(f"parity {impl} {jnp.dtype(dtype).name}: not available here: {type(e).__name__}: {str(e)[:300]}")
+            print(f"parity {impl} {jnp.dtype(dtype).name} window={window} head_dim={d} softcap={softcap}: not available "
+                  f"here: {type(e).__name__}: {str(e)[:300]}")
             rows.append({"attention": impl, "dtype": dtype_name, "window": window, **extra,
                          "error": f"{type(e).__name__}: {str(e)[:300]}"})
             emit(rows[-1])

@@ -76,8 +76,9 @@ def _gpu_script():
 
 
 def test_speed_summaries_compare_within_a_model_and_batch_and_plan_on_the_trained_model():
-    """pack over bucket and scanned over unrolled are drawn per (model, pairs a step), never across
-    batches; the plan comes from the model the later parts train, at its smallest batch."""
+    """pack over bucket (with the same layers) and scanned over unrolled are drawn per (model,
+    pairs a step), never across batches; the plan comes from the model the later parts train, at
+    its smallest batch that compared them."""
     gpu = _gpu_script()
 
     def row(model, packing, scan, batch, tps):
@@ -99,6 +100,16 @@ def test_speed_summaries_compare_within_a_model_and_batch_and_plan_on_the_traine
     assert [r for r in gpu.speed_summaries(rows, trained="Q") if r.get("summary") == "plan"] == [
         {"summary": "plan", "packing": "pack", "attention": "pallas"}]  # batch 32's, not 64's
     assert gpu.speed_summaries(rows[4:5], trained="Q") == []
+    # only one packing ran for the trained model (the other failed or was skipped): that one; what
+    # this call could not decide comes from the earlier call's plan, and says so
+    kept = {"packing": "bucket", "attention": "cudnn", "scan_layers": "off", "block": 64}
+    assert gpu.speed_summaries([row("S", "pack", False, 32, 90.0)], trained="S", kept=kept) == [
+        {"summary": "plan", "packing": "pack", "attention": "pallas", "scan_layers": "off",
+         "from_earlier_call": ["scan_layers"]}]
+    assert gpu.speed_summaries(rows[:4], trained="S", kept=kept) == [
+        r for r in gpu.speed_summaries(rows[:4], trained="Q") if r.get("summary") != "plan"] + [
+        {"summary": "plan", **{k: kept[k] for k in ("packing", "attention", "scan_layers")},
+         "from_earlier_call": ["attention", "packing", "scan_layers"]}]
 
 
 def test_a_speed_run_that_fails_is_recorded_and_the_next_runs_still_run(tmp_path, monkeypatch):
