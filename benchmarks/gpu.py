@@ -317,16 +317,14 @@ def part_speed(ctx: Ctx) -> None:
         block = kernel.get("block", 0)
         launch = (kernel.get("num_warps"), kernel.get("num_stages"))
         steps = ctx.size["speed_steps"] if packing == "pack" else ctx.size.get("bucket_steps", ctx.size["speed_steps"])
-        failed = False
         try:
             ctx.add(device.throughput(name, records, packing, batch, steps, peak, block, packed,
                                       max_length=ctx.size["max_length"], config=config, launch=launch, scan=scan))
         except Exception as e:  # noqa: BLE001 - one run's failure (out of memory: bucket's widest rows) is its row's
             ctx.add({"model": name, "packing": packing, "scan_layers": scan, "pairs_per_step": batch,
                      "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            failed = True
-        if failed:  # here, not in the except block, whose traceback still holds the failed run's frames
-            gc.collect()
+        # what a run held, freed before the next (after the except block, whose traceback holds a failed run's frames)
+        gc.collect()
         runs += 1
     ctx.add(*speed_summaries(ctx.rows, trained="toy" if ctx.rehearse else PLAN_MODEL, kept=ctx.plan))
 
