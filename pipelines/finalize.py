@@ -38,6 +38,7 @@ from rmflow.schemas.manifest import (
 from rmflow.schemas.record import PairRecord
 
 SUMMARY_FILE = "_summary.json"
+SHARD_FOLDER = "shard folder"  # schemas.outputs.OUTPUT_SIGNATURES' name of what preprocess writes
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -159,7 +160,7 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
     for name, text in ((MANIFEST_FILE, manifest.to_json()), (STATS_FILE, json.dumps(stats, indent=2) + "\n"),
                        (CONFIG_FILE, fin.cfg.to_json())):
         rio.write_bytes(f"{staging}/{name}", text.encode())
-    publish_output(staging, out, drop=(SUMMARY_FILE,))
+    publish_output(staging, out, SHARD_FOLDER, drop=(SUMMARY_FILE,))
     return stats
 
 

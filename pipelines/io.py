@@ -21,7 +21,7 @@ from typing import Any
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.outputs import output_kind
+from rmflow.schemas.outputs import output_kind, replace_refusal
 from rmflow.schemas.paths import is_url
 from rmflow.schemas.stops import refuse_if_stopping
 
@@ -363,6 +363,25 @@ def exists(path: str) -> bool:
     if FileSystems.exists(path):
         return True
     return bool(FileSystems.match([path + "/*"])[0].metadata_list) if is_url(path) else False
+
+
+def folder_names(path: str) -> set[str] | None:
+    """The names directly inside a folder, local or remote (an object store's first path
+    components below it); None when nothing is there."""
+    path = path.rstrip("/")
+    if not is_url(path):
+        return set(os.listdir(path)) if os.path.isdir(path) else None
+    metas = FileSystems.match([path + "/**"])[0].metadata_list
+    return {m.path[len(path) + 1:].split("/")[0] for m in metas} or None
+
+
+def check_replaceable(output: str, kind: str, error: type[Exception], option: str = "--output") -> None:
+    """``schemas.outputs.replace_refusal`` of a local or remote output a Beam job replaces, raised as ``error``."""
+    output = output.rstrip("/")
+    why = replace_refusal(output, kind, folder_names(output), is_file=not is_url(output) and os.path.isfile(output),
+                          option=option)
+    if why:
+        raise error(why)
 
 
 def delete_tree(path: str) -> None:

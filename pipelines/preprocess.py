@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import time
 import warnings
 from typing import Any
@@ -24,7 +23,7 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.decontaminate import CONTAMINATION_FILE, Decontaminate, eval_file_counts, use_join
 from rmflow.pipelines.finalize import (
-    SUMMARY_FILE,
+    SHARD_FOLDER,
     Finalization,
     PreprocessError,
 )
@@ -61,7 +60,6 @@ from rmflow.schemas.config import (
 )
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import (
-    COMPLETED_FILE,
     ERRORS_FILE,
     MANIFEST_FILE,
     STATS_FILE,
@@ -103,13 +101,9 @@ def plan_shards(cfg: PreprocessConfig, input_bytes: int) -> dict[str, int]:
 
 def make_plan(cfg: PreprocessConfig) -> Plan:
     out = cfg.output.rstrip("/")
-    if not is_url(out) and os.path.isfile(out):
-        raise PreprocessError(f"--output {out} is a file; give a folder for the shards")
-    if rio.exists(out) and not cfg.overwrite:
+    rio.check_replaceable(out, SHARD_FOLDER, PreprocessError)  # --overwrite deletes it: only ever our own output
+    if rio.exists(out) and not cfg.overwrite and rio.folder_names(out):
         raise PreprocessError(f"output {out} already exists: choose another --output or pass --overwrite")
-    if rio.exists(out) and not _is_shard_folder(out):  # --overwrite deletes it: only ever our own output
-        raise PreprocessError(f"--overwrite would delete {out}, which is not an rmflow shard folder (no "
-                              f"{MANIFEST_FILE}, {COMPLETED_FILE} or {SUMMARY_FILE}): choose another --output")
     skipped: list[tuple[str, str]] = []
     try:
         files = rio.expand_inputs(cfg.inputs, skipped)
@@ -196,13 +190,6 @@ def _first_layout(path: str, records: int = 100) -> str | None:
         except BadRecord:
             continue
     return None
-
-
-def _is_shard_folder(path: str) -> bool:
-    """Written by `rmflow preprocess` (complete, or failed after its counts were gathered), or empty."""
-    if not is_url(path) and os.path.isdir(path) and not os.listdir(path):
-        return True
-    return any(rio.exists(f"{path}/{name}") for name in (MANIFEST_FILE, COMPLETED_FILE, SUMMARY_FILE))
 
 
 def report_leftovers(output: str) -> None:

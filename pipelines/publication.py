@@ -13,9 +13,14 @@ from typing import Any, NoReturn
 
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.staging import OWNER_FILE
+from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.manifest import COMPLETED_FILE
 
 FAILED_FILE = "_FAILED.json"  # in the staging folder: why the last step refused
+
+
+class PublishRefused(RmflowError):
+    """What is at the output now is not the job's own earlier output: it is left as it is."""
 
 
 def published(output: str, staging: str, result_file: str) -> dict[str, Any] | None:
@@ -32,12 +37,14 @@ def refuse(staging: str, failure: dict[str, Any], error: Exception) -> NoReturn:
     raise error
 
 
-def publish(staging: str, output: str, drop: tuple[str, ...] = ()) -> None:
+def publish(staging: str, output: str, kind: str, drop: tuple[str, ...] = ()) -> None:
     """Drop the step's own files (``drop`` and the staging folder's owner file), replace what is at
-    ``output``, move the staging folder there and write ``COMPLETED`` last."""
+    ``output`` (only ever an earlier output of the job's ``kind``: ``rio.check_replaceable``, as
+    when the job was planned), move the staging folder there and write ``COMPLETED`` last."""
     from apache_beam.io.filesystems import FileSystems
 
     out = output.rstrip("/")
+    rio.check_replaceable(out, kind, PublishRefused)
     FileSystems.delete([f"{staging}/{name}" for name in (*drop, OWNER_FILE)])
     if rio.exists(out):
         rio.delete_tree(out)

@@ -33,7 +33,7 @@ from typing import Any
 
 from rmflow.schemas.config import ConfigError, EvalConfig, ExportConfig, PreprocessConfig
 from rmflow.schemas.kinds import kind_named
-from rmflow.schemas.outputs import REPORT_FILE, output_lock
+from rmflow.schemas.outputs import REPORT_FILE, WORKFLOW_FILE, check_replaceable, output_lock
 from rmflow.schemas.paths import is_url
 from rmflow.schemas.presets import is_preset
 from rmflow.schemas.train_config import TrainConfig
@@ -181,8 +181,14 @@ def run(wf: Workflow, log=print) -> dict[str, str]:
         return _run(wf, log)
 
 
+WORKFLOW_FOLDER = "workflow folder"  # schemas.outputs.OUTPUT_SIGNATURES' name of what `rmflow run` writes
+
+
 def _run(wf: Workflow, log) -> dict[str, str]:
+    check_replaceable(wf.output, WORKFLOW_FOLDER)  # its stages replace their folders in it: never a user's
     os.makedirs(wf.output, exist_ok=True)
+    with open(os.path.join(wf.output, WORKFLOW_FILE), "w") as f:  # the folder is a workflow's from now on
+        json.dump({"stages": [s for s in STAGES if s != "export" or wf.export is not None]}, f)
     status: dict[str, str] = {}
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
     h_train = _hash({**wf.train.identity(), "model_identity": model_identity(wf.train.model.path)}, h_pre)
@@ -381,9 +387,7 @@ def _run_eval(wf: Workflow, hashes, log) -> dict[str, Any]:
 def _run_export(wf: Workflow, hashes, log) -> dict[str, Any]:
     from rmflow.trainer.export import export
 
-    if os.path.isdir(wf.export.output):
-        shutil.rmtree(wf.export.output)
-    return {"path": export(wf.export)}
+    return {"path": export(wf.export)}  # an earlier export there is replaced whole
 
 
 _STAGE_RUNNERS = {"preprocess": _run_preprocess, "train": _run_train, "eval": _run_eval, "export": _run_export}

@@ -7,9 +7,11 @@ holder (host, process id, command, start time). The lock is ``flock`` on a file 
 next command then takes it over and says so. Remote outputs (gs://) have no such lock: object
 stores offer none, and docs/preprocessing.md says so.
 
-``staged_output(output)`` gives a staging folder beside ``output`` and swaps it in when the block
-ends without an error: an earlier output there is replaced whole (no stale file survives), and an
-interrupted write leaves the earlier one intact. Staging folders left by a writer that died are
+``staged_output(output, kind)`` gives a staging folder beside ``output`` and swaps it in when the
+block ends without an error: an earlier output there is replaced whole (no stale file survives), and
+an interrupted write leaves the earlier one intact. What it replaces must be an earlier output of the
+same kind, or nothing: ``check_replaceable`` is the one rule every command applies before it writes,
+so no command ever deletes a folder of other files, another command's output or its own input. Staging folders left by a writer that died are
 removed by the next holder of the lock (which proves that writer is gone).
 
 A process asked to stop publishes nothing more: every publishing step calls
@@ -143,11 +145,12 @@ def stale_staging(output: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def staged_output(output: str) -> Iterator[str]:
-    """A fresh staging folder beside ``output`` (mode as the umask says), swapped in on success."""
+def staged_output(output: str, kind: str) -> Iterator[str]:
+    """A fresh staging folder beside ``output`` (mode as the umask says), swapped in on success
+    when ``output`` is new, empty or an earlier output of ``kind`` (``check_replaceable``: checked
+    before the block runs and again before the swap)."""
     output = os.path.abspath(output.rstrip("/"))
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise OSError(f"{output} is a file; give a folder")
+    check_replaceable(output, kind)
     if is_locked_by_me(output):
         for old in stale_staging(output):
             shutil.rmtree(old, ignore_errors=True)
@@ -156,6 +159,7 @@ def staged_output(output: str) -> Iterator[str]:
     try:
         yield staging
         follow_umask(staging)
+        check_replaceable(output, kind)
         swap_in(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -203,19 +207,82 @@ EXPORT_INFO = "rmflow_export.json"  # in an export: the run and step it came fro
 EVAL_FILE = "eval.json"  # in an eval folder: the metrics and the config that produced them
 REPORT_FILE = "report.md"
 
+SCORES_SUMMARY = "summary.json"
+WORKFLOW_FILE = "rmflow_workflow.json"  # in a workflow's folder: written first, the workflow file it runs  # in a scoring job's output, beside its COMPLETED marker
 OUTPUT_SIGNATURES: dict[str, tuple[frozenset[str], ...]] = {
     "shard folder": (frozenset({"manifest.json", "stats.json"}), frozenset({"_summary.json"})),
-    "run directory": (frozenset({"model_config.json", "config.json"}),),
+    "run directory": (frozenset({"model_config.json"}), frozenset({"checkpoints"})),
     "eval folder": (frozenset({EVAL_FILE, REPORT_FILE}),),
     "export": (frozenset({EXPORT_INFO}),),
+    "scoring job output": (frozenset({"COMPLETED", SCORES_SUMMARY}),),
     "staging folder": (frozenset({"_owner.json"}),),
-    "workflow folder": (frozenset({"preprocess.done.json"}), frozenset({"train.started.json"})),
+    "workflow folder": (frozenset({WORKFLOW_FILE}), frozenset({"preprocess.done.json"}),
+                        frozenset({"train.started.json"})),
 }
 
 
 def output_kind(names: set[str] | frozenset[str]) -> str | None:
     """The kind of rmflow output a folder holding files ``names`` is, or None."""
-    for kind, signatures in OUTPUT_SIGNATURES.items():
-        if any(sig <= names for sig in signatures):
+    for kind in OUTPUT_SIGNATURES:
+        if is_output_of(kind, names):
             return kind
+    return None
+
+
+def is_output_of(kind: str, names: set[str] | frozenset[str]) -> bool:
+    """Whether a folder holding files ``names`` is an rmflow output of ``kind`` (OUTPUT_SIGNATURES)."""
+    return any(sig <= set(names) for sig in OUTPUT_SIGNATURES[kind])
+
+
+class OutputRefused(RmflowError):
+    """An output a command would replace is not its own earlier output; nothing was written."""
+
+
+def replace_refusal(output: str, kind: str, names: set[str] | frozenset[str] | None, *, is_file: bool = False,
+                    option: str = "--output", ignore: frozenset[str] = frozenset()) -> str | None:
+    """Why a command that writes a ``kind`` output (OUTPUT_SIGNATURES) and replaces what is there
+    must not write to ``output``, or None when it may: it may replace nothing (``names`` None),
+    an empty folder (but for ``ignore``, what the command itself put there first) or its own
+    earlier output; never a file, another command's output or a folder of other files, which it
+    would delete. The one rule every command applies (``check_replaceable``, and the Beam jobs with
+    their own listing of a remote folder)."""
+    if is_file:
+        return f"{option} {output} is a file; give a folder for the {kind}"
+    if names is None:
+        return None
+    names = set(names) - set(ignore)
+    if not names or is_output_of(kind, names):
+        return None
+    other = output_kind(names)
+    shown = ", ".join(sorted(names)[:4]) + (" ..." if len(names) > 4 else "")
+    what = f"is an rmflow {other}" if other else f"holds other files ({shown})"
+    return f"{option} {output} {what}, not an earlier {kind}, the only folder this command writes over: give a " \
+           "new or empty folder"
+
+
+def check_replaceable(output: str, kind: str, *, option: str = "--output", ignore: frozenset[str] = frozenset(),
+                      inputs: tuple[str, ...] = ()) -> None:
+    """``replace_refusal`` of a local ``output`` (remote ones: the Beam jobs list them themselves),
+    raised as OutputRefused; also refused when one of the command's ``inputs`` lies inside it."""
+    if is_url(output):
+        return
+    names = set(os.listdir(output)) if os.path.isdir(output) else None
+    why = replace_refusal(output, kind, names, is_file=os.path.exists(output) and not os.path.isdir(output),
+                          option=option, ignore=ignore)
+    if why:
+        raise OutputRefused(why)
+    inside = inside_of(output, inputs)
+    if inside:
+        raise OutputRefused(f"{inside} is inside {option} {output}, which this command replaces whole: give an "
+                            "output folder apart from its inputs")
+
+
+def inside_of(folder: str, paths: tuple[str, ...] | list[str]) -> str | None:
+    """The first of the local ``paths`` that is ``folder`` or lies inside it (links resolved), or None."""
+    if is_url(folder):
+        return None
+    root = os.path.realpath(folder)
+    for path in paths:
+        if not is_url(path) and (os.path.realpath(path) + os.sep).startswith(root + os.sep):
+            return path
     return None

@@ -86,10 +86,70 @@ def test_export_refuses_a_folder_of_other_files(base, tmp_path):
     out.mkdir()
     (out / "config.json").write_text('{"mine": true}')
     msg = one_line_error(cli("export", base / "run", "-o", out))
-    assert "not an rmflow export" in msg
+    assert "holds other files (config.json), not an earlier export" in msg
     assert (out / "config.json").read_text() == '{"mine": true}' and len(list(out.iterdir())) == 1
     (tmp_path / "afile").write_text("x")
     assert "is a file" in one_line_error(cli("export", base / "run", "-o", tmp_path / "afile"))
+
+
+def _snapshot(folder: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(folder.rglob("*"))}
+
+
+def test_no_command_writes_over_a_folder_that_is_not_its_own(base, tmp_path):
+    """One rule (``schemas.outputs.check_replaceable``) for every command that writes an output
+    folder: new, empty or its own earlier output, never a folder of other files, another command's
+    output or one holding its inputs; refused in one line before anything is written."""
+    shards, run = base / "shards", base / "run"
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("important")
+    (mine / "sub" / "file").write_text("x")
+    data = mine / "pairs.jsonl"  # the command's own input, inside the folder named as its output
+    data.write_text(json.dumps({"prompt": "hi", "chosen": "a", "rejected": "b"}) + "\n")
+    export = tmp_path / "export"
+    assert cli("export", run, "-o", export).exit_code == 0
+    workflow = tmp_path / "wf.yaml"
+    workflow.write_text(f"output: {mine}\npreprocess: {{inputs: [{data}], tokenizer: {DEMO / 'tokenizer'}}}\n"
+                        "train: {model: micro}\n")
+    tok = ("--tokenizer", DEMO / "tokenizer")
+    commands = {  # each command against (its output folder -> what it names as its own kind)
+        "preprocess": lambda out: ("preprocess", "-i", data, *tok, "-o", out, "--overwrite"),
+        "train": lambda out: ("train", "--data", shards, "--model", "micro", "-o", out, "--max-steps", 1),
+        "eval": lambda out: ("eval", "--model", run, "--data", shards, "-o", out),
+        "export": lambda out: ("export", run, "-o", out),
+        "score --runner": lambda out: ("score", "--model", run, "-i", data, "-o", out, "--runner", "DirectRunner",
+                                       "--overwrite"),
+    }
+    others = {"a folder of other files": mine, "the current folder": mine, "another command's output": None,
+              "the model": export, "the shards": shards}
+    own = {"preprocess": "the shards", "export": "the model"}  # an earlier output of its own: replaced
+    for name, args in commands.items():
+        for what, out in others.items():
+            if what == own.get(name):
+                continue
+            if out is None:  # another command's output: an export for all but export, which gets shards
+                out = export if name != "export" else shards
+            before = _snapshot(out)
+            cwd = os.getcwd()
+            os.chdir(out if what == "the current folder" else cwd)
+            try:
+                result = cli(*args("." if what == "the current folder" else out))
+            finally:
+                os.chdir(cwd)
+            message = one_line_error(result)
+            assert "give a new or empty folder" in message or "apart from its inputs" in message, (name, what, message)
+            assert _snapshot(out) == before, (name, what)
+    before = _snapshot(mine)
+    assert "holds other files" in one_line_error(cli("run", workflow))
+    assert _snapshot(mine) == before
+    # an eval folder holding the data it evaluates, or the model: the eval would replace it
+    ev = tmp_path / "ev"
+    assert cli("eval", "--model", run, "--data", shards, "-o", ev).exit_code == 0
+    shutil.copy(data, ev / "pairs.jsonl")
+    before = _snapshot(ev)
+    assert "apart from its inputs" in one_line_error(cli("eval", "--model", run, "--data", ev / "pairs.jsonl", "-o", ev))
+    assert _snapshot(ev) == before
 
 
 def test_a_run_is_self_contained_and_its_paths_absolute(base, tmp_path, monkeypatch):
@@ -284,7 +344,7 @@ def test_every_command_fails_in_one_line(base, tmp_path):
     # --overwrite deletes only rmflow's own output, never a folder of other files
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("precious")
-    assert "not an rmflow shard folder" in one_line_error(
+    assert "holds other files (notes.txt), not an earlier shard folder" in one_line_error(
         cli("preprocess", "-i", DEMO / "hh_rlhf_helpful_sample.jsonl.gz", "--tokenizer", DEMO / "tokenizer",
             "-o", tmp_path / "mine", "--overwrite"))
     assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"

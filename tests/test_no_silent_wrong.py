@@ -294,16 +294,18 @@ def test_a_staged_output_is_swapped_in_whole_or_not_at_all(tmp_path):
     out = tmp_path / "eval"
     out.mkdir()
     (out / "eval.json").write_text("old")
+    (out / "report.md").write_text("old")
     (out / "input_errors.jsonl").write_text("stale")
     with pytest.raises(RuntimeError):
-        with staged_output(str(out)) as staging:
+        with staged_output(str(out), "eval folder") as staging:
             pathlib.Path(staging, "eval.json").write_text("half")
             raise RuntimeError("interrupted")
-    assert sorted(os.listdir(out)) == ["eval.json", "input_errors.jsonl"] and (out / "eval.json").read_text() == "old"
+    assert sorted(os.listdir(out)) == ["eval.json", "input_errors.jsonl", "report.md"]
+    assert (out / "eval.json").read_text() == "old"
     assert not list(tmp_path.glob("eval.tmp-*"))
     old = os.umask(0o022)
     try:
-        with staged_output(str(out)) as staging:
+        with staged_output(str(out), "eval folder") as staging:
             pathlib.Path(staging, "eval.json").write_text("new")
     finally:
         os.umask(old)
@@ -419,7 +421,7 @@ def test_nothing_is_published_once_a_stop_was_asked_for(tmp_path):
     try:
         with pytest.raises(KeyboardInterrupt):
             publish(str(tmp_path / "staged"), str(tmp_path / "out"))
-        with pytest.raises(KeyboardInterrupt), staged_output(str(tmp_path / "out2")) as d:
+        with pytest.raises(KeyboardInterrupt), staged_output(str(tmp_path / "out2"), "eval folder") as d:
             pathlib.Path(d, "x").write_text("x")
     finally:
         clear_stop()

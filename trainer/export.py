@@ -21,7 +21,7 @@ from flax import nnx
 from rmflow.schemas.config import ExportConfig
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import ModelKind, kind_named
-from rmflow.schemas.outputs import EXPORT_INFO, output_lock, staged_output
+from rmflow.schemas.outputs import EXPORT_INFO, check_replaceable, output_lock, staged_output
 from rmflow.schemas.presets import is_preset
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
@@ -116,14 +116,7 @@ class ExportError(RmflowError):
     """The export cannot be written where asked; the message says why."""
 
 
-def check_destination(output: str) -> None:
-    """A new or empty folder, or an earlier rmflow export (replaced whole): never a folder of other
-    files, whose config.json or weights an export would overwrite or leave stale beside its own."""
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise ExportError(f"--output {output} is a file; give a folder for the checkpoint")
-    if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, EXPORT_INFO)):
-        raise ExportError(f"--output {output} holds other files ({', '.join(sorted(os.listdir(output))[:5])} ...) "
-                          "and is not an rmflow export: export into a new or empty folder")
+EXPORT = "export"  # schemas.outputs.OUTPUT_SIGNATURES' name of what export writes
 
 
 def export(cfg: ExportConfig) -> str:
@@ -172,7 +165,7 @@ def push_to_hub(folder: str, repo: str) -> str:
 
 
 def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: int, adapter: bool) -> str:
-    check_destination(output)
+    check_replaceable(output, EXPORT, inputs=(run_dir,))  # never a folder of other files: replaced whole
     model, run, step = load_trained_model(run_dir, step)
     if adapter and run.config.lora is None:
         raise ExportError(f"{run_dir} is not a LoRA run: --adapter exports LoRA adapters; export it without --adapter")
@@ -194,7 +187,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
     pad = run.manifest.tokenizer.pad_token_id
     kind = kind_named(run.manifest.model_kind)  # the run's own: its Hugging Face head, as TRL and Axolotl export that kind
     check_hf_class(run.model_config, kind)
-    with staged_output(output) as staging:  # swapped in whole; an interrupted export leaves the old one
+    with staged_output(output, EXPORT) as staging:  # swapped in whole; an interrupted export leaves the old one
         if adapter:
             base_path = os.path.abspath(resolve(run.config.model.path)) if not is_preset(run.config.model.path) else None
             if base_path is None:  # a preset's random base exists nowhere else: ship it, in base/

@@ -36,6 +36,7 @@ from rmflow.schemas.manifest import (
     tokenizer_sha256,
     vocabulary_sha256,
 )
+from rmflow.schemas.outputs import is_output_of
 from rmflow.schemas.paths import is_url
 from rmflow.schemas.sources import DataSource
 from rmflow.schemas.train_config import TrainConfig
@@ -51,6 +52,7 @@ METRICS_FILE = "metrics.jsonl"  # the metric history: one record per logging or 
 
 BASE_CONFIG = "base_config.json"
 CHECKPOINTS = "checkpoints"
+RUN_DIRECTORY = "run directory"  # schemas.outputs.OUTPUT_SIGNATURES' name of what train writes (MODEL_CONFIG or CHECKPOINTS)
 
 
 class RunDirError(RmflowError):
@@ -59,7 +61,7 @@ class RunDirError(RmflowError):
 
 def is_run_dir(path: str) -> bool:
     """Written by `rmflow train` (even one that has no checkpoint yet)."""
-    return os.path.exists(os.path.join(path, MODEL_CONFIG)) or os.path.isdir(os.path.join(path, CHECKPOINTS))
+    return os.path.isdir(path) and is_output_of(RUN_DIRECTORY, set(os.listdir(path)))
 
 
 def tokenizer_files(folder: str) -> dict[str, bytes]:

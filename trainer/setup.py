@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
+from rmflow.schemas.outputs import check_replaceable
 from rmflow.schemas.presets import is_preset
 from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer import storage
@@ -27,16 +28,13 @@ from rmflow.trainer.modeling.config import ModelConfig, ScoreHead
 from rmflow.trainer.modeling.convert import load_reward_model, read_config, resolve
 from rmflow.trainer.modeling.llama import RewardTransformer
 from rmflow.trainer.objective import objective_for
-from rmflow.trainer.rundir import EVAL_DATA, is_run_dir, tokenizer_fingerprint
+from rmflow.trainer.rundir import EVAL_DATA, RUN_DIRECTORY, tokenizer_fingerprint
 
 
-def check_output(output: str, resume: bool) -> None:
-    """The run directory must be a folder: a new one, an empty one, or an earlier run."""
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise TrainError(f"--output {output} is a file; give a folder for the run")
-    if os.path.isdir(output) and set(os.listdir(output)) - {EVAL_DATA} and not is_run_dir(output):
-        raise TrainError(f"--output {output} is a folder that holds other files and no rmflow run; give a new or "
-                         "empty folder")
+def check_output(output: str) -> None:
+    """The run directory must be a folder: a new one, an empty one (but for the run's own eval sets,
+    preprocessed first), or an earlier run (``schemas.outputs.check_replaceable``)."""
+    check_replaceable(output, RUN_DIRECTORY, ignore=frozenset({EVAL_DATA}))
 
 
 def read_manifest(data: str) -> Manifest:

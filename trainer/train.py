@@ -217,7 +217,7 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
                          "so --output must be a folder all hosts share (NFS/Filestore, or a gcsfuse mount)")
     local_sources = with_paths(cfg.sources, storage.stage_shards)  # remote shards: a local copy (disk checked first)
     run_dir = storage.local_run_dir(cfg.output, resume)  # remote run: written locally, mirrored after saves
-    check_output(run_dir, resume)
+    check_output(run_dir)
     # Every check before anything is written: a refused run leaves the existing one intact.
     latest = existing_checkpoint(run_dir)
     if latest is not None and not resume:

@@ -27,7 +27,7 @@ from rmflow.schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import ERRORS_FILE, MANIFEST_FILE
-from rmflow.schemas.outputs import output_lock, staged_output
+from rmflow.schemas.outputs import check_replaceable, output_lock, staged_output
 from rmflow.schemas.record import decode
 from rmflow.trainer import storage
 from rmflow.trainer.inference import (
@@ -47,6 +47,7 @@ class EvalError(RmflowError):
     (Errors about the model or the shards themselves come from the trainer as TrainError.)"""
 
 INPUT_ERRORS = "input_errors.jsonl"
+EVAL_FOLDER = "eval folder"  # schemas.outputs.OUTPUT_SIGNATURES' name of what eval writes
 Writer = Callable[[dict[str, Any], str], Any]  # (metrics, eval folder): writes eval.json, report.md, plots
 
 
@@ -110,20 +111,16 @@ def failed_errors_path(output: str) -> str:
     return os.path.abspath(output.rstrip("/")) + "." + INPUT_ERRORS
 
 
-def check_eval_output(output: str) -> None:
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise EvalError(f"--output {output} is a file; give a folder for eval.json, report.md and the plots")
-
-
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     """Evaluate ``cfg.model`` on ``cfg.data``. The output folder is locked while the eval runs,
     written in a staging folder and swapped in whole."""
     output = cfg.output
-    check_eval_output(output)
+    # never a folder of other files, nor one holding the model or the data: the eval replaces it whole
+    check_replaceable(output, EVAL_FOLDER, inputs=(cfg.model, *cfg.data))
     with output_lock(output, "rmflow eval"):
         with contextlib.suppress(FileNotFoundError):  # a failed earlier eval's reasons: this eval's replace them
             os.remove(failed_errors_path(output))
-        with staged_output(output) as staging:
+        with staged_output(output, EVAL_FOLDER) as staging:
             return _run_eval(cfg, staging)
 
 

@@ -24,7 +24,7 @@ from rmflow.schemas.train_config import REGRESSION, TrainConfig
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.rundir import EVAL_DATA
-from rmflow.trainer.setup import read_manifest
+from rmflow.trainer.setup import check_output, read_manifest
 
 
 def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
@@ -34,6 +34,8 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
     raw = {name: paths for name, paths in (cfg.data.eval or {}).items() if not storage.is_shard_folder(paths)}
     if not raw:
         return cfg
+    if not storage.is_remote(cfg.output):
+        check_output(cfg.output)  # the sets go inside the run's folder: never into a folder of other files
     from rmflow.pipelines.preprocess import PreprocessError
     from rmflow.pipelines.preprocess import run as preprocess
     from rmflow.pipelines.staging import SUFFIX as STAGING_SUFFIX

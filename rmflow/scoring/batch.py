@@ -43,6 +43,7 @@ from rmflow.schemas.config import MAX_BAD_FRACTION
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
+from rmflow.schemas.outputs import SCORES_SUMMARY
 from rmflow.schemas.paths import is_url
 from rmflow.scoring.api import BadConversation, RewardModel
 from rmflow.scoring.scorers import (
@@ -57,7 +58,8 @@ from rmflow.scoring.scorers import (
 SCORES_PREFIX = "scores"
 BEST_FILE = "best.jsonl"
 PAIRS_FILE = "pairs.jsonl"
-SUMMARY_FILE = "summary.json"
+SUMMARY_FILE = SCORES_SUMMARY
+SCORES_OUTPUT = "scoring job output"  # schemas.outputs.OUTPUT_SIGNATURES' name of what the job writes
 PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
 SCORE_FIELDS = tuple(dict.fromkeys((*PAIR_FIELDS, *(f for s in every("scorer").values() for f in s.fields),
                                     RESPONSE_SCORES, BEST_RESPONSE, RESPONSE_ATTRIBUTES)))  # last, in this order
@@ -428,7 +430,7 @@ def finalize(items: list, spec: JobSpec, identity: dict[str, Any]) -> dict[str, 
     if refusal:
         refuse(staging, {**summary, "error": refusal}, BatchScoreError(refusal))
     rio.write_bytes(f"{staging}/{SUMMARY_FILE}", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
-    publish(staging, out)
+    publish(staging, out, SCORES_OUTPUT)
     return summary
 
 
@@ -482,11 +484,9 @@ def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "Direct
     from rmflow.pipelines.io import expand_inputs
 
     output = output.rstrip("/") if is_url(output) else os.path.abspath(output)
+    rio.check_replaceable(output, SCORES_OUTPUT, BatchScoreError)
     if rio.exists(f"{output}/{COMPLETED_FILE}") and not overwrite:
         raise BatchScoreError(f"{output} already holds a scoring job's output: give --overwrite to replace it")
-    empty = not is_url(output) and os.path.isdir(output) and not os.listdir(output)
-    if rio.exists(output) and not empty and not rio.exists(f"{output}/{COMPLETED_FILE}"):
-        raise BatchScoreError(f"{output} exists and is not a scoring job's output: give an empty or new folder")
     listed = expand_inputs(tuple(inputs))
     files, size = [path for path, _ in listed], sum(n for _, n in listed)
     local = os.path.realpath(output) + "/" if not is_url(output) else output + "/"
