@@ -319,14 +319,38 @@ def is_empty_reply(message: Message) -> bool:
     return not message[1].strip() and len(message) < 3
 
 
-def _check_reply(msgs: tuple[Message, ...], name: str) -> tuple[Message, ...]:
+def check_reply(msgs: tuple[Message, ...], name: str) -> tuple[Message, ...]:
+    """The one rule for a reply a reward model learns or scores (a pair's chosen and rejected, each
+    of K responses: preprocess, eval, score, serve and the API alike): assistant messages first
+    (tool results may come between), ending with a non-empty assistant message, at whose end the
+    reward is read."""
     if not msgs:
         raise BadRecord("empty_reply", f"'{name}' has no messages")
     if msgs[0][0] != "assistant":
         raise BadRecord("bad_role", f"'{name}' must start with an assistant message, got {msgs[0][0]!r}")
+    check_reply_end(msgs, name)
+    return msgs
+
+
+def check_reply_end(msgs: tuple[Message, ...], name: str) -> None:
+    """A conversation to score ends with the assistant's non-empty reply (``check_reply``)."""
+    if msgs[-1][0] != "assistant":
+        raise BadRecord("bad_role", f"'{name}' ends with a {msgs[-1][0]} message; the reward is read at the end of "
+                                    "the assistant's reply: end it with the assistant message to score")
     if is_empty_reply(msgs[-1]):
         raise BadRecord("empty_reply", f"'{name}' ends with an empty reply")
+
+
+def check_prompt(msgs: tuple[Message, ...], name: str) -> tuple[Message, ...]:
+    """The one rule for a prompt (what the reply answers): messages, one of them the user's."""
+    if not msgs:
+        raise BadRecord("empty_prompt", f"'{name}' has no messages")
+    if not any(m[0] == "user" for m in msgs):
+        raise BadRecord("bad_role", f"'{name}' has no user message: a reply answers a user's turn")
     return msgs
+
+
+_check_reply = check_reply
 
 
 def _split_common_prefix(chosen, rejected) -> tuple[tuple, tuple, tuple]:
@@ -339,6 +363,7 @@ def _split_common_prefix(chosen, rejected) -> tuple[tuple, tuple, tuple]:
     prompt, c, r = chosen[:k], chosen[k:], rejected[k:]
     if not prompt:
         raise BadRecord("no_common_prompt", "chosen and rejected share no leading messages: no prompt to compare on")
+    check_prompt(prompt, "prompt (the messages chosen and rejected share)")
     if not c or not r:
         raise BadRecord(
             "no_reply", "one conversation is a prefix of the other: there is no reply to compare"
@@ -368,9 +393,7 @@ def _text_format(r):
 
 
 def _conversational(r):
-    prompt = _messages(_field(r, "prompt", list, tuple), "prompt")
-    if not prompt:
-        raise BadRecord("empty_prompt", "'prompt' has no messages")
+    prompt = check_prompt(_messages(_field(r, "prompt", list, tuple), "prompt"), "prompt")
     return prompt, _reply(_field(r, "chosen", list, tuple, str, dict), "chosen"), _reply(
         _field(r, "rejected", list, tuple, str, dict), "rejected"
     )

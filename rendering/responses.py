@@ -55,6 +55,9 @@ from rmflow.rendering.formats import (
     CanonicalSteps,
     Message,
     Tie,
+    check_prompt,
+    check_reply,
+    is_empty_reply,
     normalize,
     parse_hh_transcript,
     read_messages,
@@ -129,24 +132,21 @@ def _prompt(value: Any, name: str) -> tuple[Message, ...]:
                 raise BadRecord("bad_transcript", f"'{name}' does not end with a Human turn")
             return msgs
         return (("user", value),)
-    msgs = read_messages(value, name)
-    if not msgs:
-        raise BadRecord("empty_prompt", f"'{name}' has no messages")
-    return msgs
+    return check_prompt(read_messages(value, name), name)
 
 
 EMPTY: tuple = ()  # an empty response: dropped from its record (counted), the others kept
 
 
 def _response(value: Any, name: str) -> tuple[Message, ...]:
+    if value is None:  # a missing response (a null in a Parquet list): left out, as an empty one is
+        return EMPTY
     if isinstance(value, str):
         return (("assistant", value),) if value.strip() else EMPTY
     msgs = read_messages(value, name)
-    if not msgs or (len(msgs) == 1 and not msgs[0][1].strip() and len(msgs[0]) < 3):
+    if not msgs or (len(msgs) == 1 and msgs[0][0] == "assistant" and is_empty_reply(msgs[0])):
         return EMPTY
-    if msgs[0][0] != "assistant" or not msgs[-1][1].strip():
-        raise BadRecord("empty_reply", f"{name} must be assistant messages ending in a non-empty reply")
-    return msgs
+    return check_reply(msgs, name)
 
 
 _NUMBER = re.compile(r"\s*[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\s*")
@@ -328,6 +328,15 @@ def read_row(record: Any, *, source: str, line: int, weights: Mapping[str, float
     return Row(source, line, _prompt(record.get("prompt"), "prompt"), response, score, ratings, tuple(attributes))
 
 
+def row_messages(record: Mapping[str, Any]) -> tuple[Message, ...]:
+    """A response-a-row record's prompt and response, the one conversation it holds (to score it;
+    its ratings are not needed). Raises BadRecord."""
+    response = _response(record.get("response"), "response")
+    if response == EMPTY:
+        raise BadRecord("empty_reply", "'response' is empty: nothing to score")
+    return _prompt(record.get("prompt"), "prompt") + response
+
+
 def group_rows(rows: list[Row]) -> dict[str, Any]:
     """The rows of one prompt as one ``responses`` record (the first row's place names it), with
     their ratings (``attributes``) when kept."""
@@ -345,6 +354,10 @@ def raw_responses(record: Mapping[str, Any], fmt: str) -> tuple[tuple[Message, .
     if fmt == "responses":  # to score them, the responses need no scores or ranks of their own
         prompt = _prompt(record.get("prompt"), "prompt")
         responses = [_response(x, f"responses[{i}]") for i, x in enumerate(_list(record, "responses"))]
+    elif fmt == "rewardbench2":  # nor a rejected one beside a chosen one
+        prompt = _prompt(record.get("prompt"), "prompt")
+        responses = [_response(x, f"{side}[{i}]") for side in ("chosen", "rejected")
+                     for i, x in enumerate(_list(record, side))]
     else:
         prompt, responses, _, _ = _READERS[fmt](record)
     for i, r in enumerate(responses):

@@ -92,7 +92,7 @@ def test_bad_conversations_say_which(workdir):
     from rmflow.scoring.api import BadConversation
 
     rm = RewardModel.load(str(workdir / "runs" / "rm1"))
-    with pytest.raises(BadConversation, match="conversation 1: the last message is the user's"):
+    with pytest.raises(BadConversation, match="conversation 1: 'messages' ends with a user message"):
         rm.score([CONVS[0], [U("Hi")]])
     with pytest.raises(ValueError, match="2 chosen but 1 rejected"):
         rm.score_pairs(CONVS[:2], CONVS[:1])

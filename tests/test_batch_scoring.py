@@ -249,26 +249,70 @@ def test_the_scoring_template_entry_point_runs_locally_with_the_launchers_argume
         assert (dated / name).read_bytes() == (base / "out" / name).read_bytes(), name
 
 
-def test_the_job_scores_a_k_response_line_with_its_prompt_once(job, monkeypatch):
-    """The Beam job's model handler gives one prompt's K responses to RewardModel.score_groups_outputs
-    (the prompt computed once, as local `rmflow score` does), the other lines to the sequence
-    scorer; the scores equal each response scored alone."""
-    from rmflow.scoring.api import RewardModel
+K_LINES = [{"prompt": "Pick one.", "responses": ["A.", "B, because it is longer.", "C"], "scores": [1, 3, 2]},
+           {"prompt": "Pick one.", "responses": ["Only this."]},  # K = 1: one conversation, as the server scores it
+           {"prompt": "Pick one.", "answers": [{"answer": "A lone Nectar answer.", "rank": 1}]},
+           {"instruction": "Pick one.", "completions": [{"response": "One completion.", "overall_score": 5}]},
+           {"prompt": "Pick one.", "response": "A HelpSteer row.", "helpfulness": 3},  # its one conversation
+           {"prompt": "Pick one.", "chosen": "A.", "rejected": "B."}]  # a pair, in process too
+
+
+def _alone(rm, replies):
+    return rm.score([[{"role": "user", "content": "Pick one."}, {"role": "assistant", "content": r}] for r in replies])
+
+
+def _check_k_lines(rm, fields):
+    """The fields of K_LINES, each as the responses scored alone."""
+    np.testing.assert_allclose(fields[0]["response_scores"], _alone(rm, K_LINES[0]["responses"]), atol=1e-5, rtol=0)
+    assert fields[0]["best_response"] == int(np.argmax(_alone(rm, K_LINES[0]["responses"])))
+    for f, reply in zip(fields[1:4], ("Only this.", "A lone Nectar answer.", "One completion.")):
+        np.testing.assert_allclose(f["response_scores"], _alone(rm, [reply]), atol=1e-5, rtol=0)
+        assert f["best_response"] == 0
+    np.testing.assert_allclose(fields[4]["score"], _alone(rm, ["A HelpSteer row."])[0], atol=1e-5, rtol=0)
+    c, r = _alone(rm, ["A.", "B."])
+    np.testing.assert_allclose([fields[5]["score_chosen"], fields[5]["score_rejected"]], [c, r], atol=1e-5, rtol=0)
+
+
+def test_every_record_is_scored_as_the_server_scores_it_and_none_takes_the_others_down(job, monkeypatch, tmp_path):
+    """In process and in the Beam job's model handler alike (``scorers.score_encoded``): K
+    responses with their prompt once, K = 1 as its one conversation, a row, a pair; a record whose
+    scoring fails (a bug) gets an error and the others their scores."""
+    from rmflow.trainer.inference import SequenceScorer
+
     from rmflow.scoring.batch import JobSpec, RewardModelHandler
+    from rmflow.scoring.scorers import score_file
 
     base, rm, convs, _, _ = job
-    grouped = []
-    real = RewardModel.score_groups_outputs
-    monkeypatch.setattr(RewardModel, "score_groups_outputs", lambda self, groups: grouped.append(len(groups))
-                        or real(self, groups))
-    k = {"prompt": "Pick one.", "responses": ["A.", "B, because it is longer.", "C"], "scores": [1, 3, 2]}
+    units = []
+    real = SequenceScorer.run_units
+    monkeypatch.setattr(SequenceScorer, "run_units", lambda self, us: units.append(len(us)) or real(self, us))
     spec = JobSpec(model=str(base / "run"), step=None, staging="", output="", num_shards=1, token_budget=1024,
                    batch_rows=8, group_by=None, started=0.0)
-    results = RewardModelHandler(spec).run_inference(
-        [("in", 1, json.dumps(k)), ("in", 2, json.dumps({"messages": convs[0]}))], rm)
-    assert grouped == [1]  # the K-response line, as one group
-    fields = [r.inference["fields"] for r in results]
-    alone = rm.score([[{"role": "user", "content": "Pick one."}, {"role": "assistant", "content": r}]
-                      for r in k["responses"]])
-    np.testing.assert_allclose(fields[0]["response_scores"], alone, atol=1e-5, rtol=0)
-    assert fields[0]["best_response"] == int(np.argmax(alone)) and np.isfinite(fields[1]["score"])
+    batch = [("in", i, json.dumps(x)) for i, x in enumerate(K_LINES, 1)]
+    results = RewardModelHandler(spec).run_inference([*batch, ("in", 9, json.dumps({"messages": convs[0]}))], rm)
+    assert units == [1]  # the K = 3 line, its prompt once
+    _check_k_lines(rm, [r.inference["fields"] for r in results][:-1])
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in K_LINES))
+    assert score_file(str(base / "run"), str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")) == \
+        {"scored": len(K_LINES), "errors": 0}
+    _check_k_lines(rm, [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()])
+
+    real_run = SequenceScorer.run_outputs  # a forward that fails on one conversation's length (a bug, say)
+    poison = len(rm.encode(convs[1]))
+
+    def failing(self, seqs):
+        if any(len(x) == poison for x in seqs):
+            raise RuntimeError("boom")
+        return real_run(self, seqs)
+
+    monkeypatch.setattr(SequenceScorer, "run_outputs", failing)
+    lines = [{"id": i, "messages": c} for i, c in enumerate(convs[:4])]
+    (tmp_path / "in2.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert score_file(str(base / "run"), str(tmp_path / "in2.jsonl"), str(tmp_path / "out2.jsonl")) == \
+        {"scored": 3, "errors": 1}
+    rows = [json.loads(x) for x in (tmp_path / "out2.jsonl").read_text().splitlines()]
+    assert "RuntimeError: boom" in rows[1]["error"] and rows[1]["line"] == 2 and rows[1]["id"] == 1
+    np.testing.assert_allclose([rows[i]["score"] for i in (0, 2, 3)], real_run.__get__(rm.scorer())(
+        [rm.encode(convs[i]) for i in (0, 2, 3)])[0], atol=1e-5, rtol=0)
+    results = RewardModelHandler(spec).run_inference([("in", i, json.dumps(x)) for i, x in enumerate(lines)], rm)
+    assert [r.inference.get("code") for r in results] == [None, "internal_error", None, None]

@@ -168,3 +168,49 @@ def test_undetectable_layouts(record):
     with pytest.raises(BadRecord) as e:
         detect_format(record)
     assert e.value.code == "unknown_layout"
+
+
+T = lambda c: {"role": "tool", "content": c}  # noqa: E731
+# What a reward model cannot read its reward from, in every place a reply or a prompt arrives
+NOT_A_REPLY = {"ends with the user's turn": [A("a1"), U("are you sure?")], "ends with a tool's": [A("a1"), T("42")],
+               "the user's alone": [U("hi")]}
+NOT_A_PROMPT = {"an assistant's alone": [A("hello")], "a tool's alone": [T("42")], "a system's alone": [S("be nice")]}
+
+
+@pytest.mark.parametrize("what", sorted(NOT_A_REPLY))
+def test_one_rule_for_a_reply_in_every_layout_and_in_scoring(what):
+    """``check_reply``: a pair's chosen or rejected, each of K responses, a conversation to score:
+    preprocess, eval, score, serve and the API refuse the same replies, by one rule."""
+    from rmflow.rendering.responses import raw_responses, read_responses
+    from rmflow.scoring.api import BadConversation, conversation_messages
+
+    reply = NOT_A_REPLY[what]
+    with pytest.raises(BadRecord) as e:
+        norm({"prompt": [U("Q1 what?")], "chosen": reply, "rejected": [A("b1")]})
+    assert e.value.code == "bad_role"
+    with pytest.raises(BadRecord) as e:
+        norm({"chosen": [U("Q1 what?"), *reply], "rejected": [U("Q1 what?"), A("b1")]})
+    assert e.value.code in ("bad_role", "diverge_before_reply")
+    record = {"prompt": "Q1 what?", "responses": [reply, [A("b1")]], "scores": [2, 1]}
+    for read in (lambda: read_responses(record, "responses", source="s", line=1),
+                 lambda: raw_responses(record, "responses")):
+        with pytest.raises(BadRecord) as e:
+            read()
+        assert e.value.code == "bad_role"
+    if reply[0]["role"] == "assistant":
+        with pytest.raises(BadConversation, match="ends with a (user|tool) message"):
+            conversation_messages([U("Q1 what?"), *reply])
+
+
+@pytest.mark.parametrize("what", sorted(NOT_A_PROMPT))
+def test_one_rule_for_a_prompt_in_every_layout_and_in_scoring(what):
+    from rmflow.rendering.responses import read_responses
+    from rmflow.scoring.api import BadConversation, conversation_messages
+
+    prompt = NOT_A_PROMPT[what]
+    with pytest.raises(BadRecord, match="no user message"):
+        norm({"prompt": prompt, "chosen": [A("a")], "rejected": [A("b")]})
+    with pytest.raises(BadRecord, match="no user message"):
+        read_responses({"prompt": prompt, "responses": ["a", "b"], "scores": [2, 1]}, "responses", source="s", line=1)
+    with pytest.raises(BadConversation, match="no user message"):
+        conversation_messages([*prompt, A("a")])

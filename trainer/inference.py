@@ -523,12 +523,30 @@ def score_groups(model: RewardTransformer, groups: Sequence[Sequence[np.ndarray]
     """The reward of each sequence of each group (one prompt's K conversations, each the prompt and
     one response, as encoded for scoring), at its last token, the tokens the group's sequences
     share at their start computed once (``score_responses``); and each sequence's score head
-    outputs, (K, N) a group."""
-    records = []
-    for seqs in groups:
-        seqs = [np.asarray(s, np.int32) for s in seqs]
-        records.append(_as_unit(seqs, shared_prefix(seqs)))
-    return score_responses_outputs(model, records, pad_id=pad_id)
+    outputs, (K, N) a group. A group of one (K = 1) is its one conversation, scored alone."""
+    groups = [[np.asarray(s, np.int32) for s in seqs] for seqs in groups]
+    if any(not g for g in groups):
+        raise ValueError("a group with no conversation: each group holds one prompt's K >= 1 conversations")
+    several = [i for i, g in enumerate(groups) if len(g) > 1]
+    rewards: list[np.ndarray] = [np.zeros(0, np.float32)] * len(groups)
+    outputs: list[np.ndarray] = [np.zeros((0, 0), np.float32)] * len(groups)
+    if several:
+        r, o = score_responses_outputs(model, [_as_unit(groups[i], shared_prefix(groups[i])) for i in several],
+                                       pad_id=pad_id)
+        for j, i in enumerate(several):
+            rewards[i], outputs[i] = r[j], o[j]
+    alone = [i for i, g in enumerate(groups) if len(g) == 1]
+    if alone:
+        seqs = [groups[i][0] for i in alone]
+        ids = np.full((len(seqs), max(map(len, seqs))), pad_id, np.int32)
+        seg, last = np.zeros_like(ids), np.asarray([len(x) - 1 for x in seqs], np.int32)
+        for row, x in enumerate(seqs):
+            ids[row, : len(x)], seg[row, : len(x)] = x, 1
+        pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+        r, o = (np.asarray(x) for x in _rewards_and_outputs(*nnx.split(model), ids, pos, seg, last))
+        for j, i in enumerate(alone):
+            rewards[i], outputs[i] = r[j : j + 1], o[j : j + 1]
+    return rewards, outputs
 
 
 # The responses one scoring unit holds at most (``response_units``): the response slots of the

@@ -43,20 +43,18 @@ def conversation_messages(obj: Any) -> tuple[tuple[str, ...], ...]:
     """The messages of a conversation (a list of ``{role, content}``, or an object with ``messages``),
     read by the preprocessing code itself (roles, text parts, tool calls), ending with an assistant
     message."""
-    from rmflow.rendering.formats import BadRecord, is_empty_reply, read_messages
+    from rmflow.rendering.formats import BadRecord, check_prompt, check_reply_end, read_messages
 
     msgs = obj.get("messages") if isinstance(obj, dict) else obj
     if not isinstance(msgs, (list, tuple)) or not msgs:
         raise BadConversation("expected a non-empty list of messages, or an object with 'messages'")
     try:
-        messages = read_messages(msgs, "message")
+        messages = read_messages(msgs, "messages")
+        # the rules preprocessing applies to what it trains on: a reply at the end, a user's turn before
+        check_reply_end(messages, "messages")
+        check_prompt(messages, "messages")
     except BadRecord as e:
         raise BadConversation(e.message) from e
-    if messages[-1][0] != "assistant":  # a reward model scores a reply, not a question
-        raise BadConversation(f"the last message is the {messages[-1][0]}'s; a reward model scores an assistant "
-                              "reply: end the conversation with the assistant message to score")
-    if is_empty_reply(messages[-1]):
-        raise BadConversation("the reply to score is empty (preprocessing refuses empty replies too: empty_reply)")
     return messages
 
 

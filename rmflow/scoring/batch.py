@@ -30,14 +30,13 @@ import apache_beam as beam
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
 from apache_beam.pvalue import TaggedOutput
 
-from rmflow.handlers import every, handler
+from rmflow.handlers import every
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.publication import FAILED_FILE, publish, published, refuse
 from rmflow.pipelines.runner import launched, new_pipeline, runner_options
 from rmflow.pipelines.staging import new_staging
 from rmflow.pipelines.transforms import DEAD, FILES, ReadRecordsFn, as_bad_record, dead_letter
-from rmflow.rendering.formats import BadRecord, detect_format, normalize
-from rmflow.rendering.tokenize import message_dict
+from rmflow.rendering.formats import BadRecord
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import MAX_BAD_FRACTION
 from rmflow.schemas.errors import RmflowError
@@ -48,11 +47,12 @@ from rmflow.schemas.paths import is_url
 from rmflow.scoring.api import BadConversation, RewardModel
 from rmflow.scoring.scorers import (
     BEST_RESPONSE,
+    PAIR_FIELDS,
     RESPONSE_ATTRIBUTES,
     RESPONSE_SCORES,
     echoed,
-    group_fields,
-    responses_of,
+    encode_record,
+    score_encoded,
 )
 
 SCORES_PREFIX = "scores"
@@ -60,7 +60,6 @@ BEST_FILE = "best.jsonl"
 PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = SCORES_SUMMARY
 SCORES_OUTPUT = "scoring job output"  # schemas.outputs.OUTPUT_SIGNATURES' name of what the job writes
-PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
 SCORE_FIELDS = tuple(dict.fromkeys((*PAIR_FIELDS, *(f for s in every("scorer").values() for f in s.fields),
                                     RESPONSE_SCORES, BEST_RESPONSE, RESPONSE_ATTRIBUTES)))  # last, in this order
 JOB_FIELDS = frozenset({"source", "line", "error", *SCORE_FIELDS})  # rmflow's: a record's own is input_<name>
@@ -91,37 +90,6 @@ class JobSpec:
 
 
 # --------------------------------------------------------------------------- what a record is
-
-
-def _pair_conversations(obj: dict[str, Any], source: str, line: int) -> tuple[list, list]:
-    pair = normalize(obj, detect_format(obj), source=source, line=line)
-    if not getattr(pair, "chosen", None) or getattr(pair, "is_tokenized", False):
-        raise BadRecord("not_a_pair", "a pair to score needs chosen and rejected replies as text")
-    return list(pair.prompt + pair.chosen), list(pair.prompt + pair.rejected)
-
-
-def encode_record(rm: RewardModel, obj: Any, source: str, line: int, truncate: str = "error") -> tuple[str, list]:
-    """(what the record is, its encoded sequences): a conversation (one), a preference pair
-    (chosen and rejected, each with the prompt), one prompt's K responses (each with the prompt,
-    in the given order), or, for a process model, a solution (one). Raises BadConversation or
-    BadRecord."""
-    scorer = handler(rm.kind, "scorer")
-    if not kind_named(rm.kind).pairwise:
-        return "solution", [scorer.encode(rm, obj, truncate=truncate)]
-    conversations = responses_of(obj)
-    if conversations:
-        return "responses", [scorer.encode(rm, c, truncate=truncate) for c in conversations]
-    if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj:
-        chosen, rejected = _pair_conversations(obj, source, line)
-        return "pair", [scorer.encode(rm, [message_dict(m) for m in c], truncate=truncate) for c in (chosen, rejected)]
-    return "conversation", [scorer.encode(rm, obj, truncate=truncate)]
-
-
-def _fields(what: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-    if what == "pair":
-        c, r = results[0]["score"], results[1]["score"]
-        return dict(zip(PAIR_FIELDS, (c, r, c - r, bool(c > r))))
-    return results[0]
 
 
 def _parse(raw: str) -> Any:
@@ -158,39 +126,21 @@ class RewardModelHandler(ModelHandler):
 
     def run_inference(self, batch: Sequence[tuple[str, int, str]], model: RewardModel,
                       inference_args: dict[str, Any] | None = None) -> Iterable[PredictionResult]:
-        scorer = handler(model.kind, "scorer")
-        shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget)
         out: list[dict[str, Any]] = [{} for _ in batch]
-        flat, owner, kinds, groups = [], [], {}, {}
+        encoded, owner = [], []
         for i, (source, line, raw) in enumerate(batch):
             try:
-                what, seqs = encode_record(model, _parse(raw), source, line, self.spec.truncate)
+                encoded.append(encode_record(model, _parse(raw), source=source, line=line, truncate=self.spec.truncate))
+                owner.append(i)
             except BadConversation as e:
                 out[i] = {"error": str(e), "code": "bad_conversation"}
-                continue
             except Exception as e:  # noqa: BLE001 - one record, never the job: a bad record or a bug, named
                 err = as_bad_record(e)
                 out[i] = {"error": err.message, "code": err.code}
-                continue
-            if what == "responses":  # one prompt's K responses: the prompt computed once (score_groups)
-                groups[i] = seqs
-                continue
-            kinds[i] = what
-            for s in seqs:
-                flat.append(s)
-                owner.append(i)
-        results: list[dict[str, Any] | None] = [None] * len(flat)
-        for b in shapes.plan([scorer.size(x) for x in flat], one_length=True, groups=[scorer.group(x) for x in flat]):
-            for j, fields in zip(b, scorer.run(model, [flat[k] for k in b], shapes)):
-                results[j] = fields
-        per: dict[int, list] = {}
-        for j, i in enumerate(owner):
-            per.setdefault(i, []).append(results[j])
-        for i, rs in per.items():
-            out[i] = {"fields": _fields(kinds[i], rs)}
-        if groups:
-            for i, fields in zip(groups, group_fields(model, list(groups.values()))):
-                out[i] = {"fields": fields}
+        # in the core's shapes, a batch never spanning two (what fixes a record's score to the last bit)
+        shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget)
+        for i, fields in zip(owner, score_encoded(model, encoded, shapes, one_length=True)):
+            out[i] = fields if "error" in fields else {"fields": fields}
         return [PredictionResult(ex, r) for ex, r in zip(batch, out)]
 
     def get_metrics_namespace(self) -> str:

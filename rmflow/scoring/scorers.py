@@ -1,14 +1,18 @@
-"""`rmflow score`: rewards for conversations (message lists), batched by length.
+"""`rmflow score`: rewards for the records of a JSONL file, batched by length.
 
-Input JSONL: one conversation a line, either a list of ``{role, content}`` messages or an
-object with ``messages`` (other fields are kept in the output), ending with the assistant reply
-to score. Output JSONL, in input order: the line's fields plus ``score`` (and
-``score_normalized`` when the model carries reward_normalization.json from
-`rmflow eval --normalize`), or, for a line that cannot be scored, its fields plus ``line`` and
-``error`` (bad JSON, invalid UTF-8 or Unicode, NaN, no final assistant message, too long ...).
-A line's own field named like one of rmflow's (``score``, ``line``, ``error`` ...) is kept as
-``input_<name>``. `rmflow score` exits 1 when more than ``--max-bad-fraction`` of the lines
-are bad (the file is written either way).
+Input JSONL, one record a line (``encode_record``): a conversation (a list of ``{role, content}``
+messages, or an object with ``messages``) ending with the assistant reply to score; one prompt's
+K >= 1 responses in any multi-response layout (each response scored with its prompt, the prompt
+computed once); a response-a-row record (HelpSteer's: its prompt and response); or a preference
+pair in any pair layout (both replies, each with the prompt). Other fields are kept in the output.
+Output JSONL, in input order: the line's fields plus ``score`` (``score_normalized`` when the model
+carries reward_normalization.json from `rmflow eval --normalize`; an attribute head's
+``attribute_scores``), ``response_scores`` and ``best_response`` (``response_attribute_scores``)
+for K responses, ``score_chosen``, ``score_rejected``, ``margin`` and ``agrees`` for a pair; or,
+for a line that cannot be scored, its fields plus ``line`` and ``error`` (bad JSON, invalid UTF-8
+or Unicode, NaN, no final assistant message, too long ...). A line's own field named like one of
+rmflow's (``score``, ``line``, ``error`` ...) is kept as ``input_<name>``. `rmflow score` exits 1
+when more than ``--max-bad-fraction`` of the lines are bad (the file is written either way).
 
 A process reward model scores steps: each input line is a solution, ``{"prompt": ...,
 "completions": [step, ...]}`` (TRL's stepwise layout; labels, if present, are kept and ignored),
@@ -72,7 +76,9 @@ LINE_FIELDS = frozenset({"line", "error"})  # what a line that cannot be scored 
 def score_file(model_path: str, input_path: str, output_path: str, *, step: int | str | None = None,
                batch_size: int = SCORING_BATCH_SIZE, truncate: str = "error", progress_factory=None) -> dict[str, int]:
     """Score a JSONL file through the Python API (``rmflow.RewardModel``), one result line per
-    input line; a line that cannot be scored keeps its fields and gets ``line`` and ``error``.
+    input line, each line what ``encode_record`` reads (a conversation, a preference pair, one
+    prompt's K responses, a solution); a line that cannot be scored keeps its fields and gets
+    ``line`` and ``error``, and no line takes the others' scores with it (``score_encoded``).
     ``truncate="left"``: a conversation longer than the model's positions loses its earliest tokens."""
     if os.path.isdir(output_path):
         raise ScoreError(f"--output {output_path} is a folder; give the JSONL file to write")
@@ -82,10 +88,8 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
         raise ScoreError(f"--output {output_path} is the input file: give another path (the scores are written "
                          "beside, then renamed over it)")
     rm = RewardModel.load(model_path, step)
-    scorer = handler(rm.kind, "scorer")
     rows: list[dict[str, Any]] = []
-    seqs, owners = [], []  # each conversation's row
-    groups: list[tuple[int, list]] = []  # (row, its K encoded conversations): one prompt, computed once
+    encoded, owners = [], []  # each encodable line's (what, sequences), and its (row, line number)
     for line_no, text, problem in _lines(input_path):
         obj = None
         try:
@@ -95,35 +99,24 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
                 obj = jsontext.loads(text, allow_nan=False)
             except (ValueError, RecursionError) as e:  # NotJsonText is a ValueError
                 raise BadConversation(f"not valid JSON text: {e}") from e
-            conversations = responses_of(obj) if kind_named(rm.kind).normalizable else None
-            encoded = [scorer.encode(rm, c, truncate=truncate) for c in (conversations or [obj])]
+            encoded.append(encode_record(rm, obj, source=input_path, line=line_no, truncate=truncate))
             rows.append(echoed(obj if isinstance(obj, dict) else {"messages": obj}, OUTPUT_FIELDS | LINE_FIELDS))
-            if conversations:
-                groups.append((len(rows) - 1, encoded))
-            else:
-                seqs.extend(encoded)
-                owners.extend(len(rows) - 1 for _ in encoded)
+            owners.append((len(rows) - 1, line_no))
         except Exception as e:  # noqa: BLE001 - every bad line is reported, none is lost
-            reason = str(e) if isinstance(e, BadConversation) else f"{type(e).__name__}: {e}"
+            reason = str(e) if isinstance(e, BadConversation) else getattr(e, "message", None) or \
+                f"{type(e).__name__}: {e}"
             kept = echoed(obj, OUTPUT_FIELDS | LINE_FIELDS) \
                 if isinstance(obj, dict) else {}  # the user's own fields (an id ...), to join results back
             rows.append({**kept, "line": line_no, "error": reason})
-    progress = progress_factory(len(seqs) + len(groups)) if progress_factory and (seqs or groups) else None
-    shapes = rm.shapes(batch_size)
-    for batch in shapes.plan([scorer.size(x) for x in seqs]):
-        for i, fields in zip(batch, scorer.run(rm, [seqs[i] for i in batch], shapes)):
-            rows[owners[i]].update(fields)
-        if progress:
-            progress(len(batch))
-    if groups:  # a record of K responses: its prompt computed once
-        for (row, _), fields in zip(groups, group_fields(rm, [g for _, g in groups])):
-            rows[row].update(fields)
-        if progress:
-            progress(len(groups))
+    fields = score_encoded(rm, encoded, rm.shapes(batch_size), progress_factory=progress_factory)
+    for (row, line_no), result in zip(owners, fields):
+        if "error" in result:  # could not be scored (a bug, named): the line's fields and why
+            rows[row] = {**rows[row], "line": line_no, "error": result["error"]}
+        else:
+            rows[row].update(result)
     _write(output_path, rows)
-    scored = len(set(owners) | {row for row, _ in groups})
+    scored = sum("error" not in r for r in rows)
     return {"scored": scored, "errors": len(rows) - scored}
-
 
 
 def response_fields(scores: list[float], attributes: list[dict[str, float]] | None = None) -> dict[str, Any]:
@@ -133,11 +126,115 @@ def response_fields(scores: list[float], attributes: list[dict[str, float]] | No
             **({RESPONSE_ATTRIBUTES: attributes} if attributes else {})}
 
 
-def group_fields(rm: RewardModel, groups: list[list]) -> list[dict[str, Any]]:
-    """``response_fields`` of each group of encoded conversations (one prompt's K), its prompt computed once."""
-    rewards, outputs = rm.score_groups_outputs(groups)
-    return [response_fields([float(s) for s in r], [attribute_scores(rm.attributes, o) for o in out]
-                            if rm.attributes else None) for r, out in zip(rewards, outputs)]
+RESPONSES, PAIR, CONVERSATION, SOLUTION = "responses", "pair", "conversation", "solution"  # what a record is
+PAIR_FIELDS = ("score_chosen", "score_rejected", "margin", "agrees")  # a preference pair's output
+
+
+def encode_record(rm: RewardModel, obj: Any, *, source: str = "", line: int = 0, truncate: str = "error"
+                  ) -> tuple[str, list]:
+    """(what the record is, its encoded sequences): for a process model a solution (one); else one
+    prompt's K >= 1 responses (``responses_of``: each with the prompt, in the given order), a
+    preference pair (chosen and rejected, each with the prompt), a response-a-row record (its
+    prompt and response: one conversation) or a conversation (one). Raises BadConversation or
+    BadRecord. What `rmflow score` (in process and as a Beam job) reads."""
+    from rmflow.rendering.formats import normalize
+
+    scorer = handler(rm.kind, "scorer")
+    if not kind_named(rm.kind).pairwise:
+        return SOLUTION, [scorer.encode(rm, obj, truncate=truncate)]
+    conversations = responses_of(obj)
+    if conversations is not None:
+        return RESPONSES, [scorer.encode(rm, c, truncate=truncate) for c in conversations]
+    row = row_conversation(obj)
+    if row is not None:
+        return CONVERSATION, [scorer.encode(rm, row, truncate=truncate)]
+    if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj and "messages" not in obj:
+        pair = normalize(obj, _pair_layout(obj), source=source, line=line)
+        if not getattr(pair, "chosen", None) or getattr(pair, "is_tokenized", False):
+            raise BadConversation("a pair to score needs chosen and rejected replies as text")
+        return PAIR, [scorer.encode(rm, _as_dicts(pair.prompt + reply), truncate=truncate)
+                      for reply in (pair.chosen, pair.rejected)]
+    return CONVERSATION, [scorer.encode(rm, obj, truncate=truncate)]
+
+
+def _pair_layout(obj: dict[str, Any]) -> str:
+    from rmflow.rendering.formats import detect_format
+
+    return detect_format(obj)
+
+
+def _as_dicts(messages) -> list[dict[str, str]]:
+    from rmflow.rendering.tokenize import message_dict
+
+    return [message_dict(m) for m in messages]
+
+
+def score_encoded(rm: RewardModel, records: list[tuple[str, list]], shapes, *, one_length: bool = False,
+                  progress_factory=None) -> list[dict[str, Any]]:
+    """The output fields of each encoded record (``encode_record``), in order, scored in batches
+    of ``shapes`` (``ScoringShapes.plan``; ``one_length``: as a Beam job cuts them): a record of K
+    responses in units of its prompt and several responses (``trainer.inference.response_units``,
+    the prompt computed once; K = 1: its one conversation), as the server scores it. A batch that
+    fails is run again an item at a time, so only a record that cannot be scored alone fails, with
+    ``{"error": ...}``: no record takes the others' scores with it."""
+    from rmflow.trainer.inference import response_units
+
+    scorer = handler(rm.kind, "scorer")
+    items, owner = [], []  # what the batches run, and the record each belongs to
+    for r, (what, seqs) in enumerate(records):
+        parts = response_units(seqs, rm.max_length) if what == RESPONSES else seqs
+        items += parts
+        owner += [r] * len(parts)
+    results: list[Any] = [None] * len(items)
+    progress = progress_factory(len(items)) if progress_factory and items else None
+    sizes = [scorer.size(x) for x in items]
+    for batch in shapes.plan(sizes, one_length=one_length, groups=[scorer.group(x) for x in items]):
+        for i, fields in zip(batch, _run_isolated(rm, scorer, [items[i] for i in batch], shapes)):
+            results[i] = fields
+        if progress:
+            progress(len(batch))
+    per: list[list] = [[] for _ in records]
+    for i, r in enumerate(owner):
+        per[r].append(results[i])
+    return [_record_fields(what, rs) for (what, _), rs in zip(records, per)]
+
+
+def _run_isolated(rm: RewardModel, scorer: Scorer, items: list, shapes) -> list:
+    """``scorer.run`` of one batch; when it raises, each item alone, an item that fails alone
+    getting its exception in place of its fields."""
+    try:
+        return scorer.run(rm, items, shapes)
+    except Exception as e:  # noqa: BLE001 - a bug: confined to the records it touches, named in their error
+        if len(items) == 1:
+            return [e]
+        return [r for x in items for r in _run_isolated(rm, scorer, [x], shapes)]
+
+
+def _record_fields(what: str, results: list) -> dict[str, Any]:
+    failed = next((r for r in results if isinstance(r, Exception)), None)
+    if failed is not None:
+        return {"error": f"could not be scored: {type(failed).__name__}: {str(failed)[:500]} (a bug in rmflow: "
+                         "please report it with this line)", "code": "internal_error"}
+    if what == RESPONSES:  # units give a list of fields, one a response; a response alone its own
+        each = [f for r in results for f in (r if isinstance(r, list) else [r])]
+        attributes = [f[ATTRIBUTE_SCORES] for f in each] if ATTRIBUTE_SCORES in each[0] else None
+        return response_fields([f["score"] for f in each], attributes)
+    if what == PAIR:
+        c, r = results[0]["score"], results[1]["score"]
+        return dict(zip(PAIR_FIELDS, (c, r, c - r, bool(c > r))))
+    return results[0]
+
+
+def row_conversation(obj: Any) -> list[dict[str, str]] | None:
+    """A response-a-row record (HelpSteer's: a prompt, one response, its ratings) as the one
+    conversation it scores, its prompt and response; None for any other record."""
+    from rmflow.rendering.formats import candidate_formats
+    from rmflow.rendering.responses import row_messages
+    from rmflow.schemas.config import ROW_FORMATS
+
+    if not isinstance(obj, dict) or "messages" in obj or not set(candidate_formats(obj)) & set(ROW_FORMATS):
+        return None
+    return _as_dicts(row_messages(obj))
 
 
 def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
@@ -158,8 +255,9 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
     if len(layouts) != 1:
         return None
     prompt, responses = raw_responses(obj, layouts[0])
-    as_dicts = [{"role": m[0], "content": m[1]} for m in prompt]
-    return [as_dicts + [{"role": m[0], "content": m[1]} for m in r] for r in responses]
+    if not responses:
+        raise BadConversation(f"no responses to score: the {layouts[0]} record's list of responses is empty")
+    return [_as_dicts(prompt + r) for r in responses]
 
 
 def _outcome_fields(rm: RewardModel, scores, outputs) -> list[dict[str, Any]]:
@@ -189,6 +287,10 @@ def _run_outcome(rm: RewardModel, items: list, shapes) -> list:
 
 def _outcome_size(item) -> int:
     return item.unit_len if isinstance(item, ResponsesRecord) else len(item)
+
+
+def _outcome_group(item) -> int:
+    return int(isinstance(item, ResponsesRecord))  # units and conversations: one kind of forward a batch
 
 
 def _run_process(rm: RewardModel, solutions: list, shapes) -> list[dict[str, Any]]:
@@ -228,7 +330,7 @@ class Scorer:
 # of the kind's handlers (rmflow.handlers).
 ATTRIBUTE_SCORES = "attribute_scores"  # an attribute head's outputs by name (RewardModel.attributes)
 OUTCOME_SCORER = Scorer(RewardModel.encode, _outcome_size, _run_outcome, ("score", "score_normalized", ATTRIBUTE_SCORES),
-                        _warm_outcome)
+                        _warm_outcome, _outcome_group)
 PROCESS_SCORER = Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
                         _warm, _step_slots)
 # a K-response record's (responses_of)
