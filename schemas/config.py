@@ -393,10 +393,12 @@ class ServeConfig(Config):
     port: int = option(8000, "Port to listen on (0: any free port; the chosen one is printed).")
     api_key: str = option("", f"Bearer token every request must carry (Authorization: Bearer ...); default: the "
                             f"{SERVE_API_KEY_ENV} environment variable; none: no authentication.")
-    max_length: int = option(0, "Longest sequence scored, in tokens; 0 = the length the model was trained at (its "
-                              "training data's max_length, recorded in the run and its export), else the model's "
-                              "positions. Every batch shape up to it compiles at start-up: fewer tokens, a faster "
-                              "start.")
+    max_length: int = option(0, "Longest sequence scored, in tokens; 0 = the model's positions (all it can "
+                              "score). What each endpoint does with a longer one: docs/scoring-serving.md.")
+    startup_length: int = option(0, "Batch shapes up to this many tokens compile at start-up, longer ones when a "
+                                  "request first needs them; 0 = the length the model was trained at (its "
+                                  "training data's max_length, recorded in the run and its export), else "
+                                  "--max-length. Fewer tokens, a faster start.")
     token_budget: int = option(16384, "Tokens per forward pass (rows x padded length): the dynamic batcher fills "
                                     "up to this, and each batch shape holds about this many.")
     max_batch_rows: int = option(64, "Sequences per forward pass at most.")
@@ -425,8 +427,8 @@ class ServeConfig(Config):
         if not self.model:
             raise ConfigError("model: required (a run directory or an exported checkpoint)")
         object.__setattr__(self, "step", checkpoint_step(self.step))
-        for name, minimum in (("port", 0), ("max_length", 0), ("token_budget", 1), ("max_batch_rows", 1),
-                              ("max_queue", 1), ("max_request_items", 1)):
+        for name, minimum in (("port", 0), ("max_length", 0), ("startup_length", 0), ("token_budget", 1),
+                              ("max_batch_rows", 1), ("max_queue", 1), ("max_request_items", 1)):
             check_int(getattr(self, name), name, minimum)
         if self.port > 65535:
             raise ConfigError(f"port {self.port}: at most 65535")

@@ -182,6 +182,7 @@ def test_one_rule_for_a_reply_in_every_layout_and_in_scoring(what):
     """``check_reply``: a pair's chosen or rejected, each of K responses, a conversation to score:
     preprocess, eval, score, serve and the API refuse the same replies, by one rule."""
     from rmflow.rendering.responses import raw_responses, read_responses
+
     from rmflow.scoring.api import BadConversation, conversation_messages
 
     reply = NOT_A_REPLY[what]
@@ -205,6 +206,7 @@ def test_one_rule_for_a_reply_in_every_layout_and_in_scoring(what):
 @pytest.mark.parametrize("what", sorted(NOT_A_PROMPT))
 def test_one_rule_for_a_prompt_in_every_layout_and_in_scoring(what):
     from rmflow.rendering.responses import read_responses
+
     from rmflow.scoring.api import BadConversation, conversation_messages
 
     prompt = NOT_A_PROMPT[what]

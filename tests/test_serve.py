@@ -22,6 +22,7 @@ import pytest
 import requests
 from rmflow.rendering.formats import parse_hh_transcript
 from rmflow.schemas.train_config import TrainConfig
+from rmflow.trainer.inference import score_sequences
 from rmflow.trainer.train import run as train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -259,6 +260,8 @@ def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, c
         ({"conversations": [good], "normalized": True}, 400, "reward_normalization"),
         ({"solutions": [{"prompt": "p", "completions": ["a"]}]}, 400, "send 'conversations'"),
         ({"conversations": [good] * 129}, 413, "at most 128"),
+        ({"conversations": [good], "responses": [{"prompt": "q", "responses": ["a", "b"]}]}, 400, "not both"),
+        ({"responses": [{"prompt": "q", "responses": []}]}, 422, "no responses to score"),
     ]
     for body, status, words in cases:
         r = server.post("/v1/score", body)
@@ -267,6 +270,12 @@ def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, c
     assert [i["index"] for i in r.json()["items"]] == [1, 2]
     r = server.post("/get_reward", {"query": ["ok", 3]})
     assert r.status_code == 422 and "query 1" in r.json()["error"]
+    for path, body, words in (("/v1/embeddings", {"input": "x", "encoding_format": "base64"}, "floats only"),
+                              ("/pooling", {"input": "x", "encoding_format": "base64"}, "floats only"),
+                              ("/v1/embeddings", {"input": "x", "dimensions": 5}, "1 dimension")):
+        r = server.post(path, body)  # what the server cannot produce is refused, not ignored
+        assert r.status_code == 400 and words in r.json()["error"], r.text
+    assert server.post("/v1/embeddings", {"input": "x", "encoding_format": "float", "dimensions": 1}).status_code == 200
     r = requests.post(server.url + "/v1/score", json={"conversations": [good]}, timeout=30)
     assert r.status_code == 401  # no API key
     r = server.post("/v1/score", b"[" * 100 + b"]" * 100)
@@ -277,6 +286,21 @@ def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, c
     assert abs(r.json()["scores"][0] - rm.score_ids([rm.encode(long, truncate="left")])[0]) < 1e-5
     r = server.post("/v1/score", {"conversations": [good]})
     assert r.status_code == 200 and requests.get(server.url + "/health", headers=AUTH, timeout=5).status_code == 200
+
+
+def test_a_request_s_responses_are_counted_before_any_is_rendered(outcome, monkeypatch):
+    """200,000 responses in a 2 MB body: 413 at once, nothing tokenized (it took 50 s)."""
+    from rmflow.scoring.api import RewardModel
+    from rmflow.server.protocol import RequestError, read_native
+
+    _, rm = outcome
+    monkeypatch.setattr(RewardModel, "encode", lambda *a, **k: pytest.fail("encoded before counting"))
+    body = {"responses": [{"prompt": "q", "responses": [f"r{i}" for i in range(200_000)]}]}
+    for layout in (body, {"responses": [{"prompt": "q", "chosen": ["a"] * 100_000, "rejected": ["b"] * 100_000}]},
+                   {"responses": [{"prompt": "q", "answers": [{"answer": "a", "rank": 1}] * 5000}] * 40}):
+        with pytest.raises(RequestError) as e:
+            read_native(layout, rm, 2048)
+        assert e.value.status == 413 and "at most 2048" in e.value.message
 
 
 def test_padding_and_bad_text_never_change_a_reward_or_reach_a_500(outcome, conversations):
@@ -307,10 +331,30 @@ def test_padding_and_bad_text_never_change_a_reward_or_reach_a_500(outcome, conv
     r = server.post("/v1/score", {"conversations": [[{"role": "user", "content": "Hi"},
                                                      {"role": "assistant", "content": "  "}]]})
     assert r.status_code == 422 and "empty" in r.json()["error"]
-    start = time.monotonic()
-    r = server.post("/get_reward", {"query": ["x" * 20_000_000]})
-    assert r.status_code == 422 and "refused before tokenizing" in r.json()["error"]
-    assert time.monotonic() - start < 20  # tokenizing 20 MB would take about a minute
+    # every text is bounded by characters before it is tokenized (tokenizing 20 MB takes about a
+    # minute), whether the endpoint refuses a text too long or keeps its end
+    huge = renderer.render_text((("user", "x " * 10_000_000), ("assistant", "The end.")))
+    tail = renderer.render_text((("user", "x " * 2_000), ("assistant", "The end.")))
+    for path, body, status in (
+            ("/classify", {"input": ["x" * 20_000_000]}, 422),
+            ("/get_reward", {"query": [huge]}, 200),  # as OpenRLHF's server: cut, never refused
+            ("/classify", {"input": [huge], "truncate_prompt_tokens": -1, "activation": False}, 200),  # as vLLM
+            ("/v1/score", {"conversations": [[{"role": "user", "content": "x " * 15_000_000},
+                                              {"role": "assistant", "content": "The end."}]], "truncate": "left"}, 200),
+            ("/v1/score", {"conversations": [[{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "x " * 5_000_000}]], "truncate": "left"},
+             422)):
+        start = time.monotonic()
+        r = server.post(path, body)
+        assert r.status_code == status and time.monotonic() - start < 20, (path, r.text[:300])
+        if status == 422:
+            assert "refused before tokenizing" in r.json()["error"], r.text
+    cut = rm.encode_text(tail)[-rm.max_length:]  # the last tokens, as a long text's left truncation keeps them
+    want = float(rm.score_ids([cut])[0])
+    assert abs(server.post("/get_reward", {"query": [huge]}).json()["rewards"][0] - want) < 1e-4
+    assert abs(server.post("/classify", {"input": [huge], "truncate_prompt_tokens": -1, "activation": False}
+                           ).json()["data"][0]["probs"][0] - want) < 1e-4
+    assert server.post("/classify", {"input": [huge], "truncate_prompt_tokens": 0}).status_code == 400
     metrics = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
     assert 'reason="internal"' not in metrics and "Traceback" not in server.output()
 
@@ -414,9 +458,10 @@ def test_sigterm_finishes_what_is_in_flight_then_exits(outcome, conversations):
         server.stop()
 
 
-def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_training_data_s(outcome, conversations):
-    """Served without --max-length, a model trained on the demo's 128-token shards compiles shapes
-    up to 128 (not its 4,096 positions). With --no-response-units, a K-response record's responses
+def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_model_s(outcome, conversations):
+    """Served without --max-length, a model trained on the demo's 128-token shards scores up to its
+    4,096 positions and compiles the shapes up to 128 at start-up, longer ones on first use: an
+    OpenRLHF batch with one query past 128 tokens gets every reward. With --no-response-units, a K-response record's responses
     run as conversations, the prompt in each. A SIGTERM that finds more work than
     --shutdown-timeout-s allows answers what has not run with 503 JSON and Retry-After, says so,
     and exits 0."""
@@ -425,9 +470,17 @@ def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_training_
                     "0.5", "--no-response-units", max_length=None)
     try:
         info = requests.get(server.url + "/v1/model", timeout=10).json()
-        assert info["max_length"] == 128 and max(n for _, n in info["batch_shapes"]) == 128, info
-        assert not info["response_units"]
-        assert "up to 128 tokens: the training data's max_length" in server.output()
+        assert info["max_length"] == rm.positions and info["startup_length"] == 128, info
+        assert max(n for _, n in info["batch_shapes"]) == rm.positions and not info["response_units"]
+        assert f"up to {rm.positions:,} tokens: the model's positions; " in server.output()
+        assert "up to 128 tokens compiled, longer ones on first use" in server.output()
+        renderer = rm._record_tokenizer()
+        short_long = [renderer.render_text((("user", "Hi"), ("assistant", "Hello."))),
+                      renderer.render_text((("user", "word " * 400), ("assistant", "Hello.")))]
+        r = server.post("/get_reward", {"query": short_long})
+        assert r.status_code == 200, r.text
+        want = score_sequences(rm._loaded.model, [rm.encode_text(t) for t in short_long], pad_id=rm.pad_id)
+        np.testing.assert_allclose(r.json()["rewards"], want, atol=1e-5, rtol=0)
         texts = ["A.", "B, as it is longer.", "C"]
         each = [[{"role": "user", "content": "Pick one."}, {"role": "assistant", "content": t}] for t in texts]
         tokens = _metric(server, "rmflow_tokens_scored_total")

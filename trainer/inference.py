@@ -317,10 +317,13 @@ class SequenceScorer:
         self.attributes = model.config.attributes  # an attribute head's outputs, by name: scored beside the reward
         self.compiled: set[tuple[int, int]] = set()  # shapes run so far
 
-    def warm_up(self, units: bool = False) -> None:
-        """Compile every shape now (a server does this before it says it is ready); ``units``:
-        also every shape of ``run_units`` (with ``UNIT_RESPONSES`` response slots)."""
+    def warm_up(self, units: bool = False, up_to: int | None = None) -> None:
+        """Compile every shape now, or those up to length ``up_to`` (a server does this before it
+        says it is ready; a longer one compiles when first run); ``units``: also every shape of
+        ``run_units`` (with ``UNIT_RESPONSES`` response slots)."""
         for rows, length in self.shapes.shapes:
+            if up_to is not None and length > up_to:
+                continue
             self._run_padded(np.full((rows, length), self.pad_id, np.int32), np.zeros((rows, length), np.int32),
                              np.zeros(rows, np.int32))
             if units:
@@ -399,10 +402,12 @@ class StepScorer:
         """The step slots a solution's row needs (part of its batch's shape)."""
         return step_slots(len(solution[1]))
 
-    def warm_up(self) -> None:
-        """Compile every shape with the fewest step slots now; a batch with more steps in a row
-        compiles its slot count on first use."""
+    def warm_up(self, up_to: int | None = None) -> None:
+        """Compile every shape (up to length ``up_to``) with the fewest step slots now; a batch with
+        more steps in a row, or longer, compiles on first use."""
         for rows, length in self.shapes.shapes:
+            if up_to is not None and length > up_to:
+                continue
             self._run_padded(np.full((rows, length), self.pad_id, np.int32), np.zeros((rows, length), np.int32),
                              np.zeros((rows, MIN_STEP_SLOTS), np.int32))
 

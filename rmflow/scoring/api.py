@@ -58,6 +58,11 @@ def conversation_messages(obj: Any) -> tuple[tuple[str, ...], ...]:
     return messages
 
 
+def _chars(message: tuple) -> int:
+    """A message's characters: its text and its tool calls' JSON."""
+    return len(message[1]) + (len(message[2]) if len(message) > 2 else 0)
+
+
 def _encode_each(items: Sequence[Any], encode, what: str) -> list:
     """``encode`` of every item; a BadConversation names the item's index."""
     out = []
@@ -126,8 +131,10 @@ class RewardModel:
         from rmflow.rendering.formats import BadRecord
 
         messages = conversation_messages(conversation)
-        if truncate != "left":
-            self.check_chars(sum(len(m[1]) for m in messages))
+        if truncate == "left":  # bounded too: the reply whole, the rest cut to its last characters
+            messages = self._cut_chars(messages)
+        else:
+            self.check_chars(sum(map(_chars, messages)))
         try:
             ids = np.asarray(self._record_tokenizer().encode_conversation(messages), np.int32)
         except BadRecord as e:
@@ -144,9 +151,33 @@ class RewardModel:
                               "drops the earliest tokens: `rmflow score --truncate left`, the server's "
                               "\"truncate\": \"left\", RewardModel.encode(..., truncate=\"left\"))")
 
+    def _cut_chars(self, messages: tuple) -> tuple:
+        """``messages`` bounded for left truncation before any is tokenized: the reply (the last
+        message) refused when longer than ``max_chars``, then the latest ``max_chars`` characters
+        before it (the earliest message kept cut from its start, those before it dropped). The last
+        ``max_length`` tokens of a conversation lie within its last ``max_chars`` characters, so the
+        tokens left truncation keeps are the same."""
+        reply = _chars(messages[-1])
+        if reply > self.max_chars:
+            raise BadConversation(f"the reply alone has {reply:,} characters, more than {self.max_length:,} tokens "
+                                  "ever hold: left truncation cannot keep it whole (refused before tokenizing)")
+        room, kept = self.max_chars, [messages[-1]]
+        for m in reversed(messages[:-1]):
+            n = _chars(m)
+            if n <= room:
+                kept.append(m)
+                room -= n
+                continue
+            if room and len(m) == 2:  # text, not tool calls (whose JSON cannot be cut)
+                kept.append((m[0], m[1][len(m[1]) - room:]))
+            break
+        return tuple(reversed(kept))
+
     def encode_text(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
         """Token ids of a text already rendered with a chat template (special-token strings are
-        the control tokens they name), as preprocessing tokenizes a rendering."""
+        the control tokens they name), as preprocessing tokenizes a rendering; a text longer than
+        ``max_chars`` is refused before it is tokenized."""
+        self.check_chars(len(text))
         return np.asarray(self._record_tokenizer().encode_text(text, add_special_tokens=add_special_tokens), np.int32)
 
     @property
@@ -175,6 +206,10 @@ class RewardModel:
         if not hasattr(self, "_longest_token"):
             self._longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
         return self.max_length * self._longest_token
+
+    def chars_for(self, tokens: int) -> int:
+        """More characters than any text of ``tokens`` tokens holds (``max_chars`` for ``max_length``)."""
+        return self.max_chars // self.max_length * tokens
 
     def check_chars(self, n: int) -> None:
         """Raise BadConversation when ``n`` characters cannot fit ``max_length`` tokens."""

@@ -237,13 +237,14 @@ def row_conversation(obj: Any) -> list[dict[str, str]] | None:
     return _as_dicts(row_messages(obj))
 
 
-def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
-    """A record of K responses to one prompt (a multi-response layout, ``rendering.responses``; a
-    ``prompt`` with its ``responses`` needs no scores or ranks here) as
-    its K conversations, the prompt and each response, to score in one call (in the given order,
-    left-out responses included: every response gets its score); None for any other record."""
+# Where each multi-response layout keeps its responses: to count them before reading any
+RESPONSE_LISTS = {"responses": ("responses",), "rewardbench2": ("chosen", "rejected"), "nectar": ("answers",),
+                  "ultrafeedback-raw": ("completions",)}
+
+
+def responses_layout(obj: Any) -> str | None:
+    """The multi-response layout of a record of K responses to score (``responses_of``), or None."""
     from rmflow.rendering.formats import candidate_formats
-    from rmflow.rendering.responses import raw_responses
     from rmflow.schemas.config import MULTI_FORMATS, ROW_FORMATS
 
     if not isinstance(obj, dict):
@@ -252,11 +253,31 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
     layouts = [f for f in found if f in MULTI_FORMATS and f not in ROW_FORMATS]
     if not found and "messages" not in obj and isinstance(obj.get("responses"), list) and "prompt" in obj:
         layouts = ["responses"]  # a prompt and its responses, not yet scored (and nothing else): to score
-    if len(layouts) != 1:
+    return layouts[0] if len(layouts) == 1 else None
+
+
+def response_count(obj: Any) -> int:
+    """How many responses a record of K responses holds, counted without reading them (1 for any
+    other record): what bounds a request before anything in it is rendered or tokenized."""
+    layout = responses_layout(obj)
+    if layout is None:
+        return 1
+    return sum(len(v) for name in RESPONSE_LISTS[layout] if isinstance(v := obj.get(name), list)) or 1
+
+
+def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
+    """A record of K responses to one prompt (a multi-response layout, ``rendering.responses``; a
+    ``prompt`` with its ``responses`` needs no scores or ranks here) as
+    its K conversations, the prompt and each response, to score in one call (in the given order,
+    left-out responses included: every response gets its score); None for any other record."""
+    from rmflow.rendering.responses import raw_responses
+
+    layout = responses_layout(obj)
+    if layout is None:
         return None
-    prompt, responses = raw_responses(obj, layouts[0])
+    prompt, responses = raw_responses(obj, layout)
     if not responses:
-        raise BadConversation(f"no responses to score: the {layouts[0]} record's list of responses is empty")
+        raise BadConversation(f"no responses to score: the {layout} record's list of responses is empty")
     return [_as_dicts(prompt + r) for r in responses]
 
 
@@ -298,12 +319,12 @@ def _run_process(rm: RewardModel, solutions: list, shapes) -> list[dict[str, Any
             for p in rm.scorer(shapes).run(solutions)]
 
 
-def _warm(rm: RewardModel, shapes, units: bool = False) -> None:
-    rm.scorer(shapes).warm_up()  # a process model's: it has no K-response items
+def _warm(rm: RewardModel, shapes, units: bool = False, up_to: int | None = None) -> None:
+    rm.scorer(shapes).warm_up(up_to=up_to)  # a process model's: it has no K-response items
 
 
-def _warm_outcome(rm: RewardModel, shapes, units: bool = False) -> None:
-    rm.scorer(shapes).warm_up(units=units)  # ``units``: the shapes of K-response items' units too
+def _warm_outcome(rm: RewardModel, shapes, units: bool = False, up_to: int | None = None) -> None:
+    rm.scorer(shapes).warm_up(units=units, up_to=up_to)  # ``units``: the shapes of K-response items' units too
 
 
 def _step_slots(solution) -> int:
@@ -320,8 +341,8 @@ class Scorer:
     # one batch that fits a shape of the ScoringShapes -> the fields each input gets
     run: Callable[[RewardModel, list, Any], list[dict[str, Any]]]
     fields: tuple[str, ...]
-    # compile the batch shapes before the first request (and, if asked, those of response units)
-    warm_up: Callable[[RewardModel, Any, bool], None]
+    # compile the batch shapes (up to a length) before the first request (and, if asked, those of response units)
+    warm_up: Callable[[RewardModel, Any, bool, int | None], None]
     # what besides its length fixes an encoded input's batch shape (``ScoringShapes.plan``'s groups)
     group: Callable[[Any], int] = lambda x: 0
 

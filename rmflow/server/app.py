@@ -78,6 +78,7 @@ class Service:
         self.error: str | None = None
         self.ready = threading.Event()
         self.max_length_source = ""
+        self.startup_length = 0  # the batch shapes up to this length compiled at load, longer ones on first use
         self.cut_requests = 0  # requests answered 503 once a shutdown ran out of time
         self.disconnected = 0  # requests whose client went away before the answer (their items cancelled)
         self.metrics = ServerMetrics(lambda: self.batcher.depth if self.batcher else 0)
@@ -87,10 +88,13 @@ class Service:
 
         cfg = self.cfg
         rm = RewardModel.load(cfg.model, cfg.step)
-        # By default the length it was trained at: each batch shape up to it compiles before serving
-        self.max_length_source = "--max-length" if cfg.max_length else \
-            "the training data's max_length" if rm.trained_max_length else "the model's positions"
-        rm.limit_length(min(cfg.max_length or rm.trained_max_length or rm.positions, rm.positions))
+        if cfg.max_length > rm.positions:
+            raise RequestError(500, f"--max-length {cfg.max_length}: more than the model's {rm.positions} positions")
+        # By default all the model can score; the batch shapes up to the length it was trained at
+        # compile before serving, longer ones on first use
+        rm.limit_length(cfg.max_length or rm.positions)
+        self.max_length_source = "--max-length" if cfg.max_length else "the model's positions"
+        self.startup_length = min(cfg.startup_length or rm.trained_max_length or rm.max_length, rm.max_length)
         if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
             raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
                                     "--normalize` on it first")
@@ -98,7 +102,7 @@ class Service:
         scorer = handler(rm.kind, "scorer")
         # K-response records in units of compiled shapes: an outcome model's (a process model has none)
         self.units = cfg.response_units and kind_named(rm.kind).normalizable
-        scorer.warm_up(rm, shapes, self.units)
+        scorer.warm_up(rm, shapes, self.units, self.startup_length)
         _ = rm.assistant_marker  # rendered once, before the first request
         self.rm, self.shapes = rm, shapes
         self.batcher = DynamicBatcher(lambda batch: scorer.run(rm, batch, shapes), shapes.plan,
@@ -300,6 +304,7 @@ def create_app(service: Service) -> Starlette:
         if not service.ready.is_set():
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
         return JSONResponse({**identity(), "max_length": service.rm.max_length,
+                             "startup_length": service.startup_length,
                              "batch_shapes": [list(s) for s in service.shapes.shapes],
                              "response_units": service.units,
                              "endpoints": ["/v1/score", "/get_reward", "/classify", "/pooling", "/v1/embeddings"]})
@@ -383,10 +388,13 @@ def serve(cfg: ServeConfig) -> int:
             return
         while not server.started and not server.should_exit:
             time.sleep(0.01)
+        compiled = sum(n <= service.startup_length for _, n in service.shapes.shapes)
         print(f"rmflow serve: ready on http://{cfg.host}:{sock.getsockname()[1]} ({service.rm.description}, "
               f"{service.rm.kind} reward model, up to {service.rm.max_length:,} tokens: "
-              f"{service.max_length_source}; {len(service.shapes.shapes)} batch shapes compiled"
-              f"{', each also for response units' if service.units else ''})", flush=True)
+              f"{service.max_length_source}; {compiled} batch shapes up to {service.startup_length:,} tokens "
+              f"compiled{', each also for response units' if service.units else ''}"
+              f"{', longer ones on first use' if service.startup_length < service.rm.max_length else ''})",
+              flush=True)
 
     threading.Thread(target=load, name="rmflow-load", daemon=True).start()
     try:

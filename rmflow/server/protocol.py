@@ -126,7 +126,10 @@ def read_native(body: Any, rm: RewardModel, max_items: int, units: bool = True) 
     or ``{"solutions": [{"prompt": ..., "completions": [...]}, ...]}`` (a process model)."""
     body = _object(body)
     native = handler(rm.kind, "protocol")
-    if RESPONSES_KEY in body and native.key not in body and kind_named(rm.kind).normalizable:
+    if RESPONSES_KEY in body and native.key in body:
+        raise RequestError(400, f"send '{native.key}' or '{RESPONSES_KEY}', not both: one request scores one kind "
+                                "of item")
+    if RESPONSES_KEY in body and kind_named(rm.kind).normalizable:
         return _read_responses(body, rm, native, max_items, units)
     for other in every("protocol").values():
         if other is not native and other.key in body and native.key not in body:
@@ -152,12 +155,16 @@ def _options(body: dict[str, Any], rm: RewardModel) -> tuple[bool, str]:
 
 
 def _read_responses(body: dict[str, Any], rm: RewardModel, native, max_items: int, units: bool) -> Parsed:
-    from rmflow.scoring.scorers import responses_of
+    from rmflow.scoring.scorers import response_count, responses_of
     from rmflow.trainer.inference import response_units
 
     records = _list(body, RESPONSES_KEY, max_items)
     normalized, truncate = _options(body, rm)
     scorer = handler(rm.kind, "scorer")
+    responses = sum(response_count(r) for r in records)  # counted before any is rendered or tokenized
+    if responses > max_items:
+        raise RequestError(413, f"'{RESPONSES_KEY}' holds {responses} responses, at most {max_items} a request "
+                                "(--max-request-items counts each response); split the request", reason="too_many_items")
 
     def encode(record: Any) -> list[Any]:
         try:
@@ -170,10 +177,6 @@ def _read_responses(body: dict[str, Any], rm: RewardModel, native, max_items: in
         return [scorer.encode(rm, c, truncate=truncate) for c in conversations]
 
     grouped = _encode_all(records, encode, "responses")
-    responses = sum(len(g) for g in grouped)
-    if responses > max_items:
-        raise RequestError(413, f"'{RESPONSES_KEY}' holds {responses} responses, at most {max_items} a request "
-                                "(--max-request-items counts each response); split the request", reason="too_many_items")
     # each record's prompt computed once: its responses in units of the prompt and several responses
     # (the server's --response-units); else each response alone, a conversation an item
     items = [response_units(g, rm.max_length) if units else g for g in grouped]
@@ -183,23 +186,31 @@ def _read_responses(body: dict[str, Any], rm: RewardModel, native, max_items: in
                   sequences=[getattr(x, "k", 1) for x in encoded])
 
 
-def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: bool) -> list[Any]:
+def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: bool,
+           keep_last: int | None = None, too_long: str = "") -> list[Any]:
     """Rendered conversations, each as the reward model's training data ends one (``unpadded``),
-    checked (not empty, a reply, not too long: by characters before tokenizing) and tokenized."""
+    checked (not empty, a reply) and tokenized; longer than the server's length, refused (``too_long``
+    says how the endpoint's origin would have it cut), or with ``keep_last`` cut to its last
+    ``keep_last`` tokens (the reply's end, where the reward is read), the text bounded by
+    characters before it is tokenized either way."""
     def encode(text: Any):
         if not isinstance(text, str):
             raise BadConversation(f"must be a string (a rendered conversation), got {type(text).__name__}")
         text = unpadded(text, rm)
-        rm.check_chars(len(text))
         if not text[: len(text) - len(rm.turn_end)].strip():
             raise BadConversation("is empty")
         marker = rm.assistant_marker
         if marker and marker in text and not text[text.rindex(marker) + len(marker): len(text) - len(rm.turn_end)
                                                   ].strip():
             raise BadConversation("ends with an empty reply (preprocessing refuses empty replies too: empty_reply)")
+        if keep_last is not None:  # its last tokens lie within its last characters
+            text = text[-rm.chars_for(keep_last):]
         ids = rm.encode_text(text, add_special_tokens=add_special_tokens)
+        if keep_last is not None:
+            ids = ids[-keep_last:]
         if len(ids) > rm.max_length:
-            raise BadConversation(f"{len(ids)} tokens, more than the server's {rm.max_length} (--max-length)")
+            raise BadConversation(f"{len(ids)} tokens, more than the server's {rm.max_length} (--max-length)"
+                                  + (f"; {too_long}" if too_long else ""))
         if not len(ids):
             raise BadConversation("has no tokens")
         return ids
@@ -239,7 +250,9 @@ def read_get_reward(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     for key in ("prompts", "labels"):
         if body.get(key) is not None and (not isinstance(body[key], list) or len(body[key]) != len(queries)):
             raise RequestError(400, f"'{key}' must be a list as long as 'query' ({len(queries)})")
-    encoded = _texts(queries, "query", rm, add_special_tokens=False)
+    # as OpenRLHF's own server, a query longer than the server's length is cut, never refused: the
+    # reward is read at its end, so its earliest tokens go
+    encoded = _texts(queries, "query", rm, add_special_tokens=False, keep_last=rm.max_length)
     marker = rm.assistant_marker
     missing = [i for i, q in enumerate(queries) if marker and marker not in q]
     warnings = [f"{len(missing)} of {len(queries)} queries (first: {missing[0]}) lack {marker!r}, which the reward "
@@ -250,35 +263,62 @@ def read_get_reward(body: Any, rm: RewardModel, max_items: int) -> Parsed:
 
 def read_classify(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     """vLLM / verl: ``{"model": ..., "input": text or [text, ...], "activation": bool}``
-    (``use_activation`` as newer vLLM names it; ``add_special_tokens`` as vLLM, default true)."""
-    return _read_inputs(body, rm, max_items, "/classify", activation=True)
+    (``use_activation`` as newer vLLM names it; ``add_special_tokens`` as vLLM, default true;
+    ``truncate_prompt_tokens`` as vLLM: an input longer than the server's length is refused
+    unless it asks to keep its last k tokens, -1 for the server's length)."""
+    return _read_inputs(body, rm, max_items, "/classify", activation=True, truncation="vllm")
 
 
 def read_pooling(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     """vLLM's ``/pooling``: ``{"model": ..., "input": text or [text, ...]}``, the reward raw unless
-    ``use_activation`` is true (a reward model's pooler applies none)."""
-    return _read_inputs(body, rm, max_items, "/pooling", activation=False)
+    ``use_activation`` is true (a reward model's pooler applies none); ``encoding_format``
+    "float" only; ``truncate_prompt_tokens`` as for /classify."""
+    return _read_inputs(body, rm, max_items, "/pooling", activation=False, truncation="vllm", encodings=True)
 
 
 def read_embeddings(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     """SGLang's ``/v1/embeddings``, as verl's reward loop sends it for a reward model:
     ``{"model": ..., "input": text or [text, ...]}``; the reward comes back raw, as the
-    embedding's last (only) element."""
-    return _read_inputs(body, rm, max_items, "/v1/embeddings", activation=False)
+    embedding's last (only) element (``encoding_format`` "float", ``dimensions`` 1 at most). An
+    input longer than the server's length is refused, as SGLang refuses it unless started with
+    --allow-auto-truncate."""
+    return _read_inputs(body, rm, max_items, "/v1/embeddings", activation=False, truncation="sglang", encodings=True,
+                        dimensions=True)
 
 
-def _read_inputs(body: Any, rm: RewardModel, max_items: int, endpoint: str, *, activation: bool) -> Parsed:
+VLLM_TRUNCATE = "truncate_prompt_tokens"
+
+
+def _read_inputs(body: Any, rm: RewardModel, max_items: int, endpoint: str, *, activation: bool, truncation: str,
+                 encodings: bool = False, dimensions: bool = False) -> Parsed:
     """The rendered conversations of a vLLM- or SGLang-style request (``input``), and whether the
-    reward goes through the sigmoid (``use_activation`` / ``activation``, default ``activation``)."""
+    reward goes through the sigmoid (``use_activation`` / ``activation``, default ``activation``).
+    What the server cannot produce (base64, more dimensions than the one reward) is refused."""
     body = _object(body)
     _kind_check(rm, OUTCOME, endpoint)
     if "input" not in body:
         raise RequestError(400, "missing 'input' (a rendered conversation, or a list of them)")
+    if encodings and body.get("encoding_format") not in (None, "float"):
+        raise RequestError(400, f"{endpoint}: 'encoding_format' {body['encoding_format']!r}: this server returns "
+                                "floats only; send \"float\" or leave it out")
+    if dimensions and body.get("dimensions") not in (None, 1):
+        raise RequestError(400, f"{endpoint}: 'dimensions' {body['dimensions']!r}: a reward model's embedding is its "
+                                "one reward (1 dimension); leave it out")
     single = isinstance(body["input"], str)
     inputs = [body["input"]] if single else _list(body, "input", max_items)
     if inputs and not all(isinstance(x, str) for x in inputs):
         raise RequestError(400, f"{endpoint}: 'input' must be rendered text (a string or a list of strings); send "
                                 "conversations as messages to /v1/score")
     activation = _flag(body, "use_activation", _flag(body, "activation", activation))
-    encoded = _texts(inputs, "input", rm, add_special_tokens=_flag(body, "add_special_tokens", True))
+    keep_last, too_long = None, "send 'truncate_prompt_tokens' (k, or -1 for the server's length) to keep the " \
+        "last tokens, as vLLM does" if truncation == "vllm" else "SGLang refuses it too (without " \
+        "--allow-auto-truncate); cut it, or score it as messages on /v1/score with \"truncate\": \"left\""
+    if truncation == "vllm" and body.get(VLLM_TRUNCATE) is not None:
+        k = body[VLLM_TRUNCATE]
+        if isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= rm.max_length):
+            raise RequestError(400, f"'{VLLM_TRUNCATE}' {k!r}: -1 (the server's length) or an integer from 1 to "
+                                    f"the server's {rm.max_length} tokens")
+        keep_last = rm.max_length if k == -1 else k
+    encoded = _texts(inputs, "input", rm, add_special_tokens=_flag(body, "add_special_tokens", True),
+                     keep_last=keep_last, too_long=too_long)
     return Parsed(encoded, [len(x) for x in encoded], {"activation": activation})
