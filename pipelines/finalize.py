@@ -21,6 +21,7 @@ from typing import Any
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.publication import publish as publish_output
 from rmflow.pipelines.publication import published, refuse
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME, kind_named
@@ -94,15 +95,18 @@ NOTED_COUNTS = (
     ("responses_empty", "merged", "empty_response", "empty responses left out of their prompt's record"),
     ("responses_merged", "merged", "duplicate_response", "responses given twice with one score, kept once"),
     ("score_ties_kept", "tie", None, "kept with equal scores (--drop-score-ties drops them)"),
+    ("scored_by_weights", "weighted", None, "scored by the weighted sum of their responses' attribute ratings "
+                                            "(--attribute-weights)"),
 )
 
 
 def gather(items: list) -> dict[str, Any]:
     """The exact per-file, per-reason and per-shard counts gathered in the pipeline."""
-    summary: dict[str, Any] = {"files": {}, "dead": [], "shards": [], "marked": [], "dead_by_file": []}
+    summary: dict[str, Any] = {"files": {}, "layouts": {}, "dead": [], "shards": [], "marked": [], "dead_by_file": []}
     for kind, value in items:
         if kind == "file":
             summary["files"][value[0]] = value[1]
+            summary["layouts"][value[0]] = value[2]
         elif kind == "dead":
             (category, code), (n, (source, line, reason)) = value
             summary[kind].append({"category": category, "code": code, "count": n,
@@ -131,7 +135,7 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
     if earlier is not None:
         return earlier
     summary = gather(items)
-    rio.write_bytes(f"{staging}/{SUMMARY_FILE}", json.dumps(summary, sort_keys=True).encode())
+    rio.write_bytes(f"{staging}/{SUMMARY_FILE}", jsontext.dumps(summary, sort_keys=True).encode())
     stats = None
     try:
         stats = summarize(summary, fin.cfg, time.time() - fin.started)
@@ -156,8 +160,10 @@ def finalize(items: list, fin: Finalization, *_after: Any) -> dict[str, Any]:
         },
         inputs=tuple(InputFile(path, size) for path, size in fin.files),
         config=json.loads(fin.cfg.to_json()),
+        layouts=tuple(sorted({x for x in summary["layouts"].values() if x})),
+        weighted_scores=bool(stats["counts"]["scored_by_weights"]),
     )
-    for name, text in ((MANIFEST_FILE, manifest.to_json()), (STATS_FILE, json.dumps(stats, indent=2) + "\n"),
+    for name, text in ((MANIFEST_FILE, manifest.to_json()), (STATS_FILE, jsontext.dumps(stats, indent=2) + "\n"),
                        (CONFIG_FILE, fin.cfg.to_json())):
         rio.write_bytes(f"{staging}/{name}", text.encode())
     publish_output(staging, out, SHARD_FOLDER, drop=(SUMMARY_FILE,))
@@ -242,6 +248,7 @@ def per_file(summary: dict[str, Any], pairwise: bool = True) -> dict[str, dict[s
                                            **dict.fromkeys(key_of.values(), 0)})
     for path, n in sorted(summary["files"].items()):
         out[path]["read"] = n
+        out[path]["layout"] = summary.get("layouts", {}).get(path)
     for d in summary.get("made_by_file", []):  # pairs beyond one a record (K responses), rows grouped
         out[d["source"]][d["category"]] += d["count"]
     longer: collections.Counter = collections.Counter()

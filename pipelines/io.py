@@ -20,6 +20,7 @@ from typing import Any
 
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
+from rmflow.schemas import jsontext
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.outputs import output_kind, replace_refusal
 from rmflow.schemas.paths import is_url
@@ -231,7 +232,7 @@ def _iter_json_array(data: bytes) -> Iterator[tuple[int, str, str | None]]:
         yield 1, data.decode("utf-8", errors="replace"), f"unreadable JSON array file: {type(e).__name__}: {e}"
         return
     for i, item in enumerate(items, 1):
-        yield i, json.dumps(item, ensure_ascii=False), None
+        yield i, jsontext.dumps(item, ensure_ascii=False), None
 
 
 def _container(path: str) -> str | None:
@@ -294,9 +295,9 @@ def _rows_as_json(batches) -> Iterator[tuple[int, str, str | None]]:
         for rec in batch.to_pylist():
             row += 1
             try:
-                yield row, json.dumps(rec, ensure_ascii=False, default=_json_default), None
+                yield row, jsontext.dumps(rec, ensure_ascii=False, default=_json_default), None
             except UnicodeDecodeError as e:
-                shown = json.dumps(rec, ensure_ascii=False, default=_json_shown)
+                shown = jsontext.dumps(rec, ensure_ascii=False, default=_json_shown)
                 yield row, shown, f"a binary column holds bytes that are not valid UTF-8: {e.reason} at byte {e.start}"
 
 

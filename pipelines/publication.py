@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from rmflow.pipelines import io as rio
 from rmflow.pipelines.staging import OWNER_FILE
+from rmflow.schemas import jsontext
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.manifest import COMPLETED_FILE
 
@@ -33,7 +34,7 @@ def published(output: str, staging: str, result_file: str) -> dict[str, Any] | N
 
 def refuse(staging: str, failure: dict[str, Any], error: Exception) -> NoReturn:
     """Record why the job publishes nothing (``failure`` as ``FAILED_FILE``) and raise ``error``."""
-    rio.write_bytes(f"{staging}/{FAILED_FILE}", json.dumps(failure).encode())
+    rio.write_bytes(f"{staging}/{FAILED_FILE}", jsontext.dumps(failure).encode())
     raise error
 
 

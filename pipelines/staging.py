@@ -19,6 +19,7 @@ import uuid
 
 from apache_beam.io.filesystems import FileSystems
 from rmflow.pipelines import io as rio
+from rmflow.schemas import jsontext
 from rmflow.schemas.paths import is_url
 
 OWNER_FILE = "_owner.json"
@@ -29,7 +30,7 @@ def new_staging(output: str) -> str:
     """A fresh staging folder for ``output``, with its owner file written."""
     staging = f"{output.rstrip('/')}{SUFFIX}{uuid.uuid4().hex[:12]}"
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-    rio.write_bytes(f"{staging}/{OWNER_FILE}", json.dumps(owner).encode())
+    rio.write_bytes(f"{staging}/{OWNER_FILE}", jsontext.dumps(owner).encode())
     return staging
 
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import sys
 from typing import Any
 
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import FORMATS as INPUT_FORMATS
 from rmflow.schemas.config import LENGTH_POLICIES, PreprocessConfig
 from rmflow.schemas.options import help_for
@@ -222,10 +222,10 @@ def cli(argv: list[str], spec: TemplateSpec = PREPROCESS, prog: str = "python -m
                       help="a Dataflow experiment, e.g. no_use_multiple_sdk_containers (repeatable)")
     a = parser.parse_args(argv)
     if a.cmd == "metadata":
-        print(json.dumps(metadata(spec), indent=2))
+        print(jsontext.dumps(metadata(spec), indent=2))
         return
     params = dict(p.split("=", 1) for p in a.param)
-    print(json.dumps(launch_body(a.template, params, job_name=a.job_name, temp_location=a.temp_location,
+    print(jsontext.dumps(launch_body(a.template, params, job_name=a.job_name, temp_location=a.temp_location,
                                  max_workers=a.max_workers, service_account=a.service_account,
                                  machine_type=a.machine_type, experiments=tuple(a.experiment), spec=spec),
                      indent=2))

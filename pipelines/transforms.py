@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -38,6 +37,7 @@ from rmflow.rendering.tokenize import (
     TokenizerAssets,
     build_tokenizer,
 )
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import ROW_FORMATS, STEP_SEPARATOR, attribute_names
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import shard_name
@@ -122,7 +122,7 @@ class ReadRecordsFn(beam.DoFn):
             err = BadRecord("unreadable_file", f"reading stopped after line {last_line}: {type(e).__name__}: {e}")
             yield TaggedOutput(DEAD, dead_letter("read", path, last_line + 1, None, err))
         self.read.inc(n)
-        yield TaggedOutput(FILES, (path, n))
+        yield TaggedOutput(FILES, (path, n, fmt))  # fmt: its layout, as read (None: none detected)
 
 
 class ReadPreferenceData(beam.PTransform):
@@ -167,6 +167,13 @@ class Merged(BadRecord):
     category = "merged"
 
 
+class Weighted(BadRecord):
+    """Not an error: a record whose scores are its responses' ratings weighted by
+    --attribute-weights (counted: the manifest says its labels come from those weights)."""
+
+    category = "weighted"
+
+
 class NormalizeFn(beam.DoFn):
     """Raw records to canonical pairs; what cannot be one is a dead letter, and a score tie kept
     is noted (dead-letter shaped, category tie, code score_tie_kept) so the stats count it."""
@@ -192,6 +199,9 @@ class NormalizeFn(beam.DoFn):
                          Merged("capped_response", "a response past --max-responses, left out of its record"))):
             if n:  # the record is written all the same: counted, never silent
                 yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", note), "count": n})
+        if responses is not None and responses.weighted:
+            note = Weighted("scored_by_weights", "scored by the weighted sum of its responses' attribute ratings")
+            yield TaggedOutput(NOTED, dead_letter(f"normalize:{fmt}", source, line, "", note))
         if len(pairs) > 1:  # the pairs of a prompt's K responses: counted, so the job reconciles exactly
             made = Made("pairs_from_responses", f"{len(pairs)} pairs made of one prompt's responses")
             yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", made),
@@ -231,7 +241,7 @@ class GroupedFn(beam.DoFn):
         for r in rows[1:]:
             note = Grouped("response_row", f"a response of the prompt of {os.path.basename(first.source)}:{first.line}")
             yield TaggedOutput(NOTED, dead_letter("group", r.source, r.line, "", note))
-        yield first.source, first.line, "responses", json.dumps(group_rows(rows), ensure_ascii=False)
+        yield first.source, first.line, "responses", jsontext.dumps(group_rows(rows), ensure_ascii=False)
 
 
 class GroupRows(beam.PTransform):
@@ -537,7 +547,7 @@ class ErrorToJsonFn(beam.DoFn):
 
     def process(self, d):
         counter(f"not_written_{d['category']}").inc()
-        yield json.dumps(d, sort_keys=True)  # ASCII: any bad text survives
+        yield jsontext.dumps(d, sort_keys=True)  # ASCII: any bad text survives
 
 
 class WriteErrors(beam.PTransform):

@@ -102,7 +102,7 @@ class CanonicalPair:
             content: Any = ["ids", self.chosen_ids, self.rejected_ids, self.prompt_len]
         else:
             content = ["msgs", self.prompt, self.chosen, self.rejected]
-        blob = json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        blob = jsontext.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
@@ -133,7 +133,7 @@ class CanonicalSteps:
     @property
     def pair_id(self) -> str:
         """Stable 128-bit content hash (the name is the pairs': dedup and the split key on it)."""
-        blob = json.dumps(["steps", self.prompt, self.steps, self.labels], ensure_ascii=False,
+        blob = jsontext.dumps(["steps", self.prompt, self.steps, self.labels], ensure_ascii=False,
                           separators=(",", ":")).encode("utf-8")
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
@@ -296,7 +296,7 @@ def _messages(value: Any, name: str) -> tuple[Message, ...]:
                 raise BadRecord("bad_message", f"{name}[{i}]: 'tool_calls' is a list, on assistant messages")
             content = m.get("content") or ""
             try:
-                dumped = json.dumps(list(calls), ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+                dumped = jsontext.dumps(list(calls), ensure_ascii=False, sort_keys=True, separators=(",", ":"))
             except (TypeError, ValueError, RecursionError) as e:
                 raise BadRecord("bad_message", f"{name}[{i}]: 'tool_calls' is not JSON: {e}") from e
             out.append((role, _text(content, f"{name}[{i}]"), _valid_text(dumped, f"{name}[{i}].tool_calls")))

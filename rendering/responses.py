@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from rmflow.rendering.formats import (
     MAX_MARGIN,
     BadRecord,
@@ -62,6 +62,7 @@ from rmflow.rendering.formats import (
     parse_hh_transcript,
     read_messages,
 )
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import MULTI_FORMATS, PAIRS_FROM, ROW_FORMATS, attribute_names
 
 PAIR_MODES = tuple(m for m in PAIRS_FROM if m)
@@ -87,6 +88,7 @@ class CanonicalResponses:
     margin_from_scores: bool = False  # trained with each pair's score difference as its margin
     attributes: tuple[tuple[float, ...], ...] = ()  # each response's ratings, by ``attribute_names``; () none
     attribute_names: tuple[str, ...] = ()
+    weighted: bool = False  # its scores are the weighted sums of its responses' ratings (``weights``)
     raw: str = dataclasses.field(default="", compare=False, repr=False)  # for the errors file
     margin = None  # a pair's field, absent here
     is_tokenized = False
@@ -94,7 +96,7 @@ class CanonicalResponses:
     @property
     def group(self) -> str:
         """The prompt's content hash: every pair made from this prompt goes to one split."""
-        blob = json.dumps(["prompt", self.prompt], ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        blob = jsontext.dumps(["prompt", self.prompt], ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
     @property
@@ -110,7 +112,7 @@ class CanonicalResponses:
         content = ["responses", self.prompt, self.responses, self.scores]
         if self.attributes:  # ratings kept are content too (records without them keep their ids)
             content += [self.attribute_names, self.attributes]
-        blob = json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        blob = jsontext.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
     @property
@@ -311,7 +313,7 @@ class Row:
     @property
     def key(self) -> str:
         """The prompt as canonical JSON: the rows of one prompt share it."""
-        return json.dumps(self.prompt, ensure_ascii=False, separators=(",", ":"))
+        return jsontext.dumps(self.prompt, ensure_ascii=False, separators=(",", ":"))
 
 
 def read_row(record: Any, *, source: str, line: int, weights: Mapping[str, float],
@@ -366,6 +368,17 @@ def raw_responses(record: Mapping[str, Any], fmt: str) -> tuple[tuple[Message, .
     return prompt, responses
 
 
+def scored_by_weights(record: Mapping[str, Any], fmt: str) -> bool:
+    """Whether a record's scores are the weighted sums of its ratings: a ``responses`` record rated
+    only by 'attributes' (no scores or ranks), as ``_responses`` reads it."""
+    return fmt == "responses" and "scores" not in record and "ranks" not in record and "attributes" in record
+
+
+def stored(score: float) -> float:
+    """A score as a record stores it (float32): what ties and orders are decided on."""
+    return float(np.float32(score))
+
+
 def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: int, attributes: tuple[str, ...] = (),
                    weights: Mapping[str, float] | None = None) -> CanonicalResponses:
     """One raw record of multi-response layout ``fmt``, with each response's ratings ``attributes``
@@ -393,15 +406,16 @@ def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: in
         why = f" ({contradicted} left out: the same text scored two ways)" if contradicted else ""
         raise BadRecord("duplicate_response" if contradicted else "too_few_responses",
                         f"{len(responses)} distinct response(s){why}: a record needs at least 2")
-    if len(set(scores)) == 1:
-        raise Tie("all_tied", f"all {len(scores)} responses score {scores[0]:g}: no preference to learn")
+    if len(set(map(stored, scores))) == 1:  # as the shards store them: scores one float32 holds are a tie
+        raise Tie("all_tied", f"all {len(scores)} responses score {scores[0]:g}"
+                  + ("" if len(set(scores)) == 1 else " as stored (float32)") + ": no preference to learn")
     subset = record.get("subset")
     if subset is not None and not isinstance(subset, str):
         raise BadRecord("bad_type", f"field 'subset' must be str, got {type(subset).__name__}")
     return CanonicalResponses(source, line, prompt, tuple(responses), tuple(scores), subset,
                               merged=len(given) - len(responses) - empty - contradicted, dropped=empty,
                               contradicted=contradicted, attributes=tuple(ratings) if names else (),
-                              attribute_names=names)
+                              attribute_names=names, weighted=scored_by_weights(record, fmt))
 
 
 def to_pairs(r: CanonicalResponses, mode: str, *, margin_from_scores: bool = False,
@@ -424,7 +438,7 @@ def to_pairs(r: CanonicalResponses, mode: str, *, margin_from_scores: bool = Fal
         elif mode == "best-worst":
             order = [(best, min(lower, key=lambda j: (s[j], j)))]
         else:  # picked by the record's content: the same pair wherever the file is and whatever its order
-            content = json.dumps([r.group, r.responses, r.scores], ensure_ascii=False).encode("utf-8")
+            content = jsontext.dumps([r.group, r.responses, r.scores], ensure_ascii=False).encode("utf-8")
             pick = int(hashlib.blake2b(content, digest_size=8).hexdigest(), 16)
             order = [(best, lower[pick % len(lower)])]
     else:

@@ -20,6 +20,7 @@ import numpy as np
 from rmflow.rendering.formats import BadRecord, CanonicalPair, CanonicalSteps, Message
 from rmflow.rendering.length import TooLong, apply_length_policy, apply_length_policy_steps
 from rmflow.rendering.responses import CanonicalResponses, spread
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.manifest import (
@@ -58,7 +59,7 @@ class TokenizerAssets:
         if "tokenizer_config.json" in files:
             config = json.loads(files["tokenizer_config.json"])
             config.pop("chat_template", None)
-            files["tokenizer_config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
+            files["tokenizer_config.json"] = (jsontext.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
         files["chat_template.jinja"] = self.chat_template_override.encode("utf-8")
         return files
 

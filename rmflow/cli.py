@@ -274,7 +274,7 @@ def train(options: dict, config: str | None, set_: list[str], resume: bool, allo
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from rmflow.eval.reports import training_progress
+    from rmflow.eval.reports import training_progress, training_result
     from rmflow.trainer.setup import planned_steps
     from rmflow.trainer.train import run
 
@@ -298,10 +298,8 @@ def train(options: dict, config: str | None, set_: list[str], resume: bool, allo
         result = run(cfg, resume=resume, on_log=on_log, on_start=on_start, allow_config_change=allow_config_change)
     finally:
         progress.stop()
-    last = result.history[-1] if result.history else {}
-    acc = result.trainer.objective.kind.headline[0]
-    console.print(f"trained {result.total_steps} steps; eval {acc.replace('_', ' ')} "
-                  f"{last.get(f'eval_{acc}', float('nan')):.4f}. Run: [bold]{cfg.output}[/bold]")
+    console.print(f"trained {result.total_steps} steps; {training_result(result.trainer.objective.kind, result.history)}"
+                  f". Run: [bold]{cfg.output}[/bold]")
 
 
 @command(name="run")

@@ -31,6 +31,7 @@ import os
 import shutil
 from typing import Any
 
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import ConfigError, EvalConfig, ExportConfig, PreprocessConfig
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.outputs import REPORT_FILE, WORKFLOW_FILE, check_replaceable, output_lock
@@ -153,7 +154,7 @@ def _path(p: str, base_dir: str) -> str:
 
 
 def _hash(obj: Any, upstream: str = "") -> str:
-    blob = json.dumps(obj, sort_keys=True, default=str) + upstream
+    blob = jsontext.dumps(obj, sort_keys=True, default=str) + upstream
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -171,7 +172,7 @@ def _done(wf: Workflow, stage: str, h: str) -> bool:
 
 def _finish(wf: Workflow, stage: str, h: str, info: dict[str, Any]) -> None:
     with open(_marker(wf, stage), "w") as f:
-        json.dump({"hash": h, **info}, f, indent=2)
+        jsontext.dump({"hash": h, **info}, f, indent=2)
 
 
 def run(wf: Workflow, log=print) -> dict[str, str]:
@@ -188,7 +189,7 @@ def _run(wf: Workflow, log) -> dict[str, str]:
     check_replaceable(wf.output, WORKFLOW_FOLDER)  # its stages replace their folders in it: never a user's
     os.makedirs(wf.output, exist_ok=True)
     with open(os.path.join(wf.output, WORKFLOW_FILE), "w") as f:  # the folder is a workflow's from now on
-        json.dump({"stages": [s for s in STAGES if s != "export" or wf.export is not None]}, f)
+        jsontext.dump({"stages": [s for s in STAGES if s != "export" or wf.export is not None]}, f)
     status: dict[str, str] = {}
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
     h_train = _hash({**wf.train.identity(), "model_identity": model_identity(wf.train.model.path)}, h_pre)
@@ -323,7 +324,7 @@ def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
         if not resume:  # a run for another config or other shards: set it aside, start over
             _set_aside(wf, old_hash, log)
     with open(started, "w") as f:
-        json.dump({"hash": hashes["train"]}, f)
+        jsontext.dump({"hash": hashes["train"]}, f)
     kind = []  # the run's reward model kind, once its checks passed
 
     def on_log(r: dict[str, Any]) -> None:
@@ -347,7 +348,7 @@ def changed_keys(run_dir: str, cfg: TrainConfig) -> list[str]:
     new = cfg.flat()
 
     def shown(value: Any) -> Any:  # as stored: tuples are lists there, not changes
-        return json.loads(json.dumps(value, default=str))
+        return json.loads(jsontext.dumps(value, default=str))
 
     return [f"{k}: {shown(old.get(k))!r} -> {shown(new[k])!r}" for k in sorted(new)
             if shown(old.get(k)) != shown(new[k])]

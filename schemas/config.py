@@ -36,6 +36,9 @@ FORMATS = (
 )
 MULTI_FORMATS = ("responses", "rewardbench2", "nectar", "ultrafeedback-raw", "helpsteer")
 ROW_FORMATS = ("helpsteer",)  # a response a row: the rows of one prompt are grouped (GroupByKey) into one record
+# Layouts whose records preprocessing always scores by its attribute_weights (a regression head
+# takes them as its reward's weights by default; other layouts' scores may come from elsewhere)
+SCORED_BY_WEIGHTS = ("helpsteer",)
 PAIRS_FROM = ("", "expand", "best-worst", "best-random")
 WHOLE_GAP = ("min_score_gap acts on pairs: a multi-response record kept whole trains on every two responses whose "
              "scores differ; add --pairs-from expand to drop the pairs closer than the gap, or drop --min-score-gap")
@@ -270,8 +273,11 @@ class EvalConfig(Config):
     margin_from_scores: bool = option(_PRE["margin_from_scores"].default,
                                     "Raw files: " + _PRE["margin_from_scores"].metadata["help"])
     pairs_from: str = option(_PRE["pairs_from"].default, "Raw files: " + _PRE["pairs_from"].metadata["help"])
-    attribute_weights: str = option(_PRE["attribute_weights"].default,
-                                    "Raw files: " + _PRE["attribute_weights"].metadata["help"])
+    attribute_weights: str = option("", "Raw files rated on several attributes (helpsteer; a responses record "
+                                        "rated only by 'attributes'): the weighted sum name=weight,... that "
+                                        "scores each response, as preprocess's --attribute-weights; default: the "
+                                        "model's own (an attribute head's, or those its training data was scored "
+                                        "by), else helpfulness=1. eval.json and report.md say which.")
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):
@@ -286,6 +292,18 @@ class EvalConfig(Config):
         object.__setattr__(self, "step", checkpoint_step(self.step))
         if self.format != "auto" and self.format not in FORMATS:
             raise ConfigError(f"format {self.format!r}: use 'auto' or one of {', '.join(FORMATS)}")
+        if self.attribute_weights.strip():
+            parse_weights(self.attribute_weights)
+        # options that cannot act in a mode are refused, not ignored
+        moot = {"responses": ("pairs_from", "margin_from_scores"),
+                "rewardbench-v2": RAW_INPUT_OPTIONS}.get(self.mode, ())
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        given = [name for name in moot if getattr(self, name) != defaults[name]]
+        if given:
+            why = "ranks each prompt's K responses as given" if self.mode == "responses" else \
+                "reads RewardBench 2 files as they are"
+            raise ConfigError(f"{', '.join('--' + n.replace('_', '-') for n in given)}: --mode {self.mode} {why}, "
+                              "so it would do nothing: drop it")
 
     def raw_input_options(self) -> dict[str, Any]:
         """The preprocessing options for raw files, as PreprocessConfig keywords."""

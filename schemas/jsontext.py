@@ -3,11 +3,17 @@ text, a lone surrogate (a ``\\ud800`` escape, valid JSON but no character: it ca
 tokenized or written back as UTF-8) anywhere in it, keys included, and, with
 ``allow_nan=False``, the constants ``NaN`` and ``Infinity`` (not JSON: a reader that echoes a
 field back would write a file other tools cannot read). Preprocessing reads NaN so that the
-value checks name the field (a NaN margin is a ``bad_value``); scoring and serving refuse it."""
+value checks name the field (a NaN margin is a ``bad_value``); scoring and serving refuse it.
+
+``dumps`` and ``dump`` write every JSON text rmflow writes (``tests/test_boundary.py`` holds every
+module to them): ``json``'s, with a value that is not a finite number (a metric over nothing, a
+correlation of a constant) written as ``null``, never as ``NaN`` or ``Infinity``, which strict
+readers (jq, JavaScript, ``json.loads`` with ``parse_constant``) refuse."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -66,3 +72,29 @@ def _encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def dumps(obj: Any, **kw: Any) -> str:
+    """``json.dumps(obj, **kw)``, a non-finite float anywhere in ``obj`` written as null."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kw)
+    except ValueError as e:  # the rare document with a NaN or an infinity: rebuilt without them
+        if "Out of range float" not in str(e):
+            raise
+        return json.dumps(finite(obj), allow_nan=False, **kw)
+
+
+def dump(obj: Any, f, **kw: Any) -> None:
+    """``json.dump(obj, f, **kw)``, as ``dumps`` writes it."""
+    f.write(dumps(obj, **kw))
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every float that is not finite (NaN, infinities; numpy's too) replaced by None."""
+    if isinstance(obj, float) or type(obj).__name__ in ("float32", "float64", "float16"):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj

@@ -50,6 +50,7 @@ class ModelKind:
     hf_labels: dict[str, str]  # an export's id2label
     peft_task: str  # an exported adapter's PEFT task_type
     eval_modes: tuple[str, ...]  # the ``rmflow eval --mode`` values it accepts
+    record_modes: tuple[str, ...]  # the ``rmflow eval --mode`` values that evaluate its records (shards or raw files)
     pairwise: bool  # scores come in chosen/rejected pairs (reward centering applies)
     normalizable: bool  # one scalar score per conversation, which ``rmflow eval --normalize`` standardises
     counts_steps: bool  # the preprocessing statistics count steps (and incorrect ones)
@@ -78,6 +79,7 @@ OUTCOME = ModelKind(
     hf_labels={"0": "LABEL_0"},
     peft_task="SEQ_CLS",
     eval_modes=("pairs", "rewardbench-v1", "rewardbench-v2", "responses"),
+    record_modes=("pairs", "rewardbench-v1"),
     pairwise=True,
     normalizable=True,
     counts_steps=False,
@@ -98,6 +100,7 @@ PROCESS = ModelKind(
     hf_labels={"0": "incorrect", "1": "correct"},
     peft_task="TOKEN_CLS",
     eval_modes=("pairs",),
+    record_modes=("pairs",),
     pairwise=False,
     normalizable=False,
     counts_steps=True,
@@ -118,6 +121,7 @@ RESPONSES = ModelKind(
     hf_labels={"0": "LABEL_0"},
     peft_task="SEQ_CLS",
     eval_modes=("pairs", "responses"),
+    record_modes=("pairs", "responses"),
     pairwise=True,
     normalizable=True,
     counts_steps=False,

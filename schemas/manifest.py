@@ -14,7 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from rmflow.schemas.config import STEP_SEPARATOR
+from rmflow.schemas import jsontext
+from rmflow.schemas.config import SCORED_BY_WEIGHTS, STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import KINDS, OUTCOME
 from rmflow.schemas.record import RECORD_VERSION
@@ -71,7 +72,7 @@ def vocabulary_sha256(files: Mapping[str, bytes]) -> str:
         try:
             config = json.loads(kept["tokenizer_config.json"])
             config.pop("chat_template", None)
-            kept["tokenizer_config.json"] = json.dumps(config, sort_keys=True).encode()
+            kept["tokenizer_config.json"] = jsontext.dumps(config, sort_keys=True).encode()
         except ValueError:
             pass
     return sha256_files(kept)
@@ -147,6 +148,8 @@ class Manifest:
     manifest_version: int = MANIFEST_VERSION
     record_version: int = RECORD_VERSION
     kind: str = OUTCOME.name
+    layouts: tuple[str, ...] = ()  # the inputs' layouts as read (--format, or each file's as detected)
+    weighted_scores: bool = False  # some records' scores are weighted sums of their ratings (attribute_weights)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -163,6 +166,25 @@ class Manifest:
         ``attributes``); () when none were kept."""
         text = self.config.get("attributes") or ""
         return tuple(n.strip() for n in text.split(",")) if text.strip() else ()
+
+    @property
+    def input_layouts(self) -> tuple[str, ...]:
+        """The layouts its records were read in: as detected (``layouts``), or a manifest from
+        before that field, its --format when one was forced."""
+        fmt = self.config.get("format")
+        return self.layouts or ((fmt,) if fmt and fmt != "auto" else ())
+
+    @property
+    def scored_by_weights(self) -> bool:
+        """Its records' scores are the weighted sums of their attribute ratings (preprocess's
+        ``attribute_weights``): a layout read that way (``SCORED_BY_WEIGHTS``), or records rated only by
+        their attributes (``weighted_scores``)."""
+        return self.weighted_scores or any(layout in SCORED_BY_WEIGHTS for layout in self.input_layouts)
+
+    @property
+    def label_weights(self) -> str | None:
+        """The attribute weights its records' scores are the weighted sums of (``scored_by_weights``), else None."""
+        return self.config.get("attribute_weights") if self.scored_by_weights else None
 
     @property
     def model_kind(self) -> str:
@@ -184,7 +206,7 @@ class Manifest:
         return self.config.get("step_separator", STEP_SEPARATOR)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+        return jsontext.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
@@ -210,6 +232,8 @@ class Manifest:
                 manifest_version=MANIFEST_VERSION,  # read into this version's terms
                 record_version=d["record_version"],
                 kind=d.get("kind", OUTCOME.name),  # manifests written before process models: pairs
+                layouts=tuple(d.get("layouts", ())),
+                weighted_scores=bool(d.get("weighted_scores", False)),
             )
         except ManifestError:
             raise

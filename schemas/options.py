@@ -11,11 +11,11 @@ docs' config reference (``rmflow.reference``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from rmflow.schemas import jsontext
 from rmflow.schemas.errors import RmflowError
 
 
@@ -162,7 +162,7 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        return jsontext.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def flat(self) -> dict[str, Any]:
         """{dotted path: value} of every option (an absent optional section: its path -> None)."""

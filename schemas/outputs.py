@@ -33,6 +33,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 
+from rmflow.schemas import jsontext
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.paths import is_url
 from rmflow.schemas.stops import refuse_if_stopping
@@ -128,7 +129,7 @@ def _acquire(path: str, output: str, command: str) -> int:
                       RmflowWarning, stacklevel=4)
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, json.dumps({"command": command, "pid": os.getpid(), "host": socket.gethostname(),
+    os.write(fd, jsontext.dumps({"command": command, "pid": os.getpid(), "host": socket.gethostname(),
                              "started": time.time()}).encode())
     return fd
 

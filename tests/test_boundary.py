@@ -182,6 +182,15 @@ def test_one_home_decides_whether_a_path_is_a_url():
     assert not hits, f"{hits}: use schemas.paths.is_url / is_remote"
 
 
+def test_every_json_text_is_written_by_one_writer():
+    """Every JSON text rmflow writes goes through ``schemas.jsontext.dumps`` / ``dump``: a value
+    that is not a finite number is written as null, never as NaN, which strict readers refuse."""
+    hits = _found_outside(REPO / "schemas" / "jsontext.py", lambda node: isinstance(node, ast.Attribute)
+                          and node.attr in ("dump", "dumps") and isinstance(node.value, ast.Name)
+                          and node.value.id == "json")
+    assert not hits, f"{hits}: write JSON with rmflow.schemas.jsontext.dumps / dump"
+
+
 def test_one_publication_step_for_every_beam_job():
     """Preprocess and batch scoring publish through ``pipelines.publication`` alone: no other
     module moves a staging folder to an output or writes an output's COMPLETED marker."""

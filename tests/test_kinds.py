@@ -180,10 +180,16 @@ def test_every_preset_builds_and_is_named_in_the_help(name):
 def test_a_training_record_is_shown_by_the_run_s_kind():
     """The progress line of a run training shows the headline accuracy of the run's kind, told by
     the run (``on_start``), not guessed from which metrics a record happens to hold."""
-    from rmflow.eval.reports import training_progress
+    from rmflow.eval.reports import training_progress, training_result
 
-    rec = {"step": 3, "loss": 0.5, "accuracy": 0.75, "step_accuracy": 0.25, "eval_step_accuracy": 0.125,
-           "tokens_per_second": 1234.0}
+    rec = {"step": 3, "loss": 0.5, "accuracy": 0.75, "step_accuracy": 0.25, "tokens_per_second": 1234.0}
     assert training_progress(OUTCOME, rec) == "loss 0.5000, accuracy 0.750, 1,234 tokens/s"
-    assert training_progress(PROCESS, rec) == \
+    evaluated = {**rec, "eval_loss": 0.7, "eval_step_accuracy": 0.125}
+    assert training_progress(PROCESS, evaluated) == \
         "loss 0.5000, step accuracy 0.250, eval step accuracy 0.125, 1,234 tokens/s"
+    # a figure over nothing (no pair whose labels differ) is shown as such, never as 0 or nan
+    assert training_progress(OUTCOME, {**evaluated, "accuracy": float("nan")}) == \
+        "loss 0.5000, accuracy n/a, eval accuracy n/a, 1,234 tokens/s"
+    assert training_result(OUTCOME, [rec]) == "no eval split"
+    assert training_result(OUTCOME, [evaluated]) == "eval accuracy n/a (no pairs whose labels differ)"
+    assert training_result(PROCESS, [evaluated]) == "eval step accuracy 0.1250"

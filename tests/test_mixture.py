@@ -201,6 +201,27 @@ def test_sets_preprocessed_unlike_are_refused_naming_them(sets, tmp_path, tokeni
                                           "b": {"path": str(other), "weight": 1}}},
                           model="micro", output=str(tmp_path / "run"), max_steps=2, batch_size=8))
     assert not (tmp_path / "run" / "checkpoints").exists()
+    # the same shards under two names (a link, a copy): trained twice their share, so refused
+    (tmp_path / "link").symlink_to(sets["a"])
+    with pytest.raises(TrainError, match="sets 'a' and 'link' are the same shards"):
+        train(TrainConfig(data=f"{sets['a']}=1,{tmp_path / 'link'}=1", model="micro", output=str(tmp_path / "run2"),
+                          max_steps=2, batch_size=8))
+    # another kind of records: named, with what to do (not advice about tokenizers)
+    (tmp_path / "k.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "responses": ["a", "bb", "ccc"],
+                                                          "scores": [1, 2, 3]}) + "\n" for i in range(8)))
+    from rmflow.pipelines.preprocess import run as preprocess
+
+    preprocess(PreprocessConfig(inputs=(str(tmp_path / "k.jsonl"),), output=str(tmp_path / "k"), tokenizer=tokenizer_dir,
+                                max_length=128, eval_fraction=0.0))
+    with pytest.raises(TrainError, match=r"kind of records differ \(a: 'outcome', k: 'multi-response'\): a run "
+                                         "trains on one kind: preprocess the K-response sets with --pairs-from"):
+        train(TrainConfig(data=f"{sets['a']}=1,{tmp_path / 'k'}=1", model="micro", output=str(tmp_path / "run3"),
+                          max_steps=2, batch_size=8))
+    with pytest.raises(TrainError, match="data.eval 'k' holds prompts with K scored responses and this run trains "
+                                         "on preference pairs: a run evaluates its own kind"):
+        train(TrainConfig.from_dict({"data": {"train": str(sets["a"]), "eval": {"k": str(tmp_path / "k")}},
+                                     "model": "micro", "output": str(tmp_path / "run4"), "max_steps": 2,
+                                     "batch_size": 8}))
 
 
 def test_checkpoints_kept_are_the_newest_and_the_best_by_the_metric():

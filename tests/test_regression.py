@@ -13,6 +13,7 @@ attribute) fitted to the ratings, the reward the outputs' weighted sum.
 
 import dataclasses
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -197,9 +198,17 @@ def test_what_cannot_train_an_attribute_head_is_refused_in_one_line(rated, tmp_p
         _train(tmp_path / "unrated", tmp_path / "a", objective="regression", max_steps=3)
     with pytest.raises(TrainError, match="weigh honesty, which the records do not keep"):
         _train(rated, tmp_path / "b", objective="regression", attribute_weights="honesty=1", max_steps=3)
-    # responses scored by their ratings here, but a responses layout may carry scores of its own
+    # responses with scores of their own beside their ratings: the reward's weights must be given
+    scored = [{**r, "scores": list(range(len(r["responses"])))} for r in map(json.loads, lines)]
+    (tmp_path / "scored.jsonl").write_text("".join(json.dumps(r) + "\n" for r in scored))
+    run(PreprocessConfig(inputs=(str(tmp_path / "scored.jsonl"),), output=str(tmp_path / "scored"),
+                         tokenizer=tokenizer_dir, max_length=128, eval_fraction=0.0, num_shards=1,
+                         attributes=",".join(NAMES)))
     with pytest.raises(TrainError, match="give --attribute-weights NAME=WEIGHT"):
-        _train(rated, tmp_path / "c", objective="regression", max_steps=3)
+        _train(tmp_path / "scored", tmp_path / "c", objective="regression", max_steps=3)
+    # responses scored by their ratings (the manifest says so): the head takes those weights
+    _train(rated, tmp_path / "d", objective="regression", max_steps=2)
+    assert json.loads((tmp_path / "d" / "model_config.json").read_text())["attribute_weights"] == [1.0, -0.1]
     with pytest.raises(ConfigError, match="objective bradley-terry trains none"):
         TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", "attribute_weights": "helpfulness=1"})
     with pytest.raises(ConfigError, match="objective 'ridge'"):
@@ -312,3 +321,47 @@ def export_of(run, rated):
 
     _train(rated, run, objective="regression", attribute_weights=WEIGHTS, max_steps=2)
     return export(ExportConfig(run=str(run), output=str(run) + "-export"))
+
+
+def _strict(path: pathlib.Path):
+    """Every JSON text of a file, parsed as strict readers do (jq, JavaScript): no NaN or Infinity."""
+    def refuse(name):
+        raise AssertionError(f"{path.name}: {name} is not JSON")
+
+    text = path.read_text()
+    return [json.loads(x, parse_constant=refuse) for x in text.splitlines() if x.strip()] if path.suffix == ".jsonl" \
+        else json.loads(text, parse_constant=refuse)
+
+
+def test_eval_of_rated_responses_says_which_weights_made_its_labels(rated, tmp_path):
+    """Raw responses rated only by attributes are ranked by the model's own weights (its attribute
+    head's) unless --attribute-weights names others, and eval.json and report.md say which; a
+    response too long for the model is left out and counted, not the end of the eval; --mode
+    responses reads shards too; nothing it writes holds NaN."""
+    from rmflow.schemas.config import EvalConfig
+
+    from rmflow.eval.evaluation import run_eval
+
+    _train(rated, tmp_path / "run", objective="regression", max_steps=2, attribute_weights="helpfulness=2,verbosity=1")
+    lines = (rated.parent / "rated.jsonl").read_text().splitlines()[:20]
+    huge = json.loads(lines[0])
+    huge["responses"][1] = "word " * 6000  # past the micro preset's 4,096 positions with its prompt
+    (tmp_path / "raw.jsonl").write_text("\n".join([json.dumps(huge), *lines[1:]]) + "\n")
+    m = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(tmp_path / "raw.jsonl"),),
+                            output=str(tmp_path / "e1"), mode="responses"))
+    assert m["label_weights"] == {"weights": "helpfulness=2,verbosity=1", "from": "the model's attribute head"}
+    assert m["ranking"]["prompts"] == 20 and m["ranking"]["responses"] == 79
+    assert {"count": 1, "why": "responses too long for max_length with their prompt, left out"} in \
+        m["input"]["left_out"]
+    report = (tmp_path / "e1" / "report.md").read_text()
+    assert "helpfulness=2,verbosity=1 (the model's attribute head)" in report and "1 responses too long" in report
+    other = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(tmp_path / "raw.jsonl"),),
+                                output=str(tmp_path / "e2"), mode="responses", attribute_weights="verbosity=1"))
+    assert other["label_weights"]["from"] == "--attribute-weights"
+    assert other["ranking"]["scored_pairs"] != m["ranking"]["scored_pairs"]  # other labels, other pairs
+    shards = run_eval(EvalConfig(model=str(tmp_path / "run"), data=(str(rated),), output=str(tmp_path / "e3"),
+                                 mode="responses"))
+    assert shards["label_weights"] == {"weights": WEIGHTS, "from": "the shards' preprocessing"}
+    for out in ("e1", "e2", "e3"):
+        _strict(tmp_path / out / "eval.json")
+    _strict(tmp_path / "run" / "metrics.jsonl")

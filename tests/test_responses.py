@@ -315,19 +315,6 @@ def test_what_a_break_it_pass_found_in_multi_response_data_stays_fixed(tmp_path)
     assert detect_format({"prompt": "p", "chosen": [{"role": "assistant", "content": "c"}],
                           "rejected": [{"role": "assistant", "content": "r"}]}) == "text"
     assert detect_format({"prompt": "p", "completions": ["s1"], "labels": [True], "instruction": "x"}) == "stepwise"
-    # eval --mode responses skips and counts what cannot be ranked; another layout is one line
-    from rmflow.eval.responses import ResponsesEvalError, read_prompts
-
-    f = tmp_path / "mixed.jsonl"
-    f.write_text("\n".join([json.dumps(LAYOUTS["responses"]), "null", "[1]",
-                            json.dumps({"prompt": "p", "responses": ["a", "a"], "scores": [1, 0]}),
-                            json.dumps(LAYOUTS["nectar"])]) + "\n")
-    prompts, skipped = read_prompts([str(f)], "auto", {"helpfulness": 1.0})
-    assert len(prompts) == 2 and skipped["count"] == 3
-    assert skipped["reasons"] == {"not_an_object": 2, "duplicate_response": 1}  # its only two responses contradict
-    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"}) + "\n")
-    with pytest.raises(ResponsesEvalError, match="a text record, not K scored responses"):
-        read_prompts([str(tmp_path / "pairs.jsonl")], "auto", {"helpfulness": 1.0})
 
 
 def test_bad_fraction_counts_in_the_unit_errors_count_in(tmp_path):
@@ -456,3 +443,32 @@ def test_only_a_prompt_with_its_responses_and_nothing_else_is_scored_as_k_respon
     assert responses_of({"prompt": "q", "chosen": "a", "rejected": "b", "responses": ["x", "y"]}) is None
     assert responses_of({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                          "prompt": "q", "responses": ["x", "y"]}) is None
+
+
+def test_scores_are_compared_as_stored_and_a_figure_over_nothing_is_absent():
+    """Scores one float32 holds are a tie (the record stores float32: it would train on nothing);
+    a metric over no pair whose scores differ is absent, never 0."""
+    from rmflow.trainer.loss import RANKING_SUM_KEYS, ranking_metrics_of_sums
+
+    with pytest.raises(Tie, match="as stored"):
+        read_responses({"prompt": "p", "responses": ["a", "b", "c"], "scores": [1.0, 1.00000001, 1.00000002]},
+                       "responses", source="s", line=1)
+    with pytest.raises(Tie):
+        read_responses({"prompt": "p", "responses": ["a", "b"], "scores": [2 ** 25, 2 ** 25 + 1]},
+                       "responses", source="s", line=1)
+    none = ranking_metrics_of_sums({**dict.fromkeys(RANKING_SUM_KEYS, 0.0), "prompts": 4.0, "responses": 12.0})
+    assert "accuracy" not in none and "kendall_tau" not in none and "best_of_k_accuracy" not in none
+    assert none["pairs"] == 0 and none["prompts"] == 4
+
+
+@pytest.mark.parametrize("mode, options, words", [
+    ("responses", {"pairs_from": "expand"}, "--pairs-from: --mode responses ranks"),
+    ("responses", {"margin_from_scores": True}, "--margin-from-scores: --mode responses"),
+    ("rewardbench-v2", {"attribute_weights": "helpfulness=1"}, "--attribute-weights: --mode rewardbench-v2"),
+    ("rewardbench-v2", {"format": "nectar"}, "--format: --mode rewardbench-v2")])
+def test_eval_options_that_cannot_act_in_a_mode_are_refused(mode, options, words):
+    from rmflow.schemas.config import EvalConfig
+    from rmflow.schemas.options import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        EvalConfig(model="m", data=("d",), output="o", mode=mode, **options)

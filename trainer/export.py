@@ -18,6 +18,7 @@ import warnings
 
 import numpy as np
 from flax import nnx
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import ExportConfig
 from rmflow.schemas.errors import RmflowError, RmflowWarning
 from rmflow.schemas.kinds import ModelKind, kind_named
@@ -106,7 +107,7 @@ def save_safetensors(tensors: dict[str, np.ndarray], folder: str, max_shard_byte
         weight_map.update(dict.fromkeys(shard, name))
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
+        jsontext.dump(index, f, indent=2, sort_keys=True)
     return names
 
 
@@ -204,11 +205,12 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
                 shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
         normalization = os.path.join(run.path, NORMALIZATION_FILE)  # the run as loaded (a remote one staged once)
         with open(os.path.join(staging, EXPORT_INFO), "w") as f:
-            json.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
+            jsontext.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
                        "data": run.config.data.train, "tokenizer_sha256": run.manifest.tokenizer.sha256,
                        "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.model_kind,
                        "step_separator": run.manifest.step_separator, "render": dataclasses.asdict(run.manifest.render),
-                       "max_length": run.manifest.max_length}, f, indent=2)
+                       "max_length": run.manifest.max_length, "label_weights": run.manifest.label_weights},
+                      f, indent=2)
         if os.path.exists(normalization) and not adapter:  # the run's `rmflow eval --normalize` figures, and OpenRLHF's
             with open(normalization) as f:
                 write_normalization(staging, json.load(f))
@@ -222,7 +224,7 @@ def _write_checkpoint(model: RewardTransformer, folder: str, base: dict | None, 
     os.makedirs(folder, exist_ok=True)
     save_safetensors(state_dict(model), folder, max_shard_bytes)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config(model.config, base, pad, kind), f, indent=2, sort_keys=True)
+        jsontext.dump(hf_config(model.config, base, pad, kind), f, indent=2, sort_keys=True)
 
 
 PEFT_PREFIX = "base_model.model."
@@ -247,4 +249,4 @@ def write_adapter(model: RewardTransformer, folder: str, cfg, base_path: str, ki
               "modules_to_save": ["score"], "fan_in_fan_out": False, "inference_mode": True,
               "init_lora_weights": True, "base_model_name_or_path": base_path}
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+        jsontext.dump(config, f, indent=2, sort_keys=True)

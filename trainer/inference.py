@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE, STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import OUTCOME as OUTCOME_KIND
@@ -49,14 +50,14 @@ def write_normalization(folder: str, stats: dict[str, Any]) -> None:
     ``std`` in its config.json too, where OpenRLHF's reward model reads them (its
     ``--normalize_reward``)."""
     with open(os.path.join(folder, NORMALIZATION_FILE), "w") as f:
-        json.dump(stats, f, indent=2)
+        jsontext.dump(stats, f, indent=2)
     config = os.path.join(folder, "config.json")
     if os.path.exists(os.path.join(folder, EXPORT_INFO)) and os.path.exists(config):
         with open(config) as f:
             cfg = json.load(f)
         cfg.update({"mean": float(stats["mean"]), "std": float(stats["std"])})
         with open(config, "w") as f:
-            json.dump(cfg, f, indent=2)
+            jsontext.dump(cfg, f, indent=2)
 
 
 # The scoring forwards, jitted once per process: the model's structure (its nnx GraphDef, hashable and
@@ -110,6 +111,7 @@ class LoadedModel:
     run: str | None = None  # the run directory the weights come from, when known
     trained_max_length: int | None = None  # its training data's max_length, when known (a run, an export)
     recorded_kind: str | None = None  # the kind its run or export recorded (None: a checkpoint rmflow did not make)
+    label_weights: str | None = None  # the attribute weights its training data's scores were the weighted sums of
 
     def identity(self) -> dict[str, Any]:
         """What a scorer reports with its scores: the weights (run and step), the kind and the
@@ -154,7 +156,7 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
         return LoadedModel(model, run.tokenizer_dir, run.pad_id,
                            f"run {os.path.abspath(path)}, checkpoint step {step} (base: {run.config.model.path})", path,
                            run.manifest.render, step, os.path.abspath(path),
-                           run.manifest.max_length, run.manifest.model_kind)
+                           run.manifest.max_length, run.manifest.model_kind, run.manifest.label_weights)
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path} does not exist: give a run directory (`rmflow train --output`) or an "
                              "exported checkpoint folder")
@@ -175,7 +177,8 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
         description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
         render = exported_render(exported)
     loaded = LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, render,
-                         exported.get("step"), exported.get("run"), exported.get("max_length"), exported.get("kind"))
+                         exported.get("step"), exported.get("run"), exported.get("max_length"), exported.get("kind"),
+                         exported.get("label_weights"))
     if loaded.kind != model.config.kind:
         raise ModelLoadError(f"{path}: {EXPORT_INFO} says it is {loaded.kind.description}; its config.json has "
                              f"{model.config.num_labels} output(s), {model.config.kind.description}")

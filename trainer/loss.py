@@ -229,19 +229,19 @@ def ranking_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
     n = sums["prompts"]
     if not n:
         return {"prompts": 0}
-    pairs, k = max(sums["pairs"], 1.0), max(sums["responses"], 1.0)
+    pairs, k = sums["pairs"], max(sums["responses"], 1.0)
     mean_r = sums["reward_sum"] / k
     return {
         "prompts": int(n),
         "responses": int(sums["responses"]),
-        "pairs": int(sums["pairs"]),
+        "pairs": int(pairs),
         "loss": sums["loss_sum"] / n,
         "rank_loss": sums["rank_loss_sum"] / n,
         "center": sums["center_sum"] / n,
-        "accuracy": sums["correct"] / pairs,
-        "ties": sums["ties"] / pairs,
-        "best_of_k_accuracy": sums["best_sum"] / n,
-        "kendall_tau": sums["tau_sum"] / sums["tau_prompts"] if sums["tau_prompts"] else float("nan"),
+        # figures over pairs of different scores, or prompts that rank: absent over none (never 0)
+        **({"accuracy": sums["correct"] / pairs, "ties": sums["ties"] / pairs,
+            "best_of_k_accuracy": sums["best_sum"] / n} if pairs else {}),
+        **({"kendall_tau": sums["tau_sum"] / sums["tau_prompts"]} if sums["tau_prompts"] else {}),
         "reward_mean": mean_r,
         "reward_std": max(sums["reward_sq_sum"] / k - mean_r**2, 0.0) ** 0.5,
     }

@@ -24,6 +24,7 @@ from typing import Any
 
 from rmflow.schemas import kinds
 from rmflow.schemas.attributes import parse_weights, weights_over
+from rmflow.schemas.config import SCORED_BY_WEIGHTS
 from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.manifest import Manifest
 from rmflow.schemas.options import ConfigError
@@ -52,9 +53,6 @@ from rmflow.trainer.loss import (
 from rmflow.trainer.modeling.config import ScoreHead
 
 ROW_KEYS = ("input_ids", "positions", "segment_ids", "branch_ids")
-# Layouts whose records preprocessing always scores by its attribute_weights (a regression head
-# takes them as its reward's weights by default; other layouts' scores may come from elsewhere).
-SCORED_BY_WEIGHTS = ("helpsteer",)
 ROUTER_SUM = "router_aux_sum"  # a mixture of experts' load-balancing loss, summed over units (``step._loss``)
 _MODEL_ARGS = ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids")
 
@@ -138,7 +136,7 @@ class Objective:
             raise ConfigError(f"objective {self.ranking} fits the responses' attribute ratings, which these shards "
                               "do not keep: preprocess with --attributes NAME,NAME,... (the ratings to keep)")
         given = attribute_weights.strip()
-        if not given and manifest.config.get("format") not in SCORED_BY_WEIGHTS:
+        if not given and not manifest.scored_by_weights:
             raise ConfigError(f"objective {self.ranking}: give --attribute-weights NAME=WEIGHT,... over "
                               f"{', '.join(names)} (the reward is the outputs' weighted sum); only shards of a layout "
                               f"always scored by preprocessing's weights ({', '.join(SCORED_BY_WEIGHTS)}) take those "

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Mapping
 
 from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.kinds import OUTCOME, RESPONSES, kind_named
 from rmflow.schemas.manifest import MANIFEST_FILE, Manifest, ManifestError
 from rmflow.schemas.sources import DataSource
 from rmflow.schemas.train_config import TrainConfig
@@ -86,6 +87,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     sources = cfg.sources
     mixture = len(sources) > 1
     manifests = [read_manifest(s.path) for s in sources]
+    check_distinct_sets(sources, manifests)
     check_same_preprocessing(sources, manifests)
     manifest = max(manifests, key=lambda m: m.max_length)
     primary = sources[manifests.index(manifest)].path
@@ -104,6 +106,13 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
         raise TrainError("objective " + cfg.objective + ": the sets of the mixture keep different attributes ("
                          + "; ".join(f"{s.name}: {', '.join(m.attributes) or 'none'}" for s, m in zip(sources, manifests))
                          + "); preprocess every set with the same --attributes")
+    scored_by = {m.config.get("attribute_weights") or "" for m in manifests if m.scored_by_weights}
+    if objective.regression and not cfg.attribute_weights.strip() and len(scored_by) > 1:
+        raise TrainError("objective " + cfg.objective + ": the sets of the mixture were scored by different "
+                         "attribute weights (" + "; ".join(f"{s.name}: {m.config.get('attribute_weights')}"
+                                                           for s, m in zip(sources, manifests) if m.scored_by_weights)
+                         + "), and the head's reward would be the first set's: give --attribute-weights "
+                         "NAME=WEIGHT,... for the reward, or preprocess the sets with the same weights")
     train_sets = tuple(shard_paths(s.path, m, "train") for s, m in zip(sources, manifests))
     for source, paths in zip(sources, train_sets):
         if not paths:
@@ -144,6 +153,27 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
                    eval_rounding=eval_rounding, pad_id=manifest.tokenizer.pad_token_id or 0)
 
 
+def other_kind(name: str, named: str, training: str) -> str:
+    """Why eval set ``name``, of records of kind ``named``, cannot be evaluated in a run on records
+    of kind ``training``: each kind's eval runs its own objective's figures."""
+    return (f"data.eval {name!r} holds {kind_named(named).data} and this run trains on {kind_named(training).data}: a "
+            "run evaluates its own kind of records. Evaluate the set after training with `rmflow eval --model RUN "
+            "--data ...`" + (", or preprocess it with --pairs-from expand to evaluate it as pairs during the run"
+                              if (named, training) == (RESPONSES.name, OUTCOME.name) else ""))
+
+
+def check_distinct_sets(sources, manifests: list[Manifest]) -> None:
+    """No two sets of a mixture are the same shards (a link or a copy: the same manifest), which
+    would train on them twice their share without a word."""
+    seen: dict[str, str] = {}
+    for source, m in zip(sources, manifests):
+        key = m.to_json()
+        if key in seen:
+            raise TrainError(f"data.train: sets {seen[key]!r} and {source.name!r} are the same shards ({source.path}: "
+                             "the same manifest, a link or a copy): give each set once, its weight sets its share")
+        seen[key] = source.name
+
+
 def _named_eval_sets(eval_data: dict[str, list[str]], sources, manifest: Manifest, data_sets: dict[str, list[str]],
                      max_length: int, objective: Objective) -> dict[str, list[str]]:
     """``data.eval``'s shard folders (raw files were preprocessed before the run: ``rmflow.eval.sets``),
@@ -163,7 +193,10 @@ def _named_eval_sets(eval_data: dict[str, list[str]], sources, manifest: Manifes
             raise TrainError(f"data.eval {name}: {folder} is training data; its eval split is evaluated already "
                              "(eval_*); name only held-out sets")
         named = read_manifest(folder)
-        check_same_preprocessing((DataSource("the data", ""), DataSource(name, folder)), [manifest, named])
+        if named.kind != manifest.kind:
+            raise TrainError(other_kind(name, named.kind, manifest.kind))
+        check_same_preprocessing((DataSource("the data", ""), DataSource(name, folder)), [manifest, named],
+                                 f"data.eval {name!r} and the training data were")
         if objective.regression and named.attributes != objective.attributes:
             raise TrainError(f"data.eval {name}: {folder} keeps the attribute ratings "
                              f"{', '.join(named.attributes) or '(none)'}; the head fits "

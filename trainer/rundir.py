@@ -25,6 +25,7 @@ import os
 import shutil
 from typing import Any
 
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import ConfigError
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.manifest import (
@@ -162,7 +163,7 @@ def record_config(run_dir: str, cfg: TrainConfig, from_step: int, changed: dict[
     if changed:
         entry["changed"] = {k: {"before": a, "after": b} for k, (a, b) in changed.items()}
     with open(os.path.join(run_dir, CONFIG_HISTORY), "a") as f:
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
+        f.write(jsontext.dumps(entry, sort_keys=True) + "\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +254,7 @@ def _read_json(folder: str, name: str) -> dict[str, Any]:
 
 def _write_json(path: str, value: Any) -> None:
     with open(path, "w") as f:
-        json.dump(value, f, indent=2)
+        jsontext.dump(value, f, indent=2)
 
 
 def read_history(path: str) -> list[dict[str, Any]]:
@@ -265,11 +266,11 @@ def read_history(path: str) -> list[dict[str, Any]]:
 
 def write_history(path: str, history: list[dict[str, Any]]) -> None:
     with open(path, "w") as f:
-        f.writelines(json.dumps(h, sort_keys=True) + "\n" for h in history)
+        f.writelines(jsontext.dumps(h, sort_keys=True) + "\n" for h in history)
 
 
 def append_history(path: str, record: dict[str, Any]) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.write(jsontext.dumps(record, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())

@@ -49,27 +49,31 @@ def read_manifest(data: str) -> Manifest:
         raise TrainError(f"cannot read the manifest of {data}: {e}") from e
 
 
-# What every set of a mixture must share: the model reads all their records as one stream.
+# What every set of a mixture must share, and what to do when one differs: the model reads all
+# their records as one stream.
 SAME_PREPROCESSING = (
-    ("tokenizer and chat template", lambda m: m.tokenizer.sha256),
-    ("reward model kind", lambda m: m.kind),
-    ("step separator", lambda m: m.step_separator),
-    ("record version", lambda m: m.record_version),
+    ("tokenizer and chat template", lambda m: m.tokenizer.sha256,
+     "preprocess every set with the same --tokenizer and --chat-template"),
+    ("kind of records", lambda m: m.kind,
+     "a run trains on one kind: preprocess the K-response sets with --pairs-from expand (or best-worst) to train "
+     "on them as pairs"),
+    ("step separator", lambda m: m.step_separator, "preprocess every set with the same --step-separator"),
+    ("record version", lambda m: m.record_version, "preprocess the older sets again with this rmflow"),
 )
 
 
-def check_same_preprocessing(sources, manifests: list[Manifest]) -> None:
-    """The sets of a mixture were made alike (``SAME_PREPROCESSING``); one line names each difference."""
+def check_same_preprocessing(sources, manifests: list[Manifest], subject: str = "the sets of the mixture were") -> None:
+    """The sets of a mixture were made alike (``SAME_PREPROCESSING``); one line names each difference
+    and what to do about it."""
     problems = []
-    for what, get in SAME_PREPROCESSING:
+    for what, get, advice in SAME_PREPROCESSING:
         values = [get(m) for m in manifests]
         if len(set(map(str, values))) > 1:
             shown = ", ".join(f"{s.name}: {str(v)[:12] if what.startswith('tokenizer') else v!r}"
                               for s, v in zip(sources, values))
-            problems.append(f"{what} differ ({shown})")
+            problems.append(f"{what} differ ({shown}): {advice}")
     if problems:
-        raise TrainError("the sets of the mixture were not preprocessed alike: " + "; ".join(problems)
-                         + ". Preprocess every set with the same --tokenizer and --chat-template")
+        raise TrainError(f"{subject} not preprocessed alike: " + "; ".join(problems))
 
 
 def build_model(cfg: TrainConfig, manifest: Manifest, packing: str | None = None, devices: int = 1

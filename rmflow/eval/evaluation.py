@@ -82,7 +82,8 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
             kept = _keep_input_errors(found, failed_errors_path(final_output or output))
             raise EvalError(e.reason + (f"; every record set aside and its reason: {kept}" if kept else "")) from e
         _keep_input_errors([os.path.join(folder, ERRORS_FILE)], os.path.join(output, INPUT_ERRORS))
-        input_summary = {"counts": result.stats["counts"], "not_scored": result.stats["dead_letters"]}
+        input_summary = {"counts": result.stats["counts"], "not_scored": result.stats["dead_letters"],
+                         "left_out": left_out(result.stats["counts"])}
         split = "train"  # everything lands there when eval_fraction is 0
         manifest = read_manifest(folder)
     splits = list(manifest.splits) if split == "all" else [split]
@@ -92,7 +93,17 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
     records = [decode(source[i]) for i in range(len(source))]
     if not records:
         raise EvalError(f"nothing to evaluate in split {split!r} of {folder}: it holds no records")
-    return records, input_summary
+    return records, input_summary, manifest
+
+
+def left_out(counts: dict[str, int]) -> list[dict[str, Any]]:
+    """What a raw input's preprocessing did not pass on to the eval, by reason, in words: records
+    not written (``NOT_WRITTEN``) and responses left out of their records."""
+    from rmflow.pipelines.finalize import NOT_WRITTEN, NOTED_COUNTS
+
+    out = [{"count": counts[key], "why": f"records {what}"} for key, _, what in NOT_WRITTEN if counts.get(key)]
+    return out + [{"count": counts[key], "why": what} for key, category, _, what in NOTED_COUNTS
+                  if category == "merged" and counts.get(key)]
 
 
 def _keep_input_errors(found: list[str], dest: str) -> str | None:
@@ -124,6 +135,24 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
             return _run_eval(cfg, staging)
 
 
+DEFAULT_LABEL_WEIGHTS = "helpfulness=1"  # a raw file's attribute weights when neither it nor the model names any
+
+
+def label_weights(cfg: EvalConfig, loaded: LoadedModel) -> tuple[str, str]:
+    """(the attribute weights that score raw records rated by attributes, where they come from):
+    --attribute-weights; else the model's own, an attribute head's or those its training data was
+    scored by; else ``DEFAULT_LABEL_WEIGHTS``."""
+    if cfg.attribute_weights.strip():
+        return cfg.attribute_weights, "--attribute-weights"
+    head = loaded.model.config
+    if head.attributes:
+        return ",".join(f"{n}={w:g}" for n, w in zip(head.attributes, head.attribute_weights)), \
+            "the model's attribute head"
+    if loaded.label_weights:
+        return loaded.label_weights, "those the model's training data was scored by"
+    return DEFAULT_LABEL_WEIGHTS, "the default: give --attribute-weights for others"
+
+
 def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
     if cfg.normalize and storage.is_remote(cfg.model):
         raise EvalError("--normalize stores reward_normalization.json in the model folder: give a local copy "
@@ -134,26 +163,33 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
         asked = f"--mode {cfg.mode}" + (" and --normalize" if cfg.normalize and not kind.normalizable else "")
         raise EvalError(f"{asked} do not apply to {cfg.model}, {kind.description}: its modes are "
                         f"{', '.join(kind.eval_modes)}" + ("" if kind.normalizable else ", without --normalize"))
-    input_summary = None
+    input_summary, weights = None, None
     if cfg.mode == "rewardbench-v2":
         metrics, write = run_rewardbench_v2(cfg, loaded)
-    elif cfg.mode == "responses":
-        from rmflow.eval.responses import run_responses
-
-        metrics, write = run_responses(cfg, loaded)
     else:
+        weights = label_weights(cfg, loaded)
         with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:
-            records, input_summary = load_records(list(cfg.data), cfg.split, loaded.model, loaded.tokenizer_dir,
-                                                  cfg.model, workdir, staging, loaded.step_separator,
-                                                  cfg.raw_input_options(), cfg.output)
+            records, input_summary, manifest = load_records(
+                list(cfg.data), cfg.split, loaded.model, loaded.tokenizer_dir, cfg.model, workdir, staging,
+                loaded.step_separator, {**cfg.raw_input_options(), "attribute_weights": weights[0]}, cfg.output)
         found = kind_of_record(records[0])
         if found.model is not kind:
             raise EvalError(f"{cfg.data[0]} holds {found.data}, which {found.model.description} scores; {cfg.model} "
                             f"is {kind.description}: evaluate it on {kind.data}")
+        if cfg.mode not in found.record_modes:
+            raise EvalError(f"--mode {cfg.mode} does not evaluate {found.data}, which {', '.join(cfg.data)} holds: "
+                            f"use --mode {' or '.join(found.record_modes)}")
+        if manifest.scored_by_weights:  # its labels are weighted sums of ratings: which weights, said
+            weights = (manifest.config.get("attribute_weights") or DEFAULT_LABEL_WEIGHTS,
+                       weights[1] if input_summary is not None else "the shards' preprocessing")
+        else:
+            weights = None
         metrics, write = handler(found.name, "evaluate")(cfg, loaded, records)  # by what the records are
     metrics = {"kind": kind.name, **metrics}
     if input_summary is not None:
         metrics["input"] = input_summary
+    if weights is not None:
+        metrics["label_weights"] = {"weights": weights[0], "from": weights[1]}
     write(metrics, staging)
     return metrics
 

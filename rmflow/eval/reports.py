@@ -5,13 +5,14 @@ table ``rmflow eval`` prints. Rendering only: the numbers come from ``rmflow.eva
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from rmflow.schemas import jsontext
 from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.outputs import EVAL_FILE, REPORT_FILE
 
@@ -22,7 +23,7 @@ def write_eval(output: str, metrics: dict[str, Any], config: dict[str, Any], mar
     beside the ``plots`` already saved there; returns the files written."""
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, EVAL_FILE), "w") as f:
-        json.dump({"metrics": metrics, "config": config}, f, indent=2, sort_keys=True)
+        jsontext.dump({"metrics": metrics, "config": config}, f, indent=2, sort_keys=True)
     with open(os.path.join(output, REPORT_FILE), "w") as f:
         f.write(markdown)
     return [EVAL_FILE, REPORT_FILE, *plots]
@@ -37,7 +38,7 @@ def write_report(metrics: dict[str, Any], rc: np.ndarray, rr: np.ndarray, output
 
 
 def report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[str, Any] | None = None) -> str:
-    lines = ["# Reward model evaluation", "", *_source_lines(m, config or {})]
+    lines = ["# Reward model evaluation", "", *_source_lines(m, config or {}), *input_lines(m)]
     lo, hi = m["accuracy_ci95"]
     lines += [f"{m['pairs']:,} pairs.", "", "| figure | value |", "| --- | ---: |"]
     rows = [("accuracy (chosen scored strictly higher)", f"{m['accuracy']:.4f}"),
@@ -72,6 +73,25 @@ def _source_lines(m: dict[str, Any], config: dict[str, Any]) -> list[str]:
     if config.get("data"):
         split = f", split {config['split']}" if config.get("split") and not m.get("input") else ""
         lines.append(f"Data: {', '.join(map(str, config['data']))}{split}.  ")
+    return lines
+
+
+def input_lines(m: dict[str, Any]) -> list[str]:
+    """What a report says of its raw inputs (``m["input"]``, from their in-process preprocessing:
+    what was read, what was not evaluated and why) and of how their labels were made (the
+    attribute weights a layout's scores are the weighted sum of)."""
+    lines = []
+    summary = m.get("input")
+    if summary:
+        read = summary["counts"].get("records_read", 0)
+        left = summary.get("left_out", [])
+        lines.append(f"Raw inputs: {read:,} records read" + ("; not evaluated: " + "; ".join(
+            f"{x['count']:,} {x['why']}" for x in left) + " (each with its reason in input_errors.jsonl)" if left
+            else "; every one evaluated") + ".  ")
+    weights = m.get("label_weights")
+    if weights:
+        lines.append(f"Labels: each response's score is the weighted sum of its attribute ratings, "
+                     f"{weights['weights']} ({weights['from']}).  ")
     return lines
 
 
@@ -194,7 +214,7 @@ def _fmt(x: float | None) -> str:
 
 
 def process_report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[str, Any] | None = None) -> str:
-    lines = ["# Process reward model evaluation", "", *_source_lines(m, config or {})]
+    lines = ["# Process reward model evaluation", "", *_source_lines(m, config or {}), *input_lines(m)]
     lo, hi = m["step_accuracy_ci95"]
     lines += [f"{m['solutions']:,} solutions ({m['with_error']:,} with a wrong step), {m['steps']:,} labelled steps "
               f"({m['incorrect_steps']:,} incorrect). A step is predicted incorrect when P(correct) < "
@@ -245,9 +265,10 @@ def pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
                 [("RewardBench 2 score", f"{m['rewardbench_v2']['score']:.2f}")])
     if "ranking" in m:
         r = m["ranking"]
-        skipped = f", {r['skipped']['count']:,} records skipped (report.md says why)" if r["skipped"]["count"] else ""
+        left = sum(x["count"] for x in m.get("input", {}).get("left_out", []))
+        skipped = f", {left:,} records or responses not evaluated (report.md says why)" if left else ""
         return (f"rmflow eval: {r['prompts']:,} prompts, {r['responses']:,} responses{skipped}",
-                [(label, f"{r[key]:.4f} (length-only: {r['length_baseline'][key]:.4f})")
+                [(label, f"{figure(r[key], 4)} (length-only: {figure(r['length_baseline'][key], 4)})")
                  for key, label in (("pair_accuracy", "pairwise accuracy"), ("best_of_k_accuracy", "best-of-K accuracy"),
                                     ("kendall_tau", "Kendall's tau"), ("spearman", "Spearman's rho"))])
     lo, hi = m["accuracy_ci95"]
@@ -287,13 +308,30 @@ def eval_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     return handler(m["kind"], "summary")(m)
 
 
+def figure(value: Any, digits: int) -> str:
+    """A metric as a report shows it: "n/a" where it is absent or not a number (a figure over nothing)."""
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+
+
 def training_progress(kind: ModelKind, rec: dict[str, Any]) -> str:
     """A training metrics record as users follow it while the run trains (`rmflow train`'s
     progress bar, a workflow's log): the loss, the kind's headline accuracy (train and, in a
-    record that has one, eval) and the throughput."""
+    record that has eval metrics, eval; "n/a" over no pair whose labels differ) and the throughput."""
     acc = kind.headline[0]
     label = acc.replace("_", " ")
-    text = f"loss {rec.get('loss', float('nan')):.4f}, {label} {rec.get(acc, float('nan')):.3f}"
-    if f"eval_{acc}" in rec:
-        text += f", eval {label} {rec[f'eval_{acc}']:.3f}"
+    text = f"loss {figure(rec.get('loss'), 4)}, {label} {figure(rec.get(acc), 3)}"
+    if "eval_loss" in rec:  # a record of a step that evaluated the eval split
+        text += f", eval {label} {figure(rec.get(f'eval_{acc}'), 3)}"
     return text + f", {rec.get('tokens_per_second', 0):,.0f} tokens/s"
+
+
+def training_result(kind: ModelKind, history: list[dict[str, Any]]) -> str:
+    """What a finished run's last evaluation says, in a few words: its headline accuracy, "no
+    eval split" when the run had none, "n/a" over no pair whose labels differ."""
+    evals = [r for r in history if "eval_loss" in r]
+    label = kind.headline[0].replace("_", " ")
+    if not evals:
+        return "no eval split"
+    value = evals[-1].get(f"eval_{kind.headline[0]}")
+    return f"eval {label} {figure(value, 4)}" + ("" if value is not None else
+                                                 f" (no {kind.units} whose labels differ)")

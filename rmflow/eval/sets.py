@@ -19,10 +19,12 @@ import warnings
 
 from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.errors import RmflowWarning
+from rmflow.schemas.kinds import OUTCOME, PROCESS, RESPONSES
 from rmflow.schemas.manifest import ERRORS_FILE, TOKENIZER_DIR
 from rmflow.schemas.train_config import REGRESSION, TrainConfig
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
+from rmflow.trainer.plan import other_kind
 from rmflow.trainer.rundir import EVAL_DATA
 from rmflow.trainer.setup import check_output, read_manifest
 
@@ -46,17 +48,23 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
     root = storage.cache_dir(cfg.output, EVAL_DATA) if storage.is_remote(cfg.output) \
         else os.path.join(cfg.output, EVAL_DATA)
     evals = dict(cfg.data.eval)
+    as_pairs = {name: _holds_k_responses(name, paths, manifest) for name, paths in raw.items()}  # before any is written
     for name, paths in raw.items():
         folder = os.path.join(root, name)
         kept = folder + "." + ERRORS_FILE  # a failed set's reasons (an earlier run's are stale now)
         if os.path.exists(kept):
             os.remove(kept)
+        if as_pairs[name]:
+            warnings.warn(f"data.eval {name!r} holds K responses per prompt and this run trains on preference pairs: "
+                          "it is evaluated as every two of a prompt's responses whose scores differ (--pairs-from "
+                          "expand), whose accuracy is the ranking's pairwise accuracy; `rmflow eval` of the trained "
+                          "model on it gives best-of-K and Kendall's tau too", RmflowWarning, stacklevel=2)
         try:
             result = preprocess(PreprocessConfig(
                 inputs=tuple(paths), output=folder, tokenizer=os.path.join(data, TOKENIZER_DIR),
                 max_length=cfg.data.max_length or manifest.max_length, length_policy=manifest.length_policy,
                 step_separator=manifest.step_separator, eval_fraction=0.0,
-                max_bad_fraction=1.0, overwrite=True,
+                max_bad_fraction=1.0, overwrite=True, **({"pairs_from": "expand"} if as_pairs[name] else {}),
                 # a regression head's ratings, as the training shards keep them, and the weights their scores came from
                 **({"attributes": manifest.config["attributes"]} if manifest.attributes and fits_ratings else {}),
                 **({"attribute_weights": manifest.config["attribute_weights"]}
@@ -68,6 +76,9 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
                 shutil.rmtree(staging, ignore_errors=True)
             where = f"; every record and its reason: {kept}" if os.path.exists(kept) else ""
             raise TrainError(f"data.eval {name!r} ({', '.join(paths)}): {e.reason or e}{where}") from e
+        if result.manifest.kind != manifest.kind:  # a layout the files' first records did not show
+            shutil.rmtree(folder, ignore_errors=True)
+            raise TrainError(other_kind(name, result.manifest.kind, manifest.kind))
         counts = result.stats["counts"]
         if counts["errors"]:
             warnings.warn(f"data.eval {name!r}: {counts['errors']} of {counts['records_read']} records cannot be "
@@ -75,3 +86,23 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
                           f"{counts['pairs_written']} others", RmflowWarning, stacklevel=2)
         evals[name] = [folder]
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval=evals))
+
+
+def _holds_k_responses(name: str, paths: list[str], training) -> bool:
+    """Whether raw eval set ``name`` is K responses per prompt to evaluate as pairs in a pairs run
+    (its files' first records tell); a pairs set in a K-response run is refused here, before
+    anything is written."""
+    from rmflow.pipelines.io import expand_inputs
+    from rmflow.pipelines.preprocess import _first_layout
+    from rmflow.schemas.config import MULTI_FORMATS, STEP_FORMATS
+
+    layouts = {_first_layout(path) for path, _ in expand_inputs(tuple(paths))} - {None}
+    if not layouts:
+        return False
+    kind = RESPONSES.name if layouts <= set(MULTI_FORMATS) else PROCESS.name if layouts <= set(STEP_FORMATS) else \
+        OUTCOME.name if not layouts & {*MULTI_FORMATS, *STEP_FORMATS} else None
+    if kind is None or kind == training.kind:
+        return False
+    if (kind, training.kind) == (RESPONSES.name, OUTCOME.name):
+        return True
+    raise TrainError(other_kind(name, kind, training.kind))

@@ -183,7 +183,7 @@ def _sorted_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def _write_jsonl_shard(item, staging: str, n: int):
     index, rows = item
     rows = _sorted_rows(rows)
-    body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    body = "".join(jsontext.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     rio.write_bytes(f"{staging}/{_shard_name(index, n, 'jsonl')}", body.encode("utf-8"))
     yield _shard_name(index, n, "jsonl"), len(rows)
 
@@ -255,7 +255,7 @@ def parquet_schema(types: dict[str, Any], score_fields: Sequence[str]):
     order += [c for c in score_fields if c in types]
     return pa.schema([(c, pa.string() if types[c] == "json" else
                        (pa.string() if pa.types.is_null(types[c]) else types[c])) for c in order],
-                     metadata={"rmflow_json_columns": json.dumps(sorted(c for c in order if types[c] == "json"))})
+                     metadata={"rmflow_json_columns": jsontext.dumps(sorted(c for c in order if types[c] == "json"))})
 
 
 def _write_parquet_shard(item, staging: str, n: int, types: dict[str, Any], score_fields: Sequence[str]):
@@ -266,7 +266,7 @@ def _write_parquet_shard(item, staging: str, n: int, types: dict[str, Any], scor
     rows = _sorted_rows(rows)
     schema = parquet_schema(types, score_fields)
     as_json = set(json.loads(schema.metadata[b"rmflow_json_columns"]))
-    columns = {c: [(json.dumps(r[c], ensure_ascii=False, sort_keys=True) if c in as_json and r.get(c) is not None
+    columns = {c: [(jsontext.dumps(r[c], ensure_ascii=False, sort_keys=True) if c in as_json and r.get(c) is not None
                     else r.get(c)) for r in rows] for c in schema.names}
     table = pa.table(columns, schema=schema)
     sink = pa.BufferOutputStream()
@@ -322,17 +322,17 @@ class BestOfN(beam.PTransform):
         groups = (
             rows
             | "HasScore" >> beam.Filter(lambda r: "score" in r and r.get(f) is not None)
-            | "ByGroup" >> beam.Map(lambda r: (json.dumps(r[f], sort_keys=True), r))
+            | "ByGroup" >> beam.Map(lambda r: (jsontext.dumps(r[f], sort_keys=True), r))
             | "Group" >> beam.GroupByKey()
             | "Pick" >> beam.Map(_best_of_group)
         )
         best = groups | "BestLine" >> beam.Map(
-            lambda g: json.dumps({**{k: v for k, v in json.loads(g["best"]["_raw"]).items()}, "score": g["best"]["score"],
+            lambda g: jsontext.dumps({**{k: v for k, v in json.loads(g["best"]["_raw"]).items()}, "score": g["best"]["score"],
                                   "group_size": g["size"]}, ensure_ascii=False) + "\n")
         pairs = (
             groups
             | "Pairs" >> beam.Filter(lambda g: g["size"] > 1 and g["best"]["score"] > g["worst"]["score"])
-            | "PairLine" >> beam.Map(lambda g: json.dumps(_as_pair(g), ensure_ascii=False) + "\n")
+            | "PairLine" >> beam.Map(lambda g: jsontext.dumps(_as_pair(g), ensure_ascii=False) + "\n")
         )
         s = self.staging
         wrote_best = best | "AllBest" >> beam.combiners.ToList() | "WriteBest" >> beam.Map(
@@ -379,7 +379,7 @@ def finalize(items: list, spec: JobSpec, identity: dict[str, Any]) -> dict[str, 
                    f"its reason is in {staging}/{ERRORS_FILE}")
     if refusal:
         refuse(staging, {**summary, "error": refusal}, BatchScoreError(refusal))
-    rio.write_bytes(f"{staging}/{SUMMARY_FILE}", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+    rio.write_bytes(f"{staging}/{SUMMARY_FILE}", (jsontext.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
     publish(staging, out, SCORES_OUTPUT)
     return summary
 
@@ -393,7 +393,7 @@ def build(p: beam.Pipeline, files: list[str], spec: JobSpec, identity: dict[str,
     shards = routed.rows | "WriteScores" >> WriteScores(spec.staging, spec.num_shards, spec.output_format,
                                                         SCORE_FIELDS)
     dead = (read[DEAD], routed[DEAD]) | "AllErrors" >> beam.Flatten()
-    error_lines = dead | "ErrorJson" >> beam.Map(lambda d: json.dumps(d, sort_keys=True) + "\n")
+    error_lines = dead | "ErrorJson" >> beam.Map(lambda d: jsontext.dumps(d, sort_keys=True) + "\n")
     wrote_errors = (error_lines | "AllErrorLines" >> beam.combiners.ToList()
                     | "WriteErrors" >> beam.Map(lambda ls, s=spec.staging: _write_sorted(ls, f"{s}/{ERRORS_FILE}")))
     items = [

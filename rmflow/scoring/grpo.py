@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rmflow.schemas import jsontext
 from rmflow.scoring.errors import BadConversation
 
 RewardFunc = Callable[..., list[float | None]]
@@ -81,7 +82,7 @@ def server_reward_func(url: str, *, api_key: str | None = None, normalized: bool
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
     def post(conversations: list[list[dict[str, Any]]]) -> tuple[int, dict[str, Any]]:
-        body = json.dumps({"conversations": conversations, "truncate": "left", "normalized": normalized}).encode()
+        body = jsontext.dumps({"conversations": conversations, "truncate": "left", "normalized": normalized}).encode()
         request = urllib.request.Request(endpoint, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:

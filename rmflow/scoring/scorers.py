@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -365,7 +364,7 @@ def _write(path: str, rows: list[dict[str, Any]]) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+            f.writelines(jsontext.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         refuse_if_stopping()
         os.replace(tmp, path)
     except BaseException:

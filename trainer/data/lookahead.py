@@ -12,6 +12,8 @@ import collections
 import json
 from typing import Any
 
+from rmflow.schemas import jsontext
+
 
 class Lookahead:
     """Wraps a Grain iterator (anything with ``__next__``, ``get_state`` and ``set_state``),
@@ -68,7 +70,7 @@ class JsonState:
         self.iterator = iterator
 
     def get_state(self) -> bytes:
-        return json.dumps(self.iterator.get_state()).encode()
+        return jsontext.dumps(self.iterator.get_state()).encode()
 
     def set_state(self, state: bytes) -> None:
         self.iterator.set_state(json.loads(state))
