@@ -53,7 +53,7 @@ from rmflow.rendering.tokenize import TokenizerAssets, build_tokenizer, tokenize
 from rmflow.schemas.config import (
     MULTI_FORMATS,
     NORMALIZE_OPTIONS,
-    SCORE_OPTIONS,
+    SCORED_BY_WEIGHTS,
     WHOLE_GAP,
     PreprocessConfig,
     parse_weights,
@@ -134,15 +134,29 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
 LAYOUT_SAMPLE_FILES = 64  # at most this many input files' layouts are read at plan time (check_score_options)
 
 
+# The options that act only on some layouts: (option, the layouts it acts on, what it acts on).
+# Given for inputs of none of them, an option would do nothing, silently: refused.
+LAYOUT_OPTIONS = (
+    ("min_score_gap", SCORED_LAYOUTS, "layouts with scores (score_chosen and score_rejected, or K scored responses)"),
+    ("margin_from_scores", SCORED_LAYOUTS, "layouts with scores (score_chosen and score_rejected, or K scored "
+                                           "responses)"),
+    ("drop_score_ties", ("ultrafeedback",), "pairs that carry scores (score_chosen = score_rejected); K responses of "
+                                            "equal scores never make a pair, and the listwise losses skip them"),
+    ("attributes", ("helpsteer", "ultrafeedback-raw", "responses"), "K responses rated on attributes (helpsteer, "
+                                                                     "ultrafeedback-raw, responses with 'attributes')"),
+    ("attribute_weights", ("helpsteer", "responses"), "responses rated only by their attributes (helpsteer rows, "
+                                                      "responses records with 'attributes' and no scores)"),
+)
+
+
 def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
-    """Refuse the options that act on scores (--min-score-gap, --drop-score-ties,
-    --margin-from-scores) when no input's layout carries scores: they would do nothing, silently.
-    The layouts are read as the job reads them: forced by --format, else each file's first
-    record that fits one. Only when every file's layout is known is anything refused: more than
-    LAYOUT_SAMPLE_FILES files, or files read whole to reach a record (JSON arrays, Parquet),
-    are not probed, and pass."""
+    """Refuse the options that act on some layouts only (``LAYOUT_OPTIONS``) when no input is of
+    one: they would do nothing, silently. The layouts are read as the job reads them: forced by
+    --format, else each file's first record that fits one. Only when every file's layout is known
+    is anything refused: more than LAYOUT_SAMPLE_FILES files, or files read whole to reach a record
+    (JSON arrays, Parquet), are not probed, and pass (``warn_unused_options`` speaks after the job)."""
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    asked = [name for name in SCORE_OPTIONS if getattr(cfg, name) != defaults[name]]
+    asked = [(name, acts, what) for name, acts, what in LAYOUT_OPTIONS if getattr(cfg, name) != defaults[name]]
     if not asked:
         return
     if cfg.format != "auto":
@@ -151,11 +165,22 @@ def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
         layouts = {_first_layout(p) for p in files}
     else:
         return
-    if None not in layouts and not layouts & set(SCORED_LAYOUTS):
-        flags = ", ".join("--" + name.replace("_", "-") for name in asked)
-        raise PreprocessError(f"{flags}: acts on layouts with scores ({', '.join(SCORED_LAYOUTS)}: score_chosen and "
-                              f"score_rejected, or K scored responses), and the inputs are {', '.join(sorted(layouts))}: it would do "
-                              "nothing; drop it, or give scored data")
+    if None in layouts:
+        return
+    for name, acts, what in asked:
+        if not layouts & set(acts):
+            raise PreprocessError(f"--{name.replace('_', '-')}: acts on {what}, and the inputs are "
+                                  f"{', '.join(sorted(layouts))}: it would do nothing; drop it, or give such data")
+
+
+def warn_unused_options(cfg: PreprocessConfig, stats: dict[str, Any], layouts: tuple[str, ...]) -> None:
+    """After the job: --attribute-weights given, and no record was scored by them (``responses``
+    records that all carried scores of their own)."""
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "attribute_weights")
+    if cfg.attribute_weights != default and not stats["counts"].get("scored_by_weights") \
+            and not set(layouts) & set(SCORED_BY_WEIGHTS):
+        warnings.warn(f"--attribute-weights {cfg.attribute_weights}: no record was scored by them (every one "
+                      "carried scores or ranks of its own)", RmflowWarning, stacklevel=3)
 
 
 def check_pairs_from(cfg: PreprocessConfig, files: list[str]) -> None:
@@ -320,7 +345,9 @@ def _run(cfg: PreprocessConfig, p, started: float, wait: bool) -> PreprocessResu
     out = fin.output
     stats = json.loads(rio.read_bytes(f"{out}/{STATS_FILE}"))
     stats["counters"] = beam_counters(result)  # monitoring only; the exact counts are in stats
-    return PreprocessResult(out, Manifest.from_json(rio.read_bytes(f"{out}/{MANIFEST_FILE}").decode()), stats)
+    manifest = Manifest.from_json(rio.read_bytes(f"{out}/{MANIFEST_FILE}").decode())
+    warn_unused_options(cfg, stats, manifest.layouts)
+    return PreprocessResult(out, manifest, stats)
 
 
 def _interrupted(e: BaseException) -> bool:

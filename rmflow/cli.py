@@ -263,10 +263,12 @@ def print_summary(stats: dict, output: str) -> None:
 ))
 def train(options: dict, config: str | None, set_: list[str], resume: bool, allow_config_change: bool) -> None:
     """Train a reward model on preprocessed shards (JAX / Flax / Optax, fed by Grain)."""
+    from rmflow.schemas.options import flatten
     from rmflow.workflow import read_yaml_mapping
 
     base = read_yaml_mapping(config, f"--config {config}", "a mapping of option: value") if config else {}
-    cfg = TrainConfig.from_dict({**base, **options}).with_overrides(list(set_))
+    # dotted, each option once, so that a flag replaces the file's value however the file spelled it
+    cfg = TrainConfig.from_dict({**flatten(TrainConfig, base), **options}).with_overrides(list(set_))
 
     from rmflow.eval.sets import preprocess_eval_sets
 

@@ -139,9 +139,22 @@ def read_yaml_mapping(path: str, what: str, expected: str) -> dict[str, Any]:
     """A YAML file holding a mapping (empty: {}); a ConfigError naming ``what`` otherwise."""
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        """YAML's safe loader, refusing a key a mapping gives twice (YAML's own rule; PyYAML keeps the last)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice: give it once",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
     try:
         with open(path) as f:
-            value = yaml.safe_load(f) or {}
+            value = yaml.load(f, Loader=Loader) or {}
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot read {what}: {e}") from e
     if not isinstance(value, dict):

@@ -57,7 +57,6 @@ PREPROCESS_NEEDS = (
     ("decontaminate_mark_only", "--decontaminate FILES", lambda c: bool(c.decontaminate)),
     ("decontaminate_method", "--decontaminate FILES", lambda c: bool(c.decontaminate)),
 )
-SCORE_OPTIONS = ("min_score_gap", "drop_score_ties", "margin_from_scores")  # act on layouts with scores only
 SCORE_OUTPUT_FORMATS = ("jsonl", "parquet")
 STEP_SEPARATOR = "\n"  # the default text after every step of a stepwise solution (process reward models)
 SCORING_BATCH_SIZE = 16  # the default sequences per forward pass when scoring (eval, score, the API)

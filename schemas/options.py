@@ -127,12 +127,38 @@ def _nest(data: Mapping[str, Any], cls: type) -> dict[str, Any]:
         head, dot, rest = str(key).partition(".")
         if not dot or head not in subs:
             if head in subs and isinstance(out.get(head), dict):
-                value = {**out[head], **_as_mapping(subs[head], value)}
+                given = _as_mapping(subs[head], value)
+                _refuse_twice(head, out[head], given)
+                value = {**out[head], **given}
             out[key] = value
             continue
         inner = _as_mapping(subs[head], out.get(head))
+        _refuse_twice(head, inner, {rest: value})
         inner[rest] = value
         out[head] = inner
+    return out
+
+
+def _refuse_twice(section: str, have: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """One option given twice, nested and dotted (``optimizer: {learning_rate: ...}`` and
+    ``optimizer.learning_rate: ...``): two spellings of one key, neither of which may silently win."""
+    twice = sorted(set(have) & set(given))
+    if twice:
+        raise ConfigError(f"{', '.join(f'{section}.{k}' for k in twice)} given twice (nested and dotted, two spellings "
+                          "of one option): give it once")
+
+
+def flatten(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` (nested sections, dotted keys or both) as {dotted path: value} of ``cls``'s options,
+    an option given twice refused (``_refuse_twice``): so that another source (a flag) can replace
+    any one of them by its dotted name."""
+    out: dict[str, Any] = {}
+    subs = sections(cls)
+    for key, value in _nest(data, cls).items():
+        if key in subs and value is not None:  # a section (or its scalar form: data: folder is data.train)
+            out.update({f"{key}.{k}": v for k, v in flatten(section_of(subs[key]), _as_mapping(subs[key], value)).items()})
+        else:
+            out[key] = value
     return out
 
 

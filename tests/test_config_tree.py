@@ -117,3 +117,32 @@ def test_a_workflow_s_train_identity_is_the_flat_layout_of_before():
     with pytest.raises(ConfigError, match="ranking_loss is now objective$"):
         TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o"}).with_overrides(
             ["ranking_loss=plackett-luce"])
+
+
+def test_one_option_given_twice_is_refused_however_spelled(tmp_path):
+    """Nested and dotted are two spellings of one option, and a YAML mapping with a key twice is
+    one option twice: refused, never the last one silently; a flag still replaces the file's value."""
+    from typer.testing import CliRunner
+
+    from rmflow.cli import app
+    from rmflow.schemas.options import flatten
+    from rmflow.workflow import read_yaml_mapping
+
+    for spec in ({**BASE, "optimizer": {"learning_rate": 3e-4}, "optimizer.learning_rate": 5e-4},
+                 {**BASE, "optimizer.learning_rate": 5e-4, "optimizer": {"learning_rate": 3e-4}}):
+        with pytest.raises(ConfigError, match="optimizer.learning_rate given twice"):
+            TrainConfig.from_dict(spec)
+        with pytest.raises(ConfigError, match="given twice"):
+            flatten(TrainConfig, spec)
+    (tmp_path / "d.yaml").write_text("batch_size: 4\nbatch_size: 8\n")
+    with pytest.raises(ConfigError, match="'batch_size' given twice"):
+        read_yaml_mapping(str(tmp_path / "d.yaml"), "--config d.yaml", "a mapping")
+    (tmp_path / "n.yaml").write_text("optimizer:\n  learning_rate: 3.0e-4\noptimizer.learning_rate: 5.0e-4\n")
+    r = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "n.yaml"), "--data", "d", "--model", "micro",
+                                 "-o", str(tmp_path / "run")])
+    assert r.exit_code == 2 and "given twice" in r.output and not (tmp_path / "run").exists()
+    flat = flatten(TrainConfig, {**BASE, "optimizer": {"learning_rate": 3e-4}, "lora": None})
+    assert flat == {"data.train": "d", "model.path": "micro", "output": "o", "optimizer.learning_rate": 3e-4,
+                    "lora": None}
+    assert TrainConfig.from_dict({**flat, "optimizer.learning_rate": 1e-5, "data.train": "e"}).optimizer.learning_rate \
+        == 1e-5  # what a flag does to the file's value

@@ -289,6 +289,18 @@ def test_real_rm_bench_prompts_preprocess_whole_train_packed_or_not_alike_and_ev
         losses[packing] = (last["loss"], last["eval_loss"], last["eval_best_of_k_accuracy"])
         assert last["computed_fraction"] < 0.95  # each prompt computed once, not once per response (1.0)
     assert losses["pack"] == pytest.approx(losses["none"], abs=1e-5)
+    # margins (--margin-from-scores) that a Plackett-Luce ranking would never read: refused, not ignored
+    import shutil
+
+    from rmflow.trainer.errors import TrainError
+
+    shutil.copytree(tmp_path / "whole", tmp_path / "margins")
+    manifest = json.loads((tmp_path / "margins" / "manifest.json").read_text())
+    manifest["config"]["margin_from_scores"] = True
+    (tmp_path / "margins" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TrainError, match="--margin-from-scores, whose margins objective plackett-luce does not use"):
+        train(TrainConfig.from_dict({"data": str(tmp_path / "margins"), "model": "micro", "max_steps": 2,
+                                     "output": str(tmp_path / "run-m"), "objective": "plackett-luce"}))
     m = run_eval(EvalConfig(model=str(tmp_path / "run-pack"), data=(str(tmp_path / "whole"),),
                             output=str(tmp_path / "eval"), normalize=True))
     assert m["kind"] == "outcome" and m["ranking"]["prompts"] == len(held_out)

@@ -2,6 +2,7 @@
 bad input refused with its reason, pairs made from it (--pairs-from), and the pairs of one
 prompt kept in one split by `rmflow preprocess`."""
 
+import dataclasses
 import gzip
 import json
 import pathlib
@@ -472,3 +473,28 @@ def test_eval_options_that_cannot_act_in_a_mode_are_refused(mode, options, words
 
     with pytest.raises(ConfigError, match=words):
         EvalConfig(model="m", data=("d",), output="o", mode=mode, **options)
+
+
+@pytest.mark.parametrize("option, layout", [
+    ({"attributes": "helpfulness"}, "text"),  # pairs carry no ratings
+    ({"attribute_weights": "helpfulness=2"}, "text"),
+    ({"attribute_weights": "helpfulness=2"}, "nectar"),  # ranks, never ratings
+    ({"drop_score_ties": True}, "responses"),  # equal scores never make a pair
+    ({"drop_score_ties": True, "pairs_from": "expand"}, "responses"),
+    ({"margin_from_scores": True}, "text")])
+def test_a_preprocess_option_that_would_do_nothing_on_the_inputs_is_refused(option, layout, tmp_path):
+    from rmflow.pipelines.preprocess import PreprocessError, check_score_options
+
+    record = {"text": {"prompt": "p", "chosen": "a", "rejected": "b"}, **LAYOUTS}[layout]
+    (tmp_path / "in.jsonl").write_text(json.dumps(record) + "\n")
+    cfg = PreprocessConfig(inputs=(str(tmp_path / "in.jsonl"),), output="o", tokenizer="t", **option)
+    with pytest.raises(PreprocessError, match="it would do nothing"):
+        check_score_options(cfg, [str(tmp_path / "in.jsonl")])
+    acting = {"attributes": "helpsteer", "attribute_weights": "helpsteer", "drop_score_ties": "ultrafeedback",
+              "margin_from_scores": "responses"}[next(iter(option))]
+    conversation = [{"role": "user", "content": "p"}, {"role": "assistant", "content": "a"}]
+    examples = {**LAYOUTS, "helpsteer": _helpsteer_rows()[0],
+                "ultrafeedback": {"prompt": "p", "chosen": conversation, "rejected": [conversation[0], conversation[0]],
+                                  "score_chosen": 2, "score_rejected": 1}}
+    (tmp_path / "ok.jsonl").write_text(json.dumps(examples[acting]) + "\n")
+    check_score_options(dataclasses.replace(cfg, pairs_from=""), [str(tmp_path / "ok.jsonl")])

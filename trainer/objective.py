@@ -121,6 +121,11 @@ class Objective:
         return self.kind.name if self.ranking in ("", RANKING_LOSSES[0]) else f"{self.kind.name}:{self.ranking}"
 
     @property
+    def uses_margins(self) -> bool:
+        """Its loss reads the records' margins (``--margin-from-scores``): a Bradley-Terry loss's."""
+        return self.kind.pairwise and self.ranking.partition("+")[0] in ("", RANKING_LOSSES[0])
+
+    @property
     def regression(self) -> bool:
         """Trains an attribute head (one output per attribute) on the records' ratings."""
         return REGRESSION in self.ranking.split("+")

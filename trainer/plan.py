@@ -106,6 +106,11 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
         raise TrainError("objective " + cfg.objective + ": the sets of the mixture keep different attributes ("
                          + "; ".join(f"{s.name}: {', '.join(m.attributes) or 'none'}" for s, m in zip(sources, manifests))
                          + "); preprocess every set with the same --attributes")
+    with_margins = [s.name for s, m in zip(sources, manifests) if m.config.get("margin_from_scores")]
+    if with_margins and objective.kind.name == RESPONSES.name and not objective.uses_margins:
+        raise TrainError(f"{', '.join(with_margins)}: preprocessed with --margin-from-scores, whose margins objective "
+                         f"{cfg.objective} does not use (only a Bradley-Terry ranking does): train with objective "
+                         "bradley-terry, or preprocess without --margin-from-scores")
     scored_by = {m.config.get("attribute_weights") or "" for m in manifests if m.scored_by_weights}
     if objective.regression and not cfg.attribute_weights.strip() and len(scored_by) > 1:
         raise TrainError("objective " + cfg.objective + ": the sets of the mixture were scored by different "
