@@ -122,10 +122,10 @@ def test_a_workflow_s_train_identity_is_the_flat_layout_of_before():
 def test_one_option_given_twice_is_refused_however_spelled(tmp_path):
     """Nested and dotted are two spellings of one option, and a YAML mapping with a key twice is
     one option twice: refused, never the last one silently; a flag still replaces the file's value."""
+    from rmflow.schemas.options import flatten
     from typer.testing import CliRunner
 
     from rmflow.cli import app
-    from rmflow.schemas.options import flatten
     from rmflow.workflow import read_yaml_mapping
 
     for spec in ({**BASE, "optimizer": {"learning_rate": 3e-4}, "optimizer.learning_rate": 5e-4},
