@@ -76,6 +76,8 @@ NOT_WRITTEN = (
     ("ties", "tie", "ties (chosen == rejected, or equal scores when asked)"),
     ("weak_labels", "weak_label", "weak labels (score gap under --min-score-gap)"),
     ("duplicates", "duplicate", "duplicates"),
+    ("unranked", "unranked", "unranked (one response: nothing to rank; --attributes keeps them, to fit their "
+                             "ratings)"),
     ("contaminated", "contaminated", "contaminated (share an n-gram with an evaluation prompt)"),
     ("errors", "error", "errors"),
 )
@@ -95,6 +97,8 @@ NOTED_COUNTS = (
     ("responses_empty", "merged", "empty_response", "empty responses left out of their prompt's record"),
     ("responses_merged", "merged", "duplicate_response", "responses given twice with one score, kept once"),
     ("score_ties_kept", "tie", None, "kept with equal scores (--drop-score-ties drops them)"),
+    ("unranked_kept", "unranked_kept", None, "written with nothing to rank (one response, or all of one score), "
+                                             "for their attribute ratings"),
     ("scored_by_weights", "weighted", None, "scored by the weighted sum of their responses' attribute ratings "
                                             "(--attribute-weights)"),
 )

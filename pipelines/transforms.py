@@ -174,6 +174,13 @@ class Weighted(BadRecord):
     category = "weighted"
 
 
+class KeptUnranked(BadRecord):
+    """Not an error: a record with nothing to rank (one response, or all of one score) written for
+    its attribute ratings (counted)."""
+
+    category = "unranked_kept"
+
+
 class NormalizeFn(beam.DoFn):
     """Raw records to canonical pairs; what cannot be one is a dead letter, and a score tie kept
     is noted (dead-letter shaped, category tie, code score_tie_kept) so the stats count it."""
@@ -199,6 +206,9 @@ class NormalizeFn(beam.DoFn):
                          Merged("capped_response", "a response past --max-responses, left out of its record"))):
             if n:  # the record is written all the same: counted, never silent
                 yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", note), "count": n})
+        if responses is not None and not responses.ranked:
+            note = KeptUnranked("unranked_kept", "nothing to rank: written for its attribute ratings")
+            yield TaggedOutput(NOTED, dead_letter(f"normalize:{fmt}", source, line, "", note))
         if responses is not None and responses.weighted:
             note = Weighted("scored_by_weights", "scored by the weighted sum of its responses' attribute ratings")
             yield TaggedOutput(NOTED, dead_letter(f"normalize:{fmt}", source, line, "", note))

@@ -46,6 +46,13 @@ class Tie(BadRecord):
         super().__init__(code, message)
 
 
+class Unranked(BadRecord):
+    """A prompt with one response (a row layout's prompt with one row, say): nothing to rank, and
+    no error; kept when its attribute ratings are (they fit a regression head as they are)."""
+
+    category = "unranked"
+
+
 class WeakLabel(BadRecord):
     """The chosen reply's score is above the rejected one's by less than --min-score-gap."""
 

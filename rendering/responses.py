@@ -35,7 +35,7 @@ remain.
 
 Pure functions, no Beam. Bad input raises ``BadRecord`` with a code: ``too_few_responses``,
 ``missing_score``, ``missing_attribute``, ``bad_value``, ``duplicate_response``, ``all_tied`` (a
-``Tie``).
+``Tie``), ``one_response`` (``Unranked``, no error: a record with its ratings kept is kept unranked).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from rmflow.rendering.formats import (
     CanonicalSteps,
     Message,
     Tie,
+    Unranked,
     check_prompt,
     check_reply,
     is_empty_reply,
@@ -72,7 +73,8 @@ MAX_SCORE = 1e15  # a rating or rank; past this a score difference loses its mea
 @dataclasses.dataclass(frozen=True)
 class CanonicalResponses:
     """One prompt and its K >= 2 responses, each with a score (higher is better; a rank r is
-    scored -r)."""
+    scored -r); with attribute ratings kept, also K = 1 or every score equal (``ranked`` false:
+    nothing to rank, its ratings to fit)."""
 
     source: str
     line: int
@@ -92,6 +94,11 @@ class CanonicalResponses:
     raw: str = dataclasses.field(default="", compare=False, repr=False)  # for the errors file
     margin = None  # a pair's field, absent here
     is_tokenized = False
+
+    @property
+    def ranked(self) -> bool:
+        """Two of its responses score differently (as stored): it has something to rank."""
+        return len(set(map(stored, self.scores))) > 1
 
     @property
     def group(self) -> str:
@@ -402,11 +409,17 @@ def read_responses(record: Mapping[str, Any], fmt: str, *, source: str, line: in
             responses.append(resp)
             scores.append(score)
             ratings.append(rating)
-    if len(responses) < 2:
-        why = f" ({contradicted} left out: the same text scored two ways)" if contradicted else ""
-        raise BadRecord("duplicate_response" if contradicted else "too_few_responses",
-                        f"{len(responses)} distinct response(s){why}: a record needs at least 2")
-    if len(set(map(stored, scores))) == 1:  # as the shards store them: scores one float32 holds are a tie
+    if contradicted and len(responses) < 2:
+        raise BadRecord("duplicate_response", f"{len(responses)} distinct response(s) ({contradicted} left out: the same "
+                        "text scored two ways): a record needs at least 2")
+    if not responses:
+        raise BadRecord("too_few_responses", "no response left: a record needs at least 2")
+    # unranked (one response, or every score equal as the shards store them, float32): kept for its
+    # ratings when they are kept (a regression head fits them), else not written (no error)
+    if len(responses) < 2 and not names:
+        raise Unranked("one_response", "one distinct response: nothing to rank (kept with --attributes, to fit its "
+                                       "ratings)")
+    if len(responses) > 1 and len(set(map(stored, scores))) == 1 and not names:
         raise Tie("all_tied", f"all {len(scores)} responses score {scores[0]:g}"
                   + ("" if len(set(scores)) == 1 else " as stored (float32)") + ": no preference to learn")
     subset = record.get("subset")

@@ -183,11 +183,13 @@ class TokenizedResponses:
         template's leading ones are cut so that the longest response that can fit does
         (``truncate-prompt``; a response too long even so is left out); of those that fit, at most
         the record's ``most`` (``rendering.responses.spread``). Raises TooLong when fewer than two
-        responses, or only responses of one score, remain."""
+        responses, or only responses of one score, remain; a record that keeps its ratings (a
+        regression head fits them) needs one response that fits."""
         p, seqs = self.prompt_len, self.sequences
         keep = self.fitting(max_length, policy)
         scores = self.canonical.scores
-        if len(keep) < 2 or len({scores[i] for i in keep}) < 2:
+        rated = bool(self.canonical.attributes)
+        if not keep or not rated and (len(keep) < 2 or len({scores[i] for i in keep}) < 2):
             longest = max(len(s) for s in seqs)
             raise TooLong("too_long" if policy == "drop" else "replies_too_long",
                           f"{len(keep)} of {len(seqs)} responses fit max_length {max_length} with their prompt "
@@ -481,7 +483,7 @@ class RecordTokenizer:
         seqs = tuple(np.asarray(e.ids, np.int32) for e in encs)
         if not all(len(s) for s in seqs):
             return BadRecord("template_error", "the chat template rendered an empty sequence")
-        common = min(_common_prefix(seqs[0], s) for s in seqs[1:])
+        common = min((_common_prefix(seqs[0], s) for s in seqs[1:]), default=len(seqs[0]))  # K = 1: its own length
         prompt_len = None
         if all(t.startswith(r.prompt_text) for t in r.texts):
             at = {e.char_to_token(len(r.prompt_text)) for e in encs}

@@ -50,7 +50,7 @@ A responses record (magic b"RMKR", same version and CRC rules)::
     4   version      u8   RECORD_VERSION
     5   flags        u8   bit 0: margins from the scores, bit 1: subset present
     6   reserved     u16  0
-    8   k            u32  responses (at least 2)
+    8   k            u32  responses (at least 2; 1 with attribute ratings)
     12  attributes   u32  N: rated attributes per response (0: none)
     16  prompt_len   u32  tokens of the prompt, stored once
     20  n_tokens     u32  tokens of all responses together (each the continuation after the prompt)
@@ -204,7 +204,7 @@ class StepRecord:
 @dataclasses.dataclass(frozen=True, eq=False)
 class ResponsesRecord:
     """One tokenized prompt and its K >= 2 responses, each with its score (higher is better) and
-    optionally N attribute ratings.
+    optionally N attribute ratings (with them, K >= 1: a record kept to fit its ratings alone).
 
     The prompt is stored once (``prompt_ids``); response i is the continuation ``responses[i]``
     after it, so that ``sequence(i)`` (prompt, then response i) is what a pair record would hold
@@ -281,8 +281,8 @@ class ResponsesRecord:
 def _check_responses(prompt_len: int, lengths: list[int], lasts: np.ndarray, scores: np.ndarray,
                      attributes: np.ndarray, exc) -> None:
     k = len(lengths)
-    if k < 2:
-        raise exc(f"a responses record needs at least 2 responses, got {k}")
+    if k < (1 if attributes.size else 2):  # one response: only to fit its ratings
+        raise exc(f"a responses record needs at least 2 responses (1 with attribute ratings), got {k}")
     if any(n == 0 for n in lengths):
         raise exc("a response has no tokens")
     if lasts.shape != (k,) or scores.shape != (k,):

@@ -50,9 +50,9 @@ def test_each_layout_is_detected_and_read_with_its_scores():
 
 
 @pytest.mark.parametrize("record, code", [
-    ({"prompt": "p", "responses": ["a"], "scores": [1]}, "too_few_responses"),
+    ({"prompt": "p", "responses": ["a"], "scores": [1]}, "one_response"),  # unranked, no error
     ({"prompt": "p", "responses": ["a", "a", "b"], "scores": [1, 0, 0]}, "duplicate_response"),  # 'a' contradicts
-    ({"prompt": "p", "responses": ["a", "a"], "scores": [1, 1]}, "too_few_responses"),  # one distinct response
+    ({"prompt": "p", "responses": ["a", "a"], "scores": [1, 1]}, "one_response"),  # one distinct response
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1, 1]}, "all_tied"),
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1, "high"]}, "bad_value"),
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1, None]}, "missing_score"),
@@ -60,7 +60,7 @@ def test_each_layout_is_detected_and_read_with_its_scores():
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1]}, "bad_value"),
     ({"prompt": "p", "responses": ["a", "b"], "ranks": [1, 0]}, "bad_value"),
     ({"prompt": "p", "responses": ["a", "b"], "ranks": [1, 2], "scores": [0, 1]}, "bad_value"),  # they disagree
-    ({"prompt": "p", "responses": ["a", ""], "scores": [1, 0]}, "too_few_responses"),  # the empty one left out
+    ({"prompt": "p", "responses": ["a", ""], "scores": [1, 0]}, "one_response"),  # the empty one left out
     ({"prompt": "", "responses": ["a", "b"], "scores": [1, 0]}, "empty_prompt"),
 ])
 def test_bad_records_are_refused_with_their_reason(record, code):
@@ -68,6 +68,7 @@ def test_bad_records_are_refused_with_their_reason(record, code):
         normalize_all(record, detect_format(record), source="s", line=1, pairs_from="expand")
     assert e.value.code == code
     assert isinstance(e.value, Tie) == (code == "all_tied")
+    assert e.value.category == {"all_tied": "tie", "one_response": "unranked"}.get(code, "error")
 
 
 def test_a_response_given_twice_with_one_score_is_kept_once_and_counted():
@@ -247,20 +248,32 @@ def test_response_rows_are_read_scored_by_weights_and_grouped():
 
 def test_preprocess_groups_a_prompt_s_rows_and_counts_every_row(tmp_path, tokenizer_dir):
     """HelpSteer-style rows: 7 read; the rows of each prompt made one record (4 grouped into
-    another's); a bad row and a prompt with one response are errors; every row accounted for."""
+    another's); a bad row is an error; a prompt with one response is unranked, no error, and
+    kept when its ratings are (a regression head fits them); every row accounted for."""
+    import grain
     from rmflow.pipelines.preprocess import run
+    from rmflow.schemas.record import decode
+    from rmflow.trainer.setup import read_manifest, shard_paths
 
     src = tmp_path / "helpsteer.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in _helpsteer_rows()))
     result = run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "out"), tokenizer=tokenizer_dir,
                                   max_length=128, eval_fraction=0.0, pairs_from="expand", max_bad_fraction=1.0))
     c = result.stats["counts"]
-    assert (c["records_read"], c["rows_grouped"], c["errors"]) == (7, 3, 2), c  # the bad row; 'Alone?' (K = 1)
+    assert (c["records_read"], c["rows_grouped"], c["errors"], c["unranked"]) == (7, 3, 1, 1), c  # 'Alone?': K = 1
     assert c["pairs_written"] == 3 + 1 and c["pairs_from_responses"] == 2, c  # 3 pairs of the fruits, 1 hi/bye
     codes = {d["code"] for d in result.stats["dead_letters"]}
-    assert codes == {"missing_score", "too_few_responses"}, codes
+    assert codes == {"missing_score", "one_response"}, codes
     (f,) = result.stats["per_file"].values()
-    assert f["read"] + f["made"] - f["grouped"] - f["written"] == c["errors"]
+    assert f["read"] + f["made"] - f["grouped"] - f["written"] == c["errors"] + c["unranked"]
+    rated = run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "rated"), tokenizer=tokenizer_dir,
+                                 max_length=128, eval_fraction=0.0, attributes="correctness,coherence",
+                                 max_bad_fraction=1.0)).stats["counts"]
+    assert (rated["pairs_written"], rated["unranked_kept"], rated["unranked"]) == (3, 1, 0), rated
+    m = read_manifest(str(tmp_path / "rated"))
+    kept = [decode(raw) for path in shard_paths(str(tmp_path / "rated"), m, "train")
+            for raw in grain.sources.ArrayRecordDataSource([path])]
+    assert sorted(r.k for r in kept) == [1, 2, 3] and m.scored_by_weights and m.layouts == ("helpsteer",)
     # without --pairs-from each prompt is one responses record: the fruits' 3 responses, hi/bye's 2
     whole = run(PreprocessConfig(inputs=(str(src),), output=str(tmp_path / "whole"), tokenizer=tokenizer_dir,
                                  max_length=128, eval_fraction=0.0, max_bad_fraction=1.0)).stats
@@ -429,7 +442,8 @@ def test_preprocess_keeps_each_response_s_attribute_ratings_in_its_record(tmp_pa
     records = [decode(raw) for path in shard_paths(str(tmp_path / "out"), manifest, "train")
                for raw in grain.sources.ArrayRecordDataSource([path])]
     by_k = {tuple(r.scores): r for r in records}  # scored by helpfulness (the default weights)
-    assert set(by_k) == {(1.0, 0.0), (3.0, 1.0)}, by_k  # the fruits' other two rows; hi and bye
+    assert set(by_k) == {(1.0, 0.0), (3.0, 1.0), (2.0,)}, by_k  # the fruits' other two rows; hi and bye; 'Alone?'
+    np.testing.assert_array_equal(by_k[2.0, ].attributes, [[2.0, 4.0]])  # kept for its ratings: nothing to rank
     np.testing.assert_array_equal(by_k[1.0, 0.0].attributes, [[3.0, 4.0], [2.0, 4.0]])  # correctness, coherence
     np.testing.assert_array_equal(by_k[3.0, 1.0].attributes, [[4.0, 4.0], [4.0, 4.0]])
 

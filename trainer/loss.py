@@ -134,7 +134,7 @@ def step_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
 # --------------------------------------------------------------------------- K responses per prompt
 
 RANKING_SUM_KEYS = ("prompts", "responses", "pairs", "loss_sum", "rank_loss_sum", "center_sum", "correct", "ties",
-                    "best_sum", "tau_sum", "tau_prompts", "reward_sum", "reward_sq_sum")
+                    "best_sum", "ranked_prompts", "tau_sum", "tau_prompts", "reward_sum", "reward_sq_sum")
 
 
 def listwise_loss(rewards, scores, group, center_coef: float = 0.0, ranking: str = "bradley-terry", margins=None):
@@ -197,6 +197,7 @@ def listwise_loss(rewards, scores, group, center_coef: float = 0.0, ranking: str
     top_s = jnp.where(same, s[:, None, :], -jnp.inf).max(-1)
     is_top, is_best = real & (r == top_r), real & (s == top_s)
     best = per_record(f(is_top & is_best)) / jnp.maximum(per_record(f(is_top)), 1.0)
+    ranked = n_pairs > 0  # a record with something to rank (one kept for its ratings alone: not)
     # Kendall's tau-b: over the unordered pairs of a record (each counted twice here, halved out)
     concordant = per_record(jnp.where(same, jnp.sign(ds) * jnp.sign(dr), 0.0).sum(-1))
     n0 = size * (size - 1)
@@ -214,7 +215,8 @@ def listwise_loss(rewards, scores, group, center_coef: float = 0.0, ranking: str
         "center_sum": center_sum,
         "correct": f(better & (dr > 0)).sum(),
         "ties": f(better & (dr == 0)).sum(),
-        "best_sum": at_leaders(best),
+        "best_sum": at_leaders(jnp.where(ranked, best, 0.0)),
+        "ranked_prompts": at_leaders(f(ranked)),
         "tau_sum": at_leaders(tau),
         "tau_prompts": at_leaders(f(has_tau)),
         "reward_sum": jnp.where(real, r, 0.0).sum(),
@@ -240,7 +242,7 @@ def ranking_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
         "center": sums["center_sum"] / n,
         # figures over pairs of different scores, or prompts that rank: absent over none (never 0)
         **({"accuracy": sums["correct"] / pairs, "ties": sums["ties"] / pairs,
-            "best_of_k_accuracy": sums["best_sum"] / n} if pairs else {}),
+            "best_of_k_accuracy": sums["best_sum"] / sums["ranked_prompts"]} if pairs else {}),
         **({"kendall_tau": sums["tau_sum"] / sums["tau_prompts"]} if sums["tau_prompts"] else {}),
         "reward_mean": mean_r,
         "reward_std": max(sums["reward_sq_sum"] / k - mean_r**2, 0.0) ** 0.5,

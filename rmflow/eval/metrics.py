@@ -213,13 +213,14 @@ def ranking_metrics(rewards: Sequence[np.ndarray], scores: Sequence[np.ndarray])
         total += pairs.sum()
         correct += (dr[pairs] > 0).sum()
         ties += (dr[pairs] == 0).sum()
-        top = r == r.max()
-        best.append(float((top & (s == s.max())).sum() / top.sum()))
+        if pairs.any():  # a prompt with something to rank (one kept for its ratings alone has not)
+            top = r == r.max()
+            best.append(float((top & (s == s.max())).sum() / top.sum()))
         for fn, out in ((kendall_tau_b, taus), (spearman, rhos)):
             value = fn(r, s)
             if value is not None:
                 out.append(value)
-    return {"prompts": len(best), "scored_pairs": int(total),
+    return {"prompts": len(rewards), "ranked_prompts": len(best), "scored_pairs": int(total),
             "pair_accuracy": correct / total if total else float("nan"),
             "ties": int(ties), "tie_rate": ties / total if total else float("nan"),
             "best_of_k_accuracy": float(np.mean(best)) if best else float("nan"),

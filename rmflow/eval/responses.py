@@ -96,7 +96,9 @@ def markdown(m: dict[str, Any], model: str, data: list[str]) -> str:
     r = m["ranking"]
     lines = ["# K responses per prompt", "", f"Model: {model}.  ", f"Data: {', '.join(data)}.  ",
              f"{r['prompts']:,} prompts, {r['responses']:,} responses, {r['scored_pairs']:,} pairs whose labels "
-             "differ.", *input_lines(m), "", "| | model | length-only baseline |", "| --- | ---: | ---: |"]
+             "differ" + (f"; {r['prompts'] - r['ranked_prompts']:,} prompts with nothing to rank (one response, or all "
+                         "of one score: kept for their attribute ratings)" if r["prompts"] > r["ranked_prompts"] else "")
+             + ".", *input_lines(m), "", "| | model | length-only baseline |", "| --- | ---: | ---: |"]
     for key, label in (("pair_accuracy", "pairwise accuracy"), ("best_of_k_accuracy", "best-of-K accuracy"),
                        ("kendall_tau", "Kendall's tau"), ("spearman", "Spearman's rho")):
         lines.append(f"| {label} | {figure(r[key], 4)} | {figure(r['length_baseline'][key], 4)} |")
