@@ -225,6 +225,43 @@ def step_token_ends(char_ends: Sequence[int], offsets: Sequence[tuple[int, int]]
     return idx.astype(np.int32)
 
 
+# Texts that exercise what maps text to ids beyond the vocabulary: normalisation, pre-tokenisation
+# (spaces, digits, punctuation, scripts), merges, byte fallback (``text_to_ids_difference``).
+PROBES = (
+    "Hello, world! How are you today?", "  two  spaces,\ttabs\n\nand new lines\r\n", "don't it's we'll I'M",
+    "1234567890 3.14159 -42 1e-5 1,000,000", "Ünïcödé ñ ß café naïve Ελληνικά русский", "日本語 中文 한국어 ไทย العربية עברית",
+    "emoji 😀🚀 👍🏽 ✓ ∑ → ∞", "def f(x):\n    return x ** 2  # square\n", "https://example.com/a?b=c&d=%20",
+    "<html><body>x</body></html> {\"key\": [1, 2]}", "a" * 64, " leading space", "trailing space ", "",
+)
+
+
+def text_to_ids_difference(a: str, b: str) -> str | None:
+    """How two tokenizer folders map text to ids differently (their vocabularies with the added
+    tokens, then ``PROBES`` and the tokens' own texts), or None when they map it alike: a
+    tokenizer re-saved by another transformers release has other file bytes and the same ids."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    paths = [os.path.join(folder, "tokenizer.json") for folder in (a, b)]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        return f"no tokenizer.json to compare ({', '.join(missing)})"
+    ta, tb = (Tokenizer.from_file(p) for p in paths)
+    va, vb = ta.get_vocab(with_added_tokens=True), tb.get_vocab(with_added_tokens=True)
+    if va != vb:
+        differ = sorted(set(va.items()) ^ set(vb.items()))
+        return f"their vocabularies differ ({len(differ):,} (token, id) entries, e.g. {differ[0]!r})"
+    added = [sorted((t.content, t.special) for t in x.get_added_tokens_decoder().values()) for x in (ta, tb)]
+    if added[0] != added[1]:
+        return "their added (special) tokens differ"
+    for text in (*PROBES, *sorted(va)[:: max(1, len(va) // 2000)]):
+        for special in (False, True):
+            if ta.encode(text, add_special_tokens=special).ids != tb.encode(text, add_special_tokens=special).ids:
+                return f"they tokenize {text[:40]!r} differently" + (" (with special tokens)" if special else "")
+    return None
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])

@@ -39,3 +39,50 @@ def test_every_relative_link_of_the_readme_names_a_file():
     local = [link for link in links if link and "://" not in link]
     assert local, "the README links into the manual"
     assert [link for link in local if not (REPO / link).exists()] == []
+
+
+def _beam_flags() -> set[str]:
+    """Every option Beam's pipeline options know (what preprocess and score pass through to it)."""
+    import argparse
+
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    parser, todo = argparse.ArgumentParser(add_help=False, conflict_handler="resolve"), [PipelineOptions]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "_add_argparse_args" in vars(cls):
+            cls._add_argparse_args(parser)
+    return set(parser._option_string_actions)
+
+
+def wrong_flags(text: str) -> list[str]:
+    """Every ``rmflow COMMAND ... --flag`` a text shows (code blocks, their continued lines joined,
+    and inline code) whose flag that command does not have: a command a reader copies must run."""
+    import typer
+
+    from rmflow.cli import app
+
+    group = typer.main.get_command(app)
+    flags = {name: {"--help", *(o for p in cmd.params for o in (*p.opts, *p.secondary_opts)),
+                    *(_beam_flags() if cmd.context_settings.get("allow_extra_args") else ())}  # passed through to Beam
+             for name, cmd in group.commands.items()}
+    text = re.sub(r"\\\n\s*", " ", text)  # a shell line continued
+    found = []
+    for m in re.finditer(r"rmflow (\w+)((?: [^`\n|#]*)?)", text):
+        command, rest = m.group(1), m.group(2)
+        if command not in flags:
+            continue
+        for flag in re.findall(r"(?<![\w-])(--?[A-Za-z][\w.-]*)", rest):
+            if flag not in flags[command] and flag.split("=")[0] not in flags[command]:
+                found.append(f"rmflow {command} {flag}")
+    return found
+
+
+def test_every_rmflow_command_the_docs_show_has_the_flags_it_uses():
+    """A command in the README or the manual that names an option its command does not have fails
+    (an export's model card is held to the same rule in tests/test_export.py)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "deploy").rglob("*.md"))]
+    wrong = {str(p.relative_to(REPO)): w for p in pages if (w := wrong_flags(p.read_text()))}
+    assert not wrong, wrong
+    assert wrong_flags("run `rmflow serve --model PATH` to serve it") == ["rmflow serve --model"]

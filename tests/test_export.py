@@ -72,6 +72,33 @@ def test_export_loads_in_transformers_with_identical_rewards(trained_run, tmp_pa
     np.testing.assert_allclose(rmflow_rewards(model, ids_list), expected, atol=1e-4, rtol=0)
 
 
+def test_an_export_of_a_tokenizer_without_a_pad_token_scores_a_batch_in_transformers(trained_run, tmp_path):
+    """A tokenizer with no pad token: the export's pad_token_id is one that never ends a rendered
+    conversation (transformers cannot score a batch without one, and reads the score at the last
+    token that is not padding), and a padded batch scores as rmflow scores each conversation."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run / "run", run)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = run / "tokenizer" / name
+        if path.exists():
+            path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "pad_token"}))
+    manifest = json.loads((run / "data_manifest.json").read_text())
+    manifest["tokenizer"]["pad_token_id"] = None
+    (run / "data_manifest.json").write_text(json.dumps(manifest))
+    out = export(ExportConfig(run=str(run), output=str(tmp_path / "hf")))
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    config = json.loads((pathlib.Path(out) / "config.json").read_text())
+    assert tok.pad_token is None and config["pad_token_id"] == tok.eos_token_id  # SmolLM2's replies end in "\n"
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    ids_list = [tok.apply_chat_template(c, tokenize=True, return_dict=False) for c in CONVERSATIONS]
+    width = max(map(len, ids_list))
+    ids = torch.tensor([x + [config["pad_token_id"]] * (width - len(x)) for x in ids_list])
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits[:, 0].numpy()
+    model, _, _ = load_trained_model(str(trained_run / "run"))
+    np.testing.assert_allclose(rmflow_rewards(model, ids_list), expected, atol=1e-4, rtol=0)
+
+
 def test_export_command(trained_run, tmp_path):
     result = CliRunner().invoke(app, ["export", str(trained_run / "run"), "--output", str(tmp_path / "cli")])
     assert result.exit_code == 0, result.output
@@ -251,7 +278,10 @@ def test_an_export_carries_a_model_card_from_its_run(trained_run, tmp_path):
                                                                               "eval"))]
     longer = sum(len(r.chosen_ids) > len(r.rejected_ids) for r in recs) / len(recs)
     assert f"(the longer reply wins, a tie counts wrong): {longer:.4f} on {len(recs):,} pairs" in card
-    assert "AutoModelForSequenceClassification" in card and "rmflow serve --model PATH" in card
+    assert "AutoModelForSequenceClassification" in card and "rmflow serve PATH" in card
+    from tests.test_docs import wrong_flags
+
+    assert wrong_flags(card) == []  # every command it shows runs as written
 
 
 def test_push_to_hub_uploads_the_export_or_says_in_one_line_why_not(trained_run, tmp_path, monkeypatch):

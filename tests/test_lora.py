@@ -102,7 +102,8 @@ def test_merged_export_matches_in_transformers(synthetic, tmp_path):  # noqa: F8
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
     cfg = json.loads((folder / "adapter_config.json").read_text())
     assert cfg["modules_to_save"] == ["score"] and cfg["r"] == 4 and cfg["task_type"] == "SEQ_CLS"
-    base = transformers.AutoModelForSequenceClassification.from_pretrained(cfg["base_model_name_or_path"],
+    assert cfg["base_model_name_or_path"] == "base"  # a preset's random base, shipped beside it: relative, it moves
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(folder / cfg["base_model_name_or_path"],
                                                                            dtype=torch.float32)
     with torch.no_grad():
         untrained = base(input_ids=torch.tensor(ids)).logits[:, 0].numpy()

@@ -7,6 +7,7 @@ loss (padded, packed, accumulated, sharded), training that learns a stepwise tas
 import gzip
 import itertools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -503,7 +504,8 @@ def test_lora_process_model_exports_a_token_classification_adapter(synthetic_ste
     folder = export(ExportConfig(run=str(run_dir), output=str(tmp_path / "adapter"), adapter=True))
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["task_type"] == "TOKEN_CLS" and cfg["modules_to_save"] == ["score"]
-    base = transformers.AutoModelForTokenClassification.from_pretrained(cfg["base_model_name_or_path"])
+    base = transformers.AutoModelForTokenClassification.from_pretrained(
+        os.path.join(folder, cfg["base_model_name_or_path"]))  # relative to the export (a preset's base, beside it)
     peft_model = peft.PeftModel.from_pretrained(base, folder).eval()
     tokens = torch.tensor(r.input_ids[None].astype(np.int64))
     with torch.no_grad():

@@ -169,6 +169,8 @@ def test_a_regression_run_learns_the_ratings_evaluates_and_exports_with_its_attr
     assert config["attribute_weights"] == {"helpfulness": 1.0, "verbosity": -0.1}
     card = (tmp_path / "export" / "README.md").read_text()
     assert "one output per attribute: helpfulness, verbosity" in card and "[1, -0.1]" in card
+    assert "an attribute head: one output per attribute (helpfulness, verbosity), the reward their weighted sum " \
+           "(helpfulness=1,verbosity=-0.1)" in card and "| `attribute_weights` | helpfulness=1,verbosity=-0.1 |" in card
     loaded = load_model(str(tmp_path / "run"))
     seqs = [np.arange(3, 3 + n) * 7 % 500 + 3 for n in (5, 9, 14)]
     ours = score_sequences(loaded.model, seqs, pad_id=loaded.pad_id)

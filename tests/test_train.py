@@ -241,17 +241,21 @@ def test_shards_must_match_the_run(synthetic, tmp_path, tokenizer_dir):
         transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
         for name in os.listdir(tokenizer_dir):
             shutil.copy(os.path.join(tokenizer_dir, name), folder / name)
-        if tokenizer_patch:  # another tokenizer (its template alone would not count: see test_config_manifest)
-            with open(folder / "tokenizer.json", "a") as f:
-                f.write("\n")
+        if tokenizer_patch == "other":  # another tokenizer (its template alone would not count: test_config_manifest)
+            spec = json.loads((folder / "tokenizer.json").read_text())
+            spec["pre_tokenizer"]["add_prefix_space"] = True
+            (folder / "tokenizer.json").write_text(json.dumps(spec))
+        if tokenizer_patch == "saved again":  # by transformers: other bytes (and fields), the same ids
+            transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
 
-    checkpoint(tmp_path / "other-tok", 49152, tokenizer_patch=True)
-    with pytest.raises(TrainError, match="tokenizer .vocabulary. hash.*Preprocess with the model's tokenizer"):
+    checkpoint(tmp_path / "other-tok", 49152, tokenizer_patch="other")
+    with pytest.raises(TrainError, match=r"tokenizer .vocabulary. hash.* \(they tokenize 'Hello, world! How are you "
+                                         r"today\?' differently\)\. Preprocess with the model's tokenizer"):
         train(config(synthetic, tmp_path / "c", model=str(tmp_path / "other-tok"), max_steps=1))
-    checkpoint(tmp_path / "small-vocab", 1000, tokenizer_patch=False)
+    checkpoint(tmp_path / "small-vocab", 1000, tokenizer_patch=None)
     with pytest.raises(TrainError, match="49152 tokens, the model's embedding only 1000"):
         train(config(synthetic, tmp_path / "d", model=str(tmp_path / "small-vocab"), max_steps=1))
-    checkpoint(tmp_path / "same", 49152, tokenizer_patch=False)
+    checkpoint(tmp_path / "same", 49152, tokenizer_patch="saved again")
     result = train(config(synthetic, tmp_path / "e", model=str(tmp_path / "same"), max_steps=2, logging={"steps": 1}))
     assert [h["step"] for h in result.history] == [1, 2]
 

@@ -185,7 +185,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
     if run.tokenizer_dir is None:
         warnings.warn(f"{run_dir} has no tokenizer files; the export will have none: copy the tokenizer the "
                       "shards were made with into it", RmflowWarning, stacklevel=2)
-    pad = run.manifest.tokenizer.pad_token_id
+    pad = export_pad_id(run)
     kind = kind_named(run.manifest.model_kind)  # the run's own: its Hugging Face head, as TRL and Axolotl export that kind
     check_hf_class(run.model_config, kind)
     with staged_output(output, EXPORT) as staging:  # swapped in whole; an interrupted export leaves the old one
@@ -195,7 +195,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
                 plain = nnx.clone(model)
                 lora.strip(plain)
                 _write_checkpoint(plain, os.path.join(staging, "base"), base, pad, kind, max_shard_bytes)
-                base_path = os.path.join(output, "base")
+                base_path = "base"  # relative: the export moves and uploads whole (loading: docs/scoring-serving.md)
             write_adapter(model, staging, run.config.lora, base_path, kind)
         else:
             lora.merge(model)  # a LoRA run exports W + A B alpha/rank: a plain checkpoint
@@ -217,6 +217,23 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         with open(os.path.join(staging, "README.md"), "w") as f:  # the model card
             f.write(model_card(run, step, kind, f"{run.model_config.hf_prefix}{kind.hf_head}", adapter))
     return output
+
+
+def export_pad_id(run) -> int | None:
+    """The export's ``pad_token_id``: the tokenizer's pad; for a tokenizer without one, a token that
+    never ends a rendered conversation (eos, unless the chat template ends a reply with it), since
+    transformers reads a sequence classifier's score at the last token that is not padding and
+    cannot score a batch without a pad id."""
+    info = run.manifest.tokenizer
+    if info.pad_token_id is not None or run.tokenizer_dir is None:
+        return info.pad_token_id
+    from rmflow.rendering.tokenize import RecordTokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run.tokenizer_dir)
+    last = int(RecordTokenizer(tok).encode_conversation((("user", "Hi."), ("assistant", "Hello.")))[-1])
+    candidates = (info.eos_token_id, tok.bos_token_id, tok.unk_token_id, 0, 1)
+    return next(int(t) for t in candidates if t is not None and int(t) != last)
 
 
 def _write_checkpoint(model: RewardTransformer, folder: str, base: dict | None, pad: int | None, kind: ModelKind,

@@ -31,13 +31,17 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
         front.append(f"license: {license_}")
     front.append("---")
     flat = run.config.to_dict()
-    recipe = [(k, _get(flat, k)) for k in RECIPE]
+    cfg = run.model_config
+    weights = ",".join(f"{n}={w:g}" for n, w in zip(cfg.attributes, cfg.attribute_weights))
+    recipe = [(k, weights if k == "attribute_weights" and cfg.attributes else _get(flat, k)) for k in RECIPE]
+    what = (f"an outcome reward model with an attribute head: one output per attribute ({', '.join(cfg.attributes)}), "
+            f"the reward their weighted sum ({weights})") if cfg.attributes else kind.description
     manifest_sha = data_manifest_sha256(run.path)
     loads = (f"A PEFT adapter (and the score head) for `{hf_class}` on its base model (`adapter_config.json`)"
              if adapter else f"Loads in transformers as `{hf_class}`")
     intro = (f"Trained with rmflow from `{base}`" + (" (random weights: a preset)" if is_preset(base) else "")
-             + f", step {step}. {loads}: {kind.description}.")
-    lines = [*front, "", f"# {os.path.basename(os.path.normpath(run.path))}: {kind.description}", "",
+             + f", step {step}. {loads}: {what}.")
+    lines = [*front, "", f"# {os.path.basename(os.path.normpath(run.path))}: {what}", "",
              intro, "",
              "## Data", "",
              f"- shards: `{run.config.data.train}` ({run.manifest.kind}; max_length {run.manifest.max_length}, "
@@ -59,7 +63,7 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
              "with torch.no_grad():",
              *_usage_outputs(run, kind),
              "```", "",
-             "As a reward server for RL loops (native, OpenRLHF and verl endpoints): `rmflow serve --model PATH`.",
+             "As a reward server for RL loops (native, OpenRLHF and verl endpoints): `rmflow serve PATH`.",
              "", f"License: {license_ or 'not recorded: the base model and the data set it; add it here'}.", ""]
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from rmflow.schemas.errors import RmflowWarning
-from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, Manifest, ManifestError
+from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, TOKENIZER_DIR, Manifest, ManifestError
 from rmflow.schemas.outputs import check_replaceable
 from rmflow.schemas.presets import is_preset
 from rmflow.schemas.train_config import TrainConfig
@@ -76,11 +76,11 @@ def check_same_preprocessing(sources, manifests: list[Manifest], subject: str = 
         raise TrainError(f"{subject} not preprocessed alike: " + "; ".join(problems))
 
 
-def build_model(cfg: TrainConfig, manifest: Manifest, packing: str | None = None, devices: int = 1
-                ) -> RewardTransformer:
-    """The model, checked against the shards: token ids must fit and the tokenizer must match;
-    with LoRA adapters added when the config asks; its attention the one for the rows of
-    ``packing`` (resolved) over ``devices``."""
+def build_model(cfg: TrainConfig, manifest: Manifest, packing: str | None = None, devices: int = 1,
+                shards: str | None = None) -> RewardTransformer:
+    """The model, checked against the shards (``manifest``, of the folder ``shards``): token ids
+    must fit and the tokenizer must match; with LoRA adapters added when the config asks; its
+    attention the one for the rows of ``packing`` (resolved) over ``devices``."""
     vocab = manifest.tokenizer.vocab_size
     head = objective_for(manifest.kind, cfg.objective).head(manifest, cfg.attribute_weights)
     preset = ModelConfig.preset(cfg.model.path, vocab_size=vocab, **dataclasses.asdict(head)) \
@@ -88,7 +88,7 @@ def build_model(cfg: TrainConfig, manifest: Manifest, packing: str | None = None
     if preset is None:
         folder = resolve(cfg.model.path)
         model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
-        check_tokenizer(manifest, folder, "the model", with_template=False)
+        check_tokenizer(manifest, folder, "the model", with_template=False, shards=shards)
         check_model_fits(manifest, model_config)  # before any weight is read
     model = base_model(cfg, preset, head=head, packing=packing, devices=devices)
     check_model_fits(manifest, model.config)
@@ -119,11 +119,14 @@ def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, head:
     return model
 
 
-def check_tokenizer(manifest: Manifest, folder: str | None, what: str, *, with_template: bool = True) -> None:
+def check_tokenizer(manifest: Manifest, folder: str | None, what: str, *, with_template: bool = True,
+                    shards: str | None = None) -> None:
     """The shards must come from the tokenizer in ``folder``: as used, chat template included (a
     trained run, an export), or ``with_template=False`` its vocabulary only (a base model, whose
-    template the shards may have replaced with --chat-template). A folder without tokenizer files
-    gets a warning (the check cannot run), never silence."""
+    template the shards may have replaced with --chat-template): files of other bytes that map
+    text to ids alike pass (``rendering.tokenize.text_to_ids_difference`` against the shards' own
+    tokenizer, in ``shards``), else the refusal says how they differ. A folder without tokenizer
+    files gets a warning (the check cannot run), never silence."""
     if not with_template and manifest.tokenizer.vocabulary_sha256 is None:
         with_template = True  # shards made before the vocabulary hash: the whole tokenizer, as then
     sha = tokenizer_fingerprint(folder, with_template=with_template) if folder else None
@@ -135,7 +138,16 @@ def check_tokenizer(manifest: Manifest, folder: str | None, what: str, *, with_t
     try:
         manifest.check_compatible(**{"tokenizer_sha256" if with_template else "vocabulary_sha256": sha})
     except ManifestError as e:
-        raise TrainError(f"{e}. Preprocess with {what}'s tokenizer (--tokenizer {folder}).") from e
+        how = ""
+        used = os.path.join(shards, TOKENIZER_DIR) if shards else None
+        if not with_template and used and os.path.isdir(used):
+            from rmflow.rendering.tokenize import text_to_ids_difference
+
+            how = text_to_ids_difference(used, folder)
+            if how is None:  # the same ids from other bytes (a tokenizer saved again): the same tokenizer
+                return
+            how = f" ({how})"
+        raise TrainError(f"{e}{how}. Preprocess with {what}'s tokenizer (--tokenizer {folder}).") from e
 
 
 def check_model_fits(manifest: Manifest, model_config: ModelConfig) -> None:

@@ -85,7 +85,7 @@ class Run:
         self.mesh = make_mesh(cfg.mesh.shape)
         self.plan = plan = plan_run(cfg, mesh_shape=dict(self.mesh.shape), processes=jax.process_count(),
                                     backend=jax.default_backend())
-        model = build_model(cfg, plan.manifest, plan.packing, self.mesh.size)
+        model = build_model(cfg, plan.manifest, plan.packing, self.mesh.size, plan.primary)
         self.trainer = make_trainer(cfg, model, plan.total_steps, plan.objective)
         self.objective = self.trainer.objective  # with the router's loss for a mixture of experts
         # The read-ahead window's groups compile_ahead has looked at, by their batches' ids.
