@@ -55,8 +55,9 @@ def is_supported(path: str) -> bool:
 
 
 def hub_dataset_folder(pattern: str, cache: str | None = None) -> str:
-    """``hf://datasets/OWNER/NAME[/PATH]`` as the folder of its snapshot in the local Hugging Face
-    cache (``HF_HUB_CACHE``; the revision ``refs/main`` names, else the only snapshot): a data
+    """``hf://datasets/OWNER/NAME[@REVISION][/PATH]`` as the folder of its snapshot in the local
+    Hugging Face cache (``HF_HUB_CACHE``; the revision a branch or tag's ``refs/`` file names, or
+    a commit's own snapshot; by default ``refs/main``'s, else the only snapshot): a data
     set downloaded before (``hf download --repo-type dataset OWNER/NAME``) is read offline, its
     Parquet or JSON files like any folder's. Raises InputError naming the cache searched."""
     if cache is None:
@@ -65,18 +66,23 @@ def hub_dataset_folder(pattern: str, cache: str | None = None) -> str:
         cache = constants.HF_HUB_CACHE
     parts = pattern[len(HUB_DATASETS):].strip("/").split("/")
     if len(parts) < 2 or not all(parts[:2]):
-        raise InputError(f"input {pattern!r}: write a Hub data set as hf://datasets/OWNER/NAME[/PATH]")
-    repo = os.path.join(cache, f"datasets--{parts[0]}--{parts[1]}")
-    ref = os.path.join(repo, "refs", "main")
+        raise InputError(f"input {pattern!r}: write a Hub data set as hf://datasets/OWNER/NAME[@REVISION][/PATH]")
+    name, _, asked = parts[1].partition("@")  # HfFileSystem's own spelling of a revision: a branch, tag or commit
+    repo = os.path.join(cache, f"datasets--{parts[0]}--{name}")
+    ref = os.path.join(repo, "refs", asked or "main")
     snapshots = os.path.join(repo, "snapshots")
-    if os.path.exists(ref):
+    download = f"hf download --repo-type dataset {parts[0]}/{name}" + (f" --revision {asked}" if asked else "")
+    if os.path.isfile(ref):
         with open(ref) as f:
             revision = f.read().strip()
-    elif os.path.isdir(snapshots) and len(os.listdir(snapshots)) == 1:
+    elif asked and os.path.isdir(os.path.join(snapshots, asked)):  # a commit, as its snapshot is named
+        revision = asked
+    elif not asked and os.path.isdir(snapshots) and len(os.listdir(snapshots)) == 1:
         revision = os.listdir(snapshots)[0]
     else:
-        raise InputError(f"input {pattern!r}: {parts[0]}/{parts[1]} is not in the local Hugging Face cache ({cache}); "
-                         f"download it first: hf download --repo-type dataset {parts[0]}/{parts[1]}")
+        what = f"{parts[0]}/{name}" + (f" at revision {asked}" if asked else "")
+        raise InputError(f"input {pattern!r}: {what} is not in the local Hugging Face cache ({cache}); download it "
+                         f"first: {download}")
     folder = os.path.join(snapshots, revision, *parts[2:])
     if not any(c in pattern for c in "*?[") and not os.path.exists(folder):  # a glob is matched by the listing
         raise InputError(f"input {pattern!r}: the cached snapshot {revision} has no {'/'.join(parts[2:]) or 'files'} "
@@ -101,6 +107,9 @@ def list_inputs(patterns: tuple[str, ...], skipped: list[tuple[str, str]] | None
     for pattern in patterns:
         if pattern.startswith(HUB_DATASETS):
             pattern = hub_dataset_folder(pattern)
+        elif pattern.startswith("hf://"):
+            raise InputError(f"input {pattern!r}: rmflow reads the Hub's data sets, as hf://datasets/OWNER/NAME"
+                             "[@REVISION][/PATH]")
         stripped = pattern.rstrip("/")
         has_glob = any(c in pattern for c in "*?[")
         is_dir = not has_glob and (os.path.isdir(stripped) or (is_url(stripped) and not is_supported(stripped)))
@@ -171,6 +180,40 @@ def _excluded(root: str, paths: list[str]) -> dict[str, str]:
                 break
             folder = folder.rpartition("/")[0]
     return out
+
+
+def source_names(paths: list[str]) -> dict[str, str]:
+    """The inputs whose records must name them by more than their file name, because another
+    input has the same one (a datasets.save_to_disk folder's splits: train/data-00000-of-00001.arrow
+    and test/...): each such path -> the shortest end of it that no other input's path shares."""
+    by_name: dict[str, list[list[str]]] = {}
+    for path in paths:
+        parts = path.rstrip("/").split("/")
+        by_name.setdefault(parts[-1], []).append(parts)
+    out = {}
+    for same in (group for group in by_name.values() if len(group) > 1):
+        for parts in same:
+            k = 2
+            while k < len(parts) and sum(other[-k:] == parts[-k:] for other in same) > 1:
+                k += 1
+            out["/".join(parts)] = "/".join(parts[-k:])
+    return out
+
+
+SKIPPED_GROUPS = (("hidden", "hidden (under a name starting with '.')"),
+                  ("inside an rmflow", "inside earlier rmflow outputs"),
+                  ("the metadata of a datasets", "the metadata of datasets.save_to_disk folders"))
+
+
+def skipped_summary(skipped: list[dict[str, str]]) -> str:
+    """One line on the files of the input folders that are not inputs (``_excluded``'s reasons,
+    as stats.json's ``skipped_inputs`` lists them), counted by why."""
+    counts: dict[str, int] = {}
+    for entry in skipped:
+        label = next((label for start, label in SKIPPED_GROUPS if entry["why"].startswith(start)), entry["why"])
+        counts[label] = counts.get(label, 0) + 1
+    return (f"skipped {len(skipped):,} files in the input folders that are not inputs: "
+            + ", ".join(f"{n:,} {label}" for label, n in counts.items()) + " (listed in stats.json, skipped_inputs)")
 
 
 def iter_records(path: str) -> Iterator[tuple[int, str, str | None]]:

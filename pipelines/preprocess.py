@@ -281,8 +281,9 @@ def build(p: beam.Pipeline, cfg: PreprocessConfig, plan: Plan, fin: Finalization
         dead.append(near["dead"])
     tokenizer = p | "TokenizerFiles" >> TokenizerFiles(f"{plan.staging}/{TOKENIZER_DIR}", plan.assets.name)
     rendered = pairs | "ApplyChatTemplate" >> ApplyChatTemplate(tokenizer, cfg.batch_size, cfg.step_separator)
-    tokenized = rendered["main"] | "Tokenize" >> Tokenize(tokenizer, cfg.step_separator)
-    fitted = tokenized["main"] | "LengthPolicy" >> ApplyLengthPolicy(cfg.max_length, cfg.length_policy)
+    tokenized = rendered["main"] | "Tokenize" >> Tokenize(tokenizer, cfg.step_separator, cfg.max_length, cfg.length_policy)
+    fitted = tokenized["main"] | "LengthPolicy" >> ApplyLengthPolicy(cfg.max_length, cfg.length_policy,
+                                                                     rio.source_names([f for f, _ in plan.files]))
     dead += [rendered["dead"], tokenized["dead"], fitted["dead"]]
     shards = (
         fitted["main"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -395,12 +396,17 @@ class RenderFn(_TokenizerDoFn):
 
 
 class TokenizeFn(_TokenizerDoFn):
-    def __init__(self, step_separator: str = STEP_SEPARATOR):
+    """Rendered records to token ids; with ``max_length``, a text its characters alone show too long
+    for it is never tokenized (``RecordTokenizer.too_long``)."""
+
+    def __init__(self, step_separator: str = STEP_SEPARATOR, max_length: int | None = None, policy: str = "drop"):
         super().__init__(step_separator)
+        self.max_length, self.policy = max_length, policy
         self.tokens = counter("tokens")
 
     def process(self, batch: list[Rendered], assets: TokenizerAssets):
-        for r, result in zip(batch, _per_record(self.tokenizer(assets).tokenize, batch)):
+        tokenize = functools.partial(self.tokenizer(assets).tokenize, max_length=self.max_length, policy=self.policy)
+        for r, result in zip(batch, _per_record(tokenize, batch)):
             if isinstance(result, BadRecord):
                 yield TaggedOutput(DEAD, dead_letter("tokenize", r.canonical.source, r.canonical.line, r.canonical.raw, result))
             else:
@@ -426,16 +432,19 @@ class ApplyChatTemplate(beam.PTransform):
 
 
 class Tokenize(beam.PTransform):
-    """Rendered batches to token ids. ``tokenizer``: the ``TokenizerFiles`` PCollection."""
+    """Rendered batches to token ids. ``tokenizer``: the ``TokenizerFiles`` PCollection; ``max_length``
+    and ``policy``: the length policy's, which bounds the texts by characters before tokenizing."""
 
-    def __init__(self, tokenizer, step_separator: str = STEP_SEPARATOR):
+    def __init__(self, tokenizer, step_separator: str = STEP_SEPARATOR, max_length: int | None = None,
+                 policy: str = "drop"):
         super().__init__()
-        self.tokenizer, self.step_separator = tokenizer, step_separator
+        self.tokenizer, self.step_separator, self.max_length, self.policy = tokenizer, step_separator, max_length, policy
 
     def expand(self, rendered_batches):
         return _split_outputs(
             rendered_batches
-            | "Encode" >> beam.ParDo(TokenizeFn(self.step_separator), beam.pvalue.AsSingleton(self.tokenizer))
+            | "Encode" >> beam.ParDo(TokenizeFn(self.step_separator, self.max_length, self.policy),
+                                     beam.pvalue.AsSingleton(self.tokenizer))
             .with_outputs(DEAD, main="main")
         )
 
@@ -444,14 +453,18 @@ class Tokenize(beam.PTransform):
 
 
 class LengthPolicyFn(beam.DoFn):
-    def __init__(self, max_length: int, policy: str):
-        self.max_length, self.policy = max_length, policy
+    """``names``: the inputs whose records name them by more than their file name (``source_names``)."""
+
+    def __init__(self, max_length: int, policy: str, names: dict[str, str] | None = None):
+        self.max_length, self.policy, self.names = max_length, policy, names or {}
         self.truncated = counter("prompt_truncated")
 
     def process(self, tp):
         p = tp.canonical
         try:
             record = tp.fit(self.max_length, self.policy)
+            if p.source in self.names:
+                record = dataclasses.replace(record, source=self.names[p.source])
             encoded = encode(record)  # here, so a record the codec refuses is dead-lettered, not fatal
         except Exception as e:  # noqa: BLE001 - contained to this record
             yield TaggedOutput(DEAD, dead_letter("length", p.source, p.line, p.raw, as_bad_record(e)))
@@ -474,12 +487,12 @@ class ApplyLengthPolicy(beam.PTransform):
     """Outputs main (records that fit), dead (records that do not) and noted (responses left out
     of a record that was written)."""
 
-    def __init__(self, max_length: int, policy: str):
+    def __init__(self, max_length: int, policy: str, names: dict[str, str] | None = None):
         super().__init__()
-        self.max_length, self.policy = max_length, policy
+        self.max_length, self.policy, self.names = max_length, policy, names
 
     def expand(self, tokenized):
-        out = tokenized | "Filter" >> beam.ParDo(LengthPolicyFn(self.max_length, self.policy)).with_outputs(
+        out = tokenized | "Filter" >> beam.ParDo(LengthPolicyFn(self.max_length, self.policy, self.names)).with_outputs(
             DEAD, NOTED, main="main")
         return {"main": out.main, "dead": out[DEAD], "noted": out[NOTED]}
 

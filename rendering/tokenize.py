@@ -164,6 +164,7 @@ class TokenizedResponses:
     prompt_len: int  # leading tokens every sequence shares (the prompt)
     head_len: int
     special_text: bool = False
+    too_long: frozenset[int] = frozenset()  # responses never tokenized: their characters alone are too many
 
     @property
     def n_tokens(self) -> int:
@@ -175,7 +176,7 @@ class TokenizedResponses:
             raise ValueError(f"unknown length policy {policy!r}")
         p = self.prompt_len
         room = 0 if policy == "drop" else p - min(self.head_len, p)  # prompt tokens that may go
-        return [i for i, s in enumerate(self.sequences) if len(s) - room <= max_length]
+        return [i for i, s in enumerate(self.sequences) if i not in self.too_long and len(s) - room <= max_length]
 
     def fit(self, max_length: int, policy: str) -> ResponsesRecord:
         """The shard record that fits ``max_length``: each response whose conversation (prompt and
@@ -283,6 +284,7 @@ class RecordTokenizer:
         self._variables: dict[str, Any] = {}
         self._special: Any = None  # the special tokens' strings, as one pattern (False: none)
         self._plain: Any = None  # a copy of the backend that encodes special-token strings as text
+        self._longest: int | None = None  # the longest vocabulary entry's characters (``longest_token``)
 
     def _render_many(self, conversations: list[tuple[Message, ...]], generation_prompt: bool) -> list[str]:
         """Render with the compiled template, as apply_chat_template does (same sandboxed
@@ -398,10 +400,50 @@ class RecordTokenizer:
             return BadRecord("template_error", f"chat template failed: {type(e).__name__}: {e}")
         return BadRecord("template_error", "chat template failed in a batch but not alone")
 
-    def tokenize(self, items: Sequence[Rendered | RenderedSteps]) -> list[TokenizedPair | TokenizedSteps | BadRecord]:
+    @property
+    def longest_token(self) -> int:
+        """The characters of the vocabulary's longest entry: no text of n tokens is longer than n times it."""
+        if self._longest is None:
+            self._longest = max(map(len, self.tok.get_vocab()), default=1)
+        return self._longest
+
+    def too_long(self, r: Rendered | RenderedSteps | RenderedResponses, max_length: int, policy: str
+                 ) -> tuple[BadRecord | None, frozenset[int]]:
+        """What a rendered record's characters alone say, before it is tokenized: (why it cannot
+        fit ``max_length`` tokens under the length policy, or None; which of its responses cannot).
+        A text of more than ``max_length`` times the longest token's characters has more than
+        ``max_length`` tokens: under ``drop`` a sequence that long, under ``truncate-prompt`` a
+        reply (or steps) that long, never fits; the prompt is what truncation may cut."""
+        limit = max_length * self.longest_token
+        whole = policy == "drop"
+        sizes = [len(t) - (0 if whole or not t.startswith(r.prompt_text) else len(r.prompt_text)) for t in r.texts]
+        if isinstance(r, RenderedResponses):
+            over = frozenset(i for i, n in enumerate(sizes) if n > limit)
+            return (TooLong("too_long" if whole else "replies_too_long", f"every response has more than {limit:,} "
+                            f"characters with {'its prompt' if whole else 'no prompt'}: more than max_length "
+                            f"{max_length} tokens") if len(over) == len(sizes) else None), over
+        if max(sizes) > limit:
+            what = "sequence" if whole else "reply" if isinstance(r, Rendered) else "solution's steps"
+            return TooLong("too_long" if whole else "replies_too_long" if isinstance(r, Rendered) else "steps_too_long",
+                           f"a {what} of {max(sizes):,} characters: more than max_length {max_length} tokens "
+                           "(refused before tokenizing)"), frozenset()
+        return None, frozenset()
+
+    def tokenize(self, items: Sequence[Rendered | RenderedSteps], max_length: int | None = None,
+                 policy: str = "drop") -> list[TokenizedPair | TokenizedSteps | BadRecord]:
         """Tokenize rendered pairs (and solutions) in one batch call; locate the prompt boundary
-        (and the step ends) in tokens."""
-        texts = [t for r in items if not r.canonical.is_tokenized for t in r.texts]
+        (and the step ends) in tokens. With ``max_length``, a text its characters alone show too
+        long (``too_long``) is never tokenized: its record refused, or its response left out."""
+        bounds = {}
+        if max_length is not None:
+            for r in items:
+                if not r.canonical.is_tokenized:
+                    bounds[id(r)] = self.too_long(r, max_length, policy)
+        items_in = items
+        items = [r for r in items_in if bounds.get(id(r), (None,))[0] is None]
+        skip = {id(r): bounds[id(r)][1] for r in items if id(r) in bounds and bounds[id(r)][1]}
+        texts = [t for r in items if not r.canonical.is_tokenized
+                 for i, t in enumerate(r.texts) if i not in skip.get(id(r), ())]
         try:
             encodings = iter(self._encode(texts) if texts else [])
         except Exception:  # noqa: BLE001 - isolate the text the tokenizer refuses
@@ -415,10 +457,12 @@ class RecordTokenizer:
                     p.prompt_len or 0, 0,
                 ))
                 continue
-            encs = [next(encodings) for _ in r.texts]
+            skipped = skip.get(id(r), frozenset())
+            encs = [None if i in skipped else next(encodings) for i in range(len(r.texts))]
             if self._has_special_text(p):  # rare: re-encode with the messages' special-token text as text
                 try:
-                    encs = [self._encode_as_text(text, msgs) for text, msgs in zip(r.texts, _conversations(r))]
+                    encs = [None if i in skipped else self._encode_as_text(text, msgs)
+                            for i, (text, msgs) in enumerate(zip(r.texts, _conversations(r)))]
                 except BadRecord as e:
                     out.append(e)
                     continue
@@ -426,7 +470,8 @@ class RecordTokenizer:
                 out.append(done if isinstance(done, BadRecord) else dataclasses.replace(done, special_text=True))
                 continue
             out.append(self._tokenized(r, *encs))
-        return out
+        done = iter(out)
+        return [bounds[id(r)][0] if bounds.get(id(r), (None,))[0] is not None else next(done) for r in items_in]
 
     def _special_pattern(self):
         if self._special is None:
@@ -517,19 +562,22 @@ class RecordTokenizer:
         return TokenizedSteps(r.canonical, ids, ends, prompt_len, self.head_len(r.canonical.prompt))
 
     def _tokenized_responses(self, r: RenderedResponses, encs: Sequence[Any]) -> TokenizedResponses | BadRecord:
-        seqs = tuple(np.asarray(e.ids, np.int32) for e in encs)
-        if not all(len(s) for s in seqs):
+        # a response its characters showed too long was not tokenized (None): left out, as one too long is
+        too_long = frozenset(i for i, e in enumerate(encs) if e is None)
+        seqs = tuple(np.zeros(0, np.int32) if e is None else np.asarray(e.ids, np.int32) for e in encs)
+        real = [s for i, s in enumerate(seqs) if i not in too_long]
+        if not all(len(s) for s in real):
             return BadRecord("template_error", "the chat template rendered an empty sequence")
-        common = min((_common_prefix(seqs[0], s) for s in seqs[1:]), default=len(seqs[0]))  # K = 1: its own length
+        common = min((_common_prefix(real[0], s) for s in real[1:]), default=len(real[0]))  # K = 1: its own length
         prompt_len = None
         if all(t.startswith(r.prompt_text) for t in r.texts):
-            at = {e.char_to_token(len(r.prompt_text)) for e in encs}
+            at = {e.char_to_token(len(r.prompt_text)) for e in encs if e is not None}
             if len(at) == 1 and None not in at and next(iter(at)) <= common:
                 prompt_len = next(iter(at))
         if prompt_len is None:  # the template does not render the prompt as a prefix
             prompt_len = common
-        prompt_len = min(prompt_len, min(len(s) for s in seqs) - 1)
-        return TokenizedResponses(r.canonical, seqs, prompt_len, self.head_len(r.canonical.prompt))
+        prompt_len = min(prompt_len, min(len(s) for s in real) - 1)
+        return TokenizedResponses(r.canonical, seqs, prompt_len, self.head_len(r.canonical.prompt), too_long=too_long)
 
     def _tokenized(self, r: Rendered | RenderedSteps | RenderedResponses, enc_c: Any, *more: Any
                    ) -> TokenizedPair | TokenizedSteps | TokenizedResponses | BadRecord:

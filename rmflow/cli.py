@@ -229,10 +229,9 @@ def print_summary(stats: dict, output: str) -> None:
         console.print(t)
     skipped = stats.get("skipped_inputs") or []
     if skipped:
-        hidden = sum(s["why"] == "hidden" for s in skipped)
-        console.print(f"skipped {len(skipped):,} files in the input folders that are not inputs: {hidden:,} hidden "
-                      f"(under a name starting with '.'), {len(skipped) - hidden:,} inside earlier rmflow outputs "
-                      "(listed in stats.json, skipped_inputs)")
+        from rmflow.pipelines.io import skipped_summary
+
+        console.print(_escape(skipped_summary(skipped)))
     lengths = stats["lengths"].get("train", {})
     if lengths:
         t = Table(title="train token lengths")

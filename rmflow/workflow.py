@@ -309,8 +309,9 @@ def summary_lines(stats: dict[str, Any], max_length: int) -> list[str]:
     lines = [f"{c['records_read']:,} records read, {c['pairs_written']:,} pairs written "
              f"({c['pairs_written_train']:,} train / {c['pairs_written_eval']:,} eval)"]
     if stats.get("skipped_inputs"):
-        lines.append(f"skipped {len(stats['skipped_inputs']):,} files in the input folders: hidden, or inside "
-                     "earlier rmflow outputs (stats.json, skipped_inputs)")
+        from rmflow.pipelines.io import skipped_summary
+
+        lines.append(skipped_summary(stats["skipped_inputs"]))
     from rmflow.pipelines.finalize import NOT_WRITTEN
 
     for key, _, what in NOT_WRITTEN:

@@ -110,6 +110,8 @@ def test_a_longrope_config_is_read_within_its_original_context_or_refused_naming
     cfg = ModelConfig.from_hf(d)
     assert cfg.rope_type == "longrope" and cfg.rope_short_factor == (1.0, 2.0)
     assert cfg.max_position_embeddings == 64  # the positions rmflow allows: the short factors' range
+    assert cfg.positions_field.startswith("original_max_position_embeddings")  # what messages name as the limit
+    assert ModelConfig.from_hf({**d, "rope_scaling": None}).positions_field == "max_position_embeddings"
     assert dict(cfg.rope_params)["attention_factor"] == pytest.approx(np.sqrt(1 + np.log(64) / np.log(64)))
     with pytest.raises(ModelConfigError, match="short_factor"):
         ModelConfig.from_hf({**d, "rope_scaling": {"type": "longrope", "long_factor": [3.0, 4.0]}})

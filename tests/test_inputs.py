@@ -155,3 +155,22 @@ def test_datasets_users_already_have_a_save_to_disk_folder_and_a_hub_data_set_in
         [str(repo / "snapshots" / "abc123" / "data" / "train-00000-of-00001.parquet")]
     with pytest.raises(PreprocessError, match="hf download --repo-type dataset me/other"):
         run(cfg(["hf://datasets/me/other"], tmp_path / "missing", tokenizer_dir))
+    # a revision, as HfFileSystem spells it: a commit's snapshot, or a branch's ref; else how to get it
+    at = run(cfg(["hf://datasets/me/prefs@abc123"], tmp_path / "at", tokenizer_dir))
+    assert sorted((r.chosen_ids.tolist(), r.rejected_ids.tolist()) for r in records(at)) == reference
+    with pytest.raises(PreprocessError, match="me/prefs at revision v2 is not in the local Hugging Face cache .*"
+                                              "hf download --repo-type dataset me/prefs --revision v2$"):
+        run(cfg(["hf://datasets/me/prefs@v2"], tmp_path / "v2", tokenizer_dir))
+    with pytest.raises(PreprocessError, match="rmflow reads the Hub's data sets, as hf://datasets/OWNER/NAME"):
+        run(cfg(["hf://me/prefs"], tmp_path / "no-datasets", tokenizer_dir))
+    # a DatasetDict: its splits' files share a name; each record names its own (its split's folder),
+    # and the summary says why the metadata files were not read
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(pairs[:4]),
+                          "test": datasets.Dataset.from_list(pairs[4:])}).save_to_disk(str(tmp_path / "dict"))
+    split = run(cfg([str(tmp_path / "dict")], tmp_path / "from-dict", tokenizer_dir))
+    assert sorted({r.source for r in records(split)}) == ["test/data-00000-of-00001.arrow",
+                                                          "train/data-00000-of-00001.arrow"]
+    from rmflow.pipelines.io import skipped_summary
+
+    line = skipped_summary(split.stats["skipped_inputs"])
+    assert "the metadata of datasets.save_to_disk folders" in line and "earlier rmflow outputs" not in line, line

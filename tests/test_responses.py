@@ -512,3 +512,36 @@ def test_a_preprocess_option_that_would_do_nothing_on_the_inputs_is_refused(opti
                                   "score_chosen": 2, "score_rejected": 1}}
     (tmp_path / "ok.jsonl").write_text(json.dumps(examples[acting]) + "\n")
     check_score_options(dataclasses.replace(cfg, pairs_from=""), [str(tmp_path / "ok.jsonl")])
+
+
+def test_preprocess_bounds_every_text_by_characters_before_tokenizing(tmp_path, tokenizer_dir, monkeypatch):
+    """A text whose characters alone are more than max_length tokens ever hold is never tokenized:
+    under drop its record is too long, under truncate-prompt a reply that long is, and a response
+    that long is left out of its record (counted) as one too long in tokens is."""
+    from rmflow.pipelines.preprocess import run
+    from rmflow.rendering.tokenize import RecordTokenizer
+
+    huge = "word " * 400_000  # 2 MB: about a minute for the tokenizer
+    lines = [{"prompt": huge, "chosen": "a", "rejected": "b"},
+             {"prompt": "p", "chosen": huge, "rejected": "b"},
+             {"prompt": "q", "chosen": "fine", "rejected": "also fine"}]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "k.jsonl").write_text(json.dumps({"prompt": "r", "responses": ["a", huge, "b"], "scores": [1, 3, 2]})
+                                      + "\n" + json.dumps({"prompt": "s", "responses": ["c", "d"], "scores": [1, 2]})
+                                      + "\n")
+    tokenized_huge = []  # the texts of 2 MB or more the tokenizer was given
+    real = RecordTokenizer._encode
+    monkeypatch.setattr(RecordTokenizer, "_encode", lambda self, texts: tokenized_huge.extend(
+        t for t in texts if len(t) >= len(huge)) or real(self, texts))
+    for policy, code, tokenized in (("drop", "too_long", 0), ("truncate-prompt", "replies_too_long", 2)):
+        tokenized_huge.clear()
+        stats = run(PreprocessConfig(inputs=(str(tmp_path / "pairs.jsonl"),), output=str(tmp_path / policy),
+                                     tokenizer=tokenizer_dir, max_length=128, eval_fraction=0.0, max_bad_fraction=1.0,
+                                     length_policy=policy, num_workers=1)).stats
+        assert stats["counts"]["dropped_too_long"] == (2 if policy == "drop" else 1), stats["counts"]
+        assert code in {d["code"] for d in stats["dead_letters"]}
+        assert len(tokenized_huge) == tokenized  # truncate-prompt cuts a long prompt's tokens: it tokenizes it
+    tokenized_huge.clear()
+    k = run(PreprocessConfig(inputs=(str(tmp_path / "k.jsonl"),), output=str(tmp_path / "k"), tokenizer=tokenizer_dir,
+                             max_length=128, eval_fraction=0.0, num_workers=1)).stats["counts"]
+    assert (k["pairs_written"], k["responses_too_long"], len(tokenized_huge)) == (2, 1, 0), k

@@ -159,7 +159,7 @@ def check_model_fits(manifest: Manifest, model_config: ModelConfig) -> None:
                          f"only {model_config.vocab_size}: they do not belong together")
     if manifest.max_length > model_config.max_position_embeddings:
         raise TrainError(f"the shards allow sequences of {manifest.max_length:,} tokens, past the model's "
-                         f"{model_config.max_position_embeddings:,} positions (max_position_embeddings): "
+                         f"{model_config.max_position_embeddings:,} positions ({model_config.positions_field}): "
                          f"preprocess again with --max-length {model_config.max_position_embeddings} or less")
 
 

@@ -272,6 +272,9 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
             completions = (list(rec["chosen"]) if is_ties else list(rec["chosen"])[:1]) + list(rec["rejected"])
             start = len(seqs)
             for text in completions:
+                if len(rec["prompt"]) + len(text) > positions * renderer.longest_token:  # before tokenizing it
+                    raise EvalError(f"{path}:{line}: a completion of {len(text):,} characters with its prompt, "
+                                    f"more than the model's {positions:,} positions ever hold: drop the example")
                 try:
                     ids = renderer.encode_conversation((("user", rec["prompt"]), ("assistant", text)))
                 except BadRecord as e:

@@ -203,20 +203,18 @@ class RewardModel:
     def max_chars(self) -> int:
         """More characters than any text of ``max_length`` tokens holds (no token of the vocabulary
         is longer than its longest entry): a longer text is refused before it is tokenized."""
-        if not hasattr(self, "_longest_token"):
-            self._longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
-        return self.max_length * self._longest_token
+        return self.chars_for(self.max_length)
 
     def chars_for(self, tokens: int) -> int:
-        """More characters than any text of ``tokens`` tokens holds (``max_chars`` for ``max_length``)."""
-        return self.max_chars // self.max_length * tokens
+        """More characters than any text of ``tokens`` tokens holds (``RecordTokenizer.longest_token``)."""
+        return tokens * self._record_tokenizer().longest_token
 
     def check_chars(self, n: int) -> None:
         """Raise BadConversation when ``n`` characters cannot fit ``max_length`` tokens."""
         if n > self.max_chars:
             raise BadConversation(f"{n:,} characters, more than {self.max_length:,} tokens ever hold (the longest "
-                                  f"token has {self._longest_token} characters): refused before tokenizing; "
-                                  "shorten or split it")
+                                  f"token has {self._record_tokenizer().longest_token} characters): refused before "
+                                  "tokenizing; shorten or split it")
 
     def limit_length(self, max_length: int) -> None:
         """Score at most ``max_length`` tokens (at most the model's positions): longer inputs are

@@ -191,6 +191,13 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def positions_field(self) -> str:
+        """The checkpoint field ``max_position_embeddings`` comes from, as messages name it: LongRoPE's
+        ``original_max_position_embeddings`` (rmflow runs within the context it was pretrained at)."""
+        return "original_max_position_embeddings, LongRoPE's pretrained context" if self.rope_type == "longrope" \
+            else "max_position_embeddings"
+
+    @property
     def router_stats_size(self) -> int:
         """The length of a layer's router statistics (``llama.SparseMoE``): per expert the chosen
         count and the probability sum, then the tokens; 0 for a model without experts."""
