@@ -125,8 +125,11 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
                               "needs none: --format tokenized)")
     report_leftovers(out)
     staging = new_staging(out)
-    # The tokenizer as used, where the workers read it (TokenizerFiles) and export finds it with the shards.
-    write_tokenizer_files(assets, f"{staging}/{TOKENIZER_DIR}")
+    try:  # The tokenizer as used, where the workers read it (TokenizerFiles) and export finds it with the shards.
+        write_tokenizer_files(assets, f"{staging}/{TOKENIZER_DIR}")
+    except BaseException:  # a stop (or a failure) from here on leaves no staging folder behind
+        rio.delete_tree(staging)
+        raise
     return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), staging, tuple(skipped),
                 tuple(f for f, _ in eval_listed), use_join(cfg.decontaminate_method, eval_listed), eval_counts)
 

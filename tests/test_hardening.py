@@ -217,8 +217,8 @@ def test_score_reports_bad_lines_and_keeps_the_users_fields(base, tmp_path):
     assert [o.get("id") for o in out] == ["ok", None, "user-last", "system-only", "shape", None]
     assert "score" in out[0] and "score" in out[5]
     assert "not valid UTF-8" in out[1]["error"] and out[1]["line"] == 2
-    assert "last message is the user's" in out[2]["error"]
-    assert "last message is the system's" in out[3]["error"]
+    assert "ends with a user message" in out[2]["error"]
+    assert "ends with a system message" in out[3]["error"]
     assert all("score" not in o for o in out[1:5])
 
 
@@ -376,7 +376,8 @@ def test_every_command_fails_in_one_line(base, tmp_path):
 def test_eval_output_is_replaced_whole_and_a_failed_eval_keeps_the_earlier_one(base, tmp_path):
     out = tmp_path / "e"
     out.mkdir()
-    (out / "input_errors.jsonl").write_text("stale, from an earlier eval\n")
+    for name in ("eval.json", "report.md", "input_errors.jsonl"):  # an earlier eval's, on raw files
+        (out / name).write_text("stale, from an earlier eval\n")
     assert cli("eval", "--model", base / "run", "--data", base / "shards", "-o", out, "--step", 2).exit_code == 0
     assert "input_errors.jsonl" not in os.listdir(out)  # the folder is this eval's alone
     written = json.loads((out / "eval.json").read_text())["config"]

@@ -290,11 +290,11 @@ def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, c
 
 def test_a_request_s_responses_are_counted_before_any_is_rendered(outcome, monkeypatch):
     """200,000 responses in a 2 MB body: 413 at once, nothing tokenized (it took 50 s)."""
-    from rmflow.scoring.api import RewardModel
+    from rmflow.scoring import scorers
     from rmflow.server.protocol import RequestError, read_native
 
-    _, rm = outcome
-    monkeypatch.setattr(RewardModel, "encode", lambda *a, **k: pytest.fail("encoded before counting"))
+    _, rm = outcome  # reading a record's responses is the first step of encoding them: never before the count
+    monkeypatch.setattr(scorers, "responses_of", lambda *a, **k: pytest.fail("read before counting"))
     body = {"responses": [{"prompt": "q", "responses": [f"r{i}" for i in range(200_000)]}]}
     for layout in (body, {"responses": [{"prompt": "q", "chosen": ["a"] * 100_000, "rejected": ["b"] * 100_000}]},
                    {"responses": [{"prompt": "q", "answers": [{"answer": "a", "rank": 1}] * 5000}] * 40}):
