@@ -1,12 +1,13 @@
 """`rmflow serve` start-up: seconds from launch until GET /health answers 200 (the model loaded
-and every batch shape compiled), with the default options and with each set of other options
-given (by default --max-length 4096), alternating, without the persistent compilation cache
-(RMFLOW_COMPILATION_CACHE=off) unless --cache is given.
+and the batch shapes up to --startup-length compiled), with the default options and with each
+set of other options given (by default --startup-length 4096: every shape to the model's
+positions), alternating, without the persistent compilation cache (RMFLOW_COMPILATION_CACHE=off)
+unless --cache is given.
 
     rmflow preprocess -i rmflow/demo/hh_rlhf_helpful_sample.jsonl.gz --tokenizer rmflow/demo/tokenizer \\
         -o /tmp/su/shards --max-length 512 --max-bad-fraction 1
     rmflow train --data /tmp/su/shards --model tiny -o /tmp/su/run --set max_steps=1 --set batch_size=2
-    .venv/bin/python benchmarks/serve_startup.py /tmp/su/run --with="--max-length 4096" \\
+    .venv/bin/python benchmarks/serve_startup.py /tmp/su/run --with="--startup-length 4096" \\
         --with=--no-response-units --repeat 2
 """
 
@@ -23,7 +24,7 @@ import requests
 
 
 def start_up(model: str, extra: list[str], cache: bool) -> tuple[float, int, int]:
-    """(seconds to ready, max_length served, batch shapes compiled)."""
+    """(seconds to ready, the length compiled at start-up, batch shapes compiled)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -45,7 +46,8 @@ def start_up(model: str, extra: list[str], cache: bool) -> tuple[float, int, int
             time.sleep(0.2)
         seconds = time.monotonic() - start
         info = requests.get(url + "/v1/model", timeout=5).json()
-        return seconds, info["max_length"], len(info["batch_shapes"])
+        compiled = [s for s in info["batch_shapes"] if s[1] <= info["startup_length"]]
+        return seconds, info["startup_length"], len(compiled)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -56,16 +58,16 @@ def main() -> None:
     ap.add_argument("model", help="a run directory or an export")
     ap.add_argument("--with", dest="others", action="append", default=[],
                     help="serve options to start with beside the default ones (repeatable; default: "
-                         "--max-length 4096)")
+                         "--startup-length 4096)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--cache", action="store_true", help="keep the persistent compilation cache")
     a = ap.parse_args()
-    others = [o.split() for o in a.others or ["--max-length 4096"]]
+    others = [o.split() for o in a.others or ["--startup-length 4096"]]
     for _ in range(a.repeat):
         for extra in ([], *others):
             seconds, length, shapes = start_up(a.model, extra, a.cache)
-            print(f"{' '.join(extra) or 'default':>20}: ready in {seconds:6.1f} s (max_length {length}, "
-                  f"{shapes} batch shapes)", flush=True)
+            print(f"{' '.join(extra) or 'default':>20}: ready in {seconds:6.1f} s (shapes to {length} tokens "
+                  f"compiled at start-up: {shapes})", flush=True)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,17 @@ def test_the_embedded_demo_runs_without_torch_and_shows_its_summary(tmp_path):
     md = (tmp_path / "demo" / "eval" / "report.md").read_text()
     assert "checkpoint step 40" in md and "95% confidence interval" in md and "split eval" in md
 
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    written = [p for p in (tmp_path / "demo").rglob("*") if p.suffix in (".json", ".jsonl")]
+    assert len(written) > 10
+    for path in written:  # every JSON text the workflow wrote, read as strict readers do: no NaN, no Infinity
+        text = path.read_text()
+        for doc in (text.splitlines() if path.suffix == ".jsonl" else [text]):
+            if doc.strip():
+                json.loads(doc, parse_constant=refuse)
+
 
 def test_the_export_stage_takes_the_options_of_rmflow_export(tmp_path):
     """``export: true`` exports the newest checkpoint; a mapping of export options (every
