@@ -20,7 +20,7 @@ from typing import Any
 
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
-from rmflow.schemas import jsontext
+from rmflow.schemas import jsontext, outputs
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.outputs import output_kind, replace_refusal
 from rmflow.schemas.paths import is_url
@@ -419,13 +419,24 @@ def folder_names(path: str) -> set[str] | None:
     return {m.path[len(path) + 1:].split("/")[0] for m in metas} or None
 
 
-def check_replaceable(output: str, kind: str, error: type[Exception], option: str = "--output") -> None:
-    """``schemas.outputs.replace_refusal`` of a local or remote output a Beam job replaces, raised as ``error``."""
+def check_replaceable(output: str, kind: str, error: type[Exception], option: str = "--output",
+                      inputs: tuple[str, ...] = ()) -> None:
+    """The rule of ``schemas.outputs.check_replaceable`` for an output a Beam job replaces, local or
+    remote (listed through Beam's filesystems), raised as ``error``: its own earlier output or
+    nothing, no input of the job (``inputs``: files, folders, globs) inside it, and locally, not
+    inside another rmflow output nor holding one."""
     output = output.rstrip("/")
-    why = replace_refusal(output, kind, folder_names(output), is_file=not is_url(output) and os.path.isfile(output),
-                          option=option)
-    if why:
-        raise error(why)
+    if not is_url(output):
+        try:
+            outputs.check_replaceable(output, kind, option=option, inputs=inputs)
+        except outputs.OutputRefused as e:
+            raise error(str(e)) from None
+        return
+    why = replace_refusal(output, kind, folder_names(output), option=option)
+    inside = outputs.inside_of(output, inputs)
+    if why or inside:
+        raise error(why or f"{inside} is inside {option} {output}, which this job replaces whole: give an output "
+                           "folder apart from its inputs")
 
 
 def delete_tree(path: str) -> None:

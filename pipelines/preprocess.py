@@ -101,7 +101,10 @@ def plan_shards(cfg: PreprocessConfig, input_bytes: int) -> dict[str, int]:
 
 def make_plan(cfg: PreprocessConfig) -> Plan:
     out = cfg.output.rstrip("/")
-    rio.check_replaceable(out, SHARD_FOLDER, PreprocessError)  # --overwrite deletes it: only ever our own output
+    # --overwrite deletes it: only ever our own output, never holding what the job reads
+    rio.check_replaceable(out, SHARD_FOLDER, PreprocessError,
+                          inputs=(*cfg.inputs, *cfg.decontaminate, *((cfg.chat_template,) if cfg.chat_template else ()),
+                                  cfg.tokenizer))
     if rio.exists(out) and not cfg.overwrite and rio.folder_names(out):
         raise PreprocessError(f"output {out} already exists: choose another --output or pass --overwrite")
     skipped: list[tuple[str, str]] = []

@@ -199,7 +199,8 @@ WORKFLOW_FOLDER = "workflow folder"  # schemas.outputs.OUTPUT_SIGNATURES' name o
 
 
 def _run(wf: Workflow, log) -> dict[str, str]:
-    check_replaceable(wf.output, WORKFLOW_FOLDER)  # its stages replace their folders in it: never a user's
+    # its stages replace their folders in it: never a user's
+    check_replaceable(wf.output, WORKFLOW_FOLDER, option="the workflow's output", replaces=False)
     os.makedirs(wf.output, exist_ok=True)
     with open(os.path.join(wf.output, WORKFLOW_FILE), "w") as f:  # the folder is a workflow's from now on
         jsontext.dump({"stages": [s for s in STAGES if s != "export" or wf.export is not None]}, f)

@@ -261,29 +261,73 @@ def replace_refusal(output: str, kind: str, names: set[str] | frozenset[str] | N
            "new or empty folder"
 
 
+# What an rmflow output holds of other outputs by design (None: any): a workflow's folder its
+# stages' outputs; a run directory its named eval sets' shards (``eval_data``, trainer.rundir)
+HOLDS_OUTPUTS: dict[str, tuple[str, ...] | None] = {"workflow folder": None, "run directory": ("eval_data",)}
+
+
 def check_replaceable(output: str, kind: str, *, option: str = "--output", ignore: frozenset[str] = frozenset(),
-                      inputs: tuple[str, ...] = ()) -> None:
+                      inputs: tuple[str, ...] = (), replaces: bool = True) -> None:
     """``replace_refusal`` of a local ``output`` (remote ones: the Beam jobs list them themselves),
-    raised as OutputRefused; also refused when one of the command's ``inputs`` lies inside it."""
+    raised as OutputRefused; also refused when it lies inside another rmflow output (``nested_in``),
+    when one of the command's ``inputs`` (files, folders or globs) lies inside it, and, for a
+    command that ``replaces`` it whole, when it holds another rmflow output."""
     if is_url(output):
         return
     names = set(os.listdir(output)) if os.path.isdir(output) else None
     why = replace_refusal(output, kind, names, is_file=os.path.exists(output) and not os.path.isdir(output),
-                          option=option, ignore=ignore)
+                          option=option, ignore=ignore) or nested_in(output, option)
     if why:
         raise OutputRefused(why)
     inside = inside_of(output, inputs)
     if inside:
         raise OutputRefused(f"{inside} is inside {option} {output}, which this command replaces whole: give an "
                             "output folder apart from its inputs")
+    held = holds_output(output) if replaces and names else None
+    if held:
+        raise OutputRefused(f"{option} {output} holds an rmflow {held[1]} ({held[0]}), which replacing it would "
+                            "delete: move it out, or give another folder")
+
+
+def nested_in(path: str, option: str = "--output") -> str | None:
+    """Why ``path`` (a local output folder or file) must not be written: it lies inside another
+    rmflow output, which that output's own command would replace or read as its own, unless that
+    kind holds it by design (``HOLDS_OUTPUTS``); None when it may be written."""
+    path = os.path.abspath(path.rstrip("/"))
+    parent = os.path.dirname(path)
+    while True:
+        kind = output_kind(set(os.listdir(parent))) if os.path.isdir(parent) else None
+        if kind:
+            allowed = HOLDS_OUTPUTS.get(kind, ())
+            if allowed is not None and os.path.relpath(path, parent).split(os.sep)[0] not in allowed:
+                return (f"{option} {path} is inside an rmflow {kind} ({parent}), which its own command replaces or "
+                        "reads as its own: give a path outside it")
+        if os.path.dirname(parent) == parent:
+            return None
+        parent = os.path.dirname(parent)
+
+
+def holds_output(folder: str) -> tuple[str, str] | None:
+    """(the folder, its kind) of an rmflow output below ``folder`` (not ``folder`` itself), or None."""
+    for root, dirs, files in os.walk(folder):
+        if root != folder:
+            kind = output_kind(set(dirs) | set(files))
+            if kind:
+                return root, kind
+    return None
 
 
 def inside_of(folder: str, paths: tuple[str, ...] | list[str]) -> str | None:
-    """The first of the local ``paths`` that is ``folder`` or lies inside it (links resolved), or None."""
-    if is_url(folder):
-        return None
-    root = os.path.realpath(folder)
+    """The first of ``paths`` (files, folders, globs: a glob by what it matches) that is ``folder``
+    or lies inside it (links resolved; a remote path by its prefix), or None."""
+    root = folder.rstrip("/") if is_url(folder) else os.path.realpath(folder)
     for path in paths:
-        if not is_url(path) and (os.path.realpath(path) + os.sep).startswith(root + os.sep):
-            return path
+        if is_url(path) or is_url(folder):
+            if is_url(path) and is_url(folder) and (path.rstrip("/") + "/").startswith(root + "/"):
+                return path
+            continue
+        matches = glob.glob(path, recursive=True) if glob.has_magic(path) else [path]
+        for match in matches:
+            if (os.path.realpath(match) + os.sep).startswith(root + os.sep):
+                return match
     return None

@@ -143,13 +143,39 @@ def test_no_command_writes_over_a_folder_that_is_not_its_own(base, tmp_path):
     before = _snapshot(mine)
     assert "holds other files" in one_line_error(cli("run", workflow))
     assert _snapshot(mine) == before
-    # an eval folder holding the data it evaluates, or the model: the eval would replace it
+    # an eval folder holding the data it evaluates (named, or by a glob), or the model: the eval would replace it
     ev = tmp_path / "ev"
     assert cli("eval", "--model", run, "--data", shards, "-o", ev).exit_code == 0
     shutil.copy(data, ev / "pairs.jsonl")
     before = _snapshot(ev)
-    assert "apart from its inputs" in one_line_error(cli("eval", "--model", run, "--data", ev / "pairs.jsonl", "-o", ev))
+    for named in (ev / "pairs.jsonl", tmp_path / "e*" / "pairs.jsonl"):
+        assert "apart from its inputs" in one_line_error(cli("eval", "--model", run, "--data", named, "-o", ev))
     assert _snapshot(ev) == before
+    ev_before = before
+    # preprocess --overwrite and the scoring job whose inputs (data, template, model) lie in their output
+    own = tmp_path / "own"
+    assert cli("preprocess", "-i", data, *tok, "-o", own, "--max-length", 128).exit_code == 0
+    shutil.copy(data, own / "in.jsonl")
+    shutil.copytree(export, own / "model")
+    before = _snapshot(own)
+    assert "apart from its inputs" in one_line_error(cli("preprocess", "-i", own / "in.jsonl", *tok, "-o", own,
+                                                         "--overwrite"))
+    scored = tmp_path / "scored"
+    assert cli("score", "--model", export, "-i", data, "-o", scored, "--runner", "DirectRunner").exit_code == 0
+    shutil.copytree(export, scored / "m")
+    frozen = _snapshot(scored)
+    assert "apart from its inputs" in one_line_error(cli("score", "--model", scored / "m", "-i", data, "-o", scored,
+                                                         "--runner", "DirectRunner", "--overwrite"))
+    assert _snapshot(scored) == frozen
+    # an output inside another command's output (which that command's rerun would replace), a file
+    # of one overwritten by in-process scoring, a folder to replace that holds another output
+    for args in (("export", run, "-o", ev / "nested"), ("train", "--data", shards, "--model", "micro", "-o",
+                                                           own / "run", "--max-steps", 1),
+                 ("score", "--model", export, "-i", data, "-o", export / "config.json"),
+                 ("export", run, "-o", run / "checkpoints" / "99")):
+        assert "is inside an rmflow" in one_line_error(cli(*args)), args
+    assert "holds an rmflow export" in one_line_error(cli("preprocess", "-i", data, *tok, "-o", own, "--overwrite"))
+    assert _snapshot(own) == before and _snapshot(ev) == ev_before
 
 
 def test_a_run_is_self_contained_and_its_paths_absolute(base, tmp_path, monkeypatch):

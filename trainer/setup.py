@@ -34,7 +34,7 @@ from rmflow.trainer.rundir import EVAL_DATA, RUN_DIRECTORY, tokenizer_fingerprin
 def check_output(output: str) -> None:
     """The run directory must be a folder: a new one, an empty one (but for the run's own eval sets,
     preprocessed first), or an earlier run (``schemas.outputs.check_replaceable``)."""
-    check_replaceable(output, RUN_DIRECTORY, ignore=frozenset({EVAL_DATA}))
+    check_replaceable(output, RUN_DIRECTORY, ignore=frozenset({EVAL_DATA}), replaces=False)  # written into
 
 
 def read_manifest(data: str) -> Manifest:

@@ -434,16 +434,11 @@ def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "Direct
     from rmflow.pipelines.io import expand_inputs
 
     output = output.rstrip("/") if is_url(output) else os.path.abspath(output)
-    rio.check_replaceable(output, SCORES_OUTPUT, BatchScoreError)
+    rio.check_replaceable(output, SCORES_OUTPUT, BatchScoreError, inputs=(*inputs, model))
     if rio.exists(f"{output}/{COMPLETED_FILE}") and not overwrite:
         raise BatchScoreError(f"{output} already holds a scoring job's output: give --overwrite to replace it")
     listed = expand_inputs(tuple(inputs))
     files, size = [path for path, _ in listed], sum(n for _, n in listed)
-    local = os.path.realpath(output) + "/" if not is_url(output) else output + "/"
-    inside = [f for f in files if (os.path.realpath(f) if not is_url(f) else f).startswith(local)]
-    if inside:
-        raise BatchScoreError(f"input {inside[0]} is inside --output {output}, which the job replaces: give an "
-                              "output folder apart from the inputs")
     rm = RewardModel.load(model, step)  # fails here, in one line, before any worker starts
     if group_by and not kind_named(rm.kind).pairwise:
         raise BatchScoreError("--group-by picks the best of each group by score: an outcome reward model's")

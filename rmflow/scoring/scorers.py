@@ -35,6 +35,7 @@ from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.metrics import STEP_THRESHOLD
+from rmflow.schemas.outputs import inside_of, nested_in
 from rmflow.schemas.record import ResponsesRecord
 from rmflow.schemas.stops import refuse_if_stopping
 from rmflow.scoring.api import BadConversation, RewardModel, attribute_scores
@@ -86,6 +87,12 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
     if os.path.exists(output_path) and os.path.samefile(input_path, output_path):
         raise ScoreError(f"--output {output_path} is the input file: give another path (the scores are written "
                          "beside, then renamed over it)")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(output_path))):
+        raise ScoreError(f"--output {output_path}: its folder does not exist; create it, or give another path")
+    inside = nested_in(output_path) or (f"--output {output_path} is inside the model folder {model_path}: give a "
+                                         "path outside it" if inside_of(model_path, [output_path]) else None)
+    if inside:  # a file of another output (an export's config.json, a manifest) would be overwritten
+        raise ScoreError(inside)
     rm = RewardModel.load(model_path, step)
     rows: list[dict[str, Any]] = []
     encoded, owners = [], []  # each encodable line's (what, sequences), and its (row, line number)
