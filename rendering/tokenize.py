@@ -226,6 +226,25 @@ def step_token_ends(char_ends: Sequence[int], offsets: Sequence[tuple[int, int]]
     return idx.astype(np.int32)
 
 
+def left_cut(text: str, keep: int) -> str | None:
+    """``text`` without its start, at least its last ``keep`` characters kept, cut where the text's
+    tokens do not depend on what came before: at a word's start (a space after a non-space), where
+    pre-tokenizers (byte-level BPE's regex, SentencePiece's ``▁``) split, so the tokens after the
+    cut are those of the whole text (a cut inside a word would re-segment its end: BPE merges
+    run over the whole word). The nearest such start at most ``keep`` characters further back;
+    None when there is none (one word that long)."""
+    if len(text) <= keep:
+        return text
+
+    def starts_word(i: int) -> bool:
+        return i == 0 or (text[i].isspace() and not text[i - 1].isspace())
+
+    lo, at = max(0, len(text) - 2 * keep), len(text) - keep
+    while at > lo and not starts_word(at):
+        at -= 1
+    return text[at:] if starts_word(at) else None
+
+
 # Texts that exercise what maps text to ids beyond the vocabulary: normalisation, pre-tokenisation
 # (spaces, digits, punctuation, scripts), merges, byte fallback (``text_to_ids_difference``).
 PROBES = (

@@ -119,6 +119,29 @@ def test_a_length_limit_is_the_model_s_own_to_set(workdir):
     np.testing.assert_allclose(rm.score(CONVS[:2]), before, rtol=1e-6)
 
 
+def test_left_truncation_cuts_text_where_the_tokens_it_keeps_stay_the_same(workdir):
+    """A text past the characters its tokens could fill is cut before it is tokenized, at a word's
+    start, so the tokens kept are those the whole text ends with, even where BPE segments a long
+    run of one letter by its length; a text with nowhere to cut is refused, never scored wrong."""
+    from rmflow import RewardModel
+    from rmflow.scoring.api import BadConversation
+
+    rm = RewardModel.load(str(workdir / "runs" / "rm1"))
+    rm.limit_length(64)
+    rng = np.random.default_rng(0)
+    words = " ".join("a" * int(n) for n in rng.integers(1, 40, 4000))  # runs BPE merges by their length
+    words += " " + "a" * (rm.max_chars * 3 // 2)  # a last word longer than the characters kept: cut before it
+    conversation = [U(words), A("b" * 37 + " fine")]
+    whole = rm._record_tokenizer().encode_conversation((("user", words), ("assistant", conversation[1]["content"])))
+    np.testing.assert_array_equal(rm.encode(conversation, truncate="left"), whole[-64:])
+    with pytest.raises(BadConversation, match="without a space to cut it at"):
+        rm.encode([U("a" * (3 * rm.max_chars)), A("ok")], truncate="left")
+    from rmflow.rendering.tokenize import left_cut
+
+    assert left_cut("hello world foo bar", 5) == " foo bar" and left_cut("a" * 100, 10) is None
+    assert left_cut("abc def", 100) == "abc def"
+
+
 def test_the_cli_does_not_load_jax_for_help():
     import subprocess
     import sys

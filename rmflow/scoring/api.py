@@ -161,6 +161,8 @@ class RewardModel:
         if reply > self.max_chars:
             raise BadConversation(f"the reply alone has {reply:,} characters, more than {self.max_length:,} tokens "
                                   "ever hold: left truncation cannot keep it whole (refused before tokenizing)")
+        from rmflow.rendering.tokenize import left_cut
+
         room, kept = self.max_chars, [messages[-1]]
         for m in reversed(messages[:-1]):
             n = _chars(m)
@@ -168,8 +170,12 @@ class RewardModel:
                 kept.append(m)
                 room -= n
                 continue
-            if room and len(m) == 2:  # text, not tool calls (whose JSON cannot be cut)
-                kept.append((m[0], m[1][len(m[1]) - room:]))
+            if room and len(m) == 2:  # text, not tool calls (whose JSON cannot be cut): at a word's start
+                tail = left_cut(m[1], room)
+                if tail is None:
+                    raise BadConversation(f"a message of {len(m[1]):,} characters without a space to cut it at: "
+                                          "left truncation cannot keep the tokens the whole text would end with")
+                kept.append((m[0], tail))
             break
         return tuple(reversed(kept))
 

@@ -203,8 +203,14 @@ def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: 
         if marker and marker in text and not text[text.rindex(marker) + len(marker): len(text) - len(rm.turn_end)
                                                   ].strip():
             raise BadConversation("ends with an empty reply (preprocessing refuses empty replies too: empty_reply)")
-        if keep_last is not None:  # its last tokens lie within its last characters
-            text = text[-rm.chars_for(keep_last):]
+        if keep_last is not None:  # its last tokens lie within its last characters, cut at a word's start
+            from rmflow.rendering.tokenize import left_cut
+
+            cut = left_cut(text, rm.chars_for(keep_last))
+            if cut is None:
+                raise BadConversation(f"{len(text):,} characters without a space to cut them at: cutting it would "
+                                      "change the tokens it ends with")
+            text = cut
         ids = rm.encode_text(text, add_special_tokens=add_special_tokens)
         if keep_last is not None:
             ids = ids[-keep_last:]
