@@ -301,6 +301,23 @@ def test_a_request_s_responses_are_counted_before_any_is_rendered(outcome, monke
         with pytest.raises(RequestError) as e:
             read_native(layout, rm, 2048)
         assert e.value.status == 413 and "at most 2048" in e.value.message
+    monkeypatch.undo()
+    # every item checked before any is tokenized: one that cannot be scored refuses the request at once
+    from rmflow.rendering.tokenize import RecordTokenizer
+    from rmflow.server.protocol import read_get_reward
+
+    monkeypatch.setattr(RecordTokenizer, "encode_conversation", lambda *a: pytest.fail("tokenized a conversation"))
+    monkeypatch.setattr(RecordTokenizer, "encode_text", lambda *a, **k: pytest.fail("tokenized a text"))
+    long = [{"role": "user", "content": "word " * 3000}, {"role": "assistant", "content": "ok"}]
+    bad = [{"role": "user", "content": "a question with no reply"}]
+    for body, reader in (({"conversations": [long] * 200 + [bad]}, read_native),
+                         ({"responses": [{"prompt": "q", "responses": ["a"] * 5}] * 50 + [
+                             {"prompt": "q", "responses": [[{"role": "assistant", "content": "a"},
+                                                            {"role": "user", "content": "?"}]]}]}, read_native),
+                         ({"query": ["text " * 3000] * 200 + [""]}, read_get_reward)):
+        with pytest.raises(RequestError) as e:
+            reader(body, rm, 2048)
+        assert e.value.status == 422 and len(e.value.items) == 1, e.value.message
 
 
 def test_padding_and_bad_text_never_change_a_reward_or_reach_a_500(outcome, conversations):

@@ -130,11 +130,7 @@ class RewardModel:
         the earliest tokens dropped, as long as the reply to score stays whole."""
         from rmflow.rendering.formats import BadRecord
 
-        messages = conversation_messages(conversation)
-        if truncate == "left":  # bounded too: the reply whole, the rest cut to its last characters
-            messages = self._cut_chars(messages)
-        else:
-            self.check_chars(sum(map(_chars, messages)))
+        messages = self.check(conversation, truncate=truncate)
         try:
             ids = np.asarray(self._record_tokenizer().encode_conversation(messages), np.int32)
         except BadRecord as e:
@@ -150,6 +146,18 @@ class RewardModel:
         raise BadConversation(f"{len(ids)} tokens, more than the model's {self.max_length} positions (left truncation "
                               "drops the earliest tokens: `rmflow score --truncate left`, the server's "
                               "\"truncate\": \"left\", RewardModel.encode(..., truncate=\"left\"))")
+
+    def check(self, conversation: Conversation, *, truncate: str = "error") -> tuple:
+        """What ``encode`` checks before tokenizing, alone (cheap: no tokenizer runs): the
+        conversation's messages, each rule of a scorable reply, and its characters (with
+        ``truncate="left"``, cut before a word's start to what its tokens could fill); returns the
+        messages to tokenize, or raises BadConversation. A server checks every item of a request
+        so before it tokenizes any."""
+        messages = conversation_messages(conversation)
+        if truncate == "left":  # bounded too: the reply whole, the rest cut to its last characters
+            return self._cut_chars(messages)
+        self.check_chars(sum(map(_chars, messages)))
+        return messages
 
     def _cut_chars(self, messages: tuple) -> tuple:
         """``messages`` bounded for left truncation before any is tokenized: the reply (the last

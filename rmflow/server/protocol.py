@@ -15,6 +15,7 @@ for a bad item, its index). Three protocols:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from rmflow.handlers import every, handler
@@ -78,10 +79,17 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _encode_all(items: list[Any], encode, what: str) -> list[Any]:
-    """Every item encoded; all bad items named at once (nothing is scored when any is bad)."""
+def _encode_all(items: list[Any], encode, what: str, check=None) -> list[Any]:
+    """Every item encoded; all bad items named at once (nothing is scored when any is bad). With
+    ``check`` (what encoding checks before it tokenizes), every item is checked first, so that a
+    request with a bad item is refused before any item is tokenized."""
     out, bad = [], []
-    for i, item in enumerate(items):
+    for i, item in enumerate(items if check else ()):
+        try:
+            check(item)
+        except BadConversation as e:
+            bad.append({"index": i, "error": str(e)})
+    for i, item in enumerate(items if not bad else ()):
         try:
             out.append(encode(item))
         except BadConversation as e:
@@ -107,10 +115,13 @@ class Native:
     key: str
     what: str  # one item, in error messages
     columns: dict[str, str]
+    # (model, item, truncate) -> what encoding checks before it tokenizes, alone; None: encoding only
+    check: Callable[..., Any] | None = None
 
 
 # Each kind on POST /v1/score: its part of the kind's handlers (rmflow.handlers).
-OUTCOME_NATIVE = Native("conversations", "conversation", {"scores": "score", "normalized_scores": "score_normalized"})
+OUTCOME_NATIVE = Native("conversations", "conversation", {"scores": "score", "normalized_scores": "score_normalized"},
+                        RewardModel.check)
 PROCESS_NATIVE = Native("solutions", "solution", {"step_scores": "step_scores", "first_errors": "first_error"})
 
 
@@ -138,7 +149,8 @@ def read_native(body: Any, rm: RewardModel, max_items: int, units: bool = True) 
     items = _list(body, native.key, max_items)
     normalized, truncate = _options(body, rm)
     scorer = handler(rm.kind, "scorer")
-    encoded = _encode_all(items, lambda x: scorer.encode(rm, x, truncate=truncate), native.what)
+    check = (lambda x: native.check(rm, x, truncate=truncate)) if native.check else None
+    encoded = _encode_all(items, lambda x: scorer.encode(rm, x, truncate=truncate), native.what, check)
     return Parsed(encoded, [scorer.size(x) for x in encoded], {"normalized": normalized})
 
 
@@ -166,7 +178,7 @@ def _read_responses(body: dict[str, Any], rm: RewardModel, native, max_items: in
         raise RequestError(413, f"'{RESPONSES_KEY}' holds {responses} responses, at most {max_items} a request "
                                 "(--max-request-items counts each response); split the request", reason="too_many_items")
 
-    def encode(record: Any) -> list[Any]:
+    def conversations_of(record: Any) -> list:
         try:
             conversations = responses_of(record)
         except Exception as e:  # noqa: BLE001 - a BadRecord from the layout's reader, said as the item's error
@@ -174,9 +186,16 @@ def _read_responses(body: dict[str, Any], rm: RewardModel, native, max_items: in
         if not conversations:
             raise BadConversation("is not one prompt's K responses (a responses, rewardbench2, nectar or "
                                   "ultrafeedback-raw record)")
-        return [scorer.encode(rm, c, truncate=truncate) for c in conversations]
+        return conversations
 
-    grouped = _encode_all(records, encode, "responses")
+    def check(record: Any) -> None:  # every record checked before any is tokenized
+        for c in conversations_of(record):
+            native.check(rm, c, truncate=truncate)
+
+    def encode(record: Any) -> list[Any]:
+        return [scorer.encode(rm, c, truncate=truncate) for c in conversations_of(record)]
+
+    grouped = _encode_all(records, encode, "responses", check)
     # each record's prompt computed once: its responses in units of the prompt and several responses
     # (the server's --response-units); else each response alone, a conversation an item
     items = [response_units(g, rm.max_length) if units else g for g in grouped]
@@ -193,7 +212,7 @@ def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: 
     says how the endpoint's origin would have it cut), or with ``keep_last`` cut to its last
     ``keep_last`` tokens (the reply's end, where the reward is read), the text bounded by
     characters before it is tokenized either way."""
-    def encode(text: Any):
+    def check(text: Any) -> str:  # every text checked before any is tokenized (``_encode_all``): cheap, linear
         if not isinstance(text, str):
             raise BadConversation(f"must be a string (a rendered conversation), got {type(text).__name__}")
         text = unpadded(text, rm)
@@ -211,7 +230,11 @@ def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: 
                 raise BadConversation(f"{len(text):,} characters without a space to cut them at: cutting it would "
                                       "change the tokens it ends with")
             text = cut
-        ids = rm.encode_text(text, add_special_tokens=add_special_tokens)
+        rm.check_chars(len(text))
+        return text
+
+    def encode(text: Any):
+        ids = rm.encode_text(check(text), add_special_tokens=add_special_tokens)
         if keep_last is not None:
             ids = ids[-keep_last:]
         if len(ids) > rm.max_length:
@@ -221,7 +244,7 @@ def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: 
             raise BadConversation("has no tokens")
         return ids
 
-    return _encode_all(values, encode, key)
+    return _encode_all(values, encode, key, check)
 
 
 def unpadded(text: str, rm: RewardModel) -> str:
