@@ -252,6 +252,17 @@ def test_rewardbench_modes(trained_run, tmp_path):
     t = [json.loads(x)["score"] for x in (tmp_path / "ts.jsonl").read_text().splitlines()]
     want = ties_score([("ref:0", 1, np.array(t[:3])), ("tied:0", 3, np.array(t[3:]))])["score"]
     assert m2["rewardbench_v2"]["subsets"]["Ties"]["accuracy"] == pytest.approx(want, abs=1e-6)
+    # a record that cannot be scored is skipped and counted, never the end of the eval, and said
+    bad = ["{not json", json.dumps({**v2[0], "rejected": []}), json.dumps({**v2[0], "chosen": [None]}),
+           json.dumps({**v2[0], "rejected": ["word " * 30000] * 3})]
+    (tmp_path / "v2bad.jsonl").write_text("".join(json.dumps(x) + "\n" for x in v2) + "\n".join(bad) + "\n")
+    r = CliRunner().invoke(app, ["eval", "--model", str(trained_run / "run"), "--data", str(tmp_path / "v2bad.jsonl"),
+                                 "--output", str(tmp_path / "rb2bad"), "--mode", "rewardbench-v2"])
+    assert r.exit_code == 0 and "4 records skipped" in r.output, r.output
+    m3 = json.loads((tmp_path / "rb2bad" / "eval.json").read_text())["metrics"]
+    assert m3["examples"] == 3 and m3["skipped"]["reasons"] == {"bad_json": 1, "not_rewardbench2": 2, "too_long": 1}
+    assert "4 records skipped, so the score is not over the whole benchmark" in \
+        (tmp_path / "rb2bad" / "report.md").read_text()
 
 
 def test_an_export_carries_a_model_card_from_its_run(trained_run, tmp_path):

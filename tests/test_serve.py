@@ -304,6 +304,7 @@ def test_a_request_s_responses_are_counted_before_any_is_rendered(outcome, monke
     monkeypatch.undo()
     # every item checked before any is tokenized: one that cannot be scored refuses the request at once
     from rmflow.rendering.tokenize import RecordTokenizer
+
     from rmflow.server.protocol import read_get_reward
 
     monkeypatch.setattr(RecordTokenizer, "encode_conversation", lambda *a: pytest.fail("tokenized a conversation"))

@@ -254,40 +254,60 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
     renderer = RecordTokenizer(tok, loaded.step_separator)  # as preprocessing renders: message text is text
     positions = model.config.max_position_embeddings
     seqs, examples, ties = [], [], []  # examples: (first sequence, completions, subset); ties: (id, correct, ...)
+    skipped: dict[str, Any] = {"count": 0, "reasons": {}, "first": None}  # records that cannot be scored
+
+    def skip(where: str, code: str, message: str) -> None:
+        skipped["count"] += 1
+        skipped["reasons"][code] = skipped["reasons"].get(code, 0) + 1
+        skipped["first"] = skipped["first"] or f"{where}: {message}"
+
     for path, _ in expand_inputs(tuple(data)):
         for line, raw, problem in iter_records(path):
+            where = f"{path}:{line}"
             try:
                 rec = jsontext.loads(raw) if not problem else None
             except (ValueError, RecursionError) as e:
-                raise EvalError(f"{path}:{line}: not valid JSON text: {e}") from e
+                skip(where, "bad_json", f"not valid JSON text: {e}")
+                continue
             if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) \
                     or not _text_list(rec.get("chosen")) or not _text_list(rec.get("rejected")):
-                raise EvalError(f"{path}:{line}: not a RewardBench 2 record (prompt, chosen list, rejected list, "
-                                 "of strings)" + (f": {problem}" if problem else ""))
+                skip(where, "not_rewardbench2", "not a RewardBench 2 record (prompt, chosen list, rejected list, of "
+                     "strings)" + (f": {problem}" if problem else ""))
+                continue
             is_ties = rec.get("subset") == TIES
             if is_ties and (not isinstance(rec.get("id"), str) or rec.get("num_correct") != len(rec["chosen"])):
-                raise EvalError(f"{path}:{line}: a Ties record needs its id (ref:N or tied:N) and num_correct "
-                                "(its number of chosen answers), as RewardBench 2 has them")
+                skip(where, "bad_ties_record", "a Ties record needs its id (ref:N or tied:N) and num_correct (its "
+                     "number of chosen answers), as RewardBench 2 has them")
+                continue
             # best-of-n scores the first chosen answer against the rejected ones; Ties scores every answer
             completions = (list(rec["chosen"]) if is_ties else list(rec["chosen"])[:1]) + list(rec["rejected"])
-            start = len(seqs)
+            encoded = []
             for text in completions:
                 if len(rec["prompt"]) + len(text) > positions * renderer.longest_token:  # before tokenizing it
-                    raise EvalError(f"{path}:{line}: a completion of {len(text):,} characters with its prompt, "
-                                    f"more than the model's {positions:,} positions ever hold: drop the example")
+                    skip(where, "too_long", f"a completion of {len(text):,} characters with its prompt, more than "
+                         f"the model's {positions:,} positions ever hold")
+                    break
                 try:
                     ids = renderer.encode_conversation((("user", rec["prompt"]), ("assistant", text)))
                 except BadRecord as e:
-                    raise EvalError(f"{path}:{line}: {e.message}") from e
+                    skip(where, e.code, e.message)
+                    break
                 if len(ids) > positions:
-                    raise EvalError(f"{path}:{line}: a completion of {len(ids):,} tokens, past the model's "
-                                     f"{positions:,} positions: scoring it would give a number the model was "
-                                     "never made for; drop the example or use a model with more positions")
-                seqs.append(ids)
+                    skip(where, "too_long", f"a completion of {len(ids):,} tokens, past the model's {positions:,} "
+                         "positions: a score there is a number the model was never made for")
+                    break
+                encoded.append(ids)
+            if len(encoded) < len(completions):
+                continue
+            start = len(seqs)
+            seqs += encoded
             if is_ties:
                 ties.append((rec["id"], len(rec["chosen"]), start, len(completions)))
             else:
                 examples.append((start, len(completions), str(rec.get("subset", "all"))))
+    if not seqs:
+        raise EvalError(f"rewardbench-v2: no record of {', '.join(data)} can be scored ({skipped['count']} skipped; "
+                        f"the first, {skipped['first']})")
     scores = np.asarray(score_sequences(model, seqs, batch_size=batch_size, pad_id=pad_id))
     k = max((n for _, n, _ in examples), default=0)
     if any(n != k for _, n, _ in examples):
@@ -301,7 +321,7 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
             tie_scores = {**ties_score([(i, c, scores[s : s + n]) for i, c, s, n in ties]), "examples": len(ties)}
         except ValueError as e:
             raise EvalError(f"rewardbench-v2: {e}") from e
-    metrics = {"examples": len(examples) + len(ties), "completions_per_example": k,
+    metrics = {"examples": len(examples) + len(ties), "completions_per_example": k, "skipped": skipped,
                "rewardbench_v2": v2_scores(credits, [sub for _, _, sub in examples], tie_scores)}
     return metrics, lambda m, out: write_eval(out, m, {**cfg.to_dict(), "model_description": loaded.description},
                                               rewardbench_v2_markdown(m, loaded.description, data))

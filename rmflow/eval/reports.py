@@ -245,8 +245,13 @@ def rewardbench_v2_markdown(m: dict[str, Any], model: str = "", data: list[str] 
         lines.append(f"Model: {model}.  ")
     if data:
         lines.append(f"Data: {', '.join(data)}.  ")
-    lines += [f"{m['examples']:,} examples of {m['completions_per_example']} completions. Score: {rb['score']:.2f}",
-              "", "| subset | examples | accuracy |", "| --- | ---: | ---: |"]
+    lines += [f"{m['examples']:,} examples of {m['completions_per_example']} completions. Score: {rb['score']:.2f}"]
+    skipped = m.get("skipped") or {}
+    if skipped.get("count"):  # the score is over what could be scored: said, never hidden
+        lines += ["", f"{skipped['count']:,} records skipped, so the score is not over the whole benchmark ("
+                  + ", ".join(f"{k} x{v}" for k, v in sorted(skipped["reasons"].items()))
+                  + f"; the first, {skipped['first']})."]
+    lines += ["", "| subset | examples | accuracy |", "| --- | ---: | ---: |"]
     lines += [f"| {k} | {v['examples']:,} | {v['accuracy']:.4f} |" for k, v in rb["subsets"].items()]
     ties = rb["subsets"].get("Ties", {}).get("ties")
     if ties:
@@ -261,7 +266,9 @@ def rewardbench_v2_markdown(m: dict[str, Any], model: str = "", data: list[str] 
 
 def pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     if "rewardbench_v2" in m:
-        return (f"rmflow eval: RewardBench 2, {m['examples']:,} examples",
+        skipped = (m.get("skipped") or {}).get("count", 0)
+        return (f"rmflow eval: RewardBench 2, {m['examples']:,} examples"
+                + (f", {skipped:,} records skipped (report.md says why)" if skipped else ""),
                 [("RewardBench 2 score", f"{m['rewardbench_v2']['score']:.2f}")])
     if "ranking" in m:
         r = m["ranking"]
