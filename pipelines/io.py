@@ -131,6 +131,11 @@ def list_inputs(patterns: tuple[str, ...], skipped: list[tuple[str, str]] | None
                         skipped.append((m.path, why))
                 elif is_supported(m.path):
                     files[m.path] = (m.size_in_bytes, m.last_updated_in_seconds)
+        own = output_kind(folder_names(stripped) or set()) if is_dir else None
+        if not files and own:
+            raise InputError(f"input {pattern!r} is an rmflow {own}, not raw data (its files are skipped as inputs)"
+                             + ("; train and eval read shard folders as they are" if own == "shard folder" else
+                                "; give the data files themselves"))
         if not files:
             raise InputError(
                 f"input {pattern!r} matches no data files (supported: "

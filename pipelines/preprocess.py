@@ -54,6 +54,7 @@ from rmflow.schemas.config import (
     MULTI_FORMATS,
     NORMALIZE_OPTIONS,
     SCORED_BY_WEIGHTS,
+    STEP_FORMATS,
     WHOLE_GAP,
     PreprocessConfig,
     parse_weights,
@@ -152,6 +153,9 @@ LAYOUT_OPTIONS = (
                                                                      "ultrafeedback-raw, responses with 'attributes')"),
     ("attribute_weights", ("helpsteer", "responses"), "responses rated only by their attributes (helpsteer rows, "
                                                       "responses records with 'attributes' and no scores)"),
+    ("pairs_from", MULTI_FORMATS, "K responses per prompt (" + ", ".join(MULTI_FORMATS) + ")"),
+    ("max_responses", MULTI_FORMATS, "K responses per prompt (" + ", ".join(MULTI_FORMATS) + ")"),
+    ("step_separator", STEP_FORMATS, "stepwise solutions (" + ", ".join(STEP_FORMATS) + ")"),
 )
 
 
@@ -162,7 +166,9 @@ def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
     is anything refused: more than LAYOUT_SAMPLE_FILES files, or files read whole to reach a record
     (JSON arrays, Parquet), are not probed, and pass (``warn_unused_options`` speaks after the job)."""
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    asked = [(name, acts, what) for name, acts, what in LAYOUT_OPTIONS if getattr(cfg, name) != defaults[name]]
+    inert = {"max_responses": 0}  # a value that asks for nothing (0: keep every response): never refused
+    asked = [(name, acts, what) for name, acts, what in LAYOUT_OPTIONS
+             if getattr(cfg, name) not in (defaults[name], inert.get(name, defaults[name]))]
     if not asked:
         return
     if cfg.format != "auto":

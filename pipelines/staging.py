@@ -11,7 +11,6 @@ Dataflow job can outlive its launcher) is reported, never deleted.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import socket
 import time
@@ -48,8 +47,7 @@ def _abandoned(staging: str) -> bool:
     if is_url(staging):
         return False
     try:
-        with open(os.path.join(staging, OWNER_FILE)) as f:
-            owner = json.load(f)
+        owner = jsontext.read(os.path.join(staging, OWNER_FILE))
         host, pid = owner["host"], int(owner["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return False  # written by an older rmflow, or not ours: ask the user

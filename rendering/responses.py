@@ -367,6 +367,18 @@ def raw_responses(record: Mapping[str, Any], fmt: str) -> tuple[tuple[Message, .
         prompt = _prompt(record.get("prompt"), "prompt")
         responses = [_response(x, f"{side}[{i}]") for side in ("chosen", "rejected")
                      for i, x in enumerate(_list(record, side))]
+    elif fmt == "nectar":  # nor ranks
+        prompt = _prompt(record.get("prompt"), "prompt")
+        answers = _list(record, "answers")
+        if not all(isinstance(a, Mapping) for a in answers):
+            raise BadRecord("bad_type", "each of 'answers' must be an object with 'answer'")
+        responses = [_response(a.get("answer"), f"answers[{i}].answer") for i, a in enumerate(answers)]
+    elif fmt == "ultrafeedback-raw":  # nor ratings
+        prompt = _prompt(record.get("instruction"), "instruction")
+        completions = _list(record, "completions")
+        if not all(isinstance(c, Mapping) for c in completions):
+            raise BadRecord("bad_type", "each of 'completions' must be an object with 'response'")
+        responses = [_response(c.get("response"), f"completions[{i}].response") for i, c in enumerate(completions)]
     else:
         prompt, responses, _, _ = _READERS[fmt](record)
     for i, r in enumerate(responses):

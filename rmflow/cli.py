@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import logging
 import os
 import signal
@@ -15,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rmflow.cli_options import config_options, parameter
+from rmflow.schemas import jsontext
 from rmflow.schemas.config import (
     ConfigError,
     EvalConfig,
@@ -398,8 +398,7 @@ def export(options: dict) -> None:
         console.print(f"exported the LoRA adapter to [bold]{out}[/bold]: load it with "
                       "peft.PeftModel.from_pretrained(base_model, path)")
         return
-    with open(os.path.join(out, EXPORT_INFO)) as f:
-        kind = kind_named(json.load(f)["kind"])
+    kind = kind_named(jsontext.read(os.path.join(out, EXPORT_INFO))["kind"])
     console.print(f"exported to [bold]{out}[/bold]: load it with transformers.AutoModel{kind.hf_head}.from_pretrained")
 
 

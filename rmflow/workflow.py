@@ -177,8 +177,7 @@ def _marker(wf: Workflow, stage: str) -> str:
 
 def _done(wf: Workflow, stage: str, h: str) -> bool:
     try:
-        with open(_marker(wf, stage)) as f:
-            return json.load(f)["hash"] == h
+        return jsontext.read(_marker(wf, stage))["hash"] == h
     except (OSError, ValueError, KeyError):
         return False
 
@@ -331,8 +330,7 @@ def _run_train(wf: Workflow, hashes, log) -> dict[str, Any]:
     resume = False
     if os.path.isdir(wf.train.output):
         try:
-            with open(started) as f:
-                old_hash = json.load(f)["hash"]
+            old_hash = jsontext.read(started)["hash"]
         except (OSError, ValueError, KeyError):
             old_hash = "unknown"
         resume = old_hash == hashes["train"]
@@ -356,8 +354,7 @@ def changed_keys(run_dir: str, cfg: TrainConfig) -> list[str]:
     """``option: old -> new`` for each train option that differs from the run's stored config.json
     (by its dotted name, whichever layout stored it)."""
     try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            old = TrainConfig.from_stored(json.load(f)).flat()
+        old = TrainConfig.from_stored(jsontext.read(os.path.join(run_dir, "config.json"))).flat()
     except (OSError, ValueError):  # ConfigError is a ValueError: a config this rmflow cannot read
         return []
     new = cfg.flat()

@@ -17,11 +17,33 @@ import math
 import re
 from typing import Any
 
+from rmflow.schemas.errors import RmflowError
+
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 class NotJsonText(ValueError):
     """A JSON document that cannot be read as text; the message says where and why."""
+
+
+class NotJsonFile(RmflowError, ValueError):
+    """A file rmflow reads as JSON (a model's config.json, a run's files, an export's info) that
+    is not: said in one line naming it, never a traceback."""
+
+
+def read(path: str) -> dict[str, Any]:
+    """The JSON object a file holds (``loads``): every JSON file rmflow reads holds one (a model's
+    config.json, a run's or an export's own files); NotJsonFile naming the file when it does not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = loads(f.read())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and NotJsonText are ValueErrors
+        raise NotJsonFile(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:200]}): fix it, or give "
+                          "another folder") from None
+    if not isinstance(value, dict):
+        raise NotJsonFile(f"{path} holds a JSON {type(value).__name__}, not the object it should: fix it, or give "
+                          "another folder")
+    return value
 
 
 def _refuse_constant(name: str):

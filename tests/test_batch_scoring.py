@@ -251,10 +251,11 @@ def test_the_scoring_template_entry_point_runs_locally_with_the_launchers_argume
 
 K_LINES = [{"prompt": "Pick one.", "responses": ["A.", "B, because it is longer.", "C"], "scores": [1, 3, 2]},
            {"prompt": "Pick one.", "responses": ["Only this."]},  # K = 1: one conversation, as the server scores it
-           {"prompt": "Pick one.", "answers": [{"answer": "A lone Nectar answer.", "rank": 1}]},
-           {"instruction": "Pick one.", "completions": [{"response": "One completion.", "overall_score": 5}]},
+           {"prompt": "Pick one.", "answers": [{"answer": "A lone Nectar answer."}]},  # no rank: not needed to score
+           {"instruction": "Pick one.", "completions": [{"response": "One completion."}]},  # nor ratings
            {"prompt": "Pick one.", "response": "A HelpSteer row.", "helpfulness": 3},  # its one conversation
-           {"prompt": "Pick one.", "chosen": "A.", "rejected": "B."}]  # a pair, in process too
+           {"prompt": "Pick one.", "chosen": "A.", "rejected": "B."},  # a pair, in process too
+           {"prompt": "Pick one.", "chosen": ["A RewardBench 2 answer."], "rejected": []}]  # K = 1 of that layout
 
 
 def _alone(rm, replies):
@@ -271,6 +272,8 @@ def _check_k_lines(rm, fields):
     np.testing.assert_allclose(fields[4]["score"], _alone(rm, ["A HelpSteer row."])[0], atol=1e-5, rtol=0)
     c, r = _alone(rm, ["A.", "B."])
     np.testing.assert_allclose([fields[5]["score_chosen"], fields[5]["score_rejected"]], [c, r], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(fields[6]["response_scores"], _alone(rm, ["A RewardBench 2 answer."]), atol=1e-5,
+                               rtol=0)
 
 
 def test_every_record_is_scored_as_the_server_scores_it_and_none_takes_the_others_down(job, monkeypatch, tmp_path):
@@ -292,6 +295,9 @@ def test_every_record_is_scored_as_the_server_scores_it_and_none_takes_the_other
     results = RewardModelHandler(spec).run_inference([*batch, ("in", 9, json.dumps({"messages": convs[0]}))], rm)
     assert units == [1]  # the K = 3 line, its prompt once
     _check_k_lines(rm, [r.inference["fields"] for r in results][:-1])
+    [ids] = RewardModelHandler(spec).run_inference([("in", 1, json.dumps({"chosen_ids": [1, 2], "rejected_ids": [1]}))],
+                                                   rm)
+    assert "give the pair as text" in ids.inference["error"]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in K_LINES))
     assert score_file(str(base / "run"), str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")) == \
         {"scored": len(K_LINES), "errors": 0}

@@ -182,13 +182,17 @@ def test_one_home_decides_whether_a_path_is_a_url():
     assert not hits, f"{hits}: use schemas.paths.is_url / is_remote"
 
 
-def test_every_json_text_is_written_by_one_writer():
+def test_every_json_text_is_written_by_one_writer_and_every_json_file_read_by_one_reader():
     """Every JSON text rmflow writes goes through ``schemas.jsontext.dumps`` / ``dump``: a value
-    that is not a finite number is written as null, never as NaN, which strict readers refuse."""
+    that is not a finite number is written as null, never as NaN, which strict readers refuse;
+    every JSON file it reads, through ``jsontext.read``: one that is not JSON is one line."""
     hits = _found_outside(REPO / "schemas" / "jsontext.py", lambda node: isinstance(node, ast.Attribute)
                           and node.attr in ("dump", "dumps") and isinstance(node.value, ast.Name)
                           and node.value.id == "json")
     assert not hits, f"{hits}: write JSON with rmflow.schemas.jsontext.dumps / dump"
+    hits = _found_outside(REPO / "schemas" / "jsontext.py", lambda node: isinstance(node, ast.Attribute)
+                          and node.attr == "load" and isinstance(node.value, ast.Name) and node.value.id == "json")
+    assert not hits, f"{hits}: read a JSON file with rmflow.schemas.jsontext.read (one line when it is not JSON)"
 
 
 def test_one_publication_step_for_every_beam_job():

@@ -359,6 +359,13 @@ def test_every_command_fails_in_one_line(base, tmp_path):
     partial = _checkpoint(tmp_path / "partial", model_type="llama", vocab_size=100, hidden_size=64)
     assert "has no ['intermediate_size', 'num_hidden_layers', 'num_attention_heads']" in one_line_error(
         cli("train", "--data", shards, "--model", partial, "-o", tmp_path / "r2"))
+    broken = tmp_path / "broken"  # a model folder whose config.json is not JSON, or not an object
+    broken.mkdir()
+    for text in ("not json", "[1, 2]"):
+        (broken / "config.json").write_text(text)
+        (tmp_path / "one.jsonl").write_text(json.dumps({"messages": CONV}) + "\n")
+        assert "config.json" in one_line_error(cli("score", "--model", broken, "-i", tmp_path / "one.jsonl",
+                                                   "-o", tmp_path / "one-out.jsonl"))
     (tmp_path / "afile").write_text("x")
     assert "is a file" in one_line_error(cli("train", "--data", shards, "--model", "micro", "-o", tmp_path / "afile"))
     assert "is a file" in one_line_error(cli("eval", "--model", base / "run", "--data", shards,

@@ -260,14 +260,18 @@ def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, c
         ({"conversations": [good], "normalized": True}, 400, "reward_normalization"),
         ({"solutions": [{"prompt": "p", "completions": ["a"]}]}, 400, "send 'conversations'"),
         ({"conversations": [good] * 129}, 413, "at most 128"),
-        ({"conversations": [good], "responses": [{"prompt": "q", "responses": ["a", "b"]}]}, 400, "not both"),
+        ({"conversations": [good], "responses": [{"prompt": "q", "responses": ["a", "b"]}]}, 400, "not several"),
+        ({"responses": [{"prompt": "q", "responses": ["a", "b"]}], "solutions": []}, 400, "not several"),
         ({"responses": [{"prompt": "q", "responses": []}]}, 422, "no responses to score"),
     ]
     for body, status, words in cases:
         r = server.post("/v1/score", body)
         assert r.status_code == status and words in r.json()["error"], (body if len(str(body)) < 300 else "", r.text)
-    r = server.post("/v1/score", {"conversations": [good, long, long[:1]]})
-    assert [i["index"] for i in r.json()["items"]] == [1, 2]
+    # every item the checks before tokenizing refuse is named; tokenizing runs only when none is
+    r = server.post("/v1/score", {"conversations": [good, long, long[:1], long[:1]]})
+    assert [i["index"] for i in r.json()["items"]] == [2, 3]
+    r = server.post("/v1/score", {"conversations": [good, long, good, long]})
+    assert [i["index"] for i in r.json()["items"]] == [1, 3]
     r = server.post("/get_reward", {"query": ["ok", 3]})
     assert r.status_code == 422 and "query 1" in r.json()["error"]
     for path, body, words in (("/v1/embeddings", {"input": "x", "encoding_format": "base64"}, "floats only"),
@@ -284,7 +288,7 @@ def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, c
     r = server.post("/v1/score", {"conversations": [long], "truncate": "left"})
     assert r.status_code == 200
     assert abs(r.json()["scores"][0] - rm.score_ids([rm.encode(long, truncate="left")])[0]) < 1e-5
-    r = server.post("/v1/score", {"conversations": [good]})
+    r = server.post("/v1/score", {"conversations": [good], "truncate": None})  # null: unset, as every option
     assert r.status_code == 200 and requests.get(server.url + "/health", headers=AUTH, timeout=5).status_code == 200
 
 

@@ -11,7 +11,6 @@ tokenizer files and chat template used in preprocessing are copied beside them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import warnings
@@ -180,8 +179,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
                           "the experts, have no PEFT layout: export it without --adapter (merged weights)")
     base = run.base_config
     if base is None and not is_preset(run.config.model.path):  # a run from before runs kept base_config.json
-        with open(os.path.join(resolve(run.config.model.path), "config.json")) as f:
-            base = json.load(f)
+        base = jsontext.read(os.path.join(resolve(run.config.model.path), "config.json"))
     if run.tokenizer_dir is None:
         warnings.warn(f"{run_dir} has no tokenizer files; the export will have none: copy the tokenizer the "
                       "shards were made with into it", RmflowWarning, stacklevel=2)
@@ -212,8 +210,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
                        "max_length": run.manifest.max_length, "label_weights": run.manifest.label_weights},
                       f, indent=2)
         if os.path.exists(normalization) and not adapter:  # the run's `rmflow eval --normalize` figures, and OpenRLHF's
-            with open(normalization) as f:
-                write_normalization(staging, json.load(f))
+            write_normalization(staging, jsontext.read(normalization))
         with open(os.path.join(staging, "README.md"), "w") as f:  # the model card
             f.write(model_card(run, step, kind, f"{run.model_config.hf_prefix}{kind.hf_head}", adapter))
     return output

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -53,8 +52,7 @@ def write_normalization(folder: str, stats: dict[str, Any]) -> None:
         jsontext.dump(stats, f, indent=2)
     config = os.path.join(folder, "config.json")
     if os.path.exists(os.path.join(folder, EXPORT_INFO)) and os.path.exists(config):
-        with open(config) as f:
-            cfg = json.load(f)
+        cfg = jsontext.read(config)
         cfg.update({"mean": float(stats["mean"]), "std": float(stats["std"])})
         with open(config, "w") as f:
             jsontext.dump(cfg, f, indent=2)
@@ -130,8 +128,7 @@ class LoadedModel:
         path = os.path.join(self.folder, NORMALIZATION_FILE)
         if not os.path.exists(path):
             return None
-        with open(path) as f:
-            return json.load(f)
+        return jsontext.read(path)
 
     @property
     def kind(self) -> ModelKind:
@@ -163,8 +160,7 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
     if step is not None:
         raise ModelLoadError(f"{path} is an exported checkpoint (one set of weights): --step applies to run directories")
     model = load_reward_model(path, seed=BARE_HEAD_SEED)
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
+    raw = jsontext.read(os.path.join(path, "config.json"))
     pad = raw.get("pad_token_id") or 0
     description = f"checkpoint {os.path.abspath(path)}"
     if head_kind(raw) is None:  # a base model, scored as it is: the untrained baseline
@@ -172,8 +168,7 @@ def load_model(path: str, step: int | str | None = None) -> LoadedModel:
     info = os.path.join(path, EXPORT_INFO)
     render, exported = None, {}
     if os.path.exists(info):
-        with open(info) as f:
-            exported = json.load(f)
+        exported = jsontext.read(info)
         description += f" (exported from run {exported.get('run')}, step {exported.get('step')})"
         render = exported_render(exported)
     loaded = LoadedModel(model, path if tokenizer_fingerprint(path) else None, pad, description, path, render,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -26,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from rmflow.schemas import jsontext
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.outputs import output_lock
@@ -177,8 +177,7 @@ def check_same_head(run_dir: str, model_config) -> None:
     """A resumed run's score head must be its checkpoints' (its outputs and their names: another
     objective or other attribute ratings make another head), checked before any file of the run
     is rewritten, so that a refused resume leaves the run as it was."""
-    with open(os.path.join(run_dir, MODEL_CONFIG)) as f:
-        stored = json.load(f)
+    stored = jsontext.read(os.path.join(run_dir, MODEL_CONFIG))
     before = (stored.get("num_labels", 1), tuple(stored.get("attributes") or ()))
     now = (model_config.num_labels, model_config.attributes)
     if before != now:

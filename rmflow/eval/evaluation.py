@@ -8,6 +8,7 @@ never by a second implementation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import os
 import shutil
@@ -23,7 +24,7 @@ from rmflow.eval.reports import rewardbench_v2_markdown, write_eval, write_proce
 from rmflow.eval.rewardbench import TIES, best_of_n_credit, ties_score, v1_scores, v2_scores
 from rmflow.handlers import handler
 from rmflow.schemas import jsontext
-from rmflow.schemas.config import STEP_SEPARATOR, EvalConfig, PreprocessConfig
+from rmflow.schemas.config import RAW_INPUT_OPTIONS, STEP_SEPARATOR, EvalConfig, PreprocessConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import ERRORS_FILE, MANIFEST_FILE
@@ -135,6 +136,21 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
             return _run_eval(cfg, staging)
 
 
+def check_raw_options(cfg: EvalConfig) -> None:
+    """The raw-file options (``RAW_INPUT_OPTIONS``) act only on raw files, ``--split`` only on
+    shards: given for the other, they would do nothing (and eval.json would record them as if
+    applied), so they are refused."""
+    shards = storage.is_shard_folder(list(cfg.data))
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    if shards:
+        given = [n for n in RAW_INPUT_OPTIONS if getattr(cfg, n) != defaults[n]]
+        if given and cfg.mode != "rewardbench-v2":
+            raise EvalError(f"{', '.join('--' + n.replace('_', '-') for n in given)}: applies to raw files; "
+                            f"{cfg.data[0]} is a shard folder, preprocessed already: drop it")
+    elif cfg.split != defaults["split"]:
+        raise EvalError(f"--split {cfg.split}: applies to shards; raw files are read whole: drop it")
+
+
 DEFAULT_LABEL_WEIGHTS = "helpfulness=1"  # a raw file's attribute weights when neither it nor the model names any
 
 
@@ -163,6 +179,7 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
         asked = f"--mode {cfg.mode}" + (" and --normalize" if cfg.normalize and not kind.normalizable else "")
         raise EvalError(f"{asked} do not apply to {cfg.model}, {kind.description}: its modes are "
                         f"{', '.join(kind.eval_modes)}" + ("" if kind.normalizable else ", without --normalize"))
+    check_raw_options(cfg)
     input_summary, weights = None, None
     if cfg.mode == "rewardbench-v2":
         metrics, write = run_rewardbench_v2(cfg, loaded)

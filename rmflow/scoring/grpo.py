@@ -98,9 +98,9 @@ def server_reward_func(url: str, *, api_key: str | None = None, normalized: bool
         conversations = [conversation_of(p, c) for p, c in zip(prompts, completions, strict=True)]
         sent = [i for i, c in enumerate(conversations) if _has_reply(c)]
         out: list[float | None] = [None] * len(conversations)
-        for _ in range(2):  # the items the server refuses (422, each named) get None; the rest are sent again
-            if not sent:
-                return out
+        # the items the server refuses (422, each named: those its checks find before tokenizing, then
+        # those tokenizing finds) get None, and the rest are sent again; each round drops one or more
+        while sent:
             status, answer = post([conversations[i] for i in sent])
             if status == 200:
                 for i, s in zip(sent, answer["normalized_scores" if normalized else "scores"]):
@@ -110,7 +110,7 @@ def server_reward_func(url: str, *, api_key: str | None = None, normalized: bool
             if status != 422 or not refused:
                 raise RuntimeError(f"rmflow serve at {url} answered {status}: {answer.get('error', answer)}")
             sent = [i for k, i in enumerate(sent) if k not in refused]
-        raise RuntimeError(f"rmflow serve at {url} refused the items it had accepted: {answer.get('error', answer)}")
+        return out
 
     return _named(reward, name)
 

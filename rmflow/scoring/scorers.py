@@ -154,6 +154,9 @@ def encode_record(rm: RewardModel, obj: Any, *, source: str = "", line: int = 0,
     row = row_conversation(obj)
     if row is not None:
         return CONVERSATION, [scorer.encode(rm, row, truncate=truncate)]
+    if isinstance(obj, dict) and "tokenized" in _layouts(obj):
+        raise BadConversation("a pair of token ids: scoring renders text with the model's chat template, so give the "
+                              "pair as text (chosen and rejected replies)")
     if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj and "messages" not in obj:
         pair = normalize(obj, _pair_layout(obj), source=source, line=line)
         if not getattr(pair, "chosen", None) or getattr(pair, "is_tokenized", False):
@@ -161,6 +164,12 @@ def encode_record(rm: RewardModel, obj: Any, *, source: str = "", line: int = 0,
         return PAIR, [scorer.encode(rm, _as_dicts(pair.prompt + reply), truncate=truncate)
                       for reply in (pair.chosen, pair.rejected)]
     return CONVERSATION, [scorer.encode(rm, obj, truncate=truncate)]
+
+
+def _layouts(obj: dict[str, Any]) -> list[str]:
+    from rmflow.rendering.formats import candidate_formats
+
+    return candidate_formats(obj)
 
 
 def _pair_layout(obj: dict[str, Any]) -> str:
@@ -253,12 +262,15 @@ def responses_layout(obj: Any) -> str | None:
     from rmflow.rendering.formats import candidate_formats
     from rmflow.schemas.config import MULTI_FORMATS, ROW_FORMATS
 
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) or "messages" in obj:  # a conversation is one, whatever else it carries
         return None
     found = candidate_formats(obj)
     layouts = [f for f in found if f in MULTI_FORMATS and f not in ROW_FORMATS]
-    if not found and "messages" not in obj and isinstance(obj.get("responses"), list) and "prompt" in obj:
+    if not found and isinstance(obj.get("responses"), list) and "prompt" in obj:
         layouts = ["responses"]  # a prompt and its responses, not yet scored (and nothing else): to score
+    if not layouts and isinstance(obj.get("prompt"), str) and all(
+            isinstance(obj.get(side), list) and all(isinstance(x, str) for x in obj[side]) for side in ("chosen", "rejected")):
+        layouts = ["rewardbench2"]  # a RewardBench 2 record with no rejected answer (or no chosen): still K to score
     return layouts[0] if len(layouts) == 1 else None
 
 

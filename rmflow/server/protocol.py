@@ -137,9 +137,11 @@ def read_native(body: Any, rm: RewardModel, max_items: int, units: bool = True) 
     or ``{"solutions": [{"prompt": ..., "completions": [...]}, ...]}`` (a process model)."""
     body = _object(body)
     native = handler(rm.kind, "protocol")
-    if RESPONSES_KEY in body and native.key in body:
-        raise RequestError(400, f"send '{native.key}' or '{RESPONSES_KEY}', not both: one request scores one kind "
-                                "of item")
+    sent = [key for key in dict.fromkeys((native.key, RESPONSES_KEY, *(p.key for p in every("protocol").values())))
+            if key in body]
+    if len(sent) > 1:
+        raise RequestError(400, f"send one of {', '.join(repr(k) for k in sent)}, not several: one request scores one "
+                                "kind of item")
     if RESPONSES_KEY in body and kind_named(rm.kind).normalizable:
         return _read_responses(body, rm, native, max_items, units)
     for other in every("protocol").values():
@@ -160,7 +162,7 @@ def _options(body: dict[str, Any], rm: RewardModel) -> tuple[bool, str]:
     if normalized and not (rm.normalization and rm.normalization.get("std")):
         raise RequestError(400, "'normalized': this model has no reward_normalization.json (run `rmflow eval "
                                 "--normalize` on it first)")
-    truncate = body.get("truncate", "error")
+    truncate = body.get("truncate") or "error"  # absent or null: unset, as every option
     if truncate not in SCORE_TRUNCATE:
         raise RequestError(400, f"'truncate' must be one of {', '.join(map(repr, SCORE_TRUNCATE))}, got {truncate!r}")
     return normalized, truncate

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from rmflow.schemas import jsontext
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_of_head
 from rmflow.trainer.modeling.config import (
@@ -145,8 +146,7 @@ def read_config(folder: str) -> tuple[ModelConfig, dict[str, Any]]:
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint")
-    with open(path) as f:
-        raw = json.load(f)
+    raw = jsontext.read(path)
     return ModelConfig.from_hf(raw), raw
 
 
@@ -154,8 +154,7 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
     """Every tensor of a single or sharded safetensors checkpoint, as float32 numpy arrays."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(jsontext.read(index)["weight_map"].values()))
     else:
         files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if not files:
