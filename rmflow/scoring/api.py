@@ -190,8 +190,10 @@ class RewardModel:
     def encode_text(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
         """Token ids of a text already rendered with a chat template (special-token strings are
         the control tokens they name), as preprocessing tokenizes a rendering; a text longer than
-        ``max_chars`` is refused before it is tokenized."""
-        self.check_chars(len(text))
+        twice ``max_chars`` (what a cut at a word's start may keep, ``left_cut``) is refused before
+        it is tokenized."""
+        if len(text) > 2 * self.max_chars:
+            self.check_chars(len(text))
         return np.asarray(self._record_tokenizer().encode_text(text, add_special_tokens=add_special_tokens), np.int32)
 
     @property

@@ -231,8 +231,9 @@ def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: 
             if cut is None:
                 raise BadConversation(f"{len(text):,} characters without a space to cut them at: cutting it would "
                                       "change the tokens it ends with")
-            text = cut
-        rm.check_chars(len(text))
+            text = cut  # at most twice the characters its tokens could fill: bounded
+        else:
+            rm.check_chars(len(text))
         return text
 
     def encode(text: Any):
