@@ -153,15 +153,17 @@ def test_no_command_writes_over_a_folder_that_is_not_its_own(base, tmp_path):
     assert _snapshot(ev) == before
     ev_before = before
     # preprocess --overwrite and the scoring job whose inputs (data, template, model) lie in their output
-    own = tmp_path / "own"
-    assert cli("preprocess", "-i", data, *tok, "-o", own, "--max-length", 128).exit_code == 0
+    own = tmp_path / "own"  # an earlier shard folder (what makes one: its manifest and stats)
+    shutil.copytree(shards, own)
     shutil.copy(data, own / "in.jsonl")
     shutil.copytree(export, own / "model")
     before = _snapshot(own)
     assert "apart from its inputs" in one_line_error(cli("preprocess", "-i", own / "in.jsonl", *tok, "-o", own,
                                                          "--overwrite"))
-    scored = tmp_path / "scored"
-    assert cli("score", "--model", export, "-i", data, "-o", scored, "--runner", "DirectRunner").exit_code == 0
+    scored = tmp_path / "scored"  # an earlier scoring job's output (what makes one: COMPLETED and its summary)
+    scored.mkdir()
+    (scored / "COMPLETED").write_text("")
+    (scored / "summary.json").write_text("{}")
     shutil.copytree(export, scored / "m")
     frozen = _snapshot(scored)
     assert "apart from its inputs" in one_line_error(cli("score", "--model", scored / "m", "-i", data, "-o", scored,
