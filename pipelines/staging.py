@@ -50,7 +50,7 @@ def _abandoned(staging: str) -> bool:
         owner = jsontext.read(os.path.join(staging, OWNER_FILE))
         host, pid = owner["host"], int(owner["pid"])
     except (OSError, ValueError, KeyError, TypeError):
-        return False  # written by an older rmflow, or not ours: ask the user
+        return False  # not a staging folder rmflow wrote: ask the user
     if host != socket.gethostname():
         return False
     try:

@@ -151,6 +151,9 @@ def extra_providing(module: str, preferred: str | None = None) -> str | None:
 @app.callback()
 def main() -> None:
     """rmflow: reward models from human preference pairs."""
+    from rmflow.trainer.backend import configure_xla
+
+    configure_xla()  # before any command starts JAX
 
 
 @command(

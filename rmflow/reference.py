@@ -19,9 +19,7 @@ COMMANDS = (
      "Any other `--option` is a Beam pipeline option, passed to Beam unchanged (`beam_args`)."),
     ("train", TrainConfig, (), (),
      "Options come from `--config FILE.yaml` (sections nested, or dotted keys), the flags below and "
-     "`--set key=value` (the dotted key), each over the one before. A key of the flat layout of before "
-     "(`learning_rate`) is refused with its new name (`optimizer.learning_rate`); a run written before "
-     "the sections is read as it was."),
+     "`--set key=value` (the dotted key), each over the one before. An unknown key is refused, naming the known ones."),
     ("eval", EvalConfig, (), (), ""),
     ("export", ExportConfig, ("run",), (), ""),
     ("score", ScoreConfig, (), ("beam_args",),

@@ -205,7 +205,7 @@ def _run(wf: Workflow, log) -> dict[str, str]:
         jsontext.dump({"stages": [s for s in STAGES if s != "export" or wf.export is not None]}, f)
     status: dict[str, str] = {}
     h_pre = _hash({**wf.preprocess.output_affecting(), "input_identity": preprocess_identity(wf.preprocess)})
-    h_train = _hash({**wf.train.identity(), "model_identity": model_identity(wf.train.model.path)}, h_pre)
+    h_train = _hash({**wf.train.flat(), "model_identity": model_identity(wf.train.model.path)}, h_pre)
     options = {k: v for k, v in wf.eval.to_dict().items() if k not in ("model", "output", "data")}
     shards = wf.preprocess.output  # the workflow's own: in h_pre already (and not there yet when hashing)
     data = ["<the workflow's shards>" if p == shards else p for p in wf.eval.data]
@@ -354,7 +354,7 @@ def changed_keys(run_dir: str, cfg: TrainConfig) -> list[str]:
     """``option: old -> new`` for each train option that differs from the run's stored config.json
     (by its dotted name, whichever layout stored it)."""
     try:
-        old = TrainConfig.from_stored(jsontext.read(os.path.join(run_dir, "config.json"))).flat()
+        old = TrainConfig.from_dict(jsontext.read(os.path.join(run_dir, "config.json"))).flat()
     except (OSError, ValueError):  # ConfigError is a ValueError: a config this rmflow cannot read
         return []
     new = cfg.flat()

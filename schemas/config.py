@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from rmflow.schemas.attributes import attribute_names, parse_weights
-from rmflow.schemas.options import NEW, Config, ConfigError, option
+from rmflow.schemas.options import Config, ConfigError, option
 from rmflow.schemas.paths import absolute, absolute_if_local
 from rmflow.schemas.train_config import check_int
 
@@ -130,7 +130,7 @@ class PreprocessConfig(Config):
     max_responses: int = option(
         16, "Multi-response layouts: a prompt with more responses keeps this many (kept whole, or before its pairs "
         "are made), the best, the worst and the rest spread evenly over the ranking (stats: responses_capped); 0 "
-        "keeps all.", was=NEW)
+        "keeps all.")
     attribute_weights: str = option(
         "helpfulness=1", "Layouts that rate each response on several attributes (helpsteer): the score that orders "
         "a prompt's responses, a weighted sum name=weight,name=weight (HelpSteer2's published weights: "
@@ -139,7 +139,7 @@ class PreprocessConfig(Config):
         "", "Multi-response layouts: per-response attribute ratings to keep in each record beside its score, "
         "name,name,... in this order (helpsteer's columns, ultrafeedback-raw's annotations, a responses record's "
         "'attributes' objects); a response without one makes its record a bad record (missing_attribute). Empty "
-        "keeps none.", was=NEW)
+        "keeps none.")
     step_separator: str = option(
         STEP_SEPARATOR, "Stepwise layouts (process reward models): text after every step; each step is scored at the "
         "last token of the step and its separator."
@@ -220,9 +220,6 @@ class PreprocessConfig(Config):
         d = self.to_dict()
         for key in ("output", "overwrite", "num_workers", "runner", "beam_args", "batch_size"):
             d.pop(key)
-        for f in dataclasses.fields(self):  # an option added since, at its default: as before it was added
-            if f.metadata.get("was") == NEW and d.get(f.name) == f.default:
-                d.pop(f.name)
         return d
 
 
@@ -322,8 +319,7 @@ class ExportConfig(Config):
     adapter: bool = option(False, "LoRA runs: a PEFT adapter folder (loaded onto the base model by "
                                 "peft.PeftModel.from_pretrained) instead of merged weights.")
     push_to_hub: str = option("", "Also upload the export to this Hugging Face Hub repository (owner/name; "
-                                  "created if missing, private), with the token of HF_TOKEN or `hf auth login`.",
-                              was=NEW)
+                                  "created if missing, private), with the token of HF_TOKEN or `hf auth login`.")
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -21,9 +21,7 @@ from rmflow.schemas.kinds import KINDS, OUTCOME
 from rmflow.schemas.record import RECORD_VERSION
 
 MANIFEST_VERSION = 2
-# Versions this rmflow reads: 1 counted each split's and shard's records as "pairs", whatever the
-# kind (a process model's records are solutions); 2 calls them "records".
-READABLE_MANIFESTS = {1: "pairs", 2: "records"}  # version -> the count's key
+READABLE_MANIFESTS = {MANIFEST_VERSION: "records"}  # version -> the key of each split's and shard's record count
 MANIFEST_FILE = "manifest.json"
 STATS_FILE = "stats.json"
 CONFIG_FILE = "config.json"
@@ -231,7 +229,7 @@ class Manifest:
                 config=d["config"],
                 manifest_version=MANIFEST_VERSION,  # read into this version's terms
                 record_version=d["record_version"],
-                kind=d.get("kind", OUTCOME.name),  # manifests written before process models: pairs
+                kind=d["kind"],
                 layouts=tuple(d.get("layouts", ())),
                 weighted_scores=bool(d.get("weighted_scores", False)),
             )

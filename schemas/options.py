@@ -3,7 +3,7 @@
 A command's config is a frozen dataclass whose fields are options (``option``) or sections
 (``section``: a nested config dataclass, e.g. ``TrainConfig.optimizer``). From that one tree
 come: the typed YAML / JSON form (``Config.from_dict``: nested mappings or dotted keys, unknown
-keys refused, keys of the flat layout of before named with their new place), ``--set key=value``
+keys refused), ``--set key=value``
 (``Config.with_overrides``), the CLI's flags (``rmflow.cli_options``, from ``leaves``) and the
 docs' config reference (``rmflow.reference``).
 """
@@ -23,24 +23,19 @@ class ConfigError(RmflowError, ValueError):
     """A configuration value is invalid; the message says which and how to fix it."""
 
 
-NEW = "(new)"  # ``was`` of an option added after the flat train config: not in it (``TrainConfig.identity``)
-
-
-def option(default: Any, help: str, *, flags: tuple[str, ...] = (), was: str = "", required: bool = False,
+def option(default: Any, help: str, *, flags: tuple[str, ...] = (), required: bool = False,
            resume_free: bool = False) -> Any:
     """A config field. ``help``: its one description (CLI help, docs reference). ``flags``: the
     CLI's names for it (default ``--name-with-dashes``; a train option also keeps its dotted
-    ``--section.name``). ``was``: its key in the flat train config of before, when that differs
-    from its name (``NEW``: it had none). ``required``: the CLI asks for it. ``resume_free``: a resumed run may change
+    ``--section.name``). ``required``: the CLI asks for it. ``resume_free``: a resumed run may change
     it without changing what the run computes (where it logs, how it uses the hardware)."""
     return dataclasses.field(default=default, metadata={
-        "help": help, "flags": tuple(flags), "was": was, "required": required, "resume_free": resume_free})
+        "help": help, "flags": tuple(flags), "required": required, "resume_free": resume_free})
 
 
-def section(cls: type, help: str, *, optional: bool = False, was_flat: bool = True) -> Any:
-    """A nested config: ``cls``'s defaults unless given (``optional``: absent, None, unless given).
-    ``was_flat``: its options were top-level keys of the flat train config of before (``was``)."""
-    meta = {"help": help, "section": cls, "optional": optional, "was_flat": was_flat}
+def section(cls: type, help: str, *, optional: bool = False) -> Any:
+    """A nested config: ``cls``'s defaults unless given (``optional``: absent, None, unless given)."""
+    meta = {"help": help, "section": cls, "optional": optional}
     if optional:
         return dataclasses.field(default=None, metadata=meta)
     return dataclasses.field(default_factory=cls, metadata=meta)
@@ -60,7 +55,6 @@ class Leaf:
 
     path: str
     field: dataclasses.Field
-    was_flat: bool = True  # a top-level key of the flat train config of before
 
     @property
     def name(self) -> str:
@@ -90,29 +84,19 @@ class Leaf:
     def resume_free(self) -> bool:
         return self.field.metadata.get("resume_free", False)
 
-    @property
-    def was(self) -> str:
-        """Its key in the flat train config of before."""
-        return self.field.metadata.get("was") or self.name
 
-
-def leaves(cls: type, prefix: str = "", was_flat: bool = True) -> Iterator[Leaf]:
+def leaves(cls: type, prefix: str = "") -> Iterator[Leaf]:
     """Every option of ``cls``, sections' options included (dotted paths), in declaration order."""
     for f in dataclasses.fields(cls):
         sub = section_of(f)
         if sub is not None:
-            yield from leaves(sub, f"{prefix}{f.name}.", was_flat and f.metadata["was_flat"])
+            yield from leaves(sub, f"{prefix}{f.name}.")
         else:
-            yield Leaf(prefix + f.name, f, was_flat)
+            yield Leaf(prefix + f.name, f)
 
 
 def sections(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if section_of(f) is not None}
-
-
-def moved_keys(cls: type) -> dict[str, str]:
-    """The flat key of before -> the option's dotted path now, for every option that moved."""
-    return {leaf.was: leaf.path for leaf in leaves(cls) if leaf.was_flat and leaf.was not in (leaf.path, NEW)}
 
 
 _TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
@@ -245,21 +229,13 @@ class Config:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]):
         """The config of a mapping: nested sections or dotted keys (``optimizer.learning_rate``).
-        An unknown key is refused, and a key of the flat train config of before is named with
-        the option's place now."""
+        An unknown key is refused, naming the known ones."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{cls.__name__}: a mapping of option: value, not {data!r}")
         data = _nest(data, cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = [k for k in data if k not in fields]
         if unknown:
-            grouped = moved_keys(cls)
-            moved = {**grouped, **getattr(cls, "RENAMED", {})}  # grouped in sections, or renamed
-            renamed = [f"{k} is now {moved[k]}" for k in unknown if k in moved]
-            if renamed:
-                why = (" (options are grouped in sections: write them nested in YAML, or dotted in --set)"
-                       if any(k in grouped for k in unknown) else "")
-                raise ConfigError(f"{cls.__name__}: {'; '.join(renamed)}{why}")
             hint = f"; {cls.UNKNOWN_HINT}" if cls.UNKNOWN_HINT else ""
             raise ConfigError(f"unknown {cls.__name__} keys {sorted(unknown)}; known: {sorted(fields)}{hint}")
         return cls(**data)
@@ -270,7 +246,6 @@ class Config:
         types = {leaf.path: leaf.type for leaf in leaves(type(self))}
         scalar = {name: f"{name}.{section_of(f).SCALAR_FORM}" for name, f in sections(type(self)).items()
                   if getattr(section_of(f), "SCALAR_FORM", "")}  # --set data=folder: data.train
-        moved = {**moved_keys(type(self)), **getattr(type(self), "RENAMED", {})}  # grouped in sections, or renamed
         optional = {name for name, f in sections(type(self)).items() if f.metadata.get("optional")}
         data = self.flat()
         for pair in pairs:
@@ -279,8 +254,6 @@ class Config:
             if sep and key in optional and text.strip().lower() in ("", "none", "null"):
                 data = {k: v for k, v in data.items() if k != key and not k.startswith(f"{key}.")} | {key: None}
                 continue
-            if sep and key in moved and key not in types:
-                raise ConfigError(f"--set {pair!r}: {key} is now {moved[key]}")
             if not sep or key not in types:
                 raise ConfigError(f"--set {pair!r}: use key=value with a key from {sorted(types)}")
             data[key] = parse_text(text, types[key], key)
@@ -297,7 +270,7 @@ def _number_text(text: str) -> bool:
 
 def _section_value(cls: type, f: dataclasses.Field, value: Any) -> Any:
     if f.metadata.get("optional") and (value is None or (isinstance(value, Mapping) and not value)):
-        return None  # an optional section given as {} is absent, as a flat lora: {} was
+        return None  # an optional section given as {} is absent
     if isinstance(value, cls):
         return value
     if value is None:

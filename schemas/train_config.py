@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rmflow.schemas.attributes import parse_weights
-from rmflow.schemas.options import NEW, Config, ConfigError, leaves, moved_keys, option, section
+from rmflow.schemas.options import Config, ConfigError, leaves, option, section
 from rmflow.schemas.paths import absolute, absolute_if_local
 from rmflow.schemas.presets import MODEL_PRESETS, describe, is_preset
 from rmflow.schemas.sources import (
@@ -58,12 +58,12 @@ class DataConfig(Config):
     train: str | dict = option("", "Shard directory written by `rmflow preprocess` (holds manifest.json), or a weighted "
                                    "mixture of several: folder=weight,folder=weight (YAML: {folder: weight} or "
                                    "{name: {path, weight}}); every set needs the same tokenizer and chat template. "
-                                   "YAML `data: FOLDER` sets this alone.", flags=("--data",), was="data",
+                                   "YAML `data: FOLDER` sets this alone.", flags=("--data",),
                                required=True, resume_free=True)
     eval: dict | None = option(None, "Named eval sets, each evaluated at every eval and logged as eval/NAME/...: "
                                      "{name: shard folder or raw files in any layout preprocess reads} (raw files "
                                      "are preprocessed with the data's tokenizer into RUN/eval_data/NAME); as a "
-                                     "flag: name=path,name=path.", was="eval_data", resume_free=True)
+                                     "flag: name=path,name=path.", resume_free=True)
     max_length: int = option(0, "Longest sequence (prompt and reply, in tokens) a batch row is built for; a longer "
                                 "record stops the run. 0 = the shards' max_length (preprocess --max-length).")
     packing: str = option("auto", "How pairs become rows: pack (each pair's prompt once and both replies, packed into "
@@ -72,8 +72,7 @@ class DataConfig(Config):
                                   "to a power of two), or auto: pack on CPU and on one GPU, bucket over several GPUs "
                                   "(the pallas kernels are not partitioned yet) and on TPU (whose splash attention "
                                   "cannot express the shared prompt).")
-    workers: int = option(0, "Grain worker processes decoding records; 0 = in the training process.",
-                          was="loader_workers", resume_free=True)
+    workers: int = option(0, "Grain worker processes decoding records; 0 = in the training process.", resume_free=True)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -101,7 +100,7 @@ class BaseModelConfig(Config):
 
     path: str = option("", "Hugging Face checkpoint folder or hub id (*ForCausalLM or *ForSequenceClassification), "
                            "or a random-init Llama preset: " + ", ".join(map(describe, MODEL_PRESETS)) + ". YAML "
-                           "`model: PATH` sets this alone.", flags=("--model",), was="model", required=True)
+                           "`model: PATH` sets this alone.", flags=("--model",), required=True)
     dtype: str = option("float32", "Compute dtype: float32 or bfloat16 (parameters and loss stay float32).")
     gradient_checkpointing: bool = option(False, "Recompute each layer's activations in the backward pass.",
                                           resume_free=True)
@@ -132,7 +131,7 @@ class OptimizerConfig(Config):
     learning_rate: float = option(1e-5, "Peak learning rate.")
     learning_rate_end: float = option(0.0, "Learning rate at the last step.")
     warmup_steps: int = option(0, "Steps of linear warmup from 0 to learning_rate.")
-    schedule: str = option("linear", "Decay after warmup: linear or cosine.", was="lr_schedule")
+    schedule: str = option("linear", "Decay after warmup: linear or cosine.")
     weight_decay: float = option(0.0, "AdamW weight decay (never applied to norm weights and biases).")
     max_grad_norm: float = option(1.0, "Clip gradients to this global norm; 0 = no clipping.")
     adam_b1: float = option(0.9, "AdamW beta1.")
@@ -194,13 +193,13 @@ class MeshConfig(Config):
     """The devices: how they split the batch and the parameters, and which processes join."""
 
     data: int = option(-1, "Data axis: devices that split the batch and hold whole replicas of the parameters; "
-                           "-1 = the devices left by the other axes.", was="mesh_data", resume_free=True)
+                           "-1 = the devices left by the other axes.", resume_free=True)
     fsdp: int = option(1, "FSDP axis: devices that split the batch and shard the parameters and optimizer state "
-                          "(FSDP / ZeRO-3); -1 = the devices left.", was="mesh_fsdp", resume_free=True)
+                          "(FSDP / ZeRO-3); -1 = the devices left.", resume_free=True)
     tensor: int = option(1, "Tensor axis: devices that shard attention heads and MLP columns within each layer; "
-                            "-1 = the devices left.", was="mesh_tensor", resume_free=True)
+                            "-1 = the devices left.", resume_free=True)
     expert: int = option(1, "Expert axis: devices that split the batch and shard a mixture of experts' experts "
-                            "(each holds 1/n of them); -1 = the devices left.", was=NEW, resume_free=True)
+                            "(each holds 1/n of them); -1 = the devices left.", resume_free=True)
     distributed: str = option("auto", "Several processes (hosts): auto = join when a coordinator is named "
                                       "(coordinator_address or JAX_COORDINATOR_ADDRESS), on = always call "
                                       "jax.distributed.initialize (TPU VM slices, SLURM, MPI find the rest), off.",
@@ -228,8 +227,7 @@ class CheckpointConfig(Config):
     """When the run saves, and which checkpoints it keeps."""
 
     save_steps: int = option(0, "Save a checkpoint every this many steps; 0 = only at the end.", resume_free=True)
-    keep_newest: int = option(2, "The newest checkpoints kept, besides the best ones (keep_best).",
-                              was="save_total_limit", resume_free=True)
+    keep_newest: int = option(2, "The newest checkpoints kept, besides the best ones (keep_best).", resume_free=True)
     metric_for_best: str = option("", "Metric that ranks checkpoints, e.g. eval_accuracy or eval/NAME/accuracy "
                                       "(lower is better for names ending in loss or mse, e.g. eval_mse and "
                                       "eval_NAME_rmse, higher for the others); the keep_best best checkpoints "
@@ -249,8 +247,7 @@ class CheckpointConfig(Config):
 class LoggingConfig(Config):
     """Where and how often metrics go (metrics.jsonl always)."""
 
-    steps: int = option(10, "Steps per metrics window (metrics.jsonl, TensorBoard, progress bar).",
-                        was="logging_steps", resume_free=True)
+    steps: int = option(10, "Steps per metrics window (metrics.jsonl, TensorBoard, progress bar).", resume_free=True)
     report_to: tuple[str, ...] = option(("tensorboard",), "Where metrics go besides metrics.jsonl: tensorboard, "
                                         "wandb (Weights & Biases; the wandb extra), both, or none "
                                         "(comma-separated as a flag).", resume_free=True)
@@ -271,10 +268,6 @@ class LoggingConfig(Config):
 class TrainConfig(Config):
     """Everything that determines a `rmflow train` run (written to RUN/config.json)."""
 
-    # Options renamed since runs stored them: read under the new name (``from_stored``), and named
-    # when given under the old one (``Config.from_dict``).
-    RENAMED = {"ranking_loss": "objective"}
-
     data: DataConfig = section(DataConfig, "The training and eval data.")
     model: BaseModelConfig = section(BaseModelConfig, "The base model and how it computes.")
     output: str = option("", "Run directory: config, metrics.jsonl, TensorBoard events, checkpoints.",
@@ -290,18 +283,17 @@ class TrainConfig(Config):
     router_aux_loss_coefficient: float = option(
         -1.0, "Mixture-of-experts models (Qwen3-MoE, Mixtral): weight of the router's load-balancing loss (Switch "
         "Transformer's, as transformers computes it), logged as router_aux_loss; -1 = the checkpoint's "
-        "router_aux_loss_coef, 0 = off. Other models have no router.", was=NEW)
+        "router_aux_loss_coef, 0 = off. Other models have no router.")
     objective: str = option(
         RANKING_LOSSES[0], "K responses per prompt (shards of kind multi-response): bradley-terry (the mean of the pairs' "
         "loss over every two responses whose scores differ), plackett-luce (the likelihood of the whole ranking, "
         "ties sharing a place), regression (a score head of one output per attribute the records keep, fitted to "
         "the ratings by mean squared error; the reward is the outputs' weighted sum, attribute_weights), or "
-        "bradley-terry+regression / plackett-luce+regression (both losses added). Pairs train with bradley-terry.",
-        was=NEW)
+        "bradley-terry+regression / plackett-luce+regression (both losses added). Pairs train with bradley-terry.")
     attribute_weights: str = option(
         "", "The regression objectives: the reward as a weighted sum of the attribute outputs, name=weight,... over "
         "the attributes the records keep (an attribute left out weighs 0); empty: the weights preprocessing ordered "
-        "the responses by (its attribute_weights).", was=NEW)
+        "the responses by (its attribute_weights).")
     seed: int = option(0, "Seed of the data order and of the score head's initialisation.")
     eval_steps: int = option(0, "Evaluate on the eval split every this many steps; 0 = only at the end.",
                              resume_free=True)
@@ -318,7 +310,7 @@ class TrainConfig(Config):
     optimizer: OptimizerConfig = section(OptimizerConfig, "AdamW and its learning-rate schedule.")
     lora: LoraConfig | None = section(LoraConfig, "LoRA (absent, null or {}: full fine-tuning). As a flag or --set, "
                                                   "any lora.* option turns it on; --set lora=none turns it off.",
-                                      optional=True, was_flat=False)
+                                      optional=True)
     mesh: MeshConfig = section(MeshConfig, "The device mesh and the processes of a distributed run.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints: when they are saved, which are kept.")
     logging: LoggingConfig = section(LoggingConfig, "Metrics: how often, and where besides metrics.jsonl.")
@@ -353,16 +345,6 @@ class TrainConfig(Config):
             raise ConfigError(f"optimizer.warmup_steps {warmup} >= max_steps {self.max_steps}: the learning rate "
                               "would never reach its peak; use fewer warmup steps")
 
-    @classmethod
-    def from_stored(cls, data: Mapping[str, Any]) -> TrainConfig:
-        """A config read from a run's config.json, which runs written before the options were
-        grouped in sections hold flat: each flat key is put in its place."""
-        data = {RENAMED.get(k, k): v for k, v in data.items()}  # an option's name of before, as runs stored it
-        if "optimizer" in data:
-            return cls.from_dict(data)
-        moved = moved_keys(cls)
-        return cls.from_dict({moved.get(k, k): v for k, v in data.items()})
-
     def scans_layers(self, training: bool = True) -> bool:
         """Whether the decoder layers run as one scanned layer (``model.scan_layers``), in training
         or, with ``training=False``, when the run's model scores (eval, score, serve)."""
@@ -383,22 +365,11 @@ class TrainConfig(Config):
         return dataclasses.replace(self, data=dataclasses.replace(self.data, train=train, eval=evals),
                                    output=absolute(self.output), model=dataclasses.replace(self.model, path=path))
 
-    def identity(self) -> dict[str, Any]:
-        """The config in the flat layout of before: each option under its key of then, LoRA as
-        one mapping. A workflow's stage hash covers this, so that stages finished before the
-        options were grouped in sections stay done."""
-        paths = {leaf.path: leaf for leaf in leaves(TrainConfig) if leaf.was_flat}
-        out = {(k if paths[k].was == NEW else paths[k].was): v for k, v in self.flat().items()
-               if k in paths and not (paths[k].was == NEW and v == paths[k].default)}
-        if out.get("objective") in RANKING_LOSSES:  # a ranking loss under the name it was hashed under
-            out["ranking_loss"] = out.pop("objective")
-        return out | {"lora": dataclasses.asdict(self.lora) if self.lora is not None else None}
-
     def resume_changes(self, stored: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
         """{option: (stored, new)} for every option whose change alters the run's trajectory or
         that a checkpoint cannot continue under (``RESUME_FIXED``); ``lora`` counts as one option."""
         free = {leaf.path for leaf in leaves(TrainConfig) if leaf.resume_free} - set(RESUME_FIXED)
-        before, now = _lora_as_one(TrainConfig.from_stored(stored).flat()), _lora_as_one(self.flat())
+        before, now = _lora_as_one(TrainConfig.from_dict(stored).flat()), _lora_as_one(self.flat())
         return {k: (before.get(k), now[k]) for k in sorted(now) if k not in free and before.get(k) != now[k]}
 
 
@@ -408,8 +379,6 @@ def _lora_as_one(flat: dict[str, Any]) -> dict[str, Any]:
         lora["target_modules"] = sorted(lora["target_modules"])
     return {k: v for k, v in flat.items() if not k.startswith("lora")} | {"lora": lora}
 
-
-RENAMED = TrainConfig.RENAMED
 
 # Options a checkpoint cannot continue under, and why (even with --allow-config-change).
 RESUME_FIXED = {

@@ -3,6 +3,7 @@ trainer never imports apache_beam or pipelines, rendering imports neither stage,
 schemas imports only the standard library, numpy and pyarrow."""
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -217,3 +218,20 @@ def test_one_home_handles_the_signals_that_stop_a_process():
                           and node.func.attr in ("signal", "set_wakeup_fd", "siginterrupt")
                           and isinstance(node.func.value, ast.Name) and node.func.value.id == "signal")
     assert not hits, f"{hits}: handle signals through rmflow.schemas.stops"
+
+
+def test_importing_any_module_changes_nothing_in_the_process():
+    """No import-time side effects: importing every module of every package leaves the
+    environment (XLA_FLAGS above all: an import must not decide the backend's flags) as it was.
+    The entry points that start JAX apply rmflow's settings (``trainer.backend.configure_xla``)."""
+    modules = [m for p in ("schemas", "rendering", "pipelines", "trainer", "rmflow") for m in _modules(p)
+               if m != "rmflow.__main__"]
+    code = ("import importlib, os, sys\n"
+            "before = dict(os.environ)\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))\n"
+            "print(changed); sys.exit(int(bool(changed)))")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RMFLOW_XLA_DEFAULTS")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, f"importing rmflow's modules changes the environment: {r.stdout.strip()} " \
+                              f"{r.stderr[-2000:]}"

@@ -61,15 +61,15 @@ def test_manifest_round_trip_and_checks():
         manifest(splits={"train": SplitInfo(4, (ShardInfo("x", 3),))})
     with pytest.raises(ManifestError, match="malformed"):
         Manifest.from_json('{"manifest_version": 2}')
-    with pytest.raises(ManifestError, match="this rmflow reads 1 and 2: re-run"):
+    with pytest.raises(ManifestError, match="this rmflow reads 2: re-run"):
         Manifest.from_json('{"manifest_version": 99}')
     with pytest.raises(ManifestError, match="re-run"):
         Manifest.from_json('{"manifest_version": true}')
 
 
-def test_a_manifest_counts_records_and_one_from_before_still_reads():
-    """The manifest counts each split's and shard's records, whatever the kind (version 2);
-    a version 1 manifest, which called them pairs, reads as the same manifest."""
+def test_a_manifest_counts_records_and_refuses_another_version():
+    """The manifest counts each split's and shard's records, whatever the kind (version 2); a
+    manifest of another version is refused in one line saying to preprocess again."""
     import json
 
     m = manifest()
@@ -82,7 +82,8 @@ def test_a_manifest_counts_records_and_one_from_before_still_reads():
         split["pairs"] = split.pop("records")
         for shard in split["shards"]:
             shard["pairs"] = shard.pop("records")
-    assert Manifest.from_json(json.dumps(old)) == m
+    with pytest.raises(ManifestError, match="manifest version 1; this rmflow reads 2: re-run `rmflow preprocess`"):
+        Manifest.from_json(json.dumps(old))
 
 
 def test_tokenizer_hash_is_order_free_and_content_sensitive():

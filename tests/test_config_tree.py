@@ -1,10 +1,10 @@
 """The train config as a tree of sections: one definition per option read as YAML (nested or
-dotted), --set, a stored run's config.json (before and after the sections), and the resume check."""
+dotted), --set, a stored run's config.json, and the resume check."""
 
 import json
 
 import pytest
-from rmflow.schemas.options import NEW, ConfigError, leaves, moved_keys
+from rmflow.schemas.options import ConfigError, leaves
 from rmflow.schemas.train_config import LoraConfig, OptimizerConfig, TrainConfig
 
 BASE = {"data": "d", "model": "micro", "output": "o"}
@@ -26,25 +26,17 @@ def test_nested_dotted_and_scalar_forms_are_one_config():
     assert TrainConfig.from_dict(BASE).with_overrides(["data=x=1,y=3"]).sources[1].weight == 3
 
 
-def test_every_flat_key_of_before_is_refused_naming_its_place_and_a_stored_flat_config_still_reads():
-    moved = moved_keys(TrainConfig)
-    assert moved["learning_rate"] == "optimizer.learning_rate" and moved["save_total_limit"] == "checkpoint.keep_newest"
-    assert moved["mesh_fsdp"] == "mesh.fsdp" and moved["eval_data"] == "data.eval" and "rank" not in moved
-    for old, new in moved.items():
-        if old in ("data", "model"):  # still the sections' names: their scalar form sets data.train, model.path
-            continue
-        with pytest.raises(ConfigError, match=f"{old} is now {new}"):
-            TrainConfig.from_dict({**BASE, old: 1})
-        with pytest.raises(ConfigError, match=f"{old} is now {new}"):
-            TrainConfig.from_dict(BASE).with_overrides([f"{old}=1"])
-    stored = {**BASE, "learning_rate": 2e-5, "lr_schedule": "cosine", "mesh_fsdp": 2, "save_total_limit": 3,
-              "logging_steps": 5, "eval_data": {"x": ["p"]}, "lora": {"rank": 4, "target_modules": ["q_proj"]},
-              "report_to": ["tensorboard"], "loader_workers": 1}
-    cfg = TrainConfig.from_stored(stored)
-    assert (cfg.optimizer.learning_rate, cfg.optimizer.schedule, cfg.mesh.fsdp, cfg.checkpoint.keep_newest,
-            cfg.logging.steps, cfg.data.eval, cfg.data.workers) == (2e-5, "cosine", 2, 3, 5, {"x": ["p"]}, 1)
+def test_a_key_outside_the_tree_is_refused_naming_the_known_ones():
+    """No layout but the sections is read: a top-level key that is an option's name elsewhere
+    (``learning_rate``) is unknown, in a file, in --set and in a stored config alike."""
+    for key in ("learning_rate", "mesh_fsdp", "ranking_loss"):
+        with pytest.raises(ConfigError, match=rf"unknown TrainConfig keys \['{key}'\]; known: \[.*'optimizer'"):
+            TrainConfig.from_dict({**BASE, key: 1})
+        with pytest.raises(ConfigError, match=f"--set '{key}=1': use key=value with a key from"):
+            TrainConfig.from_dict(BASE).with_overrides([f"{key}=1"])
+    cfg = TrainConfig.from_dict({**BASE, "lora": {"rank": 4, "target_modules": ["q_proj"]}})
     assert cfg.lora == LoraConfig(rank=4, target_modules=("q_proj",))
-    assert TrainConfig.from_stored(json.loads(cfg.to_json())) == cfg
+    assert TrainConfig.from_dict(json.loads(cfg.to_json())) == cfg
 
 
 def test_errors_name_the_option_by_its_path():
@@ -70,8 +62,6 @@ def test_resume_changes_ignore_where_a_run_logs_and_count_lora_as_one_option():
     assert cfg.with_overrides(["data.workers=2"]).resume_changes(cfg.to_dict()) == {"data.workers": (0, 2)}
     changed = cfg.with_overrides(["optimizer.learning_rate=1e-4", "lora.rank=2"]).resume_changes(cfg.to_dict())
     assert set(changed) == {"optimizer.learning_rate", "lora"} and changed["lora"][0] is None
-    flat_before = {**BASE, "learning_rate": 1e-5, "logging_steps": 7}  # a run stored before the sections
-    assert cfg.resume_changes(flat_before) == {}
     # every option says whether a resumed run may change it: the sections' trajectory options do not
     free_paths = {leaf.path for leaf in leaves(TrainConfig) if leaf.resume_free}
     assert "optimizer.learning_rate" not in free_paths and "logging.steps" in free_paths
@@ -79,9 +69,8 @@ def test_resume_changes_ignore_where_a_run_logs_and_count_lora_as_one_option():
 
 def test_what_a_break_it_pass_found_stays_fixed():
     """Inputs easy to mishandle: each read as meant, or refused in one line by its path."""
-    # an optional section given as {} is absent (as a flat lora: {} was); --set lora=none removes it
+    # an optional section given as {} is absent; --set lora=none removes it
     assert TrainConfig.from_dict({**BASE, "lora": {}}).lora is None
-    assert TrainConfig.from_stored({**BASE, "lora": {}}).lora is None
     on = TrainConfig.from_dict({**BASE, "lora": {"rank": 2}})
     assert on.with_overrides(["lora=none"]).lora is None and on.with_overrides(["lora.rank=4"]).lora.rank == 4
     # the same projections in another order are no change on resume
@@ -94,29 +83,6 @@ def test_what_a_break_it_pass_found_stays_fixed():
                        ({"optimizer": {"learning_rate": "1e-4"}}, "YAML reads 1e-4 as text: write 1.0e-4")):
         with pytest.raises(ConfigError, match=said):
             TrainConfig.from_dict({**BASE, **spec})
-
-
-def test_a_workflow_s_train_identity_is_the_flat_layout_of_before():
-    """The workflow's train hash covers ``identity()``: the flat layout of before, so a stage
-    finished before the sections stays done (compared with the layout an older rmflow stored)."""
-    flat = {"data": "s/hh", "model": "micro", "output": "/o", "learning_rate": 3e-4, "lr_schedule": "cosine",
-            "mesh_fsdp": 2, "save_total_limit": 3, "logging_steps": 5, "eval_data": {"x": ["p"]},
-            "lora": {"rank": 4, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj"], "base_dtype": "float32"}}
-    identity = json.loads(json.dumps(TrainConfig.from_stored(flat).identity(), default=str))
-    assert {k: identity[k] for k in flat} == flat
-    assert set(identity) == {leaf.was for leaf in leaves(TrainConfig) if leaf.was_flat and leaf.was != NEW} | {"lora"}
-    # an option added since enters the hash only when set, under its own name
-    assert TrainConfig.from_stored({**flat, "objective": "regression"}).identity()["objective"] == "regression"
-    # a renamed option: runs stored it under its old name (read, and hashed as then); given so, it is named
-    for stored in ({**flat, "ranking_loss": "plackett-luce"},
-                   {**TrainConfig.from_stored(flat).to_dict(), "ranking_loss": "plackett-luce"}):
-        old = TrainConfig.from_stored(stored)
-        assert old.objective == "plackett-luce" and old.identity()["ranking_loss"] == "plackett-luce"
-    with pytest.raises(ConfigError, match="ranking_loss is now objective$"):
-        TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o", "ranking_loss": "plackett-luce"})
-    with pytest.raises(ConfigError, match="ranking_loss is now objective$"):
-        TrainConfig.from_dict({"data": "d", "model": "micro", "output": "o"}).with_overrides(
-            ["ranking_loss=plackett-luce"])
 
 
 def test_one_option_given_twice_is_refused_however_spelled(tmp_path):

@@ -192,7 +192,7 @@ def test_a_run_is_self_contained_and_its_paths_absolute(base, tmp_path, monkeypa
     shutil.copytree(base / "other-tokenizer", elsewhere / "shards" / "tokenizer", dirs_exist_ok=True)
     monkeypatch.chdir(elsewhere)
     shutil.copytree(base / "shards", tmp_path / "shards-moved")  # keep the module's shards for other tests
-    cfg["data"]["train"] = "shards"  # what an older rmflow stored: relative, now pointing at the decoy
+    cfg["data"]["train"] = "shards"  # a relative path, now pointing at the decoy
     (run_copy / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "in.jsonl").write_text(json.dumps({"messages": CONV}) + "\n")
     assert cli("score", "--model", run_copy, "-i", tmp_path / "in.jsonl", "-o", tmp_path / "s.jsonl").exit_code == 0

@@ -45,7 +45,7 @@ def test_lora_trains_adapters_and_head_only_and_learns(synthetic, tmp_path):  # 
     # Optimizer state only for the trainable parameters: 7 adapted projections x 2 layers x (A, B) + head.
     n_trainable = len(jax.tree.leaves(result.state.params))
     assert n_trainable == 7 * 2 * 2 + 1
-    mu = result.state.opt_state[1][0].mu
+    mu = result.state.opt_state[0].mu
     assert len(jax.tree.leaves(mu)) == n_trainable
 
     trained, run, step = load_trained_model(str(tmp_path / "run"))

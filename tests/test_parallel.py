@@ -71,7 +71,7 @@ SCRIPT = textwrap.dedent('''
             parts = [mesh.shape[a] if a else 1 for a in tuple(spec) + (None,) * (x.ndim - len(spec))]
             assert x.addressable_shards[0].data.shape == tuple(d // n for d, n in zip(x.shape, parts))
         q = state.params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-        mu = state.opt_state[1][0].mu["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+        mu = state.opt_state[0].mu["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
         want = {(8, 1, 1): (32, 32), (2, 4, 1): (8, 32), (1, 4, 2): (8, 16), (1, 1, 8): (32, 4)}[shape]
         assert q.addressable_shards[0].data.shape == want and mu.addressable_shards[0].data.shape == want
         print("mesh", shape, "ok")

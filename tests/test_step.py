@@ -98,9 +98,8 @@ def _optax_schedule(c: OptimizerConfig, total_steps: int) -> optax.Schedule:
 
 def _optax_adamw(c: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
     """AdamW from optax's own functions, the optimizer's numbers Python floats."""
-    return optax.chain(optax.identity(),
-                       optax.adamw(_optax_schedule(c, total_steps), b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
-                                                     weight_decay=c.weight_decay, mask=decay_mask))
+    return optax.adamw(_optax_schedule(c, total_steps), b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
+                       weight_decay=c.weight_decay, mask=decay_mask)
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])

@@ -178,8 +178,6 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         raise ExportError(f"{run_dir}: adapters on a mixture of experts' experts ({', '.join(experts)}), stacked over "
                           "the experts, have no PEFT layout: export it without --adapter (merged weights)")
     base = run.base_config
-    if base is None and not is_preset(run.config.model.path):  # a run from before runs kept base_config.json
-        base = jsontext.read(os.path.join(resolve(run.config.model.path), "config.json"))
     if run.tokenizer_dir is None:
         warnings.warn(f"{run_dir} has no tokenizer files; the export will have none: copy the tokenizer the "
                       "shards were made with into it", RmflowWarning, stacklevel=2)

@@ -77,11 +77,8 @@ def make_optimizer(c: OptimizerConfig, total_steps: int = 0, hyper: dict[str, An
     the schedule's kind, Adam's betas, and whether there is weight decay at all. The state's
     layout is the same either way."""
     h = hyperparameters(c, total_steps) if hyper is None else hyper
-    return optax.chain(
-        optax.identity(),  # where the clipping transform stood: checkpoints keep their layout
-        optax.adamw(lambda step: learning_rate_at(step, h, c.schedule), b1=c.adam_b1, b2=c.adam_b2,
-                    eps=h["adam_eps"], weight_decay=h["weight_decay"] if c.weight_decay else 0.0, mask=decay_mask),
-    )
+    return optax.adamw(lambda step: learning_rate_at(step, h, c.schedule), b1=c.adam_b1, b2=c.adam_b2,
+                       eps=h["adam_eps"], weight_decay=h["weight_decay"] if c.weight_decay else 0.0, mask=decay_mask)
 
 
 def clip_scale(summed_norm: jax.Array, pairs: jax.Array, max_norm) -> tuple[jax.Array, jax.Array]:

@@ -38,7 +38,6 @@ from rmflow.schemas.manifest import (
     vocabulary_sha256,
 )
 from rmflow.schemas.outputs import is_output_of
-from rmflow.schemas.paths import is_url
 from rmflow.schemas.sources import DataSource
 from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.modeling.config import ModelConfig, ModelConfigError
@@ -139,7 +138,7 @@ def resume_changes(run_dir: str, cfg: TrainConfig, sources: tuple[DataSource, ..
     except RunDirError:
         return {}
     changes = cfg.resume_changes(stored)
-    before, new = TrainConfig.from_stored(stored).data.train, cfg.data.train
+    before, new = TrainConfig.from_dict(stored).data.train, cfg.data.train
     if os.path.exists(os.path.join(run_dir, MIXTURE)) or len(sources) > 1:
         before = _mixture_identity(_read_json(run_dir, MIXTURE)["sets"]) \
             if os.path.exists(os.path.join(run_dir, MIXTURE)) else None
@@ -190,21 +189,12 @@ def read_run(run_dir: str) -> RunFiles:
                           "folder of `rmflow train`")
     raw_cfg = _read_json(run_dir, CONFIG)
     try:
-        cfg = TrainConfig.from_stored(raw_cfg)
+        cfg = TrainConfig.from_dict(raw_cfg)
     except ConfigError as e:
         raise RunDirError(f"{os.path.join(run_dir, CONFIG)}: {e}") from e
     model_config = _model_config(run_dir, _read_json(run_dir, MODEL_CONFIG))
     tokenizer_dir = os.path.join(run_dir, TOKENIZER_DIR)
-    if os.path.exists(os.path.join(run_dir, DATA_MANIFEST)):
-        text = _read_text(run_dir, DATA_MANIFEST)
-    else:  # a run written before runs kept their data's manifest: read it where it was
-        data = cfg.sources[0].path  # such a run trained on one set
-        if not os.path.isabs(data) and not is_url(data):
-            raise RunDirError(
-                f"{run_dir} was written by an older rmflow and names its shards by the relative path "
-                f"{data!r}; set 'data' in {os.path.join(run_dir, CONFIG)} to the absolute shard folder")
-        text = _read_text(data, MANIFEST_FILE)
-        tokenizer_dir = os.path.join(data, TOKENIZER_DIR)
+    text = _read_text(run_dir, DATA_MANIFEST)
     try:
         manifest = Manifest.from_json(text)
     except ManifestError as e:

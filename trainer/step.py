@@ -26,7 +26,7 @@ from flax import nnx
 from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.llama import RewardTransformer, router_loss
-from rmflow.trainer.objective import OUTCOME, ROUTER_SUM, Objective, objective_for, pair_rewards
+from rmflow.trainer.objective import OUTCOME, ROUTER_SUM, Objective, objective_for
 from rmflow.trainer.optimizer import (
     clip_scale,
     hyperparameters,
@@ -379,9 +379,6 @@ class Trainer:
 
     def model(self, params: Any, frozen: Any = None) -> RewardTransformer:
         return self.program.model(params, self.frozen if frozen is None else frozen, self.others)
-
-    def rewards(self, params: Any, mb: dict[str, jax.Array], frozen: Any = None) -> tuple[jax.Array, jax.Array]:
-        return pair_rewards(self.model(params, frozen), mb)
 
     def _objective(self, params, mb, frozen, key=None):
         """The summed objective and its metric sums (``key``: LoRA dropout's; None: none)."""

@@ -34,6 +34,7 @@ from rmflow.schemas.sources import canonical_data, with_paths
 from rmflow.schemas.stops import at_step_boundaries
 from rmflow.schemas.train_config import RESUME_FIXED, TrainConfig
 from rmflow.trainer import storage
+from rmflow.trainer.backend import configure_xla
 from rmflow.trainer.batching import stack_micro_batches, widen
 from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, prune, reading_checkpoint
 from rmflow.trainer.compilation import use_compilation_cache
@@ -198,6 +199,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
     A resume whose config would change the run's trajectory is refused unless ``allow_config_change``;
     every config a run trains under is kept in config_history.jsonl."""
     cfg = cfg.with_absolute_paths()  # stored in the run: valid from any working directory
+    configure_xla()  # before the backend starts
     distributed.initialize(cfg.mesh.distributed, cfg.mesh.coordinator_address, cfg.mesh.num_processes)  # before any backend use
     lock = output_lock(cfg.output, "rmflow train") if distributed.is_primary() else contextlib.nullcontext()
     with lock, at_step_boundaries() as stop:  # from here a signal stops the run at its next step boundary

@@ -102,8 +102,10 @@ class RewardModel:
         folder, local or remote (gs://, copied down once)."""
         from transformers import AutoTokenizer
 
+        from rmflow.trainer.backend import configure_xla
         from rmflow.trainer.inference import load_model, require_tokenizer
 
+        configure_xla()  # before the backend starts
         loaded = load_model(path, step)
         tok = AutoTokenizer.from_pretrained(require_tokenizer(path, loaded.tokenizer_dir, "scoring"))
         return cls(loaded, tok, loaded.normalization)
