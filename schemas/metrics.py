@@ -12,6 +12,8 @@ so a figure logged while training and the same figure in eval.json cannot drift 
 
 from __future__ import annotations
 
+import numpy as np
+
 STEP_THRESHOLD = 0.5  # a step is predicted incorrect when P(correct) is below this
 
 
@@ -31,3 +33,10 @@ def incorrect_class(true_incorrect: float, false_incorrect: float, missed_incorr
     precision = ratio(true_incorrect, true_incorrect + false_incorrect)
     recall = ratio(true_incorrect, true_incorrect + missed_incorrect)
     return {"incorrect_precision": precision, "incorrect_recall": recall, "incorrect_f1": f1(precision, recall)}
+
+
+def first_error(incorrect: np.ndarray) -> int:
+    """Index of a solution's first incorrect step (the first True), -1 when none: the label
+    ProcessBench scores, and what scoring answers for a solution."""
+    hit = np.flatnonzero(incorrect)
+    return int(hit[0]) if hit.size else -1

@@ -80,15 +80,16 @@ def test_transitive_imports_respect_the_boundary(package):
     assert len(modules) > 3
 
 
-def test_scoring_loads_no_beam_and_nothing_of_the_beam_stage():
+def test_scoring_loads_no_beam_nothing_of_the_beam_stage_and_nothing_of_eval():
     """A reward model loaded to score (the API, ``rmflow serve``, an RL loop) renders and
     tokenizes through ``rendering``, the contract both stages share: no module of the Beam
-    stage and no Beam, which a training or serving host does not install."""
+    stage and no Beam, which a training or serving host does not install, and nothing of
+    ``rmflow.eval`` (scoring is what eval uses, not the reverse)."""
     modules = ["rmflow.scoring.api", "rmflow.scoring.scorers", "rmflow.server.app", "rmflow.server.protocol",
                "rmflow.trainer.inference", "rmflow.trainer.export"]
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam' or m.startswith('rmflow.pipelines'))\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam' or m.startswith(('rmflow.pipelines', 'rmflow.eval')))\n"
             "print(bad[:5]); sys.exit(int(bool(bad)))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, f"scoring's modules load the Beam stage: {r.stdout.strip()} {r.stderr[-2000:]}"

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rmflow.schemas.metrics import STEP_THRESHOLD, f1, incorrect_class
+from rmflow.schemas.metrics import STEP_THRESHOLD, f1, first_error, incorrect_class
 
 ECE_BINS = 10
 
@@ -114,12 +114,6 @@ def pair_metrics(
                          "ties": int((d[sel] == 0).sum())}
         out["subsets"] = per
     return out
-
-
-def first_error(incorrect: np.ndarray) -> int:
-    """Index of the first True (an incorrect step), -1 when none."""
-    hit = np.flatnonzero(incorrect)
-    return int(hit[0]) if hit.size else -1
 
 
 def _first_error_figures(pred: np.ndarray, true: np.ndarray) -> dict[str, Any]:

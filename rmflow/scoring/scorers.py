@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rmflow.eval.metrics import first_error
+from rmflow.schemas.metrics import first_error
 from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE
