@@ -5,9 +5,9 @@ thread after the port is bound: ``GET /health`` answers 503 until then, 200 afte
 requests are read and tokenized off the event loop, queued in the ``DynamicBatcher`` and
 awaited; the device thread runs the batches. One model per process.
 
-Endpoints (``rmflow/server/protocol.py`` reads their bodies): ``POST /v1/score`` (native),
-``POST /get_reward`` (OpenRLHF), ``POST /classify`` (vLLM pooling, as verl calls it),
-``GET /v1/model``, ``GET /health``, ``GET /metrics`` (Prometheus). With an API key, every
+Endpoints (``rmflow/server/protocol.py`` reads their bodies, ``rmflow/server/responders.py``
+writes their answers): ``POST /v1/score`` (native), ``POST /get_reward`` (OpenRLHF), ``POST
+/classify``, ``/pooling`` (vLLM pooling, as verl calls it), ``/v1/embeddings`` (SGLang), ``GET /v1/model``, ``GET /health``, ``GET /metrics`` (Prometheus). With an API key, every
 request must carry ``Authorization: Bearer KEY``.
 """
 
@@ -18,7 +18,6 @@ import contextlib
 import errno
 import functools
 import hmac
-import itertools
 import logging
 import math
 import signal
@@ -26,7 +25,6 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -41,17 +39,23 @@ from rmflow.schemas import jsontext
 from rmflow.schemas.config import ServeConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
-from rmflow.scoring.scorers import ATTRIBUTE_SCORES, RESPONSE_ATTRIBUTES
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
 from rmflow.server.metrics import ServerMetrics
 from rmflow.server.protocol import (
-    Parsed,
     RequestError,
     read_classify,
     read_embeddings,
     read_get_reward,
     read_native,
     read_pooling,
+)
+from rmflow.server.responders import (
+    Responder,
+    respond_classify,
+    respond_embeddings,
+    respond_get_reward,
+    respond_native,
+    respond_pooling,
 )
 
 log = logging.getLogger("rmflow.serve")
@@ -123,204 +127,165 @@ class Service:
                              f"{self.cfg.shutdown_timeout_s:g} s passed)")
 
 
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+def authorized(request: Request, api_key: str) -> bool:
+    if not api_key:
+        return True
+    given = request.headers.get("authorization", "")
+    return given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())
+
+
+async def read_json(request: Request, max_body: int) -> Any:
+    """The request's JSON body, at most ``max_body`` bytes (413 past it, read no further)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body:
+        raise RequestError(413, f"the body has {int(declared):,} bytes, at most {max_body:,} (--max-body-mb)",
+                           reason="too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise RequestError(413, f"the body is larger than {max_body:,} bytes (--max-body-mb)",
+                                   reason="too_large")
+            chunks.append(chunk)
+    except ClientDisconnect as e:  # nobody to answer: counted, not logged as a failure
+        raise RequestError(CLIENT_GONE, "the client disconnected while sending its body",
+                           reason="client_disconnected") from e
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(400, f"the body is not valid UTF-8 ({e})", reason="bad_json") from e
+    try:
+        return jsontext.loads(text, allow_nan=False)
+    except jsontext.NotJsonText as e:
+        raise RequestError(400, f"the body is not JSON text: {e}", reason="bad_json") from e
+    except (ValueError, RecursionError) as e:
+        raise RequestError(400, f"the body is not valid JSON: {e}", reason="bad_json") from e
+
+
+async def _results(service: Service, request: Request, submitted) -> list:
+    """The request's results once all are scored; when its client disconnects first, its items
+    still waiting are cancelled (they would hold the queue for nobody)."""
+    gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in submitted)))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((gathered, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not gathered.done():
+        service.batcher.cancel(submitted)
+        gathered.cancel()
+        with contextlib.suppress(BaseException):
+            await gathered
+        service.disconnected += 1
+        raise RequestError(CLIENT_GONE, "the client disconnected before its scores were ready",
+                           reason="client_disconnected")
+    return gathered.result()
+
+
+async def _answer(service: Service, request: Request, reader: Callable, respond: Responder,
+                  headers: dict[str, str]) -> dict[str, Any]:
+    """A scoring request's answer: checked, read, queued, scored and put in its protocol's form."""
+    cfg = service.cfg
+    if not authorized(request, cfg.resolved_api_key()):
+        raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", reason="unauthorized")
+    if not service.ready.is_set():
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+        raise RequestError(503, "the model is still loading; see GET /health", reason="not_ready")
+    body = await read_json(request, int(cfg.max_body_mb * 1024 * 1024))
+    parsed = await run_in_threadpool(reader, body, service.rm, cfg.max_request_items)
+    service.metrics.template_mismatches.inc(parsed.options.get("template_mismatches", 0))
+    try:
+        submitted = service.batcher.submit(parsed.encoded, parsed.sizes, parsed.sequences)
+    except QueueFull as e:
+        headers["Retry-After"] = str(math.ceil(e.retry_after))
+        raise RequestError(503, f"overloaded: {e}; retry after {headers['Retry-After']} s", reason="queue_full") from e
+    payload = respond(service, parsed, await _results(service, request, submitted))
+    return {**payload, "warnings": parsed.warnings} if parsed.warnings else payload
+
+
+def scoring_endpoint(service: Service, name: str, reader: Callable, respond: Responder):
+    """The handler of one scoring endpoint: every outcome a status, counted in the metrics."""
+    metrics = service.metrics
+
+    async def endpoint(request: Request) -> Response:
+        start, headers = time.monotonic(), {}
+        try:
+            payload, status = await _answer(service, request, reader, respond, headers), 200
+        except Closed as e:  # shutting down: before the request was queued, or cut from the queue
+            headers["Retry-After"] = str(RETRY_AFTER_S)
+            payload, status = {"error": f"shutting down: {e}; retry on another replica or after a restart"}, 503
+            metrics.errors.labels(name, "shutting_down").inc()
+            service.cut_requests += bool(service.batcher and service.batcher.cut_reason)
+        except RequestError as e:
+            payload, status = e.body(), e.status
+            metrics.errors.labels(name, e.reason).inc()
+        except Exception as e:  # noqa: BLE001 - one request fails, the server stays up
+            log.exception("%s failed", name)
+            payload, status = {"error": f"internal error: {type(e).__name__}: {e}"}, 500
+            metrics.errors.labels(name, "internal").inc()
+        metrics.requests.labels(name, str(status)).inc()
+        metrics.latency.labels(name).observe(time.monotonic() - start)
+        return JSONResponse(payload, status, headers=headers)
+
+    return endpoint
+
+
+def plain_endpoint(service: Service, name: str, make: Callable[[Service], Response]):
+    """The handler of an endpoint that scores nothing (health, model, metrics)."""
+    metrics = service.metrics
+
+    async def endpoint(request: Request) -> Response:
+        if not authorized(request, service.cfg.resolved_api_key()):
+            metrics.errors.labels(name, "unauthorized").inc()
+            metrics.requests.labels(name, "401").inc()
+            return JSONResponse({"error": "missing or wrong API key: send 'Authorization: Bearer <key>'"}, 401)
+        response = make(service)
+        metrics.requests.labels(name, str(response.status_code)).inc()
+        return response
+
+    return endpoint
+
+
+def health(service: Service) -> Response:
+    if service.error:
+        return JSONResponse({"status": "failed", "error": service.error}, 500)
+    if not service.ready.is_set():
+        return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return JSONResponse({"status": "ready", "queue_depth": service.batcher.depth})
+
+
+def model_info(service: Service) -> Response:
+    if not service.ready.is_set():
+        return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return JSONResponse({**service.rm.identity(), "max_length": service.rm.max_length,
+                         "startup_length": service.startup_length,
+                         "batch_shapes": [list(s) for s in service.shapes.shapes],
+                         "response_units": service.units, "endpoints": [path for path, _, _ in SCORING]})
+
+
+def prometheus(service: Service) -> Response:
+    return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+
+# path, metrics name, (request reader, responder): the scoring endpoints
+SCORING = (
+    ("/v1/score", "score", (read_native, respond_native)),
+    ("/get_reward", "get_reward", (read_get_reward, respond_get_reward)),
+    ("/classify", "classify", (read_classify, respond_classify)),
+    ("/pooling", "pooling", (read_pooling, respond_pooling)),
+    ("/v1/embeddings", "embeddings", (read_embeddings, respond_embeddings)),
+)
 
 
 def create_app(service: Service) -> Starlette:
-    cfg, metrics = service.cfg, service.metrics
-    api_key = cfg.resolved_api_key()
-    max_body = int(cfg.max_body_mb * 1024 * 1024)
-
-    def authorized(request: Request) -> bool:
-        if not api_key:
-            return True
-        given = request.headers.get("authorization", "")
-        return given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())
-
-    async def read_json(request: Request) -> Any:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body:
-            raise RequestError(413, f"the body has {int(declared):,} bytes, at most {max_body:,} (--max-body-mb)",
-                               reason="too_large")
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > max_body:
-                    raise RequestError(413, f"the body is larger than {max_body:,} bytes (--max-body-mb)",
-                                       reason="too_large")
-                chunks.append(chunk)
-        except ClientDisconnect as e:  # nobody to answer: counted, not logged as a failure
-            raise RequestError(CLIENT_GONE, "the client disconnected while sending its body",
-                               reason="client_disconnected") from e
-        raw = b"".join(chunks)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RequestError(400, f"the body is not valid UTF-8 ({e})", reason="bad_json") from e
-        try:
-            return jsontext.loads(text, allow_nan=False)
-        except jsontext.NotJsonText as e:
-            raise RequestError(400, f"the body is not JSON text: {e}", reason="bad_json") from e
-        except (ValueError, RecursionError) as e:
-            raise RequestError(400, f"the body is not valid JSON: {e}", reason="bad_json") from e
-
-    def scoring(name: str, reader: Callable, respond: Callable[[Parsed, list], dict[str, Any]]):
-        async def handler(request: Request) -> Response:
-            start, headers = time.monotonic(), {}
-            try:
-                if not authorized(request):
-                    raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                       reason="unauthorized")
-                if not service.ready.is_set():
-                    headers["Retry-After"] = str(RETRY_AFTER_S)
-                    raise RequestError(503, "the model is still loading; see GET /health", reason="not_ready")
-                body = await read_json(request)
-                parsed = await run_in_threadpool(reader, body, service.rm, cfg.max_request_items)
-                metrics.template_mismatches.inc(parsed.options.get("template_mismatches", 0))
-                try:
-                    submitted = service.batcher.submit(parsed.encoded, parsed.sizes, parsed.sequences)
-                except QueueFull as e:
-                    headers["Retry-After"] = str(math.ceil(e.retry_after))
-                    raise RequestError(503, f"overloaded: {e}; retry after {headers['Retry-After']} s",
-                                       reason="queue_full") from e
-                results = await _results(request, submitted)
-                payload, status = respond(parsed, results), 200
-                if parsed.warnings:
-                    payload["warnings"] = parsed.warnings
-            except Closed as e:  # shutting down: before the request was queued, or cut from the queue
-                headers["Retry-After"] = str(RETRY_AFTER_S)
-                payload, status = {"error": f"shutting down: {e}; retry on another replica or after a restart"}, 503
-                metrics.errors.labels(name, "shutting_down").inc()
-                service.cut_requests += bool(service.batcher and service.batcher.cut_reason)
-            except RequestError as e:
-                payload, status = e.body(), e.status
-                metrics.errors.labels(name, e.reason).inc()
-            except Exception as e:  # noqa: BLE001 - one request fails, the server stays up
-                log.exception("%s failed", name)
-                payload, status = {"error": f"internal error: {type(e).__name__}: {e}"}, 500
-                metrics.errors.labels(name, "internal").inc()
-            metrics.requests.labels(name, str(status)).inc()
-            metrics.latency.labels(name).observe(time.monotonic() - start)
-            return JSONResponse(payload, status, headers=headers)
-
-        return handler
-
-    async def _results(request: Request, submitted) -> list:
-        """The request's results once all are scored; when its client disconnects first, its
-        items still waiting are cancelled (they would hold the queue for nobody)."""
-        gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in submitted)))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait((gathered, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not gathered.done():
-            service.batcher.cancel(submitted)
-            gathered.cancel()
-            with contextlib.suppress(BaseException):
-                await gathered
-            service.disconnected += 1
-            raise RequestError(CLIENT_GONE, "the client disconnected before its scores were ready",
-                               reason="client_disconnected")
-        return gathered.result()
-
-    def identity() -> dict[str, Any]:
-        return service.rm.identity()
-
-    def respond_native(parsed: Parsed, results: list) -> dict[str, Any]:
-        if "groups" in parsed.options:  # records of K responses: each record's scores, in the given order
-            ends = list(itertools.accumulate(parsed.options["groups"]))
-            # a record's items: units of its responses (a list of fields each), or one response alone
-            per = [[r for item in results[end - k : end] for r in (item if isinstance(item, list) else [item])]
-                   for k, end in zip(parsed.options["groups"], ends)]
-            out = {"response_scores": [[r["score"] for r in rs] for rs in per],
-                   "best_responses": [max(range(len(rs)), key=lambda i, rs=rs: rs[i]["score"]) for rs in per]}
-            if service.rm.attributes:  # an attribute head's outputs, by name, beside each reward
-                out[RESPONSE_ATTRIBUTES] = [[r[ATTRIBUTE_SCORES] for r in rs] for rs in per]
-            if parsed.options.get("normalized"):
-                out["normalized_response_scores"] = [[r["score_normalized"] for r in rs] for rs in per]
-            return {**out, "model": identity()}
-        out = {}
-        for column, field in handler(service.rm.kind, "protocol").columns.items():
-            if field == "score_normalized" and not parsed.options.get("normalized"):
-                continue
-            out[column] = [r[field] for r in results]
-        if service.rm.attributes:
-            out[ATTRIBUTE_SCORES] = [r[ATTRIBUTE_SCORES] for r in results]
-        return {**out, "model": identity()}
-
-    def reward(r: dict[str, Any]) -> float:
-        return r["score_normalized"] if cfg.normalize else r["score"]
-
-    def respond_get_reward(parsed: Parsed, results: list) -> dict[str, Any]:
-        rewards = [reward(r) for r in results]
-        return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
-
-    def usage(parsed: Parsed) -> dict[str, int]:
-        tokens = sum(parsed.sizes)
-        return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
-
-    def value(parsed: Parsed, r: dict[str, Any]) -> float:
-        return _sigmoid(reward(r)) if parsed.options["activation"] else reward(r)
-
-    def respond_classify(parsed: Parsed, results: list) -> dict[str, Any]:  # vLLM's ClassificationResponse
-        data = [{"index": i, "label": "LABEL_0", "probs": [value(parsed, r)], "num_classes": 1,
-                 "object": "classification"} for i, r in enumerate(results)]
-        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": cfg.model, "data": data, "usage": usage(parsed)}
-
-    def respond_pooling(parsed: Parsed, results: list) -> dict[str, Any]:  # vLLM's PoolingResponse
-        return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": cfg.model,
-                "data": [{"index": i, "object": "pooling", "data": [value(parsed, r)]} for i, r in enumerate(results)],
-                "usage": usage(parsed)}
-
-    def respond_embeddings(parsed: Parsed, results: list) -> dict[str, Any]:  # SGLang's EmbeddingResponse
-        return {"object": "list", "model": cfg.model, "usage": usage(parsed),
-                "data": [{"index": i, "object": "embedding", "embedding": [value(parsed, r)]}
-                         for i, r in enumerate(results)]}
-
-    def plain(name: str, make: Callable[[], Response]):
-        async def handler(request: Request) -> Response:
-            if not authorized(request):
-                metrics.errors.labels(name, "unauthorized").inc()
-                metrics.requests.labels(name, "401").inc()
-                return JSONResponse({"error": "missing or wrong API key: send 'Authorization: Bearer <key>'"}, 401)
-            response = make()
-            metrics.requests.labels(name, str(response.status_code)).inc()
-            return response
-
-        return handler
-
-    def health() -> Response:
-        if service.error:
-            return JSONResponse({"status": "failed", "error": service.error}, 500)
-        if not service.ready.is_set():
-            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        return JSONResponse({"status": "ready", "queue_depth": service.batcher.depth})
-
-    def model_info() -> Response:
-        if not service.ready.is_set():
-            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        return JSONResponse({**identity(), "max_length": service.rm.max_length,
-                             "startup_length": service.startup_length,
-                             "batch_shapes": [list(s) for s in service.shapes.shapes],
-                             "response_units": service.units,
-                             "endpoints": ["/v1/score", "/get_reward", "/classify", "/pooling", "/v1/embeddings"]})
-
-    routes = [
-        Route("/v1/score", scoring("score", functools.partial(read_native, units=cfg.response_units), respond_native),
-              methods=["POST"]),
-        Route("/get_reward", scoring("get_reward", read_get_reward, respond_get_reward), methods=["POST"]),
-        Route("/classify", scoring("classify", read_classify, respond_classify), methods=["POST"]),
-        Route("/pooling", scoring("pooling", read_pooling, respond_pooling), methods=["POST"]),
-        Route("/v1/embeddings", scoring("embeddings", read_embeddings, respond_embeddings), methods=["POST"]),
-        Route("/health", plain("health", health), methods=["GET"]),
-        Route("/v1/model", plain("model", model_info), methods=["GET"]),
-        Route("/metrics", plain("metrics", lambda: Response(metrics.render(), media_type=metrics.content_type)),
-              methods=["GET"]),
-    ]
+    units = service.cfg.response_units
+    routes = [Route(path, scoring_endpoint(service, name, functools.partial(reader, units=units)
+                                           if reader is read_native else reader, respond), methods=["POST"])
+              for path, name, (reader, respond) in SCORING]
+    routes += [Route("/health", plain_endpoint(service, "health", health), methods=["GET"]),
+               Route("/v1/model", plain_endpoint(service, "model", model_info), methods=["GET"]),
+               Route("/metrics", plain_endpoint(service, "metrics", prometheus), methods=["GET"])]
     return Starlette(routes=routes)
 
 
@@ -341,20 +306,18 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(cfg: ServeConfig) -> int:
-    """Run until SIGTERM / SIGINT (then: stop accepting, finish what is in flight within
-    --shutdown-timeout-s, answer what is left 503, exit 0), or until the model fails to load
-    (exit 1, the reason on stderr)."""
+def _uvicorn_server(service: Service, app: Starlette):
+    """uvicorn's server for ``app``, with rmflow's graceful stop: at --shutdown-timeout-s, what
+    has not reached the device is answered 503 (JSON, Retry-After) before uvicorn would cancel
+    it, and a stop by SIGTERM / SIGINT is the server's normal end (exit 0, not re-raised)."""
     import uvicorn
 
-    sock = listen(cfg.host, cfg.port)
+    cfg = service.cfg
 
     class Server(uvicorn.Server):
         stopped_by: list[int] = []
 
         async def shutdown(self, sockets=None) -> None:
-            """uvicorn's graceful stop, with the deadline rmflow's: at --shutdown-timeout-s, what has
-            not reached the device is answered 503 (JSON, Retry-After) before uvicorn would cancel."""
             deadline = asyncio.get_running_loop().call_later(cfg.shutdown_timeout_s, service.cut)
             try:
                 await super().shutdown(sockets)
@@ -363,40 +326,46 @@ def serve(cfg: ServeConfig) -> int:
 
         @contextlib.contextmanager
         def capture_signals(self):
-            """uvicorn's graceful stop on SIGTERM / SIGINT, without re-raising the signal
-            afterwards: for a server, a stop is its normal end (exit 0)."""
             with super().capture_signals():
                 yield
                 self.stopped_by = list(self._captured_signals)
                 self._captured_signals.clear()
 
-    service = Service(cfg)
-    app = create_app(service)
     # uvicorn cancels what is still running SHUTDOWN_GRACE_S after rmflow's own deadline (the
     # batch on the device then, at worst): those requests get its plain 500
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout_s + SHUTDOWN_GRACE_S, lifespan="off")
-    server = Server(config)
+    return Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                                 timeout_graceful_shutdown=cfg.shutdown_timeout_s + SHUTDOWN_GRACE_S, lifespan="off"))
 
-    def load() -> None:
-        try:
-            service.load()
-        except Exception as e:  # noqa: BLE001 - said once, then the server exits
-            service.error = str(e) if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
-            print(f"rmflow serve: cannot serve {cfg.model}: {service.error}", file=sys.stderr, flush=True)
-            server.should_exit = True
-            return
-        while not server.started and not server.should_exit:
-            time.sleep(0.01)
-        compiled = sum(n <= service.startup_length for _, n in service.shapes.shapes)
-        print(f"rmflow serve: ready on http://{cfg.host}:{sock.getsockname()[1]} ({service.rm.description}, "
-              f"{service.rm.kind} reward model, up to {service.rm.max_length:,} tokens: "
-              f"{service.max_length_source}; {compiled} batch shapes up to {service.startup_length:,} tokens "
-              f"compiled{', each also for response units' if service.units else ''}"
-              f"{', longer ones on first use' if service.startup_length < service.rm.max_length else ''})",
-              flush=True)
 
-    threading.Thread(target=load, name="rmflow-load", daemon=True).start()
+def _load(service: Service, server, port: int) -> None:
+    """Load the model (in a background thread, the port already bound) and say when it is ready;
+    a model that cannot load is said once and stops the server."""
+    cfg = service.cfg
+    try:
+        service.load()
+    except Exception as e:  # noqa: BLE001 - said once, then the server exits
+        service.error = str(e) if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
+        print(f"rmflow serve: cannot serve {cfg.model}: {service.error}", file=sys.stderr, flush=True)
+        server.should_exit = True
+        return
+    while not server.started and not server.should_exit:
+        time.sleep(0.01)
+    rm, compiled = service.rm, sum(n <= service.startup_length for _, n in service.shapes.shapes)
+    print(f"rmflow serve: ready on http://{cfg.host}:{port} ({rm.description}, {rm.kind} reward model, up to "
+          f"{rm.max_length:,} tokens: {service.max_length_source}; {compiled} batch shapes up to "
+          f"{service.startup_length:,} tokens compiled{', each also for response units' if service.units else ''}"
+          f"{', longer ones on first use' if service.startup_length < rm.max_length else ''})", flush=True)
+
+
+def serve(cfg: ServeConfig) -> int:
+    """Run until SIGTERM / SIGINT (then: stop accepting, finish what is in flight within
+    --shutdown-timeout-s, answer what is left 503, exit 0), or until the model fails to load
+    (exit 1, the reason on stderr)."""
+    sock = listen(cfg.host, cfg.port)
+    service = Service(cfg)
+    server = _uvicorn_server(service, create_app(service))
+    threading.Thread(target=_load, args=(service, server, sock.getsockname()[1]), name="rmflow-load",
+                     daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
