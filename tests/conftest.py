@@ -39,6 +39,18 @@ def _fast_compile_flags() -> None:
 _fast_compile_flags()
 
 
+def _rmflow_xla_settings() -> None:
+    """rmflow's own XLA settings, as its entry points apply them before JAX starts (the CLI,
+    ``train.run``, ``RewardModel.load``): a test that runs a step in process computes as a
+    command the test starts does, bit for bit."""
+    from rmflow.trainer.backend import configure_xla
+
+    configure_xla()
+
+
+_rmflow_xla_settings()
+
+
 def _nan_never_matches() -> None:
     """numpy's array comparisons take NaN in the same place on both sides as equal, so a
     comparison of two NaN results passes. In this suite NaN matches nothing: ``assert_allclose`` defaults to

@@ -7,6 +7,10 @@ docs/benchmarks.md, "XLA flags on CPU").
 XLA aborts the process on a flag it does not know, so a flag is only added for the jaxlib
 versions it was verified on, never when the user's XLA_FLAGS already sets it, and not at all
 with RMFLOW_XLA_DEFAULTS=1 in the environment.
+
+Importing rmflow changes nothing: the entry points that start JAX (the CLI, ``train.run``,
+``rmflow.RewardModel.load``) call ``configure_xla`` first. A program that starts JAX itself
+before calling them calls it first too, to compute as the CLI does.
 """
 
 from __future__ import annotations

@@ -208,11 +208,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None
 
 def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: bool, stop: list[int]
          ) -> TrainResult:
-    import grain
-    import orbax.checkpoint as ocp
-
     use_compilation_cache(cfg.compilation_cache)
-    primary = distributed.is_primary()
     if storage.is_remote(cfg.output) and jax.process_count() > 1:
         raise TrainError(f"--output {cfg.output}: a multi-process run writes its checkpoints from every process, "
                          "so --output must be a folder all hosts share (NFS/Filestore, or a gcsfuse mount)")
@@ -220,6 +216,45 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     run_dir = storage.local_run_dir(cfg.output, resume)  # remote run: written locally, mirrored after saves
     check_output(run_dir)
     # Every check before anything is written: a refused run leaves the existing one intact.
+    latest, changed = check_resume(cfg, run_dir, local_sources, resume, allow_config_change)
+    local_evals = {name: [storage.stage_shards(paths[0])] if storage.is_shard_folder(paths) else paths
+                   for name, paths in (cfg.data.eval or {}).items()} or None
+    r = Run(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=canonical_data(local_sources), eval=local_evals),
+                                output=run_dir))
+    check_available(cfg)
+    if resume and latest is None:
+        warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
+                      RmflowWarning, stacklevel=2)
+    if latest is not None:
+        check_same_head(run_dir, r.trainer.model(r.trainer.init_state.params).config)
+    if distributed.is_primary():  # one writer for the run's own files; every process takes part in checkpoints
+        _write_run(cfg, r, run_dir, local_sources, latest, changed)
+    feed = Feed.of(cfg, r)
+    out = Outputs.of(cfg, run_dir, on_log)
+    state = r.trainer.use_mesh(r.mesh)  # parameters and optimizer state sharded by the name rules
+    if resume and latest is not None:
+        state = out.restore(latest, state, r.trainer.state_shardings, feed.iterator)
+    out.begin(int(state.step))
+    if on_start:
+        on_start(int(state.step), r.objective.kind)
+    loop = Loop(cfg, r, feed, out, MetricWindow(r.objective, [s.name for s in r.plan.sources] if r.plan.mixture else ()),
+                stop)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(out.manager.wait_until_finished)
+        cleanup.callback(r.trainer.stop_compiling)
+        if out.writer is not None:
+            cleanup.callback(out.writer.close)
+        state = loop.train(state, int(state.step))
+    if out.primary and storage.is_remote(cfg.output):  # the closed event files, the last metrics
+        storage.mirror(run_dir, cfg.output)
+    return TrainResult(state, r.trainer, out.history, r.plan.total_steps)
+
+
+def check_resume(cfg: TrainConfig, run_dir: str, local_sources, resume: bool, allow_config_change: bool
+                 ) -> tuple[int | None, dict[str, tuple[Any, Any]]]:
+    """(the newest checkpoint or None, the options a resume changes): a run with checkpoints
+    continues only with --resume, under the options it was trained with unless
+    ``allow_config_change`` (never under another model or LoRA: ``RESUME_FIXED``)."""
     latest = existing_checkpoint(run_dir)
     if latest is not None and not resume:
         raise TrainError(f"{cfg.output} already has checkpoints (step {latest}): pass --resume to continue "
@@ -235,99 +270,141 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
                          f"{latest}: {'; '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}. Resume "
                          "with the run's own values, or pass --allow-config-change (recorded in "
                          f"{CONFIG_HISTORY})")
-    local_evals = {name: [storage.stage_shards(paths[0])] if storage.is_shard_folder(paths) else paths
-                   for name, paths in (cfg.data.eval or {}).items()} or None
-    r = Run(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=canonical_data(local_sources), eval=local_evals),
-                                output=run_dir))
-    check_available(cfg)
-    if resume and latest is None:
-        warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
-                      RmflowWarning, stacklevel=2)
-    if latest is not None:
-        check_same_head(run_dir, r.trainer.model(r.trainer.init_state.params).config)
-    if primary:  # one writer for the run's own files; every process takes part in checkpoints
-        write_run_files(run_dir, cfg, r.trainer.model(r.trainer.init_state.params).config,
-                        None if is_preset(cfg.model.path) else resolve(cfg.model.path), data_dir=r.plan.primary)
-        if r.plan.mixture:
-            write_mixture(run_dir, cfg.sources, local_sources, r.plan.train_units,
-                          drawn=r.plan.total_steps * cfg.batch_size * cfg.grad_accum)
-        if latest is None or changed:
-            record_config(run_dir, cfg, latest or 0, changed)
+    return latest, changed
 
-    state = r.trainer.use_mesh(r.mesh)  # parameters and optimizer state sharded by the name rules
-    treedef = jax.tree.structure(state)
-    iterator = iter(r.train_loader())
-    ahead = compile_ahead_steps(cfg.compile_ahead, jax.default_backend(), jax.process_count())
-    if ahead:
-        iterator = Lookahead(iterator, ahead * cfg.grad_accum)
-    manager = checkpoint_manager(run_dir)
-    history = []
-    metrics_path = os.path.join(run_dir, METRICS_FILE)
-    if resume and latest is not None:
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # onto this run's mesh, whatever saved it
-                    for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(r.trainer.state_shardings))]
-        with reading_checkpoint(run_dir, latest):
-            restored = manager.restore(latest, args=ocp.args.Composite(
+
+def _write_run(cfg: TrainConfig, r: Run, run_dir: str, local_sources, latest: int | None, changed: dict) -> None:
+    """The run's own files: its config, model config, base config, data manifest, mixture."""
+    write_run_files(run_dir, cfg, r.trainer.model(r.trainer.init_state.params).config,
+                    None if is_preset(cfg.model.path) else resolve(cfg.model.path), data_dir=r.plan.primary)
+    if r.plan.mixture:
+        write_mixture(run_dir, cfg.sources, local_sources, r.plan.train_units,
+                      drawn=r.plan.total_steps * cfg.batch_size * cfg.grad_accum)
+    if latest is None or changed:
+        record_config(run_dir, cfg, latest or 0, changed)
+
+
+@dataclasses.dataclass
+class Feed:
+    """The training batches: the loader's iterator, read ``ahead`` steps ahead (in a Lookahead)
+    when shapes compile in the background."""
+
+    iterator: Any
+    ahead: int
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, r: Run) -> Feed:
+        iterator = iter(r.train_loader())
+        ahead = compile_ahead_steps(cfg.compile_ahead, jax.default_backend(), jax.process_count())
+        return cls(Lookahead(iterator, ahead * cfg.grad_accum) if ahead else iterator, ahead)
+
+
+@dataclasses.dataclass
+class Outputs:
+    """Where a run's results go: its folder, the checkpoint manager, the metrics history (and
+    its file), TensorBoard and W&B on the primary process, and the caller's ``on_log``."""
+
+    cfg: TrainConfig
+    run_dir: str
+    manager: Any  # Orbax's checkpoint manager
+    writer: Reporters | None
+    primary: bool
+    on_log: Callable[[dict], None] | None
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, run_dir: str, on_log) -> Outputs:
+        return cls(cfg, run_dir, checkpoint_manager(run_dir), None, distributed.is_primary(), on_log)
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.run_dir, METRICS_FILE)
+
+    def restore(self, latest: int, state: TrainState, shardings, iterator) -> TrainState:
+        """The state and the loader's position at checkpoint ``latest``, onto this run's mesh
+        (whatever mesh saved it); the history up to it."""
+        import grain
+        import orbax.checkpoint as ocp
+
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+                    for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(shardings))]
+        with reading_checkpoint(self.run_dir, latest):
+            restored = self.manager.restore(latest, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(checkpointable(iterator))))
-        state = jax.tree.unflatten(treedef, list(restored["state"]))
-        history = [h for h in read_history(metrics_path) if h["step"] <= latest]
-    if primary:
-        write_history(metrics_path, history)
+        self.history = [h for h in read_history(self.metrics_path) if h["step"] <= latest]
+        return jax.tree.unflatten(jax.tree.structure(state), list(restored["state"]))
 
-    # After a resume, TensorBoard drops the events logged past the restored checkpoint.
-    writer = Reporters(cfg, run_dir, purge_step=int(state.step) + 1 if resume and latest is not None else None) \
-        if primary else None
-    window = MetricWindow(r.objective, [s.name for s in r.plan.sources] if r.plan.mixture else ())
-    step = int(state.step)
-    if on_start:
-        on_start(step, r.objective.kind)
-    loop = Loop(cfg, r, iterator, ahead, manager, writer, window, history, metrics_path, primary, on_log, stop,
-                run_dir)
-    with contextlib.ExitStack() as cleanup:
-        cleanup.callback(manager.wait_until_finished)
-        cleanup.callback(r.trainer.stop_compiling)
-        if writer is not None:
-            cleanup.callback(writer.close)
-        state = loop.train(state, step)
-    if primary and storage.is_remote(cfg.output):  # the closed event files, the last metrics
-        storage.mirror(run_dir, cfg.output)
-    return TrainResult(state, r.trainer, loop.history, r.plan.total_steps)
+    def begin(self, step: int) -> None:
+        """The metrics file as far as ``step``, and the reporters; after a resume TensorBoard drops
+        the events logged past the restored checkpoint."""
+        if self.primary:
+            write_history(self.metrics_path, self.history)
+            self.writer = Reporters(self.cfg, self.run_dir, purge_step=step + 1 if step else None)
+
+    def publish(self, step: int, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self.primary:
+            append_history(self.metrics_path, record)
+            self.writer.log(record, step)
+        if self.on_log:
+            self.on_log(record)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """Something the loop does at a step boundary when ``due(step)``: ``act(step, state, record)``
+    adds to the step's record or acts on the state."""
+
+    name: str
+    due: Callable[[int], bool]
+    act: Callable[[int, Any, dict], None]
 
 
 @dataclasses.dataclass
 class Loop:
-    """The training loop: each step trains one batch, then its hooks run in order at the step
-    boundary, each adding to the step's record or acting on the state: ``log`` (the window's
-    metrics at logging steps, and at saves, so that a resumed run logs alike), ``evaluate``
-    (at the plan's evaluations), ``publish`` (the record to the history, the metrics file,
-    TensorBoard and ``on_log``), ``checkpoint`` (at save steps and the last). A stop asked for
-    by a signal is taken at the next step boundary (``stop_if_asked``)."""
+    """The training loop: each step trains one batch, then its hooks (``hooks``, each with the
+    steps it is due at) run in order at the step boundary: ``log`` (the window's metrics at
+    logging steps, and at saves, so that a resumed run logs alike), ``evaluate`` (at the plan's
+    evaluations), ``publish`` (the record to the history, the metrics file, TensorBoard and
+    ``on_log``), ``checkpoint`` (at save steps and the last). A stop asked for by a signal is
+    taken at the next step boundary (``stop_if_asked``)."""
 
     cfg: TrainConfig
     run: Run
-    iterator: Any  # the Grain iterator (in a Lookahead when compiling ahead)
-    ahead: int  # steps read ahead for background compilation
-    manager: Any  # Orbax's checkpoint manager
-    writer: Reporters | None  # TensorBoard and W&B, on the primary process
+    feed: Feed
+    out: Outputs
     window: MetricWindow
-    history: list[dict[str, Any]]
-    metrics_path: str
-    primary: bool
-    on_log: Callable[[dict], None] | None
     stop: list[int]  # the signals that asked for a stop (``schemas.stops.at_step_boundaries``)
-    run_dir: str
     shapes: set = dataclasses.field(default_factory=set)  # batch shapes compiled so far
     evals_ahead: bool = False  # the evaluations' shapes sent to the background compiler
 
+    @property
+    def hooks(self) -> tuple[Hook, ...]:
+        every = self.cfg.logging.steps
+        return (Hook("log", lambda step: step % every == 0 or self.saves_at(step),  # windows end at saves
+                     lambda step, state, record: record.update({"step": step, **self.window.finish()})),
+                Hook("evaluate", lambda step: step in self.run.plan.evaluations, self.evaluate),
+                Hook("publish", lambda step: True, self.publish),
+                Hook("checkpoint", self.saves_at, lambda step, state, record: self.save(step, state)))
+
+    @property
+    def iterator(self) -> Any:
+        return self.feed.iterator
+
+    @property
+    def manager(self) -> Any:
+        return self.out.manager
+
     def train(self, state: TrainState, step: int) -> TrainState:
-        hooks = (self.log, self.evaluate, self.publish, self.checkpoint)
+        hooks = self.hooks
         while step < self.run.plan.total_steps:
             self.stop_if_asked(step, state)
             state = self.train_step(state, step)
             step += 1
             record: dict[str, Any] = {}
             for hook in hooks:
-                hook(step, state, record)
+                if hook.due(step):
+                    hook.act(step, state, record)
         return state  # a stop asked for during the last step: the run is complete, saved
 
     def saves_at(self, step: int) -> bool:
@@ -338,7 +415,7 @@ class Loop:
         trained; its metrics into the window, a diverged loss refused."""
         r, cfg = self.run, self.cfg
         micro = [next(self.iterator) for _ in range(cfg.grad_accum)]
-        if self.ahead:
+        if self.feed.ahead:
             r.compile_ahead(self.iterator.ahead(), r.plan.total_steps - step - 1)
             if not self.evals_ahead:  # queued behind the first train shapes
                 self.evals_ahead = True
@@ -360,27 +437,13 @@ class Loop:
         self.window.add(m, micro, slots=batch["input_ids"].size)
         return state
 
-    def log(self, step: int, state: TrainState, record: dict) -> None:
-        if step % self.cfg.logging.steps == 0 or self.saves_at(step):  # windows end at saves: resumed runs log alike
-            record.update({"step": step, **self.window.finish()})
-
     def evaluate(self, step: int, state: TrainState, record: dict) -> None:
-        if step in self.run.plan.evaluations:
-            record.setdefault("step", step)
-            record.update(self.run.evaluate(state.params))
+        record.setdefault("step", step)
+        record.update(self.run.evaluate(state.params))
 
     def publish(self, step: int, state: TrainState, record: dict) -> None:
         if record:
-            self.history.append(record)
-            if self.primary:
-                append_history(self.metrics_path, record)
-                self.writer.log(record, step)
-            if self.on_log:
-                self.on_log(record)
-
-    def checkpoint(self, step: int, state: TrainState, record: dict) -> None:
-        if self.saves_at(step):
-            self.save(step, state)
+            self.out.publish(step, record)
 
     def save(self, step: int, state: TrainState) -> None:
         import grain
@@ -390,12 +453,12 @@ class Loop:
             state=ocp.args.StandardSave(jax.tree.leaves(state)),
             data=grain.checkpoint.CheckpointSave(checkpointable(self.iterator))))
         self.manager.wait_until_finished()
-        prune(self.manager, self.history, self.cfg)
-        if self.primary and storage.is_remote(self.cfg.output):
+        prune(self.manager, self.out.history, self.cfg)
+        if self.out.primary and storage.is_remote(self.cfg.output):
             self.manager.wait_until_finished()
-            if self.writer is not None:
-                self.writer.flush()
-            storage.mirror(self.run_dir, self.cfg.output)
+            if self.out.writer is not None:
+                self.out.writer.flush()
+            storage.mirror(self.out.run_dir, self.cfg.output)
 
     def stop_if_asked(self, step: int, state: TrainState) -> None:
         """Stop at this step boundary when a signal asked to: save its checkpoint (unless saved),
