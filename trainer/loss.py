@@ -7,6 +7,7 @@ Rewards are (B,) float32. A (B, 1) array where (B,) is expected is refused, not 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -161,68 +162,101 @@ def listwise_loss(rewards, scores, group, center_coef: float = 0.0, ranking: str
                          f"{scores.shape}, {group.shape}")
     if ranking not in RANKING_LOSSES:
         raise ValueError(f"ranking loss {ranking!r}: use one of {RANKING_LOSSES}")
-    r, s = rewards.astype(jnp.float32), scores.astype(jnp.float32)
-    real = group > 0
-    same = (group[:, :, None] == group[:, None, :]) & real[:, :, None]  # (R, S, S): i and j share a record
-    leader = real & (group != jnp.pad(group, ((0, 0), (1, 0)))[:, :-1])  # the first slot of each record
-
-    def per_record(x):  # (R, S) per-slot values -> each slot's record's total
-        return jnp.einsum("rij,rj->ri", same.astype(jnp.float32), x)
-
-    def at_leaders(x):  # (R, S) record totals -> summed over records
-        return jnp.where(leader, x, 0.0).sum()
-
+    r, s, rec = rewards.astype(jnp.float32), scores.astype(jnp.float32), _Slots.of(group)
     ds, dr = s[:, :, None] - s[:, None, :], r[:, :, None] - r[:, None, :]
-    better = same & (ds > 0)  # i outranks j
-    f = lambda m: m.astype(jnp.float32)  # noqa: E731
-    n_pairs = per_record(f(better).sum(-1))
+    better = rec.same & (ds > 0)  # i outranks j
+    n_pairs = rec.per_record(_f(better).sum(-1))
+    rank = _rank_loss(ranking, rec, r, better, ds, dr, n_pairs, margins)
+    mean = rec.per_record(jnp.where(rec.real, r, 0.0)) / jnp.maximum(rec.size, 1.0)
+    prompts = rec.at_leaders(jnp.ones_like(r))
+    rank_sum, center_sum = rec.at_leaders(rank), rec.at_leaders((2.0 * mean) ** 2)
+    loss = (rank_sum + center_coef * center_sum) / jnp.maximum(prompts, 1.0)
+    ranked = n_pairs > 0  # a record with something to rank (one kept for its ratings alone: not)
+    tau, has_tau = _kendall_tau(rec, ds, dr)
+    sums = {
+        "prompts": prompts,
+        "responses": _f(rec.real).sum(),
+        "pairs": _f(better).sum(),
+        "loss_sum": rank_sum + center_coef * center_sum,
+        "rank_loss_sum": rank_sum,
+        "center_sum": center_sum,
+        "correct": _f(better & (dr > 0)).sum(),
+        "ties": _f(better & (dr == 0)).sum(),
+        "best_sum": rec.at_leaders(jnp.where(ranked, _best_of_k(rec, r, s), 0.0)),
+        "ranked_prompts": rec.at_leaders(_f(ranked)),
+        "tau_sum": rec.at_leaders(tau),
+        "tau_prompts": rec.at_leaders(_f(has_tau)),
+        "reward_sum": jnp.where(rec.real, r, 0.0).sum(),
+        "reward_sq_sum": jnp.where(rec.real, r * r, 0.0).sum(),
+    }
+    return loss, sums
+
+
+def _f(m: jax.Array) -> jax.Array:
+    return m.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slots:
+    """The records of a batch's (R, S) slots: ``same`` (R, S, S) slots i and j share a record,
+    ``real`` slots that hold a response, ``leader`` each record's first slot, ``size`` (R, S)
+    each slot's record's size."""
+
+    same: jax.Array
+    real: jax.Array
+    leader: jax.Array
+
+    @classmethod
+    def of(cls, group: jax.Array) -> _Slots:
+        real = group > 0
+        same = (group[:, :, None] == group[:, None, :]) & real[:, :, None]
+        return cls(same, real, real & (group != jnp.pad(group, ((0, 0), (1, 0)))[:, :-1]))
+
+    def per_record(self, x: jax.Array) -> jax.Array:
+        """(R, S) per-slot values -> each slot's record's total."""
+        return jnp.einsum("rij,rj->ri", self.same.astype(jnp.float32), x)
+
+    def at_leaders(self, x: jax.Array) -> jax.Array:
+        """(R, S) record totals -> summed over records."""
+        return jnp.where(self.leader, x, 0.0).sum()
+
+    @property
+    def size(self) -> jax.Array:
+        return self.per_record(_f(self.real))
+
+
+def _rank_loss(ranking: str, rec: _Slots, r, better, ds, dr, n_pairs, margins) -> jax.Array:
+    """Each slot's record's ranking loss (R, S)."""
     if ranking == "bradley-terry":
         m = jnp.zeros_like(r) if margins is None else margins.astype(jnp.float32)
         dm = m[:, :, None] - m[:, None, :]
         terms = jnp.where(better, -jax.nn.log_sigmoid(dr - dm), 0.0).sum(-1)  # (R, S): i's pairs with those below
-        rank = per_record(terms) / jnp.maximum(n_pairs, 1.0)
-    else:
-        below = same & (ds >= 0)  # i is drawn from the responses scored no higher than it
-        lse = jax.nn.logsumexp(jnp.where(below, r[:, None, :], -1e30), axis=-1)  # finite: padding has no gradient
-        drawn = better.any(-1)  # a response that outranks another (the lowest-scored are not drawn)
-        rank = per_record(jnp.where(drawn, lse - r, 0.0)) / jnp.maximum(per_record(f(drawn)), 1.0)
-    size = per_record(f(real))
-    mean = per_record(jnp.where(real, r, 0.0)) / jnp.maximum(size, 1.0)
-    center = (2.0 * mean) ** 2
-    prompts = at_leaders(jnp.ones_like(r))
-    rank_sum, center_sum = at_leaders(rank), at_leaders(center)
-    loss = (rank_sum + center_coef * center_sum) / jnp.maximum(prompts, 1.0)
-    # best-of-K: the share of the record's top-reward responses that are best-scored
-    top_r = jnp.where(same, r[:, None, :], -jnp.inf).max(-1)
-    top_s = jnp.where(same, s[:, None, :], -jnp.inf).max(-1)
-    is_top, is_best = real & (r == top_r), real & (s == top_s)
-    best = per_record(f(is_top & is_best)) / jnp.maximum(per_record(f(is_top)), 1.0)
-    ranked = n_pairs > 0  # a record with something to rank (one kept for its ratings alone: not)
-    # Kendall's tau-b: over the unordered pairs of a record (each counted twice here, halved out)
-    concordant = per_record(jnp.where(same, jnp.sign(ds) * jnp.sign(dr), 0.0).sum(-1))
+        return rec.per_record(terms) / jnp.maximum(n_pairs, 1.0)
+    below = rec.same & (ds >= 0)  # i is drawn from the responses scored no higher than it
+    lse = jax.nn.logsumexp(jnp.where(below, r[:, None, :], -1e30), axis=-1)  # finite: padding has no gradient
+    drawn = better.any(-1)  # a response that outranks another (the lowest-scored are not drawn)
+    return rec.per_record(jnp.where(drawn, lse - r, 0.0)) / jnp.maximum(rec.per_record(_f(drawn)), 1.0)
+
+
+def _best_of_k(rec: _Slots, r, s) -> jax.Array:
+    """Best-of-K credit per record: the share of its top-reward responses that are best-scored."""
+    top_r = jnp.where(rec.same, r[:, None, :], -jnp.inf).max(-1)
+    top_s = jnp.where(rec.same, s[:, None, :], -jnp.inf).max(-1)
+    is_top, is_best = rec.real & (r == top_r), rec.real & (s == top_s)
+    return rec.per_record(_f(is_top & is_best)) / jnp.maximum(rec.per_record(_f(is_top)), 1.0)
+
+
+def _kendall_tau(rec: _Slots, ds, dr) -> tuple[jax.Array, jax.Array]:
+    """Kendall's tau-b per record, and where it is defined (rewards and scores both vary): over
+    the unordered pairs of a record (each counted twice here, halved out)."""
+    size = rec.size
+    concordant = rec.per_record(jnp.where(rec.same, jnp.sign(ds) * jnp.sign(dr), 0.0).sum(-1))
     n0 = size * (size - 1)
-    tied_s = per_record(f(same & (ds == 0)).sum(-1)) - size  # ordered pairs i != j of equal score
-    tied_r = per_record(f(same & (dr == 0)).sum(-1)) - size
+    tied_s = rec.per_record(_f(rec.same & (ds == 0)).sum(-1)) - size  # ordered pairs i != j of equal score
+    tied_r = rec.per_record(_f(rec.same & (dr == 0)).sum(-1)) - size
     denom = jnp.sqrt(jnp.maximum((n0 - tied_s) * (n0 - tied_r), 0.0))
     has_tau = denom > 0
-    tau = jnp.where(has_tau, concordant / jnp.where(has_tau, denom, 1.0), 0.0)
-    sums = {
-        "prompts": prompts,
-        "responses": f(real).sum(),
-        "pairs": f(better).sum(),
-        "loss_sum": rank_sum + center_coef * center_sum,
-        "rank_loss_sum": rank_sum,
-        "center_sum": center_sum,
-        "correct": f(better & (dr > 0)).sum(),
-        "ties": f(better & (dr == 0)).sum(),
-        "best_sum": at_leaders(jnp.where(ranked, best, 0.0)),
-        "ranked_prompts": at_leaders(f(ranked)),
-        "tau_sum": at_leaders(tau),
-        "tau_prompts": at_leaders(f(has_tau)),
-        "reward_sum": jnp.where(real, r, 0.0).sum(),
-        "reward_sq_sum": jnp.where(real, r * r, 0.0).sum(),
-    }
-    return loss, sums
+    return jnp.where(has_tau, concordant / jnp.where(has_tau, denom, 1.0), 0.0), has_tau
 
 
 def ranking_metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
