@@ -193,7 +193,7 @@ def print_summary(stats: dict, output: str) -> None:
     table.add_row("records read", f"{c['records_read']:,}")
     table.add_row("written (train / eval)",
                   f"{c['pairs_written']:,} ({c['pairs_written_train']:,} / {c['pairs_written_eval']:,})")
-    from rmflow.pipelines.finalize import NOT_WRITTEN, NOTED_COUNTS
+    from rmflow.rendering.accounting import NOT_WRITTEN, NOTED_COUNTS
 
     for key, _, what in NOT_WRITTEN:
         if key not in ("contaminated", "weak_labels") or c.get(key):  # filters asked for: a row when they dropped any

@@ -312,7 +312,7 @@ def summary_lines(stats: dict[str, Any], max_length: int) -> list[str]:
         from rmflow.pipelines.io import skipped_summary
 
         lines.append(skipped_summary(stats["skipped_inputs"]))
-    from rmflow.pipelines.finalize import NOT_WRITTEN
+    from rmflow.rendering.accounting import NOT_WRITTEN
 
     for key, _, what in NOT_WRITTEN:
         what = f"longer than max_length {max_length}" if key == "dropped_too_long" else what

@@ -100,7 +100,7 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
 def left_out(counts: dict[str, int]) -> list[dict[str, Any]]:
     """What a raw input's preprocessing did not pass on to the eval, by reason, in words: records
     not written (``NOT_WRITTEN``) and responses left out of their records."""
-    from rmflow.pipelines.finalize import NOT_WRITTEN, NOTED_COUNTS
+    from rmflow.rendering.accounting import NOT_WRITTEN, NOTED_COUNTS
 
     out = [{"count": counts[key], "why": f"records {what}"} for key, _, what in NOT_WRITTEN if counts.get(key)]
     return out + [{"count": counts[key], "why": what} for key, category, _, what in NOTED_COUNTS
