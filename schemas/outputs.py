@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import fnmatch
 import glob
 import json
 import os
@@ -212,7 +213,7 @@ SCORES_SUMMARY = "summary.json"
 WORKFLOW_FILE = "rmflow_workflow.json"  # in a workflow's folder: written first, the workflow file it runs  # in a scoring job's output, beside its COMPLETED marker
 OUTPUT_SIGNATURES: dict[str, tuple[frozenset[str], ...]] = {
     "shard folder": (frozenset({"manifest.json", "stats.json"}), frozenset({"_summary.json"})),
-    "run directory": (frozenset({"model_config.json"}), frozenset({"checkpoints"})),
+    "run directory": (frozenset({"model_config.json"}),),  # written before the first step (and checkpoint)
     "eval folder": (frozenset({EVAL_FILE, REPORT_FILE}),),
     "export": (frozenset({EXPORT_INFO}),),
     "scoring job output": (frozenset({"COMPLETED", SCORES_SUMMARY}),),
@@ -220,6 +221,34 @@ OUTPUT_SIGNATURES: dict[str, tuple[frozenset[str], ...]] = {
     "workflow folder": (frozenset({WORKFLOW_FILE}), frozenset({"preprocess.done.json"}),
                         frozenset({"train.started.json"})),
 }
+
+
+# What an output of each kind may hold at its top level (fnmatch patterns; None: anything, its
+# parts each checked by their own command's rule): a folder recognised as a command's earlier
+# output is replaced or written into only when it holds nothing else, so that a file a user put
+# in it is never deleted with it.
+OUTPUT_FILES: dict[str, tuple[str, ...] | None] = {
+    "shard folder": ("manifest.json", "stats.json", "config.json", "errors.jsonl", "contamination.jsonl", "COMPLETED",
+                     "_summary.json", "_FAILED.json", "tokenizer", "train-*.array_record", "eval-*.array_record"),
+    "run directory": ("config.json", "model_config.json", "base_config.json", "data_manifest.json", "mixture.json",
+                      "config_history.jsonl", "metrics.jsonl", "checkpoints", "tokenizer", "eval_data", "tensorboard",
+                      "wandb", "wandb_id", "reward_normalization.json"),
+    "eval folder": (EVAL_FILE, REPORT_FILE, "input_errors.jsonl", "*.png"),
+    "export": ("README.md", "config.json", "generation_config.json", EXPORT_INFO, "reward_normalization.json",
+               "model*.safetensors", "model.safetensors.index.json", "adapter_config.json", "adapter_model.safetensors",
+               "chat_template.jinja", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+               "merges.txt", "*.model", "*.tiktoken"),
+    "scoring job output": ("COMPLETED", SCORES_SUMMARY, "scores-*-of-*.*", "best.jsonl", "pairs.jsonl", "errors.jsonl",
+                           "_FAILED.json"),
+    "staging folder": None,
+    "workflow folder": None,
+}
+
+
+def foreign_files(kind: str, names: set[str] | frozenset[str]) -> list[str]:
+    """The names of ``names`` that an output of ``kind`` never holds (``OUTPUT_FILES``), sorted."""
+    own = OUTPUT_FILES[kind]
+    return [] if own is None else sorted(n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in own))
 
 
 def output_kind(names: set[str] | frozenset[str]) -> str | None:
@@ -240,20 +269,29 @@ class OutputRefused(RmflowError):
 
 
 def replace_refusal(output: str, kind: str, names: set[str] | frozenset[str] | None, *, is_file: bool = False,
-                    option: str = "--output", ignore: frozenset[str] = frozenset()) -> str | None:
+                    option: str = "--output", ignore: frozenset[str] = frozenset(), replaces: bool = True
+                    ) -> str | None:
     """Why a command that writes a ``kind`` output (OUTPUT_SIGNATURES) and replaces what is there
     must not write to ``output``, or None when it may: it may replace nothing (``names`` None),
     an empty folder (but for ``ignore``, what the command itself put there first) or its own
-    earlier output; never a file, another command's output or a folder of other files, which it
-    would delete. The one rule every command applies (``check_replaceable``, and the Beam jobs with
+    earlier output holding nothing else (``OUTPUT_FILES``; a command that writes into its output
+    rather than replacing it, ``replaces=False``, leaves what else is there alone); never a file,
+    another command's output or a folder of other files, which it would delete. The one rule every command applies (``check_replaceable``, and the Beam jobs with
     their own listing of a remote folder)."""
     if is_file:
         return f"{option} {output} is a file; give a folder for the {kind}"
     if names is None:
         return None
     names = set(names) - set(ignore)
-    if not names or is_output_of(kind, names):
+    if not names:
         return None
+    if is_output_of(kind, names):
+        foreign = foreign_files(kind, names) if replaces else []
+        if not foreign:
+            return None
+        shown = ", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "")
+        return (f"{option} {output} is an earlier {kind} that also holds {shown}, which rmflow did not write and "
+                "replacing it would delete: move them out, or give another folder")
     other = output_kind(names)
     shown = ", ".join(sorted(names)[:4]) + (" ..." if len(names) > 4 else "")
     what = f"is an rmflow {other}" if other else f"holds other files ({shown})"
@@ -274,9 +312,11 @@ def check_replaceable(output: str, kind: str, *, option: str = "--output", ignor
     command that ``replaces`` it whole, when it holds another rmflow output."""
     if is_url(output):
         return
+    if os.path.islink(output.rstrip("/")):  # the swap would replace the link, not the folder it names
+        raise OutputRefused(f"{option} {output} is a link to {os.path.realpath(output)}: give the folder itself")
     names = set(os.listdir(output)) if os.path.isdir(output) else None
     why = replace_refusal(output, kind, names, is_file=os.path.exists(output) and not os.path.isdir(output),
-                          option=option, ignore=ignore) or nested_in(output, option)
+                          option=option, ignore=ignore, replaces=replaces) or nested_in(output, option)
     if why:
         raise OutputRefused(why)
     inside = inside_of(output, inputs)

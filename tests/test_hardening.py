@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -148,8 +149,8 @@ def test_no_command_writes_over_a_folder_that_is_not_its_own(base, tmp_path):
     assert cli("eval", "--model", run, "--data", shards, "-o", ev).exit_code == 0
     shutil.copy(data, ev / "pairs.jsonl")
     before = _snapshot(ev)
-    for named in (ev / "pairs.jsonl", tmp_path / "e*" / "pairs.jsonl"):
-        assert "apart from its inputs" in one_line_error(cli("eval", "--model", run, "--data", named, "-o", ev))
+    for named in (ev / "pairs.jsonl", tmp_path / "e*" / "pairs.jsonl"):  # refused for holding it, or another file
+        assert REFUSED.search(one_line_error(cli("eval", "--model", run, "--data", named, "-o", ev)))
     assert _snapshot(ev) == before
     ev_before = before
     # preprocess --overwrite and the scoring job whose inputs (data, template, model) lie in their output
@@ -158,16 +159,15 @@ def test_no_command_writes_over_a_folder_that_is_not_its_own(base, tmp_path):
     shutil.copy(data, own / "in.jsonl")
     shutil.copytree(export, own / "model")
     before = _snapshot(own)
-    assert "apart from its inputs" in one_line_error(cli("preprocess", "-i", own / "in.jsonl", *tok, "-o", own,
-                                                         "--overwrite"))
+    assert REFUSED.search(one_line_error(cli("preprocess", "-i", own / "in.jsonl", *tok, "-o", own, "--overwrite")))
     scored = tmp_path / "scored"  # an earlier scoring job's output (what makes one: COMPLETED and its summary)
     scored.mkdir()
     (scored / "COMPLETED").write_text("")
     (scored / "summary.json").write_text("{}")
     shutil.copytree(export, scored / "m")
     frozen = _snapshot(scored)
-    assert "apart from its inputs" in one_line_error(cli("score", "--model", scored / "m", "-i", data, "-o", scored,
-                                                         "--runner", "DirectRunner", "--overwrite"))
+    assert REFUSED.search(one_line_error(cli("score", "--model", scored / "m", "-i", data, "-o", scored,
+                                             "--runner", "DirectRunner", "--overwrite")))
     assert _snapshot(scored) == frozen
     # an output inside another command's output (which that command's rerun would replace), a file
     # of one overwritten by in-process scoring, a folder to replace that holds another output
@@ -176,8 +176,54 @@ def test_no_command_writes_over_a_folder_that_is_not_its_own(base, tmp_path):
                  ("score", "--model", export, "-i", data, "-o", export / "config.json"),
                  ("export", run, "-o", run / "checkpoints" / "99")):
         assert "is inside an rmflow" in one_line_error(cli(*args)), args
-    assert "holds an rmflow export" in one_line_error(cli("preprocess", "-i", data, *tok, "-o", own, "--overwrite"))
+    assert REFUSED.search(one_line_error(cli("preprocess", "-i", data, *tok, "-o", own, "--overwrite")))
     assert _snapshot(own) == before and _snapshot(ev) == ev_before
+
+
+# The refusals of the output rule: the output holds the command's input, another rmflow output,
+# or files rmflow did not write
+REFUSED = re.compile(r"apart from its inputs|holds an rmflow|which rmflow did not write")
+
+
+def test_an_earlier_output_holding_a_user_s_files_is_never_replaced_nor_a_folder_taken_for_one(base, tmp_path):
+    """A folder is a command's earlier output only by all it holds (``OUTPUT_FILES``): one marker
+    file among a user's files (a ``checkpoints`` folder, a ``_summary.json``) is no run or shard
+    folder, and an earlier eval, shard folder or export that a user added files to is refused in
+    one line naming them, nothing touched; an output named by a link is refused too."""
+    shards, run = base / "shards", base / "run"
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": "hi", "chosen": "a", "rejected": "b"}) + "\n")
+    tok = ("--tokenizer", DEMO / "tokenizer")
+    lightning = tmp_path / "lightning"  # another trainer's project folder: a checkpoints folder and a config
+    (lightning / "checkpoints").mkdir(parents=True)
+    (lightning / "checkpoints" / "epoch=1.ckpt").write_text("w")
+    (lightning / "config.json").write_text('{"my": "config"}')
+    userdir = tmp_path / "userdir"
+    userdir.mkdir()
+    (userdir / "_summary.json").write_text("{}")
+    (userdir / "thesis.tex").write_text("precious")
+    ev, shard_copy, export = tmp_path / "ev", tmp_path / "shards", tmp_path / "export"
+    assert cli("eval", "--model", run, "--data", shards, "-o", ev).exit_code == 0
+    assert cli("export", run, "-o", export).exit_code == 0
+    shutil.copytree(shards, shard_copy)
+    for folder in (ev, shard_copy, export):
+        (folder / "notes.txt").write_text("mine")
+    cases = ((("train", "--data", shards, "--model", "micro", "-o", lightning, "--max-steps", 1), lightning),
+             (("preprocess", "-i", data, *tok, "-o", userdir, "--overwrite"), userdir),
+             (("eval", "--model", run, "--data", shards, "-o", ev), ev),
+             (("preprocess", "-i", data, *tok, "-o", shard_copy, "--overwrite"), shard_copy),
+             (("export", run, "-o", export), export))
+    for args, out in cases:
+        before = _snapshot(out)
+        message = one_line_error(cli(*args))
+        assert "holds other files" in message or "which rmflow did not write" in message, (args, message)
+        assert _snapshot(out) == before, args
+    (ev / "notes.txt").unlink()
+    link = tmp_path / "elink"
+    link.symlink_to(ev)
+    assert f"{link} is a link to {ev}: give the folder itself" in one_line_error(
+        cli("eval", "--model", run, "--data", shards, "-o", link))
+    assert link.is_symlink() and (ev / "eval.json").exists()
 
 
 def test_a_run_is_self_contained_and_its_paths_absolute(base, tmp_path, monkeypatch):

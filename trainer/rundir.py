@@ -52,7 +52,7 @@ METRICS_FILE = "metrics.jsonl"  # the metric history: one record per logging or 
 
 BASE_CONFIG = "base_config.json"
 CHECKPOINTS = "checkpoints"
-RUN_DIRECTORY = "run directory"  # schemas.outputs.OUTPUT_SIGNATURES' name of what train writes (MODEL_CONFIG or CHECKPOINTS)
+RUN_DIRECTORY = "run directory"  # schemas.outputs.OUTPUT_SIGNATURES' name of what train writes (MODEL_CONFIG)
 
 
 class RunDirError(RmflowError):
