@@ -80,9 +80,11 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
 
 
 def _encode_all(items: list[Any], encode, what: str, check=None) -> list[Any]:
-    """Every item encoded; all bad items named at once (nothing is scored when any is bad). With
-    ``check`` (what encoding checks before it tokenizes), every item is checked first, so that a
-    request with a bad item is refused before any item is tokenized."""
+    """Every item encoded; nothing is scored when any is bad. With ``check`` (what encoding checks
+    before it tokenizes), every item is checked first and all bad items named at once, so that a
+    request with a bad item is refused before any item is tokenized; encoding then stops at the
+    first item it refuses (too many tokens: a request of many over-long items costs one
+    tokenization, not one an item)."""
     out, bad = [], []
     for i, item in enumerate(items if check else ()):
         try:
@@ -94,6 +96,7 @@ def _encode_all(items: list[Any], encode, what: str, check=None) -> list[Any]:
             out.append(encode(item))
         except BadConversation as e:
             bad.append({"index": i, "error": str(e)})
+            break
     if bad:
         first = bad[0]
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
