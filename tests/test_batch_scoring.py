@@ -322,3 +322,29 @@ def test_every_record_is_scored_as_the_server_scores_it_and_none_takes_the_other
         [rm.encode(convs[i]) for i in (0, 2, 3)])[0], atol=1e-5, rtol=0)
     results = RewardModelHandler(spec).run_inference([("in", i, json.dumps(x)) for i, x in enumerate(lines)], rm)
     assert [r.inference.get("code") for r in results] == [None, "internal_error", None, None]
+
+
+def test_a_record_whose_keys_fit_two_layouts_is_an_error_line_in_every_scoring_path(job, tmp_path):
+    """One rule for what a record is: K responses beside a pair (scored or not) fit two layouts,
+    and preprocess refuses them as ambiguous; scoring (in process, the Beam job's handler, and
+    the server through ``responses_of``) makes each an error line, never a score of either."""
+    from rmflow.scoring.batch import JobSpec, RewardModelHandler
+    from rmflow.scoring.errors import BadConversation
+    from rmflow.scoring.scorers import responses_of, score_file
+
+    base, rm, _, _, _ = job
+    both = [{"prompt": "q", "responses": ["a", "b"], "chosen": "a", "rejected": "b"},
+            {"prompt": "q", "responses": ["a", "b", "c"], "scores": [3, 1, 2], "chosen": "a", "rejected": "b"}]
+    ok = {"prompt": "q", "responses": ["a", "b"]}
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [*both, ok]))
+    assert score_file(str(base / "run"), str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")) == \
+        {"scored": 1, "errors": 2}
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert all("fit several layouts" in r["error"] for r in rows[:2]) and len(rows[2]["response_scores"]) == 2
+    spec = JobSpec(model=str(base / "run"), step=None, staging="", output="", num_shards=1, token_budget=1024,
+                   batch_rows=8, group_by=None, started=0.0)
+    results = RewardModelHandler(spec).run_inference([("in", i, json.dumps(x)) for i, x in enumerate(both)], rm)
+    assert all("fit several layouts" in r.inference["error"] for r in results)
+    for record in both:
+        with pytest.raises(BadConversation, match="fit several layouts"):
+            responses_of(record)

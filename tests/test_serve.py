@@ -270,8 +270,8 @@ def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, c
     # every item the checks before tokenizing refuse is named; tokenizing runs only when none is
     r = server.post("/v1/score", {"conversations": [good, long, long[:1], long[:1]]})
     assert [i["index"] for i in r.json()["items"]] == [2, 3]
-    r = server.post("/v1/score", {"conversations": [good, long, good, long]})
-    assert [i["index"] for i in r.json()["items"]] == [1, 3]
+    r = server.post("/v1/score", {"conversations": [good, long, good, long]})  # tokenizing stops at the first refused
+    assert [i["index"] for i in r.json()["items"]] == [1]
     r = server.post("/get_reward", {"query": ["ok", 3]})
     assert r.status_code == 422 and "query 1" in r.json()["error"]
     for path, body, words in (("/v1/embeddings", {"input": "x", "encoding_format": "base64"}, "floats only"),
@@ -279,7 +279,19 @@ def test_bad_input_gets_a_4xx_naming_the_item_and_the_server_stays_up(outcome, c
                               ("/v1/embeddings", {"input": "x", "dimensions": 5}, "1 dimension")):
         r = server.post(path, body)  # what the server cannot produce is refused, not ignored
         assert r.status_code == 400 and words in r.json()["error"], r.text
+    assert server.post("/v1/embeddings", {"input": "x", "dimensions": True}).status_code == 400  # not the number 1
     assert server.post("/v1/embeddings", {"input": "x", "encoding_format": "float", "dimensions": 1}).status_code == 200
+    # a rendered text is scored only where it ends with an assistant reply, on every rendered-text
+    # endpoint (the rule preprocessing and /v1/score apply); one without the template's assistant
+    # marker (another template, or no reply) is scored with a warning
+    turns = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"
+    for path, key in (("/get_reward", "query"), ("/classify", "input"), ("/pooling", "input"),
+                      ("/v1/embeddings", "input")):
+        r = server.post(path, {key: [turns + "<|im_start|>user\nare you sure?<|im_end|>\n"]})
+        assert r.status_code == 422 and "ends with a user turn" in r.json()["error"], (path, r.text)
+        assert server.post(path, {key: [turns]}).json().get("warnings") is None, path
+        r = server.post(path, {key: ["<|im_start|>user\nq<|im_end|>\n", "plain text"]})
+        assert r.status_code == 200 and "2 of 2" in r.json()["warnings"][0], (path, r.text)
     r = requests.post(server.url + "/v1/score", json={"conversations": [good]}, timeout=30)
     assert r.status_code == 401  # no API key
     r = server.post("/v1/score", b"[" * 100 + b"]" * 100)

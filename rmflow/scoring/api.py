@@ -210,11 +210,21 @@ class RewardModel:
         ``<|im_end|>\\n``): a rendered conversation of its training data ends with it."""
         return self._template_parts()[1]
 
-    def _template_parts(self) -> tuple[str, str]:
+    @property
+    def user_marker(self) -> str:
+        """What this model's chat template puts before a user message that follows a reply: a
+        rendered text with one after its last assistant marker ends with the user's turn."""
+        return self._template_parts()[2]
+
+    def _template_parts(self) -> tuple[str, str, str]:
         if not hasattr(self, "_parts"):
-            rendered = self._record_tokenizer().render_text((("user", "\x00U\x00"), ("assistant", "\x00A\x00")))
-            reply = rendered.index("\x00A\x00")
-            self._parts = (rendered[rendered.index("\x00U\x00") + 3 : reply].strip(), rendered[reply + 3:])
+            rendered = self._record_tokenizer().render_text((("user", "\x00U\x00"), ("assistant", "\x00A\x00"),
+                                                             ("user", "\x00V\x00"), ("assistant", "\x00B\x00")))
+            reply, second = rendered.index("\x00A\x00"), rendered.index("\x00V\x00")
+            end = rendered[rendered.index("\x00B\x00") + 3:]
+            between = rendered[reply + 3: second]  # the first reply's turn end, then the next user turn's start
+            user = between[len(end):] if end and between.startswith(end) else between
+            self._parts = (rendered[rendered.index("\x00U\x00") + 3: reply].strip(), end, user.strip())
         return self._parts
 
     @property

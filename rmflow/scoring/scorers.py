@@ -28,13 +28,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rmflow.schemas.metrics import first_error
 from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
-from rmflow.schemas.metrics import STEP_THRESHOLD
+from rmflow.schemas.metrics import STEP_THRESHOLD, first_error
 from rmflow.schemas.outputs import inside_of, nested_in
 from rmflow.schemas.record import ResponsesRecord
 from rmflow.schemas.stops import refuse_if_stopping
@@ -274,6 +273,23 @@ def responses_layout(obj: Any) -> str | None:
     return layouts[0] if len(layouts) == 1 else None
 
 
+def check_one_layout(obj: Any) -> None:
+    """A record to score is read as one layout, as preprocess reads it: one whose keys fit several
+    (K responses with scores and a pair, or a prompt's unscored ``responses`` beside ``chosen`` and
+    ``rejected``) is refused, never scored as whichever its keys happen to favour. A record with
+    ``messages`` is a conversation, whatever else it carries."""
+    from rmflow.rendering.formats import candidate_formats
+
+    if not isinstance(obj, dict) or "messages" in obj:
+        return
+    found = candidate_formats(obj)
+    if "responses" not in found and isinstance(obj.get("responses"), list) and {"chosen", "rejected"} & set(obj):
+        found = ["responses", *found]  # a prompt's responses to score, beside a pair
+    if len(found) > 1:
+        raise BadConversation(f"keys {sorted(obj)} fit several layouts ({', '.join(found)}): give a record of one "
+                              "(drop the other's fields)")
+
+
 def response_count(obj: Any) -> int:
     """How many responses a record of K responses holds, counted without reading them (1 for any
     other record): what bounds a request before anything in it is rendered or tokenized."""
@@ -290,6 +306,7 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
     left-out responses included: every response gets its score); None for any other record."""
     from rmflow.rendering.responses import raw_responses
 
+    check_one_layout(obj)
     layout = responses_layout(obj)
     if layout is None:
         return None

@@ -223,10 +223,13 @@ def _texts(values: list[Any], key: str, rm: RewardModel, *, add_special_tokens: 
         text = unpadded(text, rm)
         if not text[: len(text) - len(rm.turn_end)].strip():
             raise BadConversation("is empty")
-        marker = rm.assistant_marker
+        marker, user = rm.assistant_marker, rm.user_marker
         if marker and marker in text and not text[text.rindex(marker) + len(marker): len(text) - len(rm.turn_end)
                                                   ].strip():
             raise BadConversation("ends with an empty reply (preprocessing refuses empty replies too: empty_reply)")
+        if marker and user and marker in text and text.rfind(user) > text.rindex(marker):
+            raise BadConversation(f"ends with a user turn ({user!r} after the last {marker!r}): a reward model scores "
+                                  "an assistant reply, as preprocessing and /v1/score require")
         if keep_last is not None:  # its last tokens lie within its last characters, cut at a word's start
             from rmflow.rendering.tokenize import left_cut
 
@@ -288,12 +291,20 @@ def read_get_reward(body: Any, rm: RewardModel, max_items: int) -> Parsed:
     # as OpenRLHF's own server, a query longer than the server's length is cut, never refused: the
     # reward is read at its end, so its earliest tokens go
     encoded = _texts(queries, "query", rm, add_special_tokens=False, keep_last=rm.max_length)
+    missing, warnings = _template_mismatches(queries, "queries", rm)
+    return Parsed(encoded, [len(x) for x in encoded], {"template_mismatches": missing}, warnings)
+
+
+def _template_mismatches(texts: list[str], what: str, rm: RewardModel) -> tuple[int, list[str]]:
+    """(how many, the warning): rendered texts without the assistant marker of the reward model's
+    chat template, made with another template (or holding no reply), whose scores are not what
+    the model was trained to give: scored, and said, on every rendered-text endpoint."""
     marker = rm.assistant_marker
-    missing = [i for i, q in enumerate(queries) if marker and marker not in q]
-    warnings = [f"{len(missing)} of {len(queries)} queries (first: {missing[0]}) lack {marker!r}, which the reward "
-                "model's chat template puts before a reply: they were rendered with another template, and their "
-                "scores are not what the reward model was trained to give"] if missing else []
-    return Parsed(encoded, [len(x) for x in encoded], {"template_mismatches": len(missing)}, warnings)
+    missing = [i for i, q in enumerate(texts) if marker and marker not in q]
+    return len(missing), [f"{len(missing)} of {len(texts)} {what} (first: {missing[0]}) lack {marker!r}, which the "
+                          "reward model's chat template puts before a reply: they were rendered with another "
+                          "template, or hold no reply, and their scores are not what the reward model was trained "
+                          "to give"] if missing else []
 
 
 def read_classify(body: Any, rm: RewardModel, max_items: int) -> Parsed:
@@ -336,7 +347,7 @@ def _read_inputs(body: Any, rm: RewardModel, max_items: int, endpoint: str, *, a
     if encodings and body.get("encoding_format") not in (None, "float"):
         raise RequestError(400, f"{endpoint}: 'encoding_format' {body['encoding_format']!r}: this server returns "
                                 "floats only; send \"float\" or leave it out")
-    if dimensions and body.get("dimensions") not in (None, 1):
+    if dimensions and not (body.get("dimensions") is None or type(body["dimensions"]) is int and body["dimensions"] == 1):
         raise RequestError(400, f"{endpoint}: 'dimensions' {body['dimensions']!r}: a reward model's embedding is its "
                                 "one reward (1 dimension); leave it out")
     single = isinstance(body["input"], str)
@@ -356,4 +367,6 @@ def _read_inputs(body: Any, rm: RewardModel, max_items: int, endpoint: str, *, a
         keep_last = rm.max_length if k == -1 else k
     encoded = _texts(inputs, "input", rm, add_special_tokens=_flag(body, "add_special_tokens", True),
                      keep_last=keep_last, too_long=too_long)
-    return Parsed(encoded, [len(x) for x in encoded], {"activation": activation})
+    missing, warnings = _template_mismatches(inputs, "inputs", rm)
+    return Parsed(encoded, [len(x) for x in encoded], {"activation": activation, "template_mismatches": missing},
+                  warnings)
