@@ -217,10 +217,11 @@ class PreprocessConfig(Config):
 
     def output_affecting(self) -> dict[str, Any]:
         """The fields that change the shards' bytes (not where or how the job runs)."""
-        d = self.to_dict()
-        for key in ("output", "overwrite", "num_workers", "runner", "beam_args", "batch_size"):
-            d.pop(key)
-        return d
+        return {k: v for k, v in self.to_dict().items() if k not in WHERE_AND_HOW}
+
+
+# The preprocess options that say where or how the job runs, not what the shards hold
+WHERE_AND_HOW = ("output", "overwrite", "num_workers", "runner", "beam_args", "batch_size")
 
 
 def checkpoint_step(value: Any) -> int | str | None:

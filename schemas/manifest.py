@@ -206,6 +206,16 @@ class Manifest:
     def to_json(self) -> str:
         return jsontext.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
 
+    def content_identity(self) -> str:
+        """The manifest without what says where or how its job ran (``WHERE_AND_HOW``: the output
+        folder, the runner ...): two preprocessings of the same inputs with the same options (the
+        same shards) share it, wherever they were written."""
+        from rmflow.schemas.config import WHERE_AND_HOW
+
+        d = dataclasses.asdict(self)
+        d["config"] = {k: v for k, v in d["config"].items() if k not in WHERE_AND_HOW}
+        return jsontext.dumps(d, sort_keys=True)
+
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         try:

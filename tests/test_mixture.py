@@ -206,6 +206,14 @@ def test_sets_preprocessed_unlike_are_refused_naming_them(sets, tmp_path, tokeni
     with pytest.raises(TrainError, match="sets 'a' and 'link' are the same shards"):
         train(TrainConfig(data=f"{sets['a']}=1,{tmp_path / 'link'}=1", model="micro", output=str(tmp_path / "run2"),
                           max_steps=2, batch_size=8))
+    # ... or the same file preprocessed again, with the same options, into another folder
+    from rmflow.pipelines.preprocess import run as preprocess
+
+    preprocess(PreprocessConfig(inputs=(str(sets["a"].parent / "a.jsonl"),), output=str(tmp_path / "again"),
+                                tokenizer=tokenizer_dir, format="tokenized", max_length=16, eval_fraction=0.1))
+    with pytest.raises(TrainError, match="sets 'a' and 'again' are the same shards"):
+        train(TrainConfig(data=f"{sets['a']}=1,{tmp_path / 'again'}=1", model="micro", output=str(tmp_path / "run2"),
+                          max_steps=2, batch_size=8))
     # another kind of records: named, with what to do (not advice about tokenizers)
     (tmp_path / "k.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "responses": ["a", "bb", "ccc"],
                                                           "scores": [1, 2, 3]}) + "\n" for i in range(8)))

@@ -168,14 +168,16 @@ def other_kind(name: str, named: str, training: str) -> str:
 
 
 def check_distinct_sets(sources, manifests: list[Manifest]) -> None:
-    """No two sets of a mixture are the same shards (a link or a copy: the same manifest), which
-    would train on them twice their share without a word."""
+    """No two sets of a mixture are the same shards (a link, a copy, or the same inputs preprocessed
+    twice with the same options into two folders: ``Manifest.content_identity``), which would
+    train on them twice their share without a word."""
     seen: dict[str, str] = {}
     for source, m in zip(sources, manifests):
-        key = m.to_json()
+        key = m.content_identity()
         if key in seen:
             raise TrainError(f"data.train: sets {seen[key]!r} and {source.name!r} are the same shards ({source.path}: "
-                             "the same manifest, a link or a copy): give each set once, its weight sets its share")
+                             "the same inputs and options: a link, a copy, or a second preprocessing of them): give "
+                             "each set once, its weight sets its share")
         seen[key] = source.name
 
 
