@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
+    from rmflow.schemas.config import ScoreConfig
+
     from rmflow import RewardModel
     from rmflow.scoring.batch import run as batch
     from rmflow.scoring.scorers import score_file
@@ -53,7 +55,8 @@ def main() -> None:
         local.append(time.perf_counter() - t)
         shutil.rmtree(tmp / "job", ignore_errors=True)
         t = time.perf_counter()
-        batch(model, [str(tmp / "in.jsonl")], str(tmp / "job"), num_shards=2)
+        batch(ScoreConfig(model=model, input=str(tmp / "in.jsonl"), output=str(tmp / "job"), runner="DirectRunner",
+                          num_shards=2))
         beam.append(time.perf_counter() - t)
     a_s, b_s = statistics.median(local), statistics.median(beam)
     print(f"{len(convs)} HH-RLHF conversations, {tokens:,} tokens; model: {rm.description}")

@@ -67,6 +67,7 @@ from rmflow.schemas.manifest import (
     TOKENIZER_DIR,
     Manifest,
 )
+from rmflow.schemas.options import command_flags
 from rmflow.schemas.outputs import output_lock
 from rmflow.schemas.paths import is_url
 
@@ -246,7 +247,7 @@ CODE_STAGING_OPTIONS = ("extra_packages", "setup_file", "requirements_file", "sd
 
 
 def pipeline_options(cfg: PreprocessConfig) -> PipelineOptions:
-    opts = runner_options(cfg.beam_args, cfg.runner)
+    opts = runner_options(cfg.beam_args, cfg.runner, command_flags(PreprocessConfig), "preprocess")
     std = opts.view_as(StandardOptions)
     if not is_local(std.runner) and not any(opts.get_all_options().get(k) for k in CODE_STAGING_OPTIONS):
         raise PreprocessError(

@@ -11,11 +11,13 @@ one folder in the system's temporary directory per attempt.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import shutil
 from collections.abc import Iterator, Sequence
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from rmflow.schemas.errors import RmflowError
 
 LOCAL_RUNNERS = ("directrunner", "direct", "fnapirunner")
 
@@ -25,8 +27,33 @@ def is_local(runner: str) -> bool:
     return runner.lower() in LOCAL_RUNNERS
 
 
-def runner_options(beam_args: Sequence[str], runner: str) -> PipelineOptions:
-    """Beam's options from ``beam_args``, with ``runner`` where they name none."""
+class UnknownOption(RmflowError, ValueError):
+    """A flag given to a Beam job that neither its command nor Beam knows (Beam would drop it)."""
+
+
+def unknown_beam_flags(beam_args: Sequence[str]) -> list[str]:
+    """The flags of ``beam_args`` that no Beam pipeline option reads (Beam's own parser, which
+    otherwise discards them with a log line nobody sees)."""
+    from apache_beam.options.pipeline_options import _BeamArgumentParser
+
+    parser = _BeamArgumentParser(allow_abbrev=False)
+    for cls in {str(c): c for c in PipelineOptions.__subclasses__()}.values():
+        cls._add_argparse_args(parser)
+    _, unknown = parser.parse_known_args(list(beam_args))
+    return [u for u in unknown if u.startswith("-")]
+
+
+def runner_options(beam_args: Sequence[str], runner: str, own_flags: Sequence[str] = (),
+                   command: str = "") -> PipelineOptions:
+    """Beam's options from ``beam_args``, with ``runner`` where they name none. A flag that is no
+    Beam option either (a misspelt option of the command, say ``--max-lenght``) is refused in one
+    line, with the command's nearest flag (``own_flags``), never dropped."""
+    unknown = unknown_beam_flags(beam_args)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        near = difflib.get_close_matches(flag, list(own_flags), n=1)
+        raise UnknownOption(f"{flag} is neither an option of rmflow {command} nor a Beam pipeline option"
+                            + (f": did you mean {near[0]}?" if near else " (see --help)"))
     opts = PipelineOptions(list(beam_args))
     std = opts.view_as(StandardOptions)
     std.runner = std.runner or runner

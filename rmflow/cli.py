@@ -348,7 +348,7 @@ def score(options: dict, ctx: typer.Context) -> None:
     batches sorted by length; with --runner, as a Beam job (locally or on Dataflow)."""
     cfg = ScoreConfig.from_dict({**options, "beam_args": tuple(ctx.args)})
     if cfg.runner:
-        from rmflow.scoring.batch import run_config
+        from rmflow.scoring.batch import run as run_config
 
         s = run_config(cfg)  # above --max-bad-fraction: refused (BatchScoreError), nothing published
         console.print(f"{s['scored']:,} scored, {s['errors']:,} errors (errors.jsonl) of {s['records_read']:,} "

@@ -16,14 +16,16 @@ from rmflow.schemas.train_config import TrainConfig
 # (command, config, positional options, options not given as flags, what the command's text adds)
 COMMANDS = (
     ("preprocess", PreprocessConfig, (), ("beam_args",),
-     "Any other `--option` is a Beam pipeline option, passed to Beam unchanged (`beam_args`)."),
+     "Any other `--option` is a Beam pipeline option, passed to Beam unchanged (`beam_args`); one Beam does not "
+     "know either is refused, naming the nearest option of the command."),
     ("train", TrainConfig, (), (),
      "Options come from `--config FILE.yaml` (sections nested, or dotted keys), the flags below and "
      "`--set key=value` (the dotted key), each over the one before. An unknown key is refused, naming the known ones."),
     ("eval", EvalConfig, (), (), ""),
     ("export", ExportConfig, ("run",), (), ""),
     ("score", ScoreConfig, (), ("beam_args",),
-     "With `--runner`, any other `--option` is a Beam pipeline option (`beam_args`)."),
+     "With `--runner`, any other `--option` is a Beam pipeline option (`beam_args`); one Beam does not know "
+     "either is refused, naming the nearest option of the command."),
     ("serve", ServeConfig, ("model",), (), ""),
 )
 

@@ -95,6 +95,12 @@ def leaves(cls: type, prefix: str = "") -> Iterator[Leaf]:
             yield Leaf(prefix + f.name, f)
 
 
+def command_flags(cls: type) -> list[str]:
+    """Every CLI flag of a config's options: each its own ``--name-with-dashes`` and the flags it
+    names (what a misspelt flag is matched against)."""
+    return [flag for leaf in leaves(cls) for flag in ("--" + leaf.name.replace("_", "-"), *leaf.flags)]
+
+
 def sections(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if section_of(f) is not None}
 

@@ -155,3 +155,26 @@ def test_the_configuration_reference_is_generated_and_current():
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "reference" / "config.md").read_text()
     assert text == generate(), "docs/reference/config.md is stale: run `make reference`"
     assert all(f"| `{leaf.path}` |" in text for leaf in leaves(TrainConfig))
+
+
+def test_a_flag_neither_the_command_nor_beam_knows_is_refused_with_the_nearest(tmp_path):
+    """preprocess and score --runner pass other flags to Beam, which silently drops what it does
+    not know: a misspelt option (``--max-lenght 64``) would run with its default. Refused in one
+    line naming the nearest flag of the command; a real Beam option passes."""
+    from rmflow.pipelines.runner import UnknownOption, runner_options
+    from rmflow.schemas.options import command_flags
+
+    flags = command_flags(PreprocessConfig)
+    with pytest.raises(UnknownOption, match="--max-lenght is neither .* did you mean --max-length"):
+        runner_options(["--max-lenght", "64"], "DirectRunner", flags, "preprocess")
+    opts = runner_options(["--direct_num_workers=2", "--temp_location", "/tmp"], "DirectRunner", flags, "preprocess")
+    assert opts.get_all_options()["direct_num_workers"] == 2
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
+    for args, said in ((["preprocess", "-i", str(data), "--tokenizer", "t", "-o", str(tmp_path / "o"),
+                         "--max-lenght", "64"], "did you mean --max-length?"),
+                       (["score", "--model", "m", "-i", str(data), "-o", str(tmp_path / "s"), "--runner",
+                         "DirectRunner", "--batchsize", "3"], "did you mean --batch-size?")):
+        r = runner.invoke(app, args)
+        assert r.exit_code != 0 and said in r.output.replace("\n", " "), r.output
+    assert not (tmp_path / "o").exists() and not (tmp_path / "s").exists()

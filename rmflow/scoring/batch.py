@@ -38,7 +38,7 @@ from rmflow.pipelines.staging import new_staging
 from rmflow.pipelines.transforms import DEAD, FILES, ReadRecordsFn, as_bad_record, dead_letter
 from rmflow.rendering.formats import BadRecord
 from rmflow.schemas import jsontext
-from rmflow.schemas.config import MAX_BAD_FRACTION
+from rmflow.schemas.config import MAX_BAD_FRACTION, ScoreConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.manifest import COMPLETED_FILE, ERRORS_FILE
@@ -421,32 +421,33 @@ def _finalize_after(items, spec, identity, _errors_written):
 
 
 def make_pipeline(runner: str, beam_args: Sequence[str]) -> beam.Pipeline:
-    return new_pipeline(runner_options(beam_args, runner))
+    from rmflow.schemas.options import command_flags
+
+    return new_pipeline(runner_options(beam_args, runner, command_flags(ScoreConfig), "score"))
 
 
-def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "DirectRunner",
-        beam_args: Sequence[str] = (), step: int | str | None = None, num_shards: int = 0,
-        token_budget: int = 16384, batch_rows: int = 64, group_by: str | None = None, overwrite: bool = False,
-        output_format: str = "jsonl", wait: bool = True, max_bad_fraction: float = MAX_BAD_FRACTION,
-        truncate: str = "error") -> dict[str, Any] | None:
-    """Score every record of ``inputs`` (JSONL, JSON, Parquet; files, folders, globs) into the
-    folder ``output``; returns summary.json's contents (None with ``wait=False``)."""
+def run(cfg: ScoreConfig, *, wait: bool = True) -> dict[str, Any] | None:
+    """`rmflow score --runner ...` (and the scoring Flex Template): score every record of
+    ``cfg.input`` (JSONL, JSON, Parquet; a file, folder or glob) into the folder ``cfg.output``;
+    returns summary.json's contents (None with ``wait=False``)."""
     from rmflow.pipelines.io import expand_inputs
 
-    output = output.rstrip("/") if is_url(output) else os.path.abspath(output)
-    rio.check_replaceable(output, SCORES_OUTPUT, BatchScoreError, inputs=(*inputs, model))
-    if rio.exists(f"{output}/{COMPLETED_FILE}") and not overwrite:
+    pipeline = make_pipeline(cfg.runner, cfg.beam_args)  # its flags checked before anything else
+    output = cfg.output.rstrip("/") if is_url(cfg.output) else os.path.abspath(cfg.output)
+    rio.check_replaceable(output, SCORES_OUTPUT, BatchScoreError, inputs=(cfg.input, cfg.model))
+    if rio.exists(f"{output}/{COMPLETED_FILE}") and not cfg.overwrite:
         raise BatchScoreError(f"{output} already holds a scoring job's output: give --overwrite to replace it")
-    listed = expand_inputs(tuple(inputs))
+    listed = expand_inputs((cfg.input,))
     files, size = [path for path, _ in listed], sum(n for _, n in listed)
-    rm = RewardModel.load(model, step)  # fails here, in one line, before any worker starts
+    rm = RewardModel.load(cfg.model, cfg.step)  # fails here, in one line, before any worker starts
+    group_by = cfg.group_by or None
     if group_by and not kind_named(rm.kind).pairwise:
         raise BatchScoreError("--group-by picks the best of each group by score: an outcome reward model's")
-    with launched(make_pipeline(runner, beam_args)) as p:
-        spec = JobSpec(model=model, step=step, staging=new_staging(output), output=output,
-                       num_shards=num_shards or max(1, size // (256 << 20)), token_budget=token_budget,
-                       batch_rows=batch_rows, group_by=group_by, started=time.time(), output_format=output_format,
-                       max_bad_fraction=max_bad_fraction, truncate=truncate)
+    with launched(pipeline) as p:
+        spec = JobSpec(model=cfg.model, step=cfg.step, staging=new_staging(output), output=output,
+                       num_shards=cfg.num_shards or max(1, size // (256 << 20)), token_budget=cfg.token_budget,
+                       batch_rows=cfg.batch_size, group_by=group_by, started=time.time(),
+                       output_format=cfg.output_format, max_bad_fraction=cfg.max_bad_fraction, truncate=cfg.truncate)
         build(p, files, spec, rm.identity())
         try:  # a local runner raises from run(), a remote job from wait_until_finish()
             result = p.run()
@@ -460,11 +461,3 @@ def run(model: str, inputs: Sequence[str], output: str, *, runner: str = "Direct
     if not wait:
         return None
     return json.loads(rio.read_bytes(f"{output}/{SUMMARY_FILE}"))
-
-
-def run_config(cfg, *, wait: bool = True) -> dict[str, Any] | None:
-    """``run`` with a ``ScoreConfig`` (`rmflow score --runner ...` and the scoring Flex Template)."""
-    return run(cfg.model, [cfg.input], cfg.output, runner=cfg.runner, beam_args=cfg.beam_args, step=cfg.step,
-               num_shards=cfg.num_shards, token_budget=cfg.token_budget, batch_rows=cfg.batch_size,
-               group_by=cfg.group_by or None, overwrite=cfg.overwrite, output_format=cfg.output_format, wait=wait,
-               max_bad_fraction=cfg.max_bad_fraction, truncate=cfg.truncate)

@@ -35,7 +35,7 @@ SCORE = TemplateSpec(
 def main(argv: list[str] | None = None) -> None:
     """The scoring template's entry point: build the job and submit it; a local runner runs it here."""
     from rmflow.pipelines.runner import is_local
-    from rmflow.scoring.batch import run_config
+    from rmflow.scoring.batch import run as run_config
 
     cfg = config_from_args(list(sys.argv[1:] if argv is None else argv), SCORE)
     run_config(cfg, wait=is_local(cfg.runner))
