@@ -140,11 +140,15 @@ def read_yaml_mapping(path: str, what: str, expected: str) -> dict[str, Any]:
     import yaml
 
     class Loader(yaml.SafeLoader):
-        """YAML's safe loader, refusing a key a mapping gives twice (YAML's own rule; PyYAML keeps the last)."""
+        """YAML's safe loader, refusing a key a mapping gives twice (YAML's own rule; PyYAML keeps the
+        last). Merge keys (``<<: *defaults``) work as in YAML: a key given beside them overrides
+        the merged one."""
 
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
                 key = self.construct_object(key_node, deep=True)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice: give it once",

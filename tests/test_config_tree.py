@@ -103,6 +103,11 @@ def test_one_option_given_twice_is_refused_however_spelled(tmp_path):
     (tmp_path / "d.yaml").write_text("batch_size: 4\nbatch_size: 8\n")
     with pytest.raises(ConfigError, match="'batch_size' given twice"):
         read_yaml_mapping(str(tmp_path / "d.yaml"), "--config d.yaml", "a mapping")
+    # a YAML merge key is YAML's: the mapping merged in, a key beside it overriding the merged one
+    (tmp_path / "m.yaml").write_text("base: &b {learning_rate: 1.0e-4, warmup_steps: 3}\n"
+                                     "optimizer: {<<: *b, learning_rate: 3.0e-4}\n")
+    assert read_yaml_mapping(str(tmp_path / "m.yaml"), "--config m.yaml", "a mapping")["optimizer"] == \
+        {"learning_rate": 3e-4, "warmup_steps": 3}
     (tmp_path / "n.yaml").write_text("optimizer:\n  learning_rate: 3.0e-4\noptimizer.learning_rate: 5.0e-4\n")
     r = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "n.yaml"), "--data", "d", "--model", "micro",
                                  "-o", str(tmp_path / "run")])
