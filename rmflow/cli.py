@@ -12,7 +12,6 @@ import warnings
 import typer
 from rich.console import Console
 from rich.table import Table
-from typer.core import TyperCommand
 
 from rmflow.cli_options import config_options, parameter
 from rmflow.schemas import jsontext
@@ -99,31 +98,9 @@ def command(name: str | None = None, **kwargs):
                     console.print(f"[red]{verb} failed:[/red] {_escape((e.strerror or str(e)) + where)}")
                     raise typer.Exit(1) from e
 
-        return app.command(name=name, cls=OnceCommand, **kwargs)(wrapper)
+        return app.command(name=name, **kwargs)(wrapper)
 
     return register
-
-
-class OnceCommand(TyperCommand):
-    """A command whose options are each given once: a scalar option given twice
-    (``--batch-size 4 --batch-size 8``) is refused in one line rather than the last one winning
-    silently (list options, such as ``--lora.target-modules`` and ``--set``, repeat by design)."""
-
-    def parse_args(self, ctx, args):
-        seen: dict[str, str] = {}
-        names = {opt: p for p in self.params if p.param_type_name == "option" and not p.multiple
-                 for opt in (*p.opts, *p.secondary_opts)}
-        for token in args:
-            if token == "--":
-                break
-            opt = token.split("=", 1)[0]
-            if opt in names:
-                param = names[opt].name
-                if param in seen:
-                    also = "" if seen[param] == opt else f" (also as {seen[param]})"
-                    ctx.fail(f"{opt} given twice{also}: give each option once")
-                seen[param] = opt
-        return super().parse_args(ctx, args)
 
 
 # Import names whose distribution is named otherwise (the rest: '_' read as '-').

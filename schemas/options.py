@@ -254,13 +254,9 @@ class Config:
                   if getattr(section_of(f), "SCALAR_FORM", "")}  # --set data=folder: data.train
         optional = {name for name, f in sections(type(self)).items() if f.metadata.get("optional")}
         data = self.flat()
-        given: set[str] = set()
         for pair in pairs:
             key, sep, text = pair.partition("=")
             key = scalar.get(key.strip(), key.strip())
-            if key in given:
-                raise ConfigError(f"--set {key} given twice: give each option once")
-            given.add(key)
             if sep and key in optional and text.strip().lower() in ("", "none", "null"):
                 data = {k: v for k, v in data.items() if k != key and not k.startswith(f"{key}.")} | {key: None}
                 continue

@@ -178,14 +178,3 @@ def test_a_flag_neither_the_command_nor_beam_knows_is_refused_with_the_nearest(t
         r = runner.invoke(app, args)
         assert r.exit_code != 0 and said in r.output.replace("\n", " "), r.output
     assert not (tmp_path / "o").exists() and not (tmp_path / "s").exists()
-
-
-def test_an_option_given_twice_on_the_command_line_is_refused():
-    """A scalar flag repeated (under one spelling or two) and a --set key repeated are refused,
-    never the last one silently winning; list flags repeat by design."""
-    for args, said in ((["--batch-size", "4", "--batch-size=8"], "--batch-size given twice"),
-                       (["--set", "batch_size=4", "--set", "batch_size=8"], "--set batch_size given twice")):
-        r = runner.invoke(app, ["train", "--data", "d", "--model", "micro", "-o", "o", *args])
-        assert r.exit_code == 2 and said in r.output, r.output
-    r = runner.invoke(app, ["train", "--data.train", "d", "--model", "micro", "-o", "o", "--data", "e"])
-    assert r.exit_code == 2 and "--data given twice (also as --data.train)" in r.output, r.output
