@@ -27,7 +27,6 @@ from rmflow.pipelines.finalize import (
     Finalization,
     PreprocessError,
 )
-from rmflow.pipelines.io import iter_records, streams_records
 from rmflow.pipelines.near_dedup import DropNearDuplicates
 from rmflow.pipelines.publication import FAILED_FILE
 from rmflow.pipelines.runner import is_local, launched, new_pipeline, runner_options
@@ -48,14 +47,17 @@ from rmflow.pipelines.transforms import (
     WriteShards,
     shared_record_tokenizer,
 )
-from rmflow.rendering.formats import SCORED_LAYOUTS, BadRecord, detect_format, parse_json_object
+from rmflow.rendering.formats import BadRecord
+from rmflow.rendering.prepare import (  # noqa: F401 - the layout checks, re-exported for the Beam stage
+    LAYOUT_OPTIONS,
+    check_pairs_from,
+    check_score_options,
+    first_layout,
+    warn_unused_options,
+)
 from rmflow.rendering.tokenize import TokenizerAssets, build_tokenizer, tokenizer_info
 from rmflow.schemas.config import (
-    MULTI_FORMATS,
     NORMALIZE_OPTIONS,
-    SCORED_BY_WEIGHTS,
-    STEP_FORMATS,
-    WHOLE_GAP,
     PreprocessConfig,
     parse_weights,
 )
@@ -121,8 +123,8 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
         raise PreprocessError(f"--decontaminate: {e}") from e
     except BadRecord as e:
         raise PreprocessError(f"--decontaminate: {e.message}") from e
-    check_score_options(cfg, [path for path, _ in files])
-    check_pairs_from(cfg, [path for path, _ in files])
+    check_score_options(cfg, [path for path, _ in files], rio.BEAM)
+    check_pairs_from(cfg, [path for path, _ in files], rio.BEAM)
     assets = load_tokenizer_assets(cfg.tokenizer, cfg.chat_template)
     if not assets.has_chat_template and cfg.format != "tokenized":  # now, not after every record failed
         raise PreprocessError(f"tokenizer {cfg.tokenizer} has no chat template, which renders conversations into "
@@ -137,97 +139,6 @@ def make_plan(cfg: PreprocessConfig) -> Plan:
         raise
     return Plan(files, assets, plan_shards(cfg, sum(s for _, s in files)), staging, tuple(skipped),
                 tuple(f for f, _ in eval_listed), use_join(cfg.decontaminate_method, eval_listed), eval_counts)
-
-
-LAYOUT_SAMPLE_FILES = 64  # at most this many input files' layouts are read at plan time (check_score_options)
-
-
-# The options that act only on some layouts: (option, the layouts it acts on, what it acts on).
-# Given for inputs of none of them, an option would do nothing, silently: refused.
-LAYOUT_OPTIONS = (
-    ("min_score_gap", SCORED_LAYOUTS, "layouts with scores (score_chosen and score_rejected, or K scored responses)"),
-    ("margin_from_scores", SCORED_LAYOUTS, "layouts with scores (score_chosen and score_rejected, or K scored "
-                                           "responses)"),
-    ("drop_score_ties", ("ultrafeedback",), "pairs that carry scores (score_chosen = score_rejected); K responses of "
-                                            "equal scores never make a pair, and the listwise losses skip them"),
-    ("attributes", ("helpsteer", "ultrafeedback-raw", "responses"), "K responses rated on attributes (helpsteer, "
-                                                                     "ultrafeedback-raw, responses with 'attributes')"),
-    ("attribute_weights", ("helpsteer", "responses"), "responses rated only by their attributes (helpsteer rows, "
-                                                      "responses records with 'attributes' and no scores)"),
-    ("pairs_from", MULTI_FORMATS, "K responses per prompt (" + ", ".join(MULTI_FORMATS) + ")"),
-    ("max_responses", MULTI_FORMATS, "K responses per prompt (" + ", ".join(MULTI_FORMATS) + ")"),
-    ("step_separator", STEP_FORMATS, "stepwise solutions (" + ", ".join(STEP_FORMATS) + ")"),
-)
-
-
-def check_score_options(cfg: PreprocessConfig, files: list[str]) -> None:
-    """Refuse the options that act on some layouts only (``LAYOUT_OPTIONS``) when no input is of
-    one: they would do nothing, silently. The layouts are read as the job reads them: forced by
-    --format, else each file's first record that fits one. Only when every file's layout is known
-    is anything refused: more than LAYOUT_SAMPLE_FILES files, or files read whole to reach a record
-    (JSON arrays, Parquet), are not probed, and pass (``warn_unused_options`` speaks after the job)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    inert = {"max_responses": 0}  # a value that asks for nothing (0: keep every response): never refused
-    asked = [(name, acts, what) for name, acts, what in LAYOUT_OPTIONS
-             if getattr(cfg, name) not in (defaults[name], inert.get(name, defaults[name]))]
-    if not asked:
-        return
-    if cfg.format != "auto":
-        layouts = {cfg.format}
-    elif len(files) <= LAYOUT_SAMPLE_FILES:
-        layouts = {_first_layout(p) for p in files}
-    else:
-        return
-    if None in layouts:
-        return
-    for name, acts, what in asked:
-        if not layouts & set(acts):
-            raise PreprocessError(f"--{name.replace('_', '-')}: acts on {what}, and the inputs are "
-                                  f"{', '.join(sorted(layouts))}: it would do nothing; drop it, or give such data")
-
-
-def warn_unused_options(cfg: PreprocessConfig, stats: dict[str, Any], layouts: tuple[str, ...]) -> None:
-    """After the job: --attribute-weights given, and no record was scored by them (``responses``
-    records that all carried scores of their own)."""
-    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "attribute_weights")
-    if cfg.attribute_weights != default and not stats["counts"].get("scored_by_weights") \
-            and not set(layouts) & set(SCORED_BY_WEIGHTS):
-        warnings.warn(f"--attribute-weights {cfg.attribute_weights}: no record was scored by them (every one "
-                      "carried scores or ranks of its own)", RmflowWarning, stacklevel=3)
-
-
-def check_pairs_from(cfg: PreprocessConfig, files: list[str]) -> None:
-    """Inputs that mix K-response layouts and pairs (or stepwise data) without --pairs-from are
-    refused before the job (the first would be responses records, the rest another kind: the job
-    would fail at its end), as far as the sampled files' layouts tell (``check_score_options``)."""
-    if cfg.pairs_from or cfg.format != "auto" or len(files) > LAYOUT_SAMPLE_FILES:
-        return  # one forced --format is one kind
-    layouts = {(layout, path) for path in files if (layout := _first_layout(path)) is not None}
-    multi = sorted((lay, path) for lay, path in layouts if lay in MULTI_FORMATS)
-    other = sorted((lay, path) for lay, path in layouts if lay not in MULTI_FORMATS)
-    if multi and cfg.min_score_gap:
-        raise PreprocessError(f"{multi[0][1]} holds K responses per prompt (layout {multi[0][0]}): {WHOLE_GAP}")
-    if multi and other:
-        raise PreprocessError(f"{multi[0][1]} holds K responses per prompt (layout {multi[0][0]}) and {other[0][1]} "
-                              f"{other[0][0]} records: one output holds one kind. Add --pairs-from expand, best-worst "
-                              "or best-random to train on all of it as pairs, or preprocess them into separate outputs")
-
-
-def _first_layout(path: str, records: int = 100) -> str | None:
-    """The layout of a JSON Lines file's first record that fits one (of its first ``records``);
-    None for other files (read whole to reach a record: ``streams_records``) or when none fits."""
-    if not streams_records(path):
-        return None
-    for n, (_, raw, problem) in enumerate(iter_records(path)):
-        if n >= records:
-            return None
-        if problem:
-            continue
-        try:
-            return detect_format(parse_json_object(raw))
-        except BadRecord:
-            continue
-    return None
 
 
 def report_leftovers(output: str) -> None:

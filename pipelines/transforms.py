@@ -8,10 +8,7 @@ are dicts (source, line, stage, category, code, reason, record) and end in
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
-import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import apache_beam as beam
@@ -19,22 +16,32 @@ from apache_beam.metrics import Metrics
 from apache_beam.pvalue import TaggedOutput
 from apache_beam.utils import shared
 from rmflow.pipelines.finalize import finalize
-from rmflow.pipelines.io import iter_records, write_array_record_shard
+from rmflow.pipelines.io import BEAM, write_array_record_shard
 from rmflow.pipelines.splitting import assign_shard, assign_split
 from rmflow.pipelines.tokenizer_files import read_tokenizer_files
-from rmflow.rendering.formats import (
-    BadRecord,
-    CanonicalPair,
-    Duplicate,
-    Tie,
-    detect_format,
-    parse_json_object,
+from rmflow.rendering.formats import CanonicalPair
+from rmflow.rendering.steps import (  # noqa: F401 - the step cores' names, re-exported for the Beam stage
+    DEAD,
+    FILES,
+    INTERNAL_ERROR,
+    MAIN,
+    NOTED,
+    Grouped,
+    Made,
+    as_bad_record,
+    dead_letter,
+    fit_length,
+    grouped_record,
+    keep_first,
+    keyed_row,
+    normalize_record,
+    read_file,
+    render_batch,
+    tokenize_batch,
 )
-from rmflow.rendering.responses import group_rows, normalize_all, read_row
 from rmflow.rendering.tokenize import (
     RecordTokenizer,
     Rendered,
-    TokenizedResponses,
     TokenizerAssets,
     build_tokenizer,
 )
@@ -42,39 +49,19 @@ from rmflow.schemas import jsontext
 from rmflow.schemas.config import ROW_FORMATS, STEP_SEPARATOR, attribute_names
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import shard_name
-from rmflow.schemas.record import encode
 
 NAMESPACE = "rmflow"
-DEAD = "dead"
-INTERNAL_ERROR = "internal_error"
-FILES = "files"
 
 
 def counter(name: str):
     return Metrics.counter(NAMESPACE, name)
 
 
-def dead_letter(stage: str, source: str, line: int, raw: Any, err: BadRecord) -> dict[str, Any]:
-    return {
-        "source": source,
-        "line": line,
-        "stage": stage,
-        "category": err.category,
-        "code": err.code,
-        "reason": err.message,
-        "record": raw,
-    }
-
-
-def as_bad_record(e: Exception) -> BadRecord:
-    """Whatever one record raised, as the reason it was not written: a ``BadRecord`` keeps its
-    code; anything unexpected (a bug here or in a library, a RecursionError on absurd nesting)
-    becomes ``internal_error`` with the exception's text, so one record never stops the job."""
-    if isinstance(e, BadRecord):
-        return e
-    text = str(e)
-    text = text if len(text) <= 500 else text[:500] + "..."
-    return BadRecord(INTERNAL_ERROR, f"unexpected error while processing this record: {type(e).__name__}: {text}")
+def emit(events) -> Iterator:
+    """A step core's events (``rendering.steps``) as a DoFn's outputs: MAIN the main output, the
+    rest tagged."""
+    for tag, value in events:
+        yield value if tag == MAIN else TaggedOutput(tag, value)
 
 
 def _split_outputs(pcoll_tuple) -> dict[str, beam.PCollection]:
@@ -85,45 +72,17 @@ def _split_outputs(pcoll_tuple) -> dict[str, beam.PCollection]:
 
 
 class ReadRecordsFn(beam.DoFn):
-    """One input file to (source, line, format, raw JSON text); the format is detected per file
-    from its first record that fits a layout, unless forced. A file whose first JSON object fits
-    several layouts is not guessed at: each of its records is set aside as ``ambiguous_layout``."""
+    """One input file to (source, line, format, raw JSON text) records (``steps.read_file``)."""
 
     def __init__(self, fmt: str):
         self.fmt = fmt
         self.read = counter("records_read")
 
     def process(self, path: str):
-        fmt = None if self.fmt == "auto" else self.fmt
-        ambiguous: BadRecord | None = None
-        n = 0
-        last_line = 0
-        try:
-            for line, raw, problem in iter_records(path):
-                n += 1
-                last_line = line
-                if problem:
-                    yield TaggedOutput(DEAD, dead_letter("read", path, line, raw, BadRecord("bad_encoding", problem)))
-                    continue
-                if ambiguous is not None:  # the file's layout is undecidable: none of it is guessed
-                    yield TaggedOutput(DEAD, dead_letter("read", path, line, raw, ambiguous))
-                    continue
-                if fmt is None:  # parse here only until the file's layout is known
-                    try:
-                        fmt = detect_format(parse_json_object(raw))
-                    except Exception as e:  # noqa: BLE001 - contained to this record
-                        err = as_bad_record(e)
-                        if err.code == "ambiguous_layout":
-                            ambiguous = BadRecord(err.code, f"the file's layout is ambiguous: {err.message}")
-                        yield TaggedOutput(DEAD, dead_letter("read", path, line, raw, ambiguous or err))
-                        continue
-                yield path, line, fmt, raw
-        except Exception as e:  # noqa: BLE001 - a truncated gzip, an unreadable Parquet file ...
-            n += 1
-            err = BadRecord("unreadable_file", f"reading stopped after line {last_line}: {type(e).__name__}: {e}")
-            yield TaggedOutput(DEAD, dead_letter("read", path, last_line + 1, None, err))
-        self.read.inc(n)
-        yield TaggedOutput(FILES, (path, n, fmt))  # fmt: its layout, as read (None: none detected)
+        for tag, value in read_file(path, self.fmt, BEAM):
+            if tag == FILES:
+                self.read.inc(value[1])
+            yield value if tag == MAIN else TaggedOutput(tag, value)
 
 
 class ReadPreferenceData(beam.PTransform):
@@ -145,114 +104,31 @@ class ReadPreferenceData(beam.PTransform):
 # --------------------------------------------------------------------------- normalize
 
 
-NOTED = "noted"  # the tag of records written and counted for a reason (a score tie kept, pairs made)
-
-
-class Grouped(BadRecord):
-    """Not an error: a row of a response-a-row layout, read into its prompt's record (counted, so
-    that rows read = records made of them + these)."""
-
-    category = "grouped"
-
-
-class Made(BadRecord):
-    """Not an error: the extra pairs one record made (its K responses' pairs, past the first),
-    counted (``count``) so that records read plus pairs made equals what was written or not."""
-
-    category = "made"
-
-
-class Merged(BadRecord):
-    """Not an error: a response given twice in one record with the same score, kept once."""
-
-    category = "merged"
-
-
-class Weighted(BadRecord):
-    """Not an error: a record whose scores are its responses' ratings weighted by
-    --attribute-weights (counted: the manifest says its labels come from those weights)."""
-
-    category = "weighted"
-
-
-class KeptUnranked(BadRecord):
-    """Not an error: a record with nothing to rank (one response, or all of one score) written for
-    its attribute ratings (counted)."""
-
-    category = "unranked_kept"
-
-
 class NormalizeFn(beam.DoFn):
-    """Raw records to canonical pairs; what cannot be one is a dead letter, and a score tie kept
-    is noted (dead-letter shaped, category tie, code score_tie_kept) so the stats count it."""
+    """Raw records to canonical pairs (``steps.normalize_record``)."""
 
     def __init__(self, options: dict[str, Any], weights: dict[str, float] | None = None):
         self.options, self.weights = options, weights
 
     def process(self, element):
-        source, line, fmt, raw = element
-        try:
-            pairs, responses = normalize_all(parse_json_object(raw), fmt, source=source, line=line,
-                                             weights=self.weights, **self.options)
-        except Exception as e:  # noqa: BLE001 - contained to this record
-            yield TaggedOutput(DEAD, dead_letter(f"normalize:{fmt}", source, line, raw, as_bad_record(e)))
-            return
-        for n, note in ((responses.merged if responses else 0,
-                         Merged("duplicate_response", "a response given twice with the same score, kept once")),
-                        (responses.dropped if responses else 0,
-                         Merged("empty_response", "an empty response, left out of its record")),
-                        (responses.contradicted if responses else 0,
-                         Merged("contradicting_response", "the same text scored two ways, left out of its record")),
-                        (responses.capped if responses else 0,
-                         Merged("capped_response", "a response past --max-responses, left out of its record"))):
-            if n:  # the record is written all the same: counted, never silent
-                yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", note), "count": n})
-        if responses is not None and not responses.ranked:
-            note = KeptUnranked("unranked_kept", "nothing to rank: written for its attribute ratings")
-            yield TaggedOutput(NOTED, dead_letter(f"normalize:{fmt}", source, line, "", note))
-        if responses is not None and responses.weighted:
-            note = Weighted("scored_by_weights", "scored by the weighted sum of its responses' attribute ratings")
-            yield TaggedOutput(NOTED, dead_letter(f"normalize:{fmt}", source, line, "", note))
-        if len(pairs) > 1:  # the pairs of a prompt's K responses: counted, so the job reconciles exactly
-            made = Made("pairs_from_responses", f"{len(pairs)} pairs made of one prompt's responses")
-            yield TaggedOutput(NOTED, {**dead_letter(f"normalize:{fmt}", source, line, "", made),
-                                       "count": len(pairs) - 1})
-        for pair in pairs:  # one, or the pairs of a prompt's K responses
-            if getattr(pair, "score_gap", None) == 0:
-                note = Tie("score_tie_kept", "score_chosen = score_rejected (kept; --drop-score-ties drops it)")
-                yield TaggedOutput(NOTED, dead_letter(f"normalize:{fmt}", source, line, "", note))
-            yield dataclasses.replace(pair, raw=raw)
+        yield from emit(normalize_record(element, self.options, self.weights))
 
 
 class ReadRowFn(beam.DoFn):
-    """A response-a-row layout's row, keyed by its prompt; a bad row is a dead letter."""
+    """A response-a-row layout's row, keyed by its prompt (``steps.keyed_row``)."""
 
     def __init__(self, weights: dict[str, float], attributes: tuple[str, ...] = ()):
         self.weights, self.attributes = weights, attributes
 
     def process(self, element):
-        source, line, fmt, raw = element
-        try:
-            row = read_row(parse_json_object(raw), source=source, line=line, weights=self.weights,
-                           attributes=self.attributes)
-        except Exception as e:  # noqa: BLE001 - contained to this row
-            yield TaggedOutput(DEAD, dead_letter(f"normalize:{fmt}", source, line, raw, as_bad_record(e)))
-            return
-        yield row.key, row
+        yield from emit(keyed_row(element, self.weights, self.attributes))
 
 
 class GroupedFn(beam.DoFn):
-    """One prompt's rows as one ``responses`` record, named by its first row; each other row is
-    counted (``Grouped``), so that the job reconciles its rows read exactly."""
+    """One prompt's rows as one ``responses`` record (``steps.grouped_record``)."""
 
     def process(self, element):
-        _, rows = element
-        rows = sorted(rows, key=lambda r: (r.source, r.line))
-        first = rows[0]
-        for r in rows[1:]:
-            note = Grouped("response_row", f"a response of the prompt of {os.path.basename(first.source)}:{first.line}")
-            yield TaggedOutput(NOTED, dead_letter("group", r.source, r.line, "", note))
-        yield first.source, first.line, "responses", jsontext.dumps(group_rows(rows), ensure_ascii=False)
+        yield from emit(grouped_record(list(element[1])))
 
 
 class GroupRows(beam.PTransform):
@@ -293,15 +169,10 @@ class NormalizePairs(beam.PTransform):
 
 
 class KeepFirstFn(beam.DoFn):
-    """Of pairs with one content id keep the first by (source, line); the rest are duplicates."""
+    """Of pairs with one content id keep the first by (source, line) (``steps.keep_first``)."""
 
     def process(self, element):
-        _, pairs = element
-        first, *rest = sorted(pairs, key=lambda p: (p.source, p.line))
-        yield first
-        for p in rest:
-            err = Duplicate("duplicate", f"exact duplicate of {first.source}:{first.line}")
-            yield TaggedOutput(DEAD, dead_letter("dedup", p.source, p.line, p.raw, err))
+        yield from emit(keep_first(list(element[1])))
 
 
 class DropDuplicates(beam.PTransform):
@@ -366,38 +237,22 @@ class _TokenizerDoFn(beam.DoFn):
         return self.core
 
 
-def _per_record(fn, batch: list) -> list:
-    """``fn`` maps a batch to one result (or BadRecord) per item; if the batch call itself raises,
-    each item is retried alone and an item that still raises gets its own dead letter."""
-    try:
-        return fn(batch)
-    except Exception:  # noqa: BLE001 - find the record(s) responsible
-        out = []
-        for item in batch:
-            try:
-                out.extend(fn([item]))
-            except Exception as e:  # noqa: BLE001 - contained to this record
-                out.append(as_bad_record(e))
-        return out
-
-
 class RenderFn(_TokenizerDoFn):
-    """A batch of canonical pairs to a batch of rendered pairs (template errors dead-lettered)."""
+    """A batch of canonical pairs to a batch of rendered pairs (``steps.render_batch``)."""
 
     def process(self, batch: list[CanonicalPair], assets: TokenizerAssets):
         ok = []
-        for pair, r in zip(batch, _per_record(self.tokenizer(assets).render, batch)):
-            if isinstance(r, BadRecord):
-                yield TaggedOutput(DEAD, dead_letter("chat_template", pair.source, pair.line, pair.raw, r))
+        for tag, value in render_batch(self.tokenizer(assets), batch):
+            if tag == MAIN:
+                ok.append(value)
             else:
-                ok.append(r)
+                yield TaggedOutput(tag, value)
         if ok:
             yield ok
 
 
 class TokenizeFn(_TokenizerDoFn):
-    """Rendered records to token ids; with ``max_length``, a text its characters alone show too long
-    for it is never tokenized (``RecordTokenizer.too_long``)."""
+    """Rendered records to token ids (``steps.tokenize_batch``)."""
 
     def __init__(self, step_separator: str = STEP_SEPARATOR, max_length: int | None = None, policy: str = "drop"):
         super().__init__(step_separator)
@@ -405,13 +260,10 @@ class TokenizeFn(_TokenizerDoFn):
         self.tokens = counter("tokens")
 
     def process(self, batch: list[Rendered], assets: TokenizerAssets):
-        tokenize = functools.partial(self.tokenizer(assets).tokenize, max_length=self.max_length, policy=self.policy)
-        for r, result in zip(batch, _per_record(tokenize, batch)):
-            if isinstance(result, BadRecord):
-                yield TaggedOutput(DEAD, dead_letter("tokenize", r.canonical.source, r.canonical.line, r.canonical.raw, result))
-            else:
-                self.tokens.inc(result.n_tokens)
-                yield result
+        for tag, value in tokenize_batch(self.tokenizer(assets), batch, self.max_length, self.policy):
+            if tag == MAIN:
+                self.tokens.inc(value.n_tokens)
+            yield value if tag == MAIN else TaggedOutput(tag, value)
 
 
 class ApplyChatTemplate(beam.PTransform):
@@ -453,34 +305,17 @@ class Tokenize(beam.PTransform):
 
 
 class LengthPolicyFn(beam.DoFn):
-    """``names``: the inputs whose records name them by more than their file name (``source_names``)."""
+    """A tokenized record fitted by the length policy and encoded (``steps.fit_length``)."""
 
     def __init__(self, max_length: int, policy: str, names: dict[str, str] | None = None):
         self.max_length, self.policy, self.names = max_length, policy, names or {}
         self.truncated = counter("prompt_truncated")
 
     def process(self, tp):
-        p = tp.canonical
-        try:
-            record = tp.fit(self.max_length, self.policy)
-            if p.source in self.names:
-                record = dataclasses.replace(record, source=self.names[p.source])
-            encoded = encode(record)  # here, so a record the codec refuses is dead-lettered, not fatal
-        except Exception as e:  # noqa: BLE001 - contained to this record
-            yield TaggedOutput(DEAD, dead_letter("length", p.source, p.line, p.raw, as_bad_record(e)))
-            return
-        truncated = record.prompt_len != tp.prompt_len
-        if truncated:
-            self.truncated.inc()
-        if isinstance(tp, TokenizedResponses):  # responses left out of a record that is written: counted
-            fit = len(tp.fitting(self.max_length, self.policy))
-            for n, note in ((len(p.responses) - fit, Merged("long_response", "a response too long for max_length "
-                                                            f"{self.max_length} with its prompt, left out of its record")),
-                            (fit - record.k, Merged("capped_response", "a response past --max-responses, left out "
-                                                    "of its record"))):
-                if n:
-                    yield TaggedOutput(NOTED, {**dead_letter("length", p.source, p.line, "", note), "count": n})
-        yield record, encoded, (p.source, p.line), truncated, tp.special_text, p.split_key
+        for tag, value in fit_length(tp, self.max_length, self.policy, self.names):
+            if tag == MAIN and value[3]:
+                self.truncated.inc()
+            yield value if tag == MAIN else TaggedOutput(tag, value)
 
 
 class ApplyLengthPolicy(beam.PTransform):

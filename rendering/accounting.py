@@ -24,12 +24,14 @@ PERCENTILES = (50, 90, 95, 99)
 
 class PreprocessError(RmflowError, RuntimeError):
     """The job cannot start or did not produce a usable output; the message says why. ``reason``
-    is the message without where to look; ``errors_file`` the records set aside, when there are."""
+    is the message without where to look; ``errors_file`` the records set aside, when there are;
+    ``dead`` those records themselves, when preprocessed in process (``rendering.prepare``)."""
 
     def __init__(self, message: str, *, reason: str | None = None, errors_file: str | None = None):
         super().__init__(message)
         self.reason = reason or message
         self.errors_file = errors_file
+        self.dead: list[dict] | None = None
 
 
 # Why a read record was not written: (stats count, dead-letter category, what it means). Every read

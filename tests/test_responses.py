@@ -113,9 +113,7 @@ def test_a_multi_response_layout_is_kept_whole_unless_made_pairs_and_capped_at_m
         PreprocessConfig(inputs=("x",), output="o", tokenizer="t", max_responses=1)
     with pytest.raises(ConfigError, match="min_score_gap acts on pairs"):
         PreprocessConfig(inputs=("x",), output="o", tokenizer="t", format="nectar", min_score_gap=1.0)
-    # an option added since, at its default, leaves a workflow's preprocess hash as it was
-    base = PreprocessConfig(inputs=("x",), output="o", tokenizer="t")
-    assert "max_responses" not in base.output_affecting()
+    # what the shards hold depends on it: a workflow's preprocess hash covers it
     assert PreprocessConfig(inputs=("x",), output="o", tokenizer="t", max_responses=4).output_affecting()[
         "max_responses"] == 4
     ten = CanonicalResponses("s", 1, (("user", "q"),), tuple((("assistant", f"a{i}"),) for i in range(10)),
@@ -449,13 +447,15 @@ def test_preprocess_keeps_each_response_s_attribute_ratings_in_its_record(tmp_pa
 
 
 def test_only_a_prompt_with_its_responses_and_nothing_else_is_scored_as_k_responses():
-    """A prompt with unscored responses is K responses to score; a record that is something else
-    (a preference pair, a conversation) is read as that, whatever extra ``responses`` it carries."""
-    from rmflow.scoring.scorers import responses_of
+    """A prompt with unscored responses is K responses to score; a conversation is one, whatever
+    extra ``responses`` it carries; a preference pair that also carries ``responses`` fits two
+    layouts and is refused, as preprocess refuses it (never scored as whichever one)."""
+    from rmflow.scoring.scorers import BadConversation, responses_of
 
     assert len(responses_of({"prompt": "q", "responses": ["a", "b", "c"]})) == 3
     assert len(responses_of({"prompt": "q", "responses": ["a", "b"], "scores": [1, 0]})) == 2
-    assert responses_of({"prompt": "q", "chosen": "a", "rejected": "b", "responses": ["x", "y"]}) is None
+    with pytest.raises(BadConversation, match="fit several layouts"):
+        responses_of({"prompt": "q", "chosen": "a", "rejected": "b", "responses": ["x", "y"]})
     assert responses_of({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                          "prompt": "q", "responses": ["x", "y"]}) is None
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -24,10 +22,16 @@ from rmflow.eval.reports import rewardbench_v2_markdown, write_eval, write_proce
 from rmflow.eval.rewardbench import TIES, best_of_n_credit, ties_score, v1_scores, v2_scores
 from rmflow.handlers import handler
 from rmflow.schemas import jsontext
-from rmflow.schemas.config import RAW_INPUT_OPTIONS, STEP_SEPARATOR, EvalConfig, PreprocessConfig
+from rmflow.schemas.config import (
+    RAW_INPUT_OPTIONS,
+    SCORED_BY_WEIGHTS,
+    STEP_SEPARATOR,
+    EvalConfig,
+    PreprocessConfig,
+)
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_of_record
-from rmflow.schemas.manifest import ERRORS_FILE, MANIFEST_FILE
+from rmflow.schemas.manifest import MANIFEST_FILE
 from rmflow.schemas.outputs import check_replaceable, output_lock, staged_output
 from rmflow.schemas.record import decode
 from rmflow.trainer import storage
@@ -68,25 +72,8 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
         check_tokenizer(manifest, tokenizer, f"the model {model_path}")
         check_model_fits(manifest, model.config)
     else:
-        from rmflow.pipelines.preprocess import PreprocessError
-        from rmflow.pipelines.preprocess import run as preprocess
-
-        tokenizer = require_tokenizer(model_path, tokenizer, "evaluating raw files")
-        folder = os.path.join(workdir, "shards")
-        try:
-            result = preprocess(PreprocessConfig(inputs=tuple(data), output=folder, tokenizer=tokenizer,
-                                                 max_length=model.config.max_position_embeddings,
-                                                 eval_fraction=0.0, max_bad_fraction=1.0, max_responses=0,
-                                                 step_separator=step_separator, **(raw_options or {})))
-        except PreprocessError as e:  # e.g. no usable pair: keep the reasons where the user can read them
-            found = [e.errors_file] if e.errors_file else glob.glob(os.path.join(workdir, "shards.tmp-*", ERRORS_FILE))
-            kept = _keep_input_errors(found, failed_errors_path(final_output or output))
-            raise EvalError(e.reason + (f"; every record set aside and its reason: {kept}" if kept else "")) from e
-        _keep_input_errors([os.path.join(folder, ERRORS_FILE)], os.path.join(output, INPUT_ERRORS))
-        input_summary = {"counts": result.stats["counts"], "not_scored": result.stats["dead_letters"],
-                         "left_out": left_out(result.stats["counts"])}
-        split = "train"  # everything lands there when eval_fraction is 0
-        manifest = read_manifest(folder)
+        return _prepare_raw(data, model, tokenizer, model_path, output, step_separator, raw_options or {},
+                            final_output or output)
     splits = list(manifest.splits) if split == "all" else [split]
     paths = [os.path.join(folder, s.file) for name in splits if name in manifest.splits
              for s in manifest.splits[name].shards]
@@ -94,7 +81,40 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
     records = [decode(source[i]) for i in range(len(source))]
     if not records:
         raise EvalError(f"nothing to evaluate in split {split!r} of {folder}: it holds no records")
-    return records, input_summary, manifest
+    return records, input_summary, manifest.scored_by_weights
+
+
+def _prepare_raw(data: list[str], model, tokenizer: str | None, model_path: str, output: str, step_separator: str,
+                 raw_options: dict[str, Any], final_output: str) -> tuple[list, dict[str, Any], bool]:
+    """Raw files preprocessed in this process with the model's tokenizer (``rendering.prepare``:
+    the job's steps, no Beam); what that set aside goes to ``output``/input_errors.jsonl, or, when
+    nothing was usable, beside ``final_output``, which keeps its earlier eval."""
+    from rmflow.rendering.accounting import PreprocessError
+    from rmflow.rendering.prepare import local_record_tokenizer, prepare
+
+    folder = require_tokenizer(model_path, tokenizer, "evaluating raw files")
+    cfg = PreprocessConfig(inputs=tuple(data), output=os.path.join(output, "shards"), tokenizer=folder,
+                           max_length=model.config.max_position_embeddings, eval_fraction=0.0, max_bad_fraction=1.0,
+                           max_responses=0, step_separator=step_separator, **raw_options)
+    kept = os.path.join(output, INPUT_ERRORS)
+    try:
+        prepared = prepare(cfg, local_record_tokenizer(folder, step_separator, cfg.format), errors_file=kept)
+    except PreprocessError as e:  # e.g. no usable pair: keep the reasons where the user can read them
+        where = _write_input_errors(e.dead, failed_errors_path(final_output)) if e.dead else None
+        raise EvalError(e.reason + (f"; every record set aside and its reason: {where}" if where else "")) from e
+    _write_input_errors(prepared.dead, kept)
+    counts = prepared.stats["counts"]
+    weighted = bool(counts["scored_by_weights"]) or any(x in SCORED_BY_WEIGHTS for x in prepared.layouts)
+    return prepared.records, {"counts": counts, "not_scored": prepared.stats["dead_letters"],
+                              "left_out": left_out(counts)}, weighted
+
+
+def _write_input_errors(dead: list[dict[str, Any]], dest: str) -> str:
+    """The records a raw input's preprocessing set aside, one JSON line each, as errors.jsonl has them."""
+    os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+    with open(dest, "w") as f:
+        f.writelines(jsontext.dumps(d, sort_keys=True) + "\n" for d in dead)
+    return dest
 
 
 def left_out(counts: dict[str, int]) -> list[dict[str, Any]]:
@@ -105,16 +125,6 @@ def left_out(counts: dict[str, int]) -> list[dict[str, Any]]:
     out = [{"count": counts[key], "why": f"records {what}"} for key, _, what in NOT_WRITTEN if counts.get(key)]
     return out + [{"count": counts[key], "why": what} for key, category, _, what in NOTED_COUNTS
                   if category == "merged" and counts.get(key)]
-
-
-def _keep_input_errors(found: list[str], dest: str) -> str | None:
-    """Copy the errors file of an in-process preprocessing to ``dest``."""
-    found = [f for f in found if os.path.exists(f)]
-    if not found:
-        return None
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    shutil.copy(found[0], dest)
-    return dest
 
 
 def failed_errors_path(output: str) -> str:
@@ -186,7 +196,7 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
     else:
         weights = label_weights(cfg, loaded)
         with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:
-            records, input_summary, manifest = load_records(
+            records, input_summary, weighted = load_records(
                 list(cfg.data), cfg.split, loaded.model, loaded.tokenizer_dir, cfg.model, workdir, staging,
                 loaded.step_separator, {**cfg.raw_input_options(), "attribute_weights": weights[0]}, cfg.output)
         found = kind_of_record(records[0])
@@ -196,8 +206,9 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
         if cfg.mode not in found.record_modes:
             raise EvalError(f"--mode {cfg.mode} does not evaluate {found.data}, which {', '.join(cfg.data)} holds: "
                             f"use --mode {' or '.join(found.record_modes)}")
-        if manifest.scored_by_weights:  # its labels are weighted sums of ratings: which weights, said
-            weights = (manifest.config.get("attribute_weights") or DEFAULT_LABEL_WEIGHTS,
+        if weighted:  # its labels are weighted sums of ratings: which weights, said
+            weights = (weights[0] if input_summary is not None else
+                       read_manifest(cfg.data[0]).config.get("attribute_weights") or DEFAULT_LABEL_WEIGHTS,
                        weights[1] if input_summary is not None else "the shards' preprocessing")
         else:
             weights = None
@@ -260,7 +271,7 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
     """RewardBench 2 layout: prompt, chosen (list), rejected (list), subset. Best-of-n with tie credit."""
     from transformers import AutoTokenizer
 
-    from rmflow.pipelines.io import expand_inputs, iter_records
+    from rmflow.rendering.files import expand_inputs, iter_records
 
     model_path, data, batch_size = cfg.model, list(cfg.data), cfg.batch_size
     model, pad_id = loaded.model, loaded.pad_id

@@ -92,11 +92,11 @@ def _holds_k_responses(name: str, paths: list[str], training) -> bool:
     """Whether raw eval set ``name`` is K responses per prompt to evaluate as pairs in a pairs run
     (its files' first records tell); a pairs set in a K-response run is refused here, before
     anything is written."""
-    from rmflow.pipelines.io import expand_inputs
-    from rmflow.pipelines.preprocess import _first_layout
+    from rmflow.rendering.files import expand_inputs
+    from rmflow.rendering.prepare import first_layout
     from rmflow.schemas.config import MULTI_FORMATS, STEP_FORMATS
 
-    layouts = {_first_layout(path) for path, _ in expand_inputs(tuple(paths))} - {None}
+    layouts = {first_layout(path) for path, _ in expand_inputs(tuple(paths))} - {None}
     if not layouts:
         return False
     kind = RESPONSES.name if layouts <= set(MULTI_FORMATS) else PROCESS.name if layouts <= set(STEP_FORMATS) else \
