@@ -1,6 +1,7 @@
 """rmflow as users install it: the built wheel, installed (not editable) into a fresh virtualenv
 with one extra at a time. Every file of the source trees ships; every command's ``--help`` runs;
-``preprocess`` runs under the preprocess extra, ``train`` and ``export`` under the train extra,
+``preprocess`` runs under the preprocess extra, ``train``, ``export`` and ``eval`` of a raw JSONL
+(preprocessed in process, no Beam) under the train extra,
 ``serve`` answers a real request under the serve extra; a command whose extra is missing says
 which to install in one line.
 
@@ -14,7 +15,9 @@ there, as it would be on a user's machine.
 from __future__ import annotations
 
 import email.parser
+import gzip
 import importlib.metadata
+import itertools
 import json
 import os
 import pathlib
@@ -192,6 +195,13 @@ def test_the_train_extra_alone_then_serve(venvs, demo_shards, tmp_path):
     assert r.returncode == 0, r.stderr
     r = _rmflow(venv, "export", str(tmp_path / "run"), "-o", str(tmp_path / "export"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    # eval of a raw JSONL preprocesses it in process: no Beam in this environment
+    with gzip.open(REPO / DEMO, "rt") as f:
+        (tmp_path / "raw.jsonl").write_text("".join(itertools.islice(f, 12)))
+    r = _rmflow(venv, "eval", "--model", str(tmp_path / "export"), "--data", str(tmp_path / "raw.jsonl"), "-o",
+                str(tmp_path / "ev"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "ev" / "eval.json").read_text())["metrics"]["input"]["counts"]["records_read"] == 12
     _refused_for_extra(_rmflow(venv, "preprocess", "-i", str(REPO / DEMO), "--tokenizer", "t", "-o",
                                str(tmp_path / "shards"), cwd=tmp_path), "preprocess")
     _refused_for_extra(_rmflow(venv, "serve", str(tmp_path / "export"), cwd=tmp_path), "serve")
