@@ -282,9 +282,12 @@ def check_one_layout(obj: Any) -> None:
 
     if not isinstance(obj, dict) or "messages" in obj:
         return
+    from rmflow.schemas.config import MULTI_FORMATS
+
     found = candidate_formats(obj)
-    if "responses" not in found and isinstance(obj.get("responses"), list) and {"chosen", "rejected"} & set(obj):
-        found = ["responses", *found]  # a prompt's responses to score, beside a pair
+    if isinstance(obj.get("responses"), list) and {"chosen", "rejected"} & set(obj) \
+            and not set(found) & set(MULTI_FORMATS):
+        found = ["responses to score", *found]  # a prompt's unscored responses, beside a pair
     if len(found) > 1:
         raise BadConversation(f"keys {sorted(obj)} fit several layouts ({', '.join(found)}): give a record of one "
                               "(drop the other's fields)")
