@@ -28,7 +28,7 @@ from flax import nnx  # noqa: E402
 from rmflow.schemas.train_config import OptimizerConfig  # noqa: E402
 from rmflow.trainer.modeling import lora  # noqa: E402
 from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
-from rmflow.trainer.modeling.llama import RewardTransformer  # noqa: E402
+from rmflow.trainer.modeling.decoder import RewardTransformer  # noqa: E402
 from rmflow.trainer.step import Trainer  # noqa: E402
 
 

@@ -32,7 +32,7 @@ from rmflow.trainer.batching import stack_micro_batches
 from rmflow.trainer.data import Collate, PackCollate
 from rmflow.trainer.modeling.attention import allowed, attention
 from rmflow.trainer.modeling.config import ModelConfig
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.step import Trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

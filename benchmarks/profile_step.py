@@ -29,7 +29,7 @@ from rmflow.trainer.batching import stack_micro_batches  # noqa: E402
 from rmflow.trainer.data import make_loader  # noqa: E402
 from rmflow.trainer.modeling.attention import attention  # noqa: E402
 from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
-from rmflow.trainer.modeling.llama import RewardTransformer  # noqa: E402
+from rmflow.trainer.modeling.decoder import RewardTransformer  # noqa: E402
 from rmflow.trainer.step import Trainer  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"

@@ -98,43 +98,9 @@ def gather(items: list) -> dict[str, Any]:
 def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) -> dict[str, Any]:
     """Counts that reconcile exactly, dead letters by reason, length histograms, throughput."""
     read = sum(summary["files"].values())
-    by_category = collections.Counter()
-    for d in summary["dead"]:
-        by_category[d["category"]] += d["count"]
-    written = {split: 0 for split in ("train", "eval")}
-    lengths: dict[str, dict[str, collections.Counter]] = {}
-    for s in summary["shards"]:
-        written[s["split"]] += s["records"]
-        per_split = lengths.setdefault(s["split"], {})
-        for field, hist in s["lengths"].items():
-            per_split.setdefault(field, collections.Counter()).update({int(k): v for k, v in hist.items()})
-    kinds = collections.Counter()
-    for s in summary["shards"]:
-        kinds.update(s.get("kinds", {}))
-    if len(kinds) > 1:
-        mixed = [kind_named(k) for k in sorted(kinds)]
-        raise PreprocessError(
-            "the inputs mix " + " and ".join(f"{k.data} ({kinds[k.name]:,} written)" for k in mixed)
-            + ": " + " and ".join(k.description for k in mixed)
-            + " train on different data; preprocess them into separate outputs")
-    kind = kind_named(next(iter(kinds), OUTCOME.name))
-    counts = {
-        "records_read": read,
-        "pairs_written": sum(written.values()),
-        "pairs_written_train": written["train"],
-        "pairs_written_eval": written["eval"],
-        **{key: by_category[category] for key, category, _ in NOT_WRITTEN},
-        **{key: sum(d["count"] for d in summary["marked"] if d["category"] == category and code in (None, d["code"]))
-           for key, category, code, _ in NOTED_COUNTS},
-        "prompt_truncated": sum(s.get("truncated", 0) for s in summary["shards"]),  # written, prompt cut
-        # written, with special-token text in a message (kept as text, never as control tokens)
-        "special_token_text": sum(s.get("special_text", 0) for s in summary["shards"]),
-    }
-    accounted = counts["pairs_written"] + sum(counts[key] for key, _, _ in NOT_WRITTEN)
-    if accounted != read + counts["pairs_from_responses"] - counts["rows_grouped"]:
-        raise PreprocessError(f"internal error: {read} records read ({counts['rows_grouped']} rows grouped into their "
-                              f"prompts' records, {counts['pairs_from_responses']} more pairs made of responses) but "
-                              f"{accounted} accounted for ({counts})")
+    written, lengths = _written(summary["shards"])
+    kind = _one_kind(summary["shards"])
+    counts = _counts(summary, read, written)
     if kind.counts_steps:  # every written solution's steps, and how many of them are labelled incorrect
         for name, field in (("steps_written", "steps"), ("incorrect_steps", "incorrect")):
             counts[name] = sum(k * n for split in lengths.values() for k, n in split.get(field, {}).items())
@@ -160,6 +126,58 @@ def summarize(summary: dict[str, Any], cfg: PreprocessConfig, seconds: float) ->
         "pairs_per_second": round(read / seconds, 1) if seconds else None,
         "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
     }
+
+
+def _written(shards: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, dict[str, collections.Counter]]]:
+    """Records written per split, and per split each length field's histogram."""
+    written = {split: 0 for split in ("train", "eval")}
+    lengths: dict[str, dict[str, collections.Counter]] = {}
+    for s in shards:
+        written[s["split"]] += s["records"]
+        per_split = lengths.setdefault(s["split"], {})
+        for field, hist in s["lengths"].items():
+            per_split.setdefault(field, collections.Counter()).update({int(k): v for k, v in hist.items()})
+    return written, lengths
+
+
+def _one_kind(shards: list[dict[str, Any]]):
+    """The kind of the records written: one, or the inputs are refused for mixing kinds."""
+    kinds = collections.Counter()
+    for s in shards:
+        kinds.update(s.get("kinds", {}))
+    if len(kinds) > 1:
+        mixed = [kind_named(k) for k in sorted(kinds)]
+        raise PreprocessError(
+            "the inputs mix " + " and ".join(f"{k.data} ({kinds[k.name]:,} written)" for k in mixed)
+            + ": " + " and ".join(k.description for k in mixed)
+            + " train on different data; preprocess them into separate outputs")
+    return kind_named(next(iter(kinds), OUTCOME.name))
+
+
+def _counts(summary: dict[str, Any], read: int, written: dict[str, int]) -> dict[str, int]:
+    """Every record read written or counted under one reason (NOT_WRITTEN), what was noted
+    (NOTED_COUNTS); checked to reconcile exactly."""
+    by_category = collections.Counter()
+    for d in summary["dead"]:
+        by_category[d["category"]] += d["count"]
+    counts = {
+        "records_read": read,
+        "pairs_written": sum(written.values()),
+        "pairs_written_train": written["train"],
+        "pairs_written_eval": written["eval"],
+        **{key: by_category[category] for key, category, _ in NOT_WRITTEN},
+        **{key: sum(d["count"] for d in summary["marked"] if d["category"] == category and code in (None, d["code"]))
+           for key, category, code, _ in NOTED_COUNTS},
+        "prompt_truncated": sum(s.get("truncated", 0) for s in summary["shards"]),  # written, prompt cut
+        # written, with special-token text in a message (kept as text, never as control tokens)
+        "special_token_text": sum(s.get("special_text", 0) for s in summary["shards"]),
+    }
+    accounted = counts["pairs_written"] + sum(counts[key] for key, _, _ in NOT_WRITTEN)
+    if accounted != read + counts["pairs_from_responses"] - counts["rows_grouped"]:
+        raise PreprocessError(f"internal error: {read} records read ({counts['rows_grouped']} rows grouped into their "
+                              f"prompts' records, {counts['pairs_from_responses']} more pairs made of responses) but "
+                              f"{accounted} accounted for ({counts})")
+    return counts
 
 
 def per_file(summary: dict[str, Any], pairwise: bool = True) -> dict[str, dict[str, Any]]:

@@ -185,56 +185,24 @@ def preprocess(options: dict, ctx: typer.Context, detach: bool, verbose: bool) -
 
 
 def print_summary(stats: dict, output: str) -> None:
-    c = stats["counts"]
+    """What `rmflow preprocess` did: the counts, each input file, the reasons records were not
+    written, the token lengths, the throughput."""
     kind = kind_named(stats.get("kind", OUTCOME.name))
-    table = Table(title=f"rmflow preprocess: {kind.data}, for {kind.description}", show_header=True)
-    table.add_column("")
-    table.add_column(kind.units, justify="right")
-    table.add_row("records read", f"{c['records_read']:,}")
-    table.add_row("written (train / eval)",
-                  f"{c['pairs_written']:,} ({c['pairs_written_train']:,} / {c['pairs_written_eval']:,})")
-    from rmflow.rendering.accounting import NOT_WRITTEN, NOTED_COUNTS
-
-    for key, _, what in NOT_WRITTEN:
-        if key not in ("contaminated", "weak_labels") or c.get(key):  # filters asked for: a row when they dropped any
-            table.add_row(what if key == "errors" else f"dropped: {what}", f"{c.get(key, 0):,}")
-    for key, _, _, what in NOTED_COUNTS:
-        if c.get(key):
-            table.add_row(what, f"{c[key]:,}")
-    for eval_file, n in stats.get("contaminated_by_eval_file", {}).items():
-        table.add_row(f"  contaminated: overlapping {eval_file}", f"{n:,}")
-    if kind.counts_steps:
-        table.add_row("steps written (incorrect)", f"{c.get('steps_written', 0):,} ({c.get('incorrect_steps', 0):,})")
-    truncated = c.get("prompt_truncated", 0)
-    if truncated:
-        table.add_row("written with a truncated prompt", f"{truncated:,}")
-    if c.get("special_token_text", 0):
-        table.add_row("written with special-token text in a message (kept as text)", f"{c['special_token_text']:,}")
-    console.print(table)
+    console.print(_counts_table(stats, kind))
     files = stats.get("per_file") or {}
     if len(files) > 1:
-        t = Table(title="per input file")
-        for col in ("file", "read", "written", "not written", "chosen longer"):
-            t.add_column(col, justify="left" if col == "file" else "right")
-        for path, f in files.items():
-            longer = f["chosen_longer_fraction"]
-            t.add_row(os.path.basename(path), f"{f['read']:,}", f"{f['written']:,}",
-                      f"{f['read'] + f.get('made', 0) - f.get('grouped', 0) - f['written']:,}",
-                      "-" if longer is None else f"{longer:.1%}")
-        console.print(t)
-    reasons = stats["dead_letters"]
-    if reasons:
+        console.print(_per_file_table(files))
+    if stats["dead_letters"]:
         t = Table(title="not written, by reason (details in errors.jsonl)")
         for col in ("category", "reason", "count"):
             t.add_column(col, justify="right" if col == "count" else "left")
-        for d in sorted(reasons, key=lambda d: -d["count"]):
+        for d in sorted(stats["dead_letters"], key=lambda d: -d["count"]):
             t.add_row(d["category"], d["code"], f"{d['count']:,}")
         console.print(t)
-    skipped = stats.get("skipped_inputs") or []
-    if skipped:
-        from rmflow.pipelines.io import skipped_summary
+    if stats.get("skipped_inputs"):
+        from rmflow.rendering.files import skipped_summary
 
-        console.print(_escape(skipped_summary(skipped)))
+        console.print(_escape(skipped_summary(stats["skipped_inputs"])))
     lengths = stats["lengths"].get("train", {})
     if lengths:
         t = Table(title="train token lengths")
@@ -249,6 +217,45 @@ def print_summary(stats: dict, output: str) -> None:
         f"{stats['seconds']:.1f} s, {stats['pairs_per_second']:,.0f} records/s, "
         f"{stats['tokens_per_second']:,.0f} tokens/s. Output: [bold]{output}[/bold]"
     )
+
+
+def _counts_table(stats: dict, kind) -> Table:
+    from rmflow.rendering.accounting import NOT_WRITTEN, NOTED_COUNTS
+
+    c = stats["counts"]
+    table = Table(title=f"rmflow preprocess: {kind.data}, for {kind.description}", show_header=True)
+    table.add_column("")
+    table.add_column(kind.units, justify="right")
+    table.add_row("records read", f"{c['records_read']:,}")
+    table.add_row("written (train / eval)",
+                  f"{c['pairs_written']:,} ({c['pairs_written_train']:,} / {c['pairs_written_eval']:,})")
+    for key, _, what in NOT_WRITTEN:
+        if key not in ("contaminated", "weak_labels") or c.get(key):  # filters asked for: a row when they dropped any
+            table.add_row(what if key == "errors" else f"dropped: {what}", f"{c.get(key, 0):,}")
+    for key, _, _, what in NOTED_COUNTS:
+        if c.get(key):
+            table.add_row(what, f"{c[key]:,}")
+    for eval_file, n in stats.get("contaminated_by_eval_file", {}).items():
+        table.add_row(f"  contaminated: overlapping {eval_file}", f"{n:,}")
+    if kind.counts_steps:
+        table.add_row("steps written (incorrect)", f"{c.get('steps_written', 0):,} ({c.get('incorrect_steps', 0):,})")
+    if c.get("prompt_truncated", 0):
+        table.add_row("written with a truncated prompt", f"{c['prompt_truncated']:,}")
+    if c.get("special_token_text", 0):
+        table.add_row("written with special-token text in a message (kept as text)", f"{c['special_token_text']:,}")
+    return table
+
+
+def _per_file_table(files: dict) -> Table:
+    t = Table(title="per input file")
+    for col in ("file", "read", "written", "not written", "chosen longer"):
+        t.add_column(col, justify="left" if col == "file" else "right")
+    for path, f in files.items():
+        longer = f["chosen_longer_fraction"]
+        t.add_row(os.path.basename(path), f"{f['read']:,}", f"{f['written']:,}",
+                  f"{f['read'] + f.get('made', 0) - f.get('grouped', 0) - f['written']:,}",
+                  "-" if longer is None else f"{longer:.1%}")
+    return t
 
 
 @command(epilog="--config and --set take the options' dotted names (optimizer.learning_rate): nested in YAML, "

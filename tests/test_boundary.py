@@ -227,7 +227,10 @@ def test_importing_any_module_changes_nothing_in_the_process():
     The entry points that start JAX apply rmflow's settings (``trainer.backend.configure_xla``)."""
     modules = [m for p in ("schemas", "rendering", "pipelines", "trainer", "rmflow") for m in _modules(p)
                if m != "rmflow.__main__"]
+    libraries = ["jax", "flax", "optax", "grain", "orbax.checkpoint", "tensorboardX", "transformers", "apache_beam",
+                 "starlette", "uvicorn"]  # what they set themselves on import is theirs
     code = ("import importlib, os, sys\n"
+            f"for m in {libraries!r}: importlib.import_module(m)\n"
             "before = dict(os.environ)\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))\n"

@@ -184,7 +184,7 @@ def test_rms_norm_rounds_in_bfloat16_as_the_family_does(family):
     """Llama's RMSNorm casts, then applies its weight in bfloat16; OLMo 2's applies it in float32
     and casts once: each family's norm equals transformers' own in bfloat16, bit for bit."""
     import jax.numpy as jnp
-    from rmflow.trainer.modeling.llama import RMSNorm
+    from rmflow.trainer.modeling.decoder import RMSNorm
 
     module = getattr(transformers.models, family)
     hf_norm = getattr(getattr(module, f"modeling_{family}"), f"{FAMILY_PREFIX[family]}RMSNorm")(16, eps=1e-6)
@@ -250,7 +250,7 @@ def test_the_router_load_balancing_loss_equals_transformers(family, tmp_path):
     logits (padding left out by the mask), within 1e-5."""
     import jax.numpy as jnp
     from rmflow.trainer.modeling.convert import load_reward_model
-    from rmflow.trainer.modeling.llama import router_loss
+    from rmflow.trainer.modeling.decoder import router_loss
 
     from tests.test_model_parity import ARCHS, batch, build_hf
 
@@ -348,7 +348,7 @@ def test_weight_decay_reaches_the_experts_and_gemma_3_applies_no_cap():
 
     from flax import nnx
     from rmflow.trainer.modeling.config import ModelConfig
-    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.modeling.decoder import RewardTransformer
     from rmflow.trainer.optimizer import decay_mask
     from rmflow.trainer.parallel import param_name
 

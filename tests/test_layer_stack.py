@@ -12,7 +12,7 @@ from rmflow.schemas.config import ConfigError
 from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.config import ModelConfig
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.step import Trainer
 
 CFG = dataclasses.replace(ModelConfig.tiny(vocab_size=97), hidden_size=32, intermediate_size=48, num_attention_heads=4,

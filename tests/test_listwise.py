@@ -317,7 +317,7 @@ def test_scoring_records_computes_each_prompt_once_and_equals_each_conversation_
     import dataclasses
 
     from rmflow.trainer.inference import score_responses, score_sequences
-    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.modeling.decoder import RewardTransformer
 
     from tests.test_step import CFG
 

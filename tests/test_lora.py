@@ -131,7 +131,7 @@ def test_lora_config_checks():
 
 def test_adapter_dropout_is_unbiased_and_only_in_training():
     import jax.numpy as jnp
-    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.modeling.decoder import RewardTransformer
 
     from tests.test_step import CFG
 
@@ -223,7 +223,7 @@ def test_the_train_step_draws_dropout_masks_from_the_run_seed():
     from rmflow.schemas.train_config import OptimizerConfig
     from rmflow.trainer.batching import stack_micro_batches
     from rmflow.trainer.data import Collate
-    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.modeling.decoder import RewardTransformer
     from rmflow.trainer.step import Trainer
 
     from tests.test_step import CFG, records

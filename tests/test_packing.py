@@ -24,7 +24,7 @@ from rmflow.trainer.data.packing import assign_rows, pack_unit
 from rmflow.trainer.loss import pairwise_loss
 from rmflow.trainer.modeling.attention import attention
 from rmflow.trainer.modeling.convert import load_reward_model
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.objective import OUTCOME, pair_rewards
 from rmflow.trainer.optimizer import clip_scale
 

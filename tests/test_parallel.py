@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     from jax.sharding import NamedSharding, PartitionSpec as P
     from tests.test_step import CFG, records
     from rmflow.trainer.data import Collate, PackCollate
-    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.modeling.decoder import RewardTransformer
     from rmflow.trainer.parallel import batch_shards, describe, make_mesh, shardings
     from rmflow.trainer.parallel.mesh import BATCH_AXES
     from rmflow.trainer.batching import stack_micro_batches
@@ -124,7 +124,7 @@ EXPERTS_SCRIPT = textwrap.dedent('''
     from jax.sharding import NamedSharding, PartitionSpec as P
     from tests.test_step import CFG, records
     from rmflow.trainer.data import Collate
-    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.modeling.decoder import RewardTransformer
     from rmflow.trainer.parallel import describe, make_mesh
     from rmflow.trainer.parallel.mesh import BATCH_AXES
     from rmflow.trainer.batching import stack_micro_batches

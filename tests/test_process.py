@@ -29,7 +29,7 @@ from rmflow.trainer.data.steps import record_step_values
 from rmflow.trainer.inference import score_steps
 from rmflow.trainer.loss import step_loss, step_metrics_of_sums
 from rmflow.trainer.modeling.config import ModelConfig
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.objective import PROCESS
 from rmflow.trainer.step import Trainer
 from rmflow.trainer.train import run as train
@@ -257,7 +257,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.test_process import CFG, step_records
 from rmflow.trainer.data import StepCollate, StepPackCollate
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.objective import PROCESS
 from rmflow.trainer.parallel import make_mesh
 from rmflow.trainer.parallel.mesh import BATCH_AXES

@@ -627,7 +627,7 @@ def test_units_of_k_responses_run_in_the_shapes_warmed_at_load_and_score_as_alon
     from rmflow.trainer import inference
     from rmflow.trainer.inference import UNIT_RESPONSES, ScoringShapes, SequenceScorer, response_units
     from rmflow.trainer.modeling.config import ModelConfig
-    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.modeling.decoder import RewardTransformer
 
     model = RewardTransformer(ModelConfig.micro(300), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent('''
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from tests.test_step import CFG, records
     from rmflow.trainer.data import Collate, PackCollate
-    from rmflow.trainer.modeling.llama import RewardTransformer
+    from rmflow.trainer.modeling.decoder import RewardTransformer
     from rmflow.trainer.batching import stack_micro_batches
     from rmflow.schemas.train_config import OptimizerConfig
     from rmflow.trainer.step import Trainer

@@ -11,7 +11,7 @@ from rmflow.trainer.batching import stack_micro_batches
 from rmflow.trainer.data import Collate
 from rmflow.trainer.loss import pair_metrics_of_sums
 from rmflow.trainer.modeling.config import ModelConfig
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.optimizer import (
     decay_mask,
     hyperparameters,

@@ -165,7 +165,7 @@ def test_the_wheel_ships_every_file_of_the_trees(wheel):
             rel = f.relative_to(REPO / folder)
             if f.is_file() and "__pycache__" not in rel.parts and (f.suffix == ".py" or rel.parts[0] == "demo"):
                 expected.add(f"{installed}/{rel.as_posix()}")
-    assert "rmflow/server/app.py" in expected and "rmflow/trainer/modeling/llama.py" in expected
+    assert "rmflow/server/app.py" in expected and "rmflow/trainer/modeling/decoder.py" in expected
     assert not expected - names, f"not in the wheel: {sorted(expected - names)}"
     stale = {n for n in names if n.endswith(".py")} - expected
     assert not stale, f"in the wheel but in no tree of the checkout: {sorted(stale)}"

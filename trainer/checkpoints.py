@@ -15,7 +15,7 @@ from rmflow.trainer import storage
 from rmflow.trainer.compilation import use_compilation_cache
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.modeling import lora
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.objective import greater_is_better
 from rmflow.trainer.rundir import (
     CHECKPOINTS,

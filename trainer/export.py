@@ -30,7 +30,7 @@ from rmflow.trainer.model_card import model_card
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.config import ATTRIBUTE_WEIGHTS, ModelConfig
 from rmflow.trainer.modeling.convert import hf_name, join_fused, resolve, unstack_experts
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 
 MAX_SHARD_BYTES = 2 << 30
 

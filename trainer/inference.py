@@ -36,7 +36,7 @@ from rmflow.trainer.data.responses import ResponsesPackCollate, record_values, u
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
 from rmflow.trainer.modeling.config import head_kind
 from rmflow.trainer.modeling.convert import load_reward_model
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.objective import OUTCOME, pair_rewards
 from rmflow.trainer.rundir import is_run_dir, tokenizer_fingerprint
 

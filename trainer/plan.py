@@ -102,22 +102,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
         objective = objective.for_data(objective.head(manifest, cfg.attribute_weights))
     except ValueError as e:
         raise TrainError(f"{primary}: {e}") from None
-    if objective.regression and len({m.attributes for m in manifests}) > 1:
-        raise TrainError("objective " + cfg.objective + ": the sets of the mixture keep different attributes ("
-                         + "; ".join(f"{s.name}: {', '.join(m.attributes) or 'none'}" for s, m in zip(sources, manifests))
-                         + "); preprocess every set with the same --attributes")
-    with_margins = [s.name for s, m in zip(sources, manifests) if m.config.get("margin_from_scores")]
-    if with_margins and objective.kind.name == RESPONSES.name and not objective.uses_margins:
-        raise TrainError(f"{', '.join(with_margins)}: preprocessed with --margin-from-scores, whose margins objective "
-                         f"{cfg.objective} does not use (only a Bradley-Terry ranking does): train with objective "
-                         "bradley-terry, or preprocess without --margin-from-scores")
-    scored_by = {m.config.get("attribute_weights") or "" for m in manifests if m.scored_by_weights}
-    if objective.regression and not cfg.attribute_weights.strip() and len(scored_by) > 1:
-        raise TrainError("objective " + cfg.objective + ": the sets of the mixture were scored by different "
-                         "attribute weights (" + "; ".join(f"{s.name}: {m.config.get('attribute_weights')}"
-                                                           for s, m in zip(sources, manifests) if m.scored_by_weights)
-                         + "), and the head's reward would be the first set's: give --attribute-weights "
-                         "NAME=WEIGHT,... for the reward, or preprocess the sets with the same weights")
+    check_labels(cfg, sources, manifests, objective)
     train_sets = tuple(shard_paths(s.path, m, "train") for s, m in zip(sources, manifests))
     for source, paths in zip(sources, train_sets):
         if not paths:
@@ -130,12 +115,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     if not objective.kind.pairwise and cfg.center_rewards_coefficient:
         raise TrainError(f"{cfg.data.train} holds {objective.kind.data} ({objective.kind.description}): "
                          "center_rewards_coefficient applies to pairwise (outcome) reward models; set it to 0")
-    if cfg.batch_size % shards:
-        raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of the {shards} batch shards "
-                         f"(mesh data x fsdp x expert = "
-                         f"{' x '.join(str(mesh_shape.get(a, 1)) for a in ('data', 'fsdp', 'expert'))})")
-    if shards % processes:
-        raise TrainError(f"the mesh splits batches {shards} ways, not a multiple of the {processes} processes")
+    check_batch(cfg.batch_size, mesh_shape, processes)
     local_batch = cfg.batch_size // processes
     train_units = tuple(m.splits["train"].records for m in manifests)
     total_steps = plan_steps(cfg, sum(train_units))
@@ -165,6 +145,39 @@ def other_kind(name: str, named: str, training: str) -> str:
             "run evaluates its own kind of records. Evaluate the set after training with `rmflow eval --model RUN "
             "--data ...`" + (", or preprocess it with --pairs-from expand to evaluate it as pairs during the run"
                               if (named, training) == (RESPONSES.name, OUTCOME.name) else ""))
+
+
+def check_labels(cfg: TrainConfig, sources, manifests: list[Manifest], objective: Objective) -> None:
+    """The sets' labels mean one thing to the objective: a regression head fits the same
+    attributes in every set, scored by the same weights (unless train gives its own), and margins
+    from scores are only preprocessed for an objective that uses them."""
+    if objective.regression and len({m.attributes for m in manifests}) > 1:
+        raise TrainError("objective " + cfg.objective + ": the sets of the mixture keep different attributes ("
+                         + "; ".join(f"{s.name}: {', '.join(m.attributes) or 'none'}" for s, m in zip(sources, manifests))
+                         + "); preprocess every set with the same --attributes")
+    with_margins = [s.name for s, m in zip(sources, manifests) if m.config.get("margin_from_scores")]
+    if with_margins and objective.kind.name == RESPONSES.name and not objective.uses_margins:
+        raise TrainError(f"{', '.join(with_margins)}: preprocessed with --margin-from-scores, whose margins objective "
+                         f"{cfg.objective} does not use (only a Bradley-Terry ranking does): train with objective "
+                         "bradley-terry, or preprocess without --margin-from-scores")
+    scored_by = {m.config.get("attribute_weights") or "" for m in manifests if m.scored_by_weights}
+    if objective.regression and not cfg.attribute_weights.strip() and len(scored_by) > 1:
+        raise TrainError("objective " + cfg.objective + ": the sets of the mixture were scored by different "
+                         "attribute weights (" + "; ".join(f"{s.name}: {m.config.get('attribute_weights')}"
+                                                           for s, m in zip(sources, manifests) if m.scored_by_weights)
+                         + "), and the head's reward would be the first set's: give --attribute-weights "
+                         "NAME=WEIGHT,... for the reward, or preprocess the sets with the same weights")
+
+
+def check_batch(batch_size: int, mesh_shape: Mapping[str, int], processes: int) -> None:
+    """A batch splits evenly over the mesh's batch shards, and those over the processes."""
+    shards = batch_shards(mesh_shape)
+    if batch_size % shards:
+        raise TrainError(f"batch_size {batch_size} must be a multiple of the {shards} batch shards "
+                         f"(mesh data x fsdp x expert = "
+                         f"{' x '.join(str(mesh_shape.get(a, 1)) for a in ('data', 'fsdp', 'expert'))})")
+    if shards % processes:
+        raise TrainError(f"the mesh splits batches {shards} ways, not a multiple of the {processes} processes")
 
 
 def check_distinct_sets(sources, manifests: list[Manifest]) -> None:

@@ -26,7 +26,7 @@ from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.attention import resolve_attention
 from rmflow.trainer.modeling.config import ModelConfig, ScoreHead
 from rmflow.trainer.modeling.convert import load_reward_model, read_config, resolve
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.objective import objective_for
 from rmflow.trainer.rundir import EVAL_DATA, RUN_DIRECTORY, tokenizer_fingerprint
 

@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
 from rmflow.trainer.modeling import lora
-from rmflow.trainer.modeling.llama import RewardTransformer, router_loss
+from rmflow.trainer.modeling.decoder import RewardTransformer, router_loss
 from rmflow.trainer.objective import OUTCOME, ROUTER_SUM, Objective, objective_for
 from rmflow.trainer.optimizer import (
     clip_scale,

@@ -21,36 +21,64 @@ from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import KINDS, OUTCOME, ModelKind, UnknownKind, kind_of_head
 from rmflow.schemas.presets import MODEL_PRESETS, PRESET_BASE
 
-ARCHITECTURES = {  # model_type -> Hugging Face class prefix
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "olmo2": "Olmo2",
-    "phi3": "Phi3",
-    "gemma2": "Gemma2",
-    "gemma3_text": "Gemma3Text",  # Gemma 3's language model (its base checkpoints: Gemma3ForCausalLM)
-    "qwen3_moe": "Qwen3Moe",
-    "mixtral": "Mixtral",
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A Hugging Face decoder family (its ``model_type``) as rmflow builds, reads and writes it: one
+    entry of ``FAMILIES`` is all that varies by family.
+
+    ``prefix``: the Hugging Face class prefix. ``qkv_bias``: biases on the q, k, v projections
+    (None: the config's ``attention_bias``, which then also sets the output projection's).
+    ``qk_norm``: RMSNorm of queries and keys, per head or over the whole projection (None: none).
+    ``post_norms``: norms after attention and MLP too (OLMo 2). ``gemma``: Gemma's embedding scale,
+    GeGLU, soft-capping, sliding windows and (1 + weight) norms. ``moe``: a sparse layer's block
+    name and its experts' projection names in the checkpoint. ``fused``: checkpoint tensors that
+    hold several projections (split at load, joined at export). ``partial_rotary``: RoPE may rotate
+    only part of a head. ``rope_per_layer_type``: Gemma 3's RoPE for its global and its sliding
+    layers."""
+
+    prefix: str
+    qkv_bias: bool | None = None
+    qk_norm: str | None = None
+    post_norms: bool = False
+    norm_in_float32: bool = False
+    gemma: bool = False
+    moe: tuple[str, dict[str, str]] | None = None
+    fused: tuple = ()
+    partial_rotary: bool = False
+    rope_per_layer_type: bool = False  # a RoPE for the global layers and another for the sliding ones
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama"),
+    "mistral": Family("Mistral"),
+    "qwen2": Family("Qwen2", qkv_bias=True),
+    "qwen3": Family("Qwen3", qk_norm="head"),
+    "olmo2": Family("Olmo2", qk_norm="projection", post_norms=True, norm_in_float32=True),
+    "phi3": Family("Phi3", partial_rotary=True,
+                   fused=(("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))),
+    "gemma2": Family("Gemma2", norm_in_float32=True, gemma=True),
+    # Gemma 3's language model (its base checkpoints: Gemma3ForCausalLM)
+    "gemma3_text": Family("Gemma3Text", qk_norm="head", norm_in_float32=True, gemma=True, rope_per_layer_type=True),
+    "qwen3_moe": Family("Qwen3Moe", qk_norm="head",
+                        moe=("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"})),
+    "mixtral": Family("Mixtral", moe=("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})),
 }
+# The table's columns as the modules that read one of them name it
+ARCHITECTURES = {name: f.prefix for name, f in FAMILIES.items()}  # model_type -> Hugging Face class prefix
 # Mixture-of-experts families: the checkpoint's name of a sparse layer's block and of each expert's
 # gate, up and down projections (``experts.E.NAME.weight``); the model's are ``mlp`` and
 # ``experts.gate_proj`` ... stacked over the experts (``modeling.convert.stack_experts``).
-MOE_LAYOUT = {
-    "qwen3_moe": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
-    "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
-}
-GEMMA = ("gemma2", "gemma3_text")
+MOE_LAYOUT = {name: f.moe for name, f in FAMILIES.items() if f.moe}
+GEMMA = tuple(name for name, f in FAMILIES.items() if f.gemma)
 # Checkpoint tensors that hold several of the model's projections, concatenated on their output
 # axis in this order (split when a checkpoint loads, joined again when a model exports).
-FUSED_PROJECTIONS = {
-    "phi3": (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-             ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))),
-}
+FUSED_PROJECTIONS = {name: f.fused for name, f in FAMILIES.items() if f.fused}
 QK_NORM_OVER = ("head", "projection")
 # Families whose attention rotates only the first ``partial_rotary_factor`` of each head's
 # dimensions (transformers' apply_rotary_pos_emb splits there); the others rotate all of it.
-PARTIAL_ROTARY = ("phi3",)
+PARTIAL_ROTARY = tuple(name for name, f in FAMILIES.items() if f.partial_rotary)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (Gemma: GeGLU with tanh-approximated gelu)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -251,26 +279,8 @@ class ModelConfig:
         if missing:
             raise ModelConfigError(f"the checkpoint's config.json has no {missing}: a {model_type} config needs them "
                                    "(is it complete, and from a transformers model?)")
-        heads = d["num_attention_heads"]
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        sliding_theta = None
-        if model_type == "gemma3_text":  # a RoPE per layer type: the global layers' read below
-            rope, sliding_theta = _gemma3_rope(d)
-        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-        rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first configs name LongRoPE "su"
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
-        partial = float(rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
-        positions = d.get("max_position_embeddings", 4096)
-        short: tuple[float, ...] = ()
-        if rope_type == "longrope":
-            positions, short, rope = _longrope(d, rope, heads, partial)
-        params = tuple(sorted((k, float(v)) for k, v in rope.items()
-                              if k in ("factor", "low_freq_factor", "high_freq_factor",
-                                       "original_max_position_embeddings", "attention_factor")))
-        if model_type in ("qwen2",):
-            qkv_bias, o_bias = True, False
-        else:
-            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+        heads, family = d["num_attention_heads"], FAMILIES[model_type]
+        attention_bias = bool(d.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -281,23 +291,17 @@ class ModelConfig:
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_type=rope_type,
-            rope_params=params,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
+            **_rope(d, model_type, heads),
+            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            o_bias=attention_bias if family.qkv_bias is None else False,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "olmo2", "gemma3_text", "qwen3_moe"),
-            qk_norm_over="projection" if model_type == "olmo2" else "head",
-            post_norms=model_type == "olmo2",
-            norm_weight_in_float32=model_type in ("olmo2", *GEMMA),
+            qk_norm=family.qk_norm is not None,
+            qk_norm_over=family.qk_norm or "head",
+            post_norms=family.post_norms,
+            norm_weight_in_float32=family.norm_in_float32,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            **(_gemma(d) if model_type in GEMMA else {"hidden_act": d.get("hidden_act") or "silu"}),
-            sliding_rope_theta=sliding_theta,
-            **(_experts(d) if model_type in MOE_LAYOUT else {}),
-            partial_rotary_factor=partial,
-            max_position_embeddings=positions,
-            rope_short_factor=short,
+            **(_gemma(d) if family.gemma else {"hidden_act": d.get("hidden_act") or "silu"}),
+            **(_experts(d) if family.moe else {}),
             sliding_window=_sliding_window(d),
             pad_token_id=d.get("pad_token_id"),
             **dataclasses.asdict(_head(d)),
@@ -390,6 +394,30 @@ def _gemma(d: Mapping[str, Any]) -> dict[str, Any]:
             # Gemma 3's attention keeps the config's cap but never applies it (as transformers runs it)
             "attn_logit_softcapping": d.get("attn_logit_softcapping") if d.get("model_type") == "gemma2" else None,
             "query_pre_attn_scalar": d.get("query_pre_attn_scalar"), "layer_types": tuple(types)}
+
+
+def _rope(d: Mapping[str, Any], model_type: str, heads: int) -> dict[str, Any]:
+    """The RoPE fields of a config.json (transformers 4.x ``rope_scaling`` or 5.x
+    ``rope_parameters``): type, theta and scaling parameters, the rotated fraction of a head, the
+    positions (LongRoPE's within its original context), Gemma 3's sliding layers' own theta."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    sliding_theta = None
+    if FAMILIES[model_type].rope_per_layer_type:  # the global layers' read below
+        rope, sliding_theta = _gemma3_rope(d)
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first configs name LongRoPE "su"
+    theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+    partial = float(rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
+    positions = d.get("max_position_embeddings", 4096)
+    short: tuple[float, ...] = ()
+    if rope_type == "longrope":
+        positions, short, rope = _longrope(d, rope, heads, partial)
+    params = tuple(sorted((k, float(v)) for k, v in rope.items()
+                          if k in ("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings", "attention_factor")))
+    return {"rope_theta": float(theta), "rope_type": rope_type, "rope_params": params,
+            "sliding_rope_theta": sliding_theta, "partial_rotary_factor": partial,
+            "max_position_embeddings": positions, "rope_short_factor": short}
 
 
 def _gemma3_rope(d: Mapping[str, Any]) -> tuple[dict[str, Any], float]:

@@ -29,7 +29,7 @@ from rmflow.trainer.modeling.config import (
     head_kind,
     hf_num_labels,
 )
-from rmflow.trainer.modeling.llama import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer
 
 IGNORED = ("lm_head.weight",)  # a causal LM's head: not part of a reward model
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved

@@ -1,4 +1,6 @@
-"""A Llama-family decoder with a scalar score head, in Flax NNX.
+"""The decoder every supported family builds (``config.FAMILIES``: Llama, Mistral, Qwen 2 and 3,
+OLMo 2, Phi-3, Gemma 2 and 3, Qwen3-MoE, Mixtral; what differs is in the family's table entry),
+with a score head, in Flax NNX.
 
 Attribute names mirror Hugging Face's (``model.layers.0.self_attn.q_proj``, ``score``), so
 weight conversion is a name map (``trainer.modeling.convert``). Attention takes per-token
