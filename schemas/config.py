@@ -146,13 +146,9 @@ class PreprocessConfig(Config):
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.inputs, str):
-            object.__setattr__(self, "inputs", (self.inputs,))
-        object.__setattr__(self, "inputs", tuple(self.inputs))
-        object.__setattr__(self, "beam_args", tuple(self.beam_args))
-        if isinstance(self.decontaminate, str):
-            object.__setattr__(self, "decontaminate", (self.decontaminate,))
-        object.__setattr__(self, "decontaminate", tuple(self.decontaminate))
+        for name in ("inputs", "decontaminate", "beam_args"):  # one path given alone: a tuple of one
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         self._check_types()
         if not self.inputs or not all(isinstance(p, str) and p for p in self.inputs):
             raise ConfigError("inputs: give at least one input file, glob or directory (--input)")
@@ -160,6 +156,11 @@ class PreprocessConfig(Config):
             raise ConfigError("output: give an output directory (--output)")
         if not self.tokenizer:
             raise ConfigError("tokenizer: give a tokenizer directory or hub id (--tokenizer)")
+        self._check_layout_options()
+        self._check_ranges()
+
+    def _check_layout_options(self) -> None:
+        """The options that say how raw layouts are read: each valid, and none that another makes moot."""
         parse_weights(self.attribute_weights)  # refused here, not per record
         attribute_names(self.attributes)
         if self.pairs_from not in PAIRS_FROM:
@@ -176,6 +177,12 @@ class PreprocessConfig(Config):
             raise ConfigError("max_responses 1: a prompt needs 2 responses to rank; give 2 or more, or 0 for all")
         if self.format != "auto" and self.format not in FORMATS:
             raise ConfigError(f"format {self.format!r}: use 'auto' or one of {', '.join(FORMATS)}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, needs, active in PREPROCESS_NEEDS:
+            if getattr(self, name) != defaults[name] and not active(self):
+                raise ConfigError(f"{name}: does nothing without {needs}; add it, or drop {name}")
+
+    def _check_ranges(self) -> None:
         if self.length_policy not in LENGTH_POLICIES:
             raise ConfigError(
                 f"length_policy {self.length_policy!r}: use one of {', '.join(LENGTH_POLICIES)}"
@@ -193,10 +200,6 @@ class PreprocessConfig(Config):
         if self.decontaminate_method not in DECONTAMINATE_METHODS:
             raise ConfigError(f"decontaminate_method {self.decontaminate_method!r}: use one of "
                               f"{', '.join(DECONTAMINATE_METHODS)}")
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, needs, active in PREPROCESS_NEEDS:
-            if getattr(self, name) != defaults[name] and not active(self):
-                raise ConfigError(f"{name}: does nothing without {needs}; add it, or drop {name}")
         check_int(self.num_workers, "num_workers", 1)
         check_int(self.batch_size, "batch_size", 1)
         check_int(self.split_seed, "split_seed", 0)

@@ -272,70 +272,20 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
     from transformers import AutoTokenizer
 
     from rmflow.rendering.files import expand_inputs, iter_records
-
-    model_path, data, batch_size = cfg.model, list(cfg.data), cfg.batch_size
-    model, pad_id = loaded.model, loaded.pad_id
-    from rmflow.rendering.formats import BadRecord
     from rmflow.rendering.tokenize import RecordTokenizer
 
-    tok = AutoTokenizer.from_pretrained(require_tokenizer(model_path, loaded.tokenizer_dir, "rewardbench-v2"))
-    renderer = RecordTokenizer(tok, loaded.step_separator)  # as preprocessing renders: message text is text
-    positions = model.config.max_position_embeddings
-    seqs, examples, ties = [], [], []  # examples: (first sequence, completions, subset); ties: (id, correct, ...)
-    skipped: dict[str, Any] = {"count": 0, "reasons": {}, "first": None}  # records that cannot be scored
-
-    def skip(where: str, code: str, message: str) -> None:
-        skipped["count"] += 1
-        skipped["reasons"][code] = skipped["reasons"].get(code, 0) + 1
-        skipped["first"] = skipped["first"] or f"{where}: {message}"
-
+    data = list(cfg.data)
+    tok = AutoTokenizer.from_pretrained(require_tokenizer(cfg.model, loaded.tokenizer_dir, "rewardbench-v2"))
+    read = _Rb2Records(RecordTokenizer(tok, loaded.step_separator),  # as preprocessing renders: message text is text
+                       loaded.model.config.max_position_embeddings)
     for path, _ in expand_inputs(tuple(data)):
         for line, raw, problem in iter_records(path):
-            where = f"{path}:{line}"
-            try:
-                rec = jsontext.loads(raw) if not problem else None
-            except (ValueError, RecursionError) as e:
-                skip(where, "bad_json", f"not valid JSON text: {e}")
-                continue
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) \
-                    or not _text_list(rec.get("chosen")) or not _text_list(rec.get("rejected")):
-                skip(where, "not_rewardbench2", "not a RewardBench 2 record (prompt, chosen list, rejected list, of "
-                     "strings)" + (f": {problem}" if problem else ""))
-                continue
-            is_ties = rec.get("subset") == TIES
-            if is_ties and (not isinstance(rec.get("id"), str) or rec.get("num_correct") != len(rec["chosen"])):
-                skip(where, "bad_ties_record", "a Ties record needs its id (ref:N or tied:N) and num_correct (its "
-                     "number of chosen answers), as RewardBench 2 has them")
-                continue
-            # best-of-n scores the first chosen answer against the rejected ones; Ties scores every answer
-            completions = (list(rec["chosen"]) if is_ties else list(rec["chosen"])[:1]) + list(rec["rejected"])
-            encoded = []
-            for text in completions:
-                if len(rec["prompt"]) + len(text) > positions * renderer.longest_token:  # before tokenizing it
-                    skip(where, "too_long", f"a completion of {len(text):,} characters with its prompt, more than "
-                         f"the model's {positions:,} positions ever hold")
-                    break
-                try:
-                    ids = renderer.encode_conversation((("user", rec["prompt"]), ("assistant", text)))
-                except BadRecord as e:
-                    skip(where, e.code, e.message)
-                    break
-                if len(ids) > positions:
-                    skip(where, "too_long", f"a completion of {len(ids):,} tokens, past the model's {positions:,} "
-                         "positions: a score there is a number the model was never made for")
-                    break
-                encoded.append(ids)
-            if len(encoded) < len(completions):
-                continue
-            start = len(seqs)
-            seqs += encoded
-            if is_ties:
-                ties.append((rec["id"], len(rec["chosen"]), start, len(completions)))
-            else:
-                examples.append((start, len(completions), str(rec.get("subset", "all"))))
+            read.add(f"{path}:{line}", raw, problem)
+    seqs, examples, ties, skipped = read.seqs, read.examples, read.ties, read.skipped
     if not seqs:
         raise EvalError(f"rewardbench-v2: no record of {', '.join(data)} can be scored ({skipped['count']} skipped; "
                         f"the first, {skipped['first']})")
+    model, batch_size, pad_id = loaded.model, cfg.batch_size, loaded.pad_id
     scores = np.asarray(score_sequences(model, seqs, batch_size=batch_size, pad_id=pad_id))
     k = max((n for _, n, _ in examples), default=0)
     if any(n != k for _, n, _ in examples):
@@ -353,6 +303,69 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
                "rewardbench_v2": v2_scores(credits, [sub for _, _, sub in examples], tie_scores)}
     return metrics, lambda m, out: write_eval(out, m, {**cfg.to_dict(), "model_description": loaded.description},
                                               rewardbench_v2_markdown(m, loaded.description, data))
+
+
+class _Rb2Records:
+    """RewardBench 2 records encoded as scored: ``seqs`` every completion's tokens; ``examples``
+    (first sequence, completions, subset) of best-of-n records; ``ties`` (id, correct, first
+    sequence, completions) of the Ties subset; ``skipped`` what cannot be scored, by reason."""
+
+    def __init__(self, renderer, positions: int):
+        self.renderer, self.positions = renderer, positions
+        self.seqs: list = []
+        self.examples: list[tuple[int, int, str]] = []
+        self.ties: list[tuple[str, int, int, int]] = []
+        self.skipped: dict[str, Any] = {"count": 0, "reasons": {}, "first": None}
+
+    def skip(self, where: str, code: str, message: str) -> None:
+        self.skipped["count"] += 1
+        self.skipped["reasons"][code] = self.skipped["reasons"].get(code, 0) + 1
+        self.skipped["first"] = self.skipped["first"] or f"{where}: {message}"
+
+    def add(self, where: str, raw: str, problem: str | None) -> None:
+        try:
+            rec = jsontext.loads(raw) if not problem else None
+        except (ValueError, RecursionError) as e:
+            return self.skip(where, "bad_json", f"not valid JSON text: {e}")
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) \
+                or not _text_list(rec.get("chosen")) or not _text_list(rec.get("rejected")):
+            return self.skip(where, "not_rewardbench2", "not a RewardBench 2 record (prompt, chosen list, rejected list, "
+                             "of strings)" + (f": {problem}" if problem else ""))
+        is_ties = rec.get("subset") == TIES
+        if is_ties and (not isinstance(rec.get("id"), str) or rec.get("num_correct") != len(rec["chosen"])):
+            return self.skip(where, "bad_ties_record", "a Ties record needs its id (ref:N or tied:N) and num_correct "
+                             "(its number of chosen answers), as RewardBench 2 has them")
+        # best-of-n scores the first chosen answer against the rejected ones; Ties scores every answer
+        completions = (list(rec["chosen"]) if is_ties else list(rec["chosen"])[:1]) + list(rec["rejected"])
+        encoded = []
+        for text in completions:  # the first that cannot be scored skips the record, once
+            ids = self._encoded(where, rec["prompt"], text)
+            if ids is None:
+                return None
+            encoded.append(ids)
+        start = len(self.seqs)
+        self.seqs += encoded
+        if is_ties:
+            self.ties.append((rec["id"], len(rec["chosen"]), start, len(completions)))
+        else:
+            self.examples.append((start, len(completions), str(rec.get("subset", "all"))))
+        return None
+
+    def _encoded(self, where: str, prompt: str, text: str):
+        """A completion's tokens with its prompt, or None (skipped, with why)."""
+        from rmflow.rendering.formats import BadRecord
+
+        if len(prompt) + len(text) > self.positions * self.renderer.longest_token:  # before tokenizing it
+            return self.skip(where, "too_long", f"a completion of {len(text):,} characters with its prompt, more than "
+                             f"the model's {self.positions:,} positions ever hold")
+        try:
+            ids = self.renderer.encode_conversation((("user", prompt), ("assistant", text)))
+        except BadRecord as e:
+            return self.skip(where, e.code, e.message)
+        if len(ids) > self.positions:
+            return self.skip(where, "too_long", f"a completion of {len(ids):,} tokens, past the model's "
+                             f"{self.positions:,} positions: a score there is a number the model was never made for")
+        return ids
 
 
 def _text_list(value: Any) -> bool:
