@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from rmflow.pipelines.io import write_array_record_shard
 from rmflow.schemas.record import PairRecord, encode
-from rmflow.trainer.data import Collate, bucket_length, make_loader
+from rmflow.trainer.data import Collate, LoaderSpec, bucket_length, make_loader
 
 
 def rec(i: int, n_c: int, n_r: int, margin=None) -> PairRecord:
@@ -40,7 +40,7 @@ def test_bucket_lengths():
 
 def test_loader_epochs_shuffle_and_exact_resume(shards):
     def run(seed, steps=None, state=None):
-        loader = make_loader(shards, batch_size=4, max_length=64, seed=seed, num_epochs=2, shard_by_process=False)
+        loader = make_loader(shards, LoaderSpec(batch_size=4, max_length=64, seed=seed, num_epochs=2, shard_by_process=False))
         it = iter(loader)
         if state is not None:
             it.set_state(state)
@@ -63,8 +63,8 @@ def test_loader_epochs_shuffle_and_exact_resume(shards):
 
 def test_decoding_in_worker_processes_is_deterministic_and_resumable(shards):
     def batches(state=None, n=4):
-        it = iter(make_loader(shards, batch_size=2, max_length=64, seed=5, num_epochs=1, worker_count=2,
-                              shard_by_process=False))
+        it = iter(make_loader(shards, LoaderSpec(batch_size=2, max_length=64, seed=5, num_epochs=1, worker_count=2,
+                              shard_by_process=False)))
         if state is not None:
             it.set_state(state)
         out = [next(it)["input_ids"].copy() for _ in range(n)]
@@ -73,7 +73,7 @@ def test_decoding_in_worker_processes_is_deterministic_and_resumable(shards):
     full, _ = batches(n=6)
     again, _ = batches(n=6)
     assert all(np.array_equal(a, b) for a, b in zip(full, again))
-    here = iter(make_loader(shards, batch_size=2, max_length=64, seed=5, num_epochs=1, shard_by_process=False))
+    here = iter(make_loader(shards, LoaderSpec(batch_size=2, max_length=64, seed=5, num_epochs=1, shard_by_process=False)))
     assert all(np.array_equal(a, next(here)["input_ids"]) for a in full)  # the same batches as in-process
     first, state = batches(n=3)
     rest, _ = batches(state, n=3)

@@ -19,7 +19,7 @@ from rmflow.schemas.config import ConfigError, PreprocessConfig
 from rmflow.schemas.manifest import Manifest
 from rmflow.schemas.sources import DataSource, parse_eval_data
 from rmflow.schemas.train_config import TrainConfig
-from rmflow.trainer.data import make_loader
+from rmflow.trainer.data import LoaderSpec, make_loader
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.train import run as train
 
@@ -91,9 +91,9 @@ def test_data_spellings_read_as_the_same_sets():
 @pytest.mark.parametrize("packing", ["pack", "none"])
 def test_the_loader_mixes_by_weight_each_record_from_its_set(sets, packing):
     def loader(shard=None):
-        return iter(make_loader([train_paths(sets["a"]), train_paths(sets["b"])], batch_size=8, max_length=16,
+        return iter(make_loader([train_paths(sets["a"]), train_paths(sets["b"])], LoaderSpec(batch_size=8, max_length=16,
                                 seed=1, num_epochs=None, shard_by_process=False, packing=packing,
-                                weights=[3.0, 1.0], shard=shard))
+                                weights=[3.0, 1.0], shard=shard)))
 
     it, counts = loader(), np.zeros(2, int)
     for _ in range(60):  # 480 records: 360 from a (3 passes over its 108), 120 from b (a third of its 324)

@@ -39,7 +39,7 @@ REFERENCE = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from rmflow.schemas.train_config import TrainConfig
-    from rmflow.trainer.data import lengths_per_doubling, make_loader
+    from rmflow.trainer.data import LoaderSpec, lengths_per_doubling, make_loader
     from rmflow.trainer.batching import stack_micro_batches
     from rmflow.trainer.batching import widen as _widen
     from rmflow.trainer.setup import build_model, read_manifest, shard_paths
@@ -53,9 +53,9 @@ REFERENCE = textwrap.dedent('''
     trainer = make_trainer(cfg, build_model(cfg, manifest), STEPS)
     paths = shard_paths(data, manifest, "train")
     # What process i of 2 reads: half the pairs of each global batch, packed into its 2 rows.
-    its = [iter(make_loader(paths, batch_size=4, max_length=manifest.max_length, seed=cfg.seed, num_epochs=None,
+    its = [iter(make_loader(paths, LoaderSpec(batch_size=4, max_length=manifest.max_length, seed=cfg.seed, num_epochs=None,
                             pad_id=manifest.tokenizer.pad_token_id or 0, packing="pack", rows=2, shard=(i, 2),
-                            per_doubling=lengths_per_doubling(STEPS)))
+                            per_doubling=lengths_per_doubling(STEPS))))
            for i in range(2)]
     state, losses = trainer.init_state, []
     for _ in range(STEPS):

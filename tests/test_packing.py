@@ -17,7 +17,14 @@ import optax
 import pytest
 from flax import nnx
 from rmflow.schemas.record import PairRecord, encode
-from rmflow.trainer.data import Collate, PackCollate, fine_length, lengths_per_doubling, make_loader
+from rmflow.trainer.data import (
+    Collate,
+    LoaderSpec,
+    PackCollate,
+    fine_length,
+    lengths_per_doubling,
+    make_loader,
+)
 from rmflow.trainer.data.collate import ACCELERATOR_COMPILE_COST
 from rmflow.trainer.data.loader import collate_fn
 from rmflow.trainer.data.packing import assign_rows, pack_unit
@@ -304,8 +311,8 @@ def shards(tmp_path):
 @pytest.mark.parametrize("packing", ["none", "bucket", "pack"])
 def test_loader_modes_serve_every_pair_once_and_resume_exactly(shards, packing):
     def batches(state=None, n=None):
-        it = iter(make_loader(shards, batch_size=4, max_length=64, seed=2, num_epochs=2, shard_by_process=False,
-                              packing=packing))
+        it = iter(make_loader(shards, LoaderSpec(batch_size=4, max_length=64, seed=2, num_epochs=2, shard_by_process=False,
+                              packing=packing)))
         if state is not None:
             it.set_state(state)
         out = []
@@ -333,13 +340,13 @@ def test_loader_modes_serve_every_pair_once_and_resume_exactly(shards, packing):
 def test_an_endless_loader_takes_batches_of_one(shards):
     """Training reads endlessly (its steps decide when to stop): in batches of one record too
     (Grain's endless repeat overflows len() in batches of one), every pair served once per pass."""
-    it = iter(make_loader(shards, batch_size=1, max_length=64, seed=2, num_epochs=None, shard_by_process=False,
-                          packing="pack"))
+    it = iter(make_loader(shards, LoaderSpec(batch_size=1, max_length=64, seed=2, num_epochs=None, shard_by_process=False,
+                          packing="pack")))
     served = [next(it) for _ in range(80)]
     firsts = [b["input_ids"][0, :8].tobytes() for b in served]
     assert len(set(firsts[:40])) == 40 and sorted(firsts[:40]) == sorted(firsts[40:])
-    mixed = iter(make_loader([shards[:1], shards[1:]], batch_size=1, max_length=64, seed=2, num_epochs=None,
-                             shuffle=True, shard_by_process=False, packing="pack", weights=[1.0, 1.0]))
+    mixed = iter(make_loader([shards[:1], shards[1:]], LoaderSpec(batch_size=1, max_length=64, seed=2, num_epochs=None,
+                             shuffle=True, shard_by_process=False, packing="pack", weights=[1.0, 1.0])))
     assert all(next(mixed)["input_ids"].shape[0] == 1 for _ in range(5))  # a mixture too
 
 
@@ -353,8 +360,8 @@ def _all(shards):
 
 def test_bucket_and_pack_pad_less_than_none(shards):
     def padding(packing):
-        bs = list(make_loader(shards, batch_size=4, max_length=64, seed=0, num_epochs=1, shard_by_process=False,
-                              packing=packing))
+        bs = list(make_loader(shards, LoaderSpec(batch_size=4, max_length=64, seed=0, num_epochs=1, shard_by_process=False,
+                              packing=packing)))
         return 1 - sum(int(b["computed_tokens"]) for b in bs) / sum(b["input_ids"].size for b in bs)
 
     none, bucket, pack = padding("none"), padding("bucket"), padding("pack")
@@ -481,8 +488,8 @@ def test_reading_ahead_keeps_the_order_and_the_checkpoint_state(shards):
     from rmflow.trainer.data.lookahead import Lookahead
 
     def loader():
-        return iter(make_loader(shards, batch_size=4, max_length=64, seed=2, num_epochs=1, shard_by_process=False,
-                                packing="pack"))
+        return iter(make_loader(shards, LoaderSpec(batch_size=4, max_length=64, seed=2, num_epochs=1, shard_by_process=False,
+                                packing="pack")))
 
     plain, ahead = loader(), Lookahead(loader(), depth=3)
     for _ in range(4):

@@ -38,7 +38,7 @@ from rmflow.trainer.backend import configure_xla
 from rmflow.trainer.batching import stack_micro_batches, widen
 from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, prune, reading_checkpoint
 from rmflow.trainer.compilation import use_compilation_cache
-from rmflow.trainer.data import make_loader
+from rmflow.trainer.data import LoaderSpec, make_loader
 from rmflow.trainer.data.lookahead import Lookahead, checkpointable
 from rmflow.trainer.errors import Interrupted, TrainError
 from rmflow.trainer.loggers import Reporters, check_available
@@ -105,11 +105,11 @@ class Run:
 
     def loader(self, paths, *, train: bool, per_doubling: int, weights=None, workers: int | None = None):
         plan = self.plan
-        return make_loader(paths, batch_size=plan.local_batch, max_length=plan.max_length, seed=self.cfg.seed,
+        return make_loader(paths, LoaderSpec(batch_size=plan.local_batch, max_length=plan.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train,
                            worker_count=self.cfg.data.workers if workers is None else workers,
                            pad_id=plan.pad_id, packing=plan.packing, rows=plan.rows, kind=self.objective.name,
-                           weights=weights, per_doubling=per_doubling)
+                           weights=weights, per_doubling=per_doubling))
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         """Each process's micro-batches become its slice of the global batch (rows split over

@@ -3,9 +3,9 @@
 solutions for process reward models likewise (``steps``)."""
 
 from rmflow.trainer.data.collate import Collate, bucket_length, fine_length, lengths_per_doubling
-from rmflow.trainer.data.loader import PACKING, count_records, make_loader, resolve_packing
+from rmflow.trainer.data.loader import PACKING, LoaderSpec, count_records, make_loader, resolve_packing
 from rmflow.trainer.data.packing import PackCollate
 from rmflow.trainer.data.steps import StepCollate, StepPackCollate
 
-__all__ = ["PACKING", "Collate", "PackCollate", "StepCollate", "StepPackCollate", "bucket_length", "count_records",
+__all__ = ["PACKING", "Collate", "LoaderSpec", "PackCollate", "StepCollate", "StepPackCollate", "bucket_length", "count_records",
            "fine_length", "lengths_per_doubling", "make_loader", "resolve_packing"]

@@ -24,6 +24,7 @@ sizes and weights and the position, so no sampler's state or repr is checked on 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import grain
@@ -137,55 +138,59 @@ def mixed_stream(sources: Sequence, weights: Sequence[float], *, shard: tuple[in
     return grain.MapDataset.mix(sets, [float(w) for w in weights]) if len(sets) > 1 else sets[0]
 
 
-def make_loader(
-    shard_paths: Sequence[str],
-    *,
-    batch_size: int,
-    max_length: int,
-    seed: int,
-    num_epochs: int | None = 1,
-    shuffle: bool = True,
-    worker_count: int = 0,
-    pad_id: int = 0,
-    shard_by_process: bool = True,
-    packing: str = "none",
-    rows: int = 1,
-    shard: tuple[int, int] | None = None,
-    kind: str = OUTCOME.name,
-    weights: Sequence[float] | None = None,
-    per_doubling: int = FINEST,
-) -> grain.IterDataset:
+@dataclasses.dataclass(frozen=True)
+class LoaderSpec:
+    """How a loader batches its shards. ``rows``: packed rows per micro-batch (``pack``; a multiple
+    of the data-parallel devices). ``shard``: this process's (index, count) slice (None: by the
+    JAX process, or all of it without ``shard_by_process``). ``worker_count``: processes decoding
+    records (0: this one; the batches are the same either way). ``weights``: one per set of a
+    mixture. ``per_doubling``: how finely row lengths round (``lengths_per_doubling``)."""
+
+    batch_size: int
+    max_length: int
+    seed: int = 0
+    num_epochs: int | None = 1
+    shuffle: bool = True
+    worker_count: int = 0
+    pad_id: int = 0
+    shard_by_process: bool = True
+    packing: str = "none"
+    rows: int = 1
+    shard: tuple[int, int] | None = None
+    kind: str = OUTCOME.name
+    weights: Sequence[float] | None = None
+    per_doubling: int = FINEST
+
+
+def make_loader(shard_paths: Sequence[str], spec: LoaderSpec) -> grain.IterDataset:
     """The shards as a Grain dataset of micro-batches (iterate it; its iterator's state, saved
     with each checkpoint, resumes on exactly the next batch): one slice of the records per JAX
-    process (``shard``: an explicit (index, count)), in a seeded order reshuffled each epoch,
-    records decoded in ``worker_count`` processes (0: in this process; the batches are the same
-    either way). ``rows``: packed rows per micro-batch (``pack``; a multiple of the
-    data-parallel devices).
+    process, in a seeded order reshuffled each epoch.
 
-    With ``weights``, ``shard_paths`` holds one list of shards per set and the loader draws
+    With ``spec.weights``, ``shard_paths`` holds one list of shards per set and the loader draws
     from the sets mixed by those weights (``grain.MapDataset.mix``), endlessly, each set in
     its own shuffled passes; each batch then counts its records per set in ``source_counts``."""
-    collate = collate_fn(packing, batch_size=batch_size, max_length=max_length, pad_id=pad_id, rows=rows, kind=kind,
-                         per_doubling=per_doubling)
-    where = _shard(shard, shard_by_process)
-    if weights is None:
-        ds = _stream(grain.sources.ArrayRecordDataSource(list(shard_paths)), shard=where, shuffle=shuffle, seed=seed,
-                     num_epochs=num_epochs)
+    collate = collate_fn(spec.packing, batch_size=spec.batch_size, max_length=spec.max_length, pad_id=spec.pad_id,
+                         rows=spec.rows, kind=spec.kind, per_doubling=spec.per_doubling)
+    where = _shard(spec.shard, spec.shard_by_process)
+    if spec.weights is None:
+        ds = _stream(grain.sources.ArrayRecordDataSource(list(shard_paths)), shard=where, shuffle=spec.shuffle,
+                     seed=spec.seed, num_epochs=spec.num_epochs)
         decode_op = DecodeRecord()
     else:
-        if num_epochs is not None or not shuffle:
+        if spec.num_epochs is not None or not spec.shuffle:
             raise ValueError("a mixture is drawn endlessly and shuffled (num_epochs=None, shuffle=True)")
-        ds = mixed_stream([grain.sources.ArrayRecordDataSource(list(paths)) for paths in shard_paths], weights,
-                          shard=where, seed=seed)
+        ds = mixed_stream([grain.sources.ArrayRecordDataSource(list(paths)) for paths in shard_paths], spec.weights,
+                          shard=where, seed=spec.seed)
         decode_op, collate = DecodeLabelled(), LabelledBatch(collate, len(shard_paths))
-    if packing == "bucket":
-        ds = LengthBuckets(ds, batch_size=batch_size, window=BUCKET_WINDOW, seed=seed)
-    ds = ds.map(decode_op).batch(batch_size, drop_remainder=False, batch_fn=collate)
+    if spec.packing == "bucket":
+        ds = LengthBuckets(ds, batch_size=spec.batch_size, window=BUCKET_WINDOW, seed=spec.seed)
+    ds = ds.map(decode_op).batch(spec.batch_size, drop_remainder=False, batch_fn=collate)
     out = ds.to_iter_dataset(READ_OPTIONS)
-    if worker_count:
+    if spec.worker_count:
         from absl import flags
 
         if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we do not run under absl.app
             flags.FLAGS.mark_as_parsed()
-        out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+        out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=spec.worker_count))
     return out
