@@ -92,7 +92,7 @@ def prompt_text(record: Any, source: str, line: int) -> str:
     if isinstance(record, str):
         return record
     try:
-        item = normalize_all(record, detect_format(record), source=source, line=line, pairs_from="best-worst")[0][0]
+        item = normalize_all(record, detect_format(record), source=source, line=line, options={"pairs_from": "best-worst"})[0][0]
         return prompt_of(item.prompt)
     except BadRecord:
         for field in PROMPT_FIELDS:

@@ -500,16 +500,27 @@ def cap_responses(r: CanonicalResponses, most: int) -> CanonicalResponses:
                                attributes=tuple(r.attributes[i] for i in keep) if r.attributes else ())
 
 
-def normalize_all(record: Any, fmt: str, *, source: str, line: int, margin_from_scores: bool = False,
-                  min_score_gap: float = 0.0, drop_score_ties: bool = False, pairs_from: str = "",
-                  max_responses: int = 0, attributes: str | tuple[str, ...] = (),
+# What normalize_all does with an option left out (NORMALIZE_OPTIONS)
+NORMALIZE_DEFAULTS = {"margin_from_scores": False, "min_score_gap": 0.0, "drop_score_ties": False, "pairs_from": "",
+                      "max_responses": 0, "attributes": ()}
+
+
+def normalize_all(record: Any, fmt: str, *, source: str, line: int, options: Mapping[str, Any] | None = None,
                   weights: Mapping[str, float] | None = None
                   ) -> tuple[list[CanonicalPair | CanonicalSteps | CanonicalResponses], CanonicalResponses | None]:
     """One raw record in layout ``fmt`` to its canonical records: one (``formats.normalize``), or
     for a multi-response layout the pairs ``pairs_from`` makes of it or (``pairs_from`` empty) the
     record itself, at most ``max_responses`` of its responses (0: all), each with its ratings
     ``attributes`` (names, or the config's comma-separated text); with the responses they were
-    made of (what was merged, dropped or capped). Raises BadRecord."""
+    made of (what was merged, dropped or capped). ``options``: preprocess's NORMALIZE_OPTIONS
+    (each left out: its default). Raises BadRecord."""
+    unknown = set(options or {}) - set(NORMALIZE_DEFAULTS)
+    if unknown:
+        raise TypeError(f"normalize_all: unknown options {sorted(unknown)}")
+    o = {**NORMALIZE_DEFAULTS, **(options or {})}
+    margin_from_scores, min_score_gap, pairs_from, max_responses = \
+        o["margin_from_scores"], o["min_score_gap"], o["pairs_from"], o["max_responses"]
+    attributes, drop_score_ties = o["attributes"], o["drop_score_ties"]
     names = attribute_names(attributes) if isinstance(attributes, str) else tuple(attributes)
     if fmt not in MULTI_FORMATS:
         return [normalize(record, fmt, source=source, line=line, margin_from_scores=margin_from_scores,

@@ -134,8 +134,8 @@ def normalize_record(element: tuple, options: dict[str, Any], weights: dict[str,
     source, line, fmt, raw = element
     stage = f"normalize:{fmt}"
     try:
-        pairs, responses = normalize_all(parse_json_object(raw), fmt, source=source, line=line, weights=weights,
-                                         **options)
+        pairs, responses = normalize_all(parse_json_object(raw), fmt, source=source, line=line, options=options,
+                                         weights=weights)
     except Exception as e:  # noqa: BLE001 - contained to this record
         yield DEAD, dead_letter(stage, source, line, raw, as_bad_record(e))
         return

@@ -65,7 +65,7 @@ def test_each_layout_is_detected_and_read_with_its_scores():
 ])
 def test_bad_records_are_refused_with_their_reason(record, code):
     with pytest.raises(BadRecord) as e:
-        normalize_all(record, detect_format(record), source="s", line=1, pairs_from="expand")
+        normalize_all(record, detect_format(record), source="s", line=1, options={"pairs_from": "expand"})
     assert e.value.code == code
     assert isinstance(e.value, Tie) == (code == "all_tied")
     assert e.value.category == {"all_tied": "tie", "one_response": "unranked"}.get(code, "error")
@@ -74,7 +74,7 @@ def test_bad_records_are_refused_with_their_reason(record, code):
 def test_a_response_given_twice_with_one_score_is_kept_once_and_counted():
     pairs, responses = normalize_all({"prompt": "p", "responses": ["a", "a", "b", " ", "c", "c"],
                                       "scores": [1, 1, 0, 3, 2, 0]}, "responses", source="s", line=1,
-                                     pairs_from="expand")
+                                     options={"pairs_from": "expand"})
     # the repeat kept once; the empty one, and both copies of the text scored two ways, left out
     assert (responses.merged, responses.dropped, responses.contradicted) == (1, 1, 2)
     assert [(p.chosen[0][1], p.rejected[0][1]) for p in pairs] == [("a", "b")]
@@ -122,7 +122,7 @@ def test_a_multi_response_layout_is_kept_whole_unless_made_pairs_and_capped_at_m
     assert capped.scores == (3.0, 9.0, 0.0, 6.0) and capped.capped == 6
     assert cap_responses(ten, 10) is ten
     [one], _ = normalize_all({"prompt": "q", "responses": [f"a{i}" for i in range(10)], "scores": list(ten.scores)},
-                             "responses", source="s", line=1, max_responses=4)
+                             "responses", source="s", line=1, options={"max_responses": 4})
     assert len(one.responses) == 10 and one.most == 4  # kept whole: capped among those that fit (below)
     import dataclasses
 
@@ -142,9 +142,9 @@ def test_a_multi_response_layout_is_kept_whole_unless_made_pairs_and_capped_at_m
     with pytest.raises(TooLong, match="0 of 5 responses"):
         tr.fit(4, "drop")
     pairs, made_of = normalize_all({"prompt": "q", "responses": [f"a{i}" for i in range(10)], "scores": list(ten.scores)},
-                                   "responses", source="s", line=1, max_responses=4, pairs_from="expand")
+                                   "responses", source="s", line=1, options={"max_responses": 4, "pairs_from": "expand"})
     assert made_of.capped == 6 and len(pairs) == 6  # expanded after the cap: 4 responses, 6 pairs
-    [m], _ = normalize_all(LAYOUTS["nectar"], "nectar", source="s", line=1, margin_from_scores=True)
+    [m], _ = normalize_all(LAYOUTS["nectar"], "nectar", source="s", line=1, options={"margin_from_scores": True})
     assert m.margin_from_scores  # kept whole: Bradley-Terry's margins from the scores, in the record
 
 
