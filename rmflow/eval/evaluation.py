@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,6 @@ from rmflow.schemas import jsontext
 from rmflow.schemas.config import (
     RAW_INPUT_OPTIONS,
     SCORED_BY_WEIGHTS,
-    STEP_SEPARATOR,
     EvalConfig,
     PreprocessConfig,
 )
@@ -56,24 +54,24 @@ EVAL_FOLDER = "eval folder"  # schemas.outputs.OUTPUT_SIGNATURES' name of what e
 Writer = Callable[[dict[str, Any], str], Any]  # (metrics, eval folder): writes eval.json, report.md, plots
 
 
-def load_records(data: list[str], split: str, model, tokenizer: str | None, model_path: str, workdir: str,
-                 output: str, step_separator: str = STEP_SEPARATOR, raw_options: dict[str, Any] | None = None,
-                 final_output: str | None = None):
-    """(records, summary of the raw-input preprocessing or None). Shards are checked against the
-    model's tokenizer and vocabulary; raw inputs are preprocessed with the model's tokenizer, and
-    what that set aside is copied to ``output``/input_errors.jsonl; when nothing was usable, beside
-    ``final_output`` (the folder ``output`` is staged for), which keeps its earlier eval."""
+def load_records(cfg: EvalConfig, loaded: LoadedModel, output: str, raw_options: dict[str, Any]
+                 ) -> tuple[list, dict[str, Any] | None, bool]:
+    """(records, summary of the raw-input preprocessing or None, whether their labels are weighted
+    sums of attribute ratings). Shards are checked against the model's tokenizer and vocabulary;
+    raw inputs are preprocessed with the model's tokenizer, and what that set aside is written to
+    ``output``/input_errors.jsonl; when nothing was usable, beside ``cfg.output`` (the folder
+    ``output`` is staged for), which keeps its earlier eval."""
+    data, split, model, tokenizer = list(cfg.data), cfg.split, loaded.model, loaded.tokenizer_dir
     input_summary = None
     if len(data) == 1 and storage.is_remote(data[0]) and storage.has_manifest(data[0]):
         data = [storage.stage_shards(data[0])]
     if len(data) == 1 and os.path.exists(os.path.join(data[0], MANIFEST_FILE)):
         folder = data[0]
         manifest = read_manifest(folder)
-        check_tokenizer(manifest, tokenizer, f"the model {model_path}")
+        check_tokenizer(manifest, tokenizer, f"the model {cfg.model}")
         check_model_fits(manifest, model.config)
     else:
-        return _prepare_raw(data, model, tokenizer, model_path, output, step_separator, raw_options or {},
-                            final_output or output)
+        return _prepare_raw(cfg, loaded, output, raw_options)
     splits = list(manifest.splits) if split == "all" else [split]
     paths = [os.path.join(folder, s.file) for name in splits if name in manifest.splits
              for s in manifest.splits[name].shards]
@@ -84,23 +82,23 @@ def load_records(data: list[str], split: str, model, tokenizer: str | None, mode
     return records, input_summary, manifest.scored_by_weights
 
 
-def _prepare_raw(data: list[str], model, tokenizer: str | None, model_path: str, output: str, step_separator: str,
-                 raw_options: dict[str, Any], final_output: str) -> tuple[list, dict[str, Any], bool]:
+def _prepare_raw(cfg: EvalConfig, loaded: LoadedModel, output: str, raw_options: dict[str, Any]
+                 ) -> tuple[list, dict[str, Any], bool]:
     """Raw files preprocessed in this process with the model's tokenizer (``rendering.prepare``:
     the job's steps, no Beam); what that set aside goes to ``output``/input_errors.jsonl, or, when
     nothing was usable, beside ``final_output``, which keeps its earlier eval."""
     from rmflow.rendering.accounting import PreprocessError
     from rmflow.rendering.prepare import local_record_tokenizer, prepare
 
-    folder = require_tokenizer(model_path, tokenizer, "evaluating raw files")
-    cfg = PreprocessConfig(inputs=tuple(data), output=os.path.join(output, "shards"), tokenizer=folder,
-                           max_length=model.config.max_position_embeddings, eval_fraction=0.0, max_bad_fraction=1.0,
-                           max_responses=0, step_separator=step_separator, **raw_options)
+    folder = require_tokenizer(cfg.model, loaded.tokenizer_dir, "evaluating raw files")
+    raw = PreprocessConfig(inputs=tuple(cfg.data), output=os.path.join(output, "shards"), tokenizer=folder,
+                           max_length=loaded.model.config.max_position_embeddings, eval_fraction=0.0,
+                           max_bad_fraction=1.0, max_responses=0, step_separator=loaded.step_separator, **raw_options)
     kept = os.path.join(output, INPUT_ERRORS)
     try:
-        prepared = prepare(cfg, local_record_tokenizer(folder, step_separator, cfg.format), errors_file=kept)
+        prepared = prepare(raw, local_record_tokenizer(folder, loaded.step_separator, raw.format), errors_file=kept)
     except PreprocessError as e:  # e.g. no usable pair: keep the reasons where the user can read them
-        where = _write_input_errors(e.dead, failed_errors_path(final_output)) if e.dead else None
+        where = _write_input_errors(e.dead, failed_errors_path(cfg.output)) if e.dead else None
         raise EvalError(e.reason + (f"; every record set aside and its reason: {where}" if where else "")) from e
     _write_input_errors(prepared.dead, kept)
     counts = prepared.stats["counts"]
@@ -195,10 +193,8 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
         metrics, write = run_rewardbench_v2(cfg, loaded)
     else:
         weights = label_weights(cfg, loaded)
-        with tempfile.TemporaryDirectory(prefix="rmflow-eval-") as workdir:
-            records, input_summary, weighted = load_records(
-                list(cfg.data), cfg.split, loaded.model, loaded.tokenizer_dir, cfg.model, workdir, staging,
-                loaded.step_separator, {**cfg.raw_input_options(), "attribute_weights": weights[0]}, cfg.output)
+        records, input_summary, weighted = load_records(
+            cfg, loaded, staging, {**cfg.raw_input_options(), "attribute_weights": weights[0]})
         found = kind_of_record(records[0])
         if found.model is not kind:
             raise EvalError(f"{cfg.data[0]} holds {found.data}, which {found.model.description} scores; {cfg.model} "
