@@ -174,31 +174,36 @@ def main(argv: list[str] | None = None) -> None:
     run(cfg, wait=is_local(cfg.runner))
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchEnvironment:
+    """The Dataflow job's runtime environment for a template launch (each unset: Dataflow's
+    default). ``machine_type``: the workers' (their GPUs come with the image,
+    ``WORKER_ACCELERATOR_ENV``); ``experiments``: Dataflow experiments, e.g.
+    ``no_use_multiple_sdk_containers``: one SDK process, one model, per worker."""
+
+    temp_location: str | None = None
+    max_workers: int | None = None
+    service_account: str | None = None
+    worker_image: str | None = None
+    machine_type: str | None = None
+    experiments: tuple[str, ...] = ()
+
+
+# LaunchEnvironment's fields as the REST API's FlexTemplateRuntimeEnvironment names them
+ENVIRONMENT_FIELDS = {"temp_location": "tempLocation", "max_workers": "maxWorkers",
+                      "service_account": "serviceAccountEmail", "worker_image": "sdkContainerImage",
+                      "machine_type": "machineType", "experiments": "additionalExperiments"}
+
+
 def launch_body(template: str, parameters: dict[str, str], *, job_name: str = "rmflow-preprocess",
-                temp_location: str | None = None, max_workers: int | None = None,
-                service_account: str | None = None, worker_image: str | None = None,
-                machine_type: str | None = None, experiments: tuple[str, ...] = (),
-                spec: TemplateSpec = PREPROCESS) -> dict[str, Any]:
-    """The request body of ``POST .../locations/{region}/flexTemplates:launch`` (``machine_type``:
-    the workers'; their GPUs come with the image, ``WORKER_ACCELERATOR_ENV``; ``experiments``:
-    Dataflow experiments, e.g. ``no_use_multiple_sdk_containers``: one SDK process, one model,
-    per worker)."""
+                environment: LaunchEnvironment = LaunchEnvironment(), spec: TemplateSpec = PREPROCESS
+                ) -> dict[str, Any]:
+    """The request body of ``POST .../locations/{region}/flexTemplates:launch``."""
     unknown = set(parameters) - {f.name for f in parameter_fields(spec)}
     if unknown:
         raise ValueError(f"not template parameters: {sorted(unknown)}")
-    env: dict[str, Any] = {}
-    if temp_location:
-        env["tempLocation"] = temp_location
-    if max_workers:
-        env["maxWorkers"] = max_workers
-    if service_account:
-        env["serviceAccountEmail"] = service_account
-    if worker_image:
-        env["sdkContainerImage"] = worker_image
-    if machine_type:
-        env["machineType"] = machine_type
-    if experiments:
-        env["additionalExperiments"] = list(experiments)
+    env = {api: list(value) if isinstance(value, tuple) else value for name, api in ENVIRONMENT_FIELDS.items()
+           if (value := getattr(environment, name))}
     launch = {"jobName": job_name, "containerSpecGcsPath": template, "parameters": dict(parameters)}
     if env:
         launch["environment"] = env
@@ -225,10 +230,11 @@ def cli(argv: list[str], spec: TemplateSpec = PREPROCESS, prog: str = "python -m
         print(jsontext.dumps(metadata(spec), indent=2))
         return
     params = dict(p.split("=", 1) for p in a.param)
-    print(jsontext.dumps(launch_body(a.template, params, job_name=a.job_name, temp_location=a.temp_location,
-                                 max_workers=a.max_workers, service_account=a.service_account,
-                                 machine_type=a.machine_type, experiments=tuple(a.experiment), spec=spec),
-                     indent=2))
+    environment = LaunchEnvironment(temp_location=a.temp_location, max_workers=a.max_workers,
+                                    service_account=a.service_account, machine_type=a.machine_type,
+                                    experiments=tuple(a.experiment))
+    print(jsontext.dumps(launch_body(a.template, params, job_name=a.job_name, environment=environment, spec=spec),
+                         indent=2))
 
 
 _cli = cli

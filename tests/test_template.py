@@ -12,6 +12,7 @@ import pytest
 import typer
 from rmflow.pipelines.template import (
     NOT_PARAMETERS,
+    LaunchEnvironment,
     config_from_args,
     expand_date,
     launch_body,
@@ -66,7 +67,8 @@ def test_launch_body_parses_as_the_api_request():
     body = launch_body("gs://b/templates/rmflow.json",
                        {"inputs": "gs://b/raw/*.jsonl.gz", "tokenizer": "gs://b/tok", "output": "gs://b/shards/{date}",
                         "max_length": "1024"},
-                       temp_location="gs://b/tmp", max_workers=20, worker_image="europe-docker.pkg.dev/p/r/rmflow:1")
+                       environment=LaunchEnvironment(temp_location="gs://b/tmp", max_workers=20,
+                                                     worker_image="europe-docker.pkg.dev/p/r/rmflow:1"))
     req = LaunchFlexTemplateRequest.from_json(json.dumps({"projectId": "p", "location": "europe-west4", **body}))
     assert req.launch_parameter.container_spec_gcs_path == "gs://b/templates/rmflow.json"
     assert dict(req.launch_parameter.parameters)["output"] == "gs://b/shards/{date}"
@@ -161,8 +163,8 @@ def test_a_gpu_image_gives_its_workers_their_accelerator_unless_the_launch_does(
     own = ["--machine_type=g2-standard-8", "--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:2",
            "--sdk_container_image=mine"]
     assert image_options(own) == own
-    body = launch_body("gs://b/t.json", {"inputs": "gs://b/x"}, machine_type="g2-standard-4",
-                       experiments=("no_use_multiple_sdk_containers",))
+    body = launch_body("gs://b/t.json", {"inputs": "gs://b/x"}, environment=LaunchEnvironment(
+        machine_type="g2-standard-4", experiments=("no_use_multiple_sdk_containers",)))
     from google.cloud.dataflow_v1beta3 import LaunchFlexTemplateRequest
 
     req = LaunchFlexTemplateRequest.from_json(json.dumps({"projectId": "p", "location": "r", **body}))
