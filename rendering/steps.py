@@ -19,7 +19,7 @@ from typing import Any
 from rmflow.rendering.files import FileSystem, iter_records
 from rmflow.rendering.formats import BadRecord, Duplicate, Tie, detect_format, parse_json_object
 from rmflow.rendering.responses import group_rows, normalize_all, read_row
-from rmflow.rendering.tokenize import RecordTokenizer, TokenizedResponses
+from rmflow.rendering.tokenize import RecordTokenizer
 from rmflow.schemas import jsontext
 from rmflow.schemas.record import encode
 
@@ -261,12 +261,7 @@ def fit_length(tp, max_length: int, policy: str, names: dict[str, str]) -> Itera
     except Exception as e:  # noqa: BLE001 - contained to this record
         yield DEAD, dead_letter("length", p.source, p.line, p.raw, as_bad_record(e))
         return
-    if isinstance(tp, TokenizedResponses):  # responses left out of a record that is written: counted
-        fit = len(tp.fitting(max_length, policy))
-        for n, note in ((len(p.responses) - fit, Merged("long_response", f"a response too long for max_length "
-                                                        f"{max_length} with its prompt, left out of its record")),
-                        (fit - record.k, Merged("capped_response", "a response past --max-responses, left out of "
-                                                "its record"))):
-            if n:
-                yield _noted("length", p.source, p.line, note, n)
+    for n, code, why in tp.left_out(max_length, policy, record):  # parts of a written record left out: counted
+        if n:
+            yield _noted("length", p.source, p.line, Merged(code, why), n)
     yield MAIN, (record, encoded, (p.source, p.line), record.prompt_len != tp.prompt_len, tp.special_text, p.split_key)

@@ -133,6 +133,10 @@ class TokenizedPair:
                           rejected_last=len(rejected) - 1, prompt_len=prompt_len, pair_id=p.pair_id,
                           source=os.path.basename(p.source), margin=p.margin, subset=p.subset)
 
+    def left_out(self, max_length: int, policy: str, record) -> tuple[tuple[int, str, str], ...]:
+        """(count, code, why) of the parts of a written record left out of it: a pair keeps all."""
+        return ()
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenizedSteps:
@@ -155,6 +159,10 @@ class TokenizedSteps:
         return StepRecord(input_ids=ids, step_ends=ends, step_labels=[int(x) for x in p.labels],
                           prompt_len=prompt_len, record_id=p.pair_id, source=os.path.basename(p.source),
                           subset=p.subset)
+
+    def left_out(self, max_length: int, policy: str, record) -> tuple[tuple[int, str, str], ...]:
+        """(count, code, why) of the parts of a written record left out of it: a solution keeps all."""
+        return ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -209,6 +217,14 @@ class TokenizedResponses:
                                source=os.path.basename(c.source), subset=c.subset,
                                margin_from_scores=c.margin_from_scores,
                                attributes=[c.attributes[i] for i in keep] if c.attributes else None)
+
+    def left_out(self, max_length: int, policy: str, record: ResponsesRecord) -> tuple[tuple[int, str, str], ...]:
+        """(count, code, why) of the responses left out of the written ``record``: too long with
+        their prompt, or past --max-responses."""
+        fit = len(self.fitting(max_length, policy))
+        return ((len(self.canonical.responses) - fit, "long_response",
+                 f"a response too long for max_length {max_length} with its prompt, left out of its record"),
+                (fit - record.k, "capped_response", "a response past --max-responses, left out of its record"))
 
 
 def step_token_ends(char_ends: Sequence[int], offsets: Sequence[tuple[int, int]], prompt_len: int) -> np.ndarray:

@@ -517,3 +517,9 @@ def peek_lengths(buf: bytes) -> tuple[int, int]:
         raise RecordCorruptError("not an rmflow pair record (bad magic or too short)")
     fields = _HEADER.unpack_from(buf, 0)
     return fields[4], fields[5]
+
+
+def is_unit(item: object) -> bool:
+    """Whether a scoring item is a unit of one prompt's K responses (the prompt once, then each
+    response: a ``ResponsesRecord``) rather than one encoded conversation."""
+    return isinstance(item, ResponsesRecord)

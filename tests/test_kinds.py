@@ -96,7 +96,8 @@ def test_export_head_reads_back_as_its_kind():
 
 KIND_CONSTANTS = {name.upper() for name in KINDS}  # schemas.kinds.OUTCOME, PROCESS ...
 # Each kind's record at each stage: canonical (rendering.formats), tokenized (rendering.tokenize), shard.
-RECORD_TYPES = ("CanonicalPair", "CanonicalSteps", "TokenizedPair", "TokenizedSteps", "PairRecord", "StepRecord")
+RECORD_TYPES = ("CanonicalPair", "CanonicalSteps", "CanonicalResponses", "TokenizedPair", "TokenizedSteps",
+                "TokenizedResponses", "PairRecord", "StepRecord", "ResponsesRecord")
 
 
 def _kind_metric(name) -> bool:
@@ -193,3 +194,44 @@ def test_a_training_record_is_shown_by_the_run_s_kind():
     assert training_result(OUTCOME, [rec]) == "no eval split"
     assert training_result(OUTCOME, [evaluated]) == "eval accuracy n/a (no pairs whose labels differ)"
     assert training_result(PROCESS, [evaluated]) == "eval step accuracy 0.1250"
+
+
+# What scores, serves, exports and describes a trained model: it asks the model's head
+# (``schemas.heads``) what varies by head, and never tests a model's attributes itself.
+HEAD_USERS = ("rmflow/server", "rmflow/scoring", "rmflow/eval/evaluation.py", "trainer/export.py",
+              "trainer/model_card.py", "trainer/inference.py", "trainer/modeling/convert.py",
+              "trainer/modeling/config.py", "trainer/step.py")
+
+
+def _head_branches(path: pathlib.Path) -> list[ast.expr]:
+    """Conditions (if, a conditional expression, a comprehension's filter) that test a model's
+    ``attributes``: the attribute head decided outside its strategy."""
+    tree = ast.parse(path.read_text())
+    tests = [n.test for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+    tests += [cond for n in ast.walk(tree) if isinstance(n, ast.comprehension) for cond in n.ifs]
+    return [t for t in tests if any(isinstance(x, ast.Attribute) and x.attr == "attributes" for x in ast.walk(t))]
+
+
+def test_no_branch_on_the_attribute_head_outside_its_strategy():
+    files = [p for user in HEAD_USERS for p in ((ROOT / user).rglob("*.py") if (ROOT / user).is_dir()
+                                                 else [ROOT / user])]
+    found = [f"{path.relative_to(ROOT)}:{t.lineno}" for path in files for t in _head_branches(path)]
+    assert len(files) > 10 and not found, "decides by a model's attributes; ask the model's head " \
+                                          "(schemas.heads.head_of) instead:\n" + "\n".join(found)
+
+
+def test_the_head_scan_finds_what_it_forbids(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(rm, xs):\n    if rm.attributes:\n        return 1\n"
+                     "    y = 2 if rm.model.config.attributes else 3\n    return [x for x in xs if x.attributes]\n")
+    assert len(_head_branches(probe)) == 3
+
+
+def test_every_head_is_complete_and_its_model_kind_known():
+    from rmflow.schemas.heads import HEADS, head_of
+
+    for head in HEADS.values():
+        assert kind_named(head.kind).model is kind_named(head.kind)  # a model kind, not a data kind's
+        assert head.hf_head and head.peft_task and head.api
+    assert head_of({"num_labels": 1}).name == "reward" and head_of({"num_labels": 2}).name == "step-classes"
+    assert head_of({"num_labels": 3, "attributes": ("a", "b", "c")}).name == "attributes"

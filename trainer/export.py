@@ -20,6 +20,7 @@ from flax import nnx
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import ExportConfig
 from rmflow.schemas.errors import RmflowError, RmflowWarning
+from rmflow.schemas.heads import head_of
 from rmflow.schemas.kinds import ModelKind, kind_named
 from rmflow.schemas.outputs import EXPORT_INFO, check_replaceable, output_lock, staged_output
 from rmflow.schemas.presets import is_preset
@@ -28,7 +29,7 @@ from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.inference import NORMALIZATION_FILE, write_normalization
 from rmflow.trainer.model_card import model_card
 from rmflow.trainer.modeling import lora
-from rmflow.trainer.modeling.config import ATTRIBUTE_WEIGHTS, ModelConfig
+from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.convert import hf_name, join_fused, resolve, unstack_experts
 from rmflow.trainer.modeling.decoder import RewardTransformer
 
@@ -54,11 +55,10 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
         rope_cfg = cfg.get(key)
         if isinstance(rope_cfg, dict) and "su" in (rope_cfg.get("type"), rope_cfg.get("rope_type")):
             cfg[key] = {**{k: v for k, v in rope_cfg.items() if k != "type"}, "rope_type": "longrope"}
-    labels = {str(i): n for i, n in enumerate(c.attributes)} if c.attributes else dict(kind.hf_labels)
+    score_head = head_of(c)  # its labels, and what else config.json says of it (``ModelConfig.from_hf`` reads it back)
+    labels = score_head.hf_labels(c)
     head = {"architectures": [f"{c.hf_prefix}{kind.hf_head}"], "num_labels": c.num_labels,
-            "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}
-    if c.attributes:  # the reward is the outputs' weighted sum (``ModelConfig.from_hf`` reads it back)
-        head[ATTRIBUTE_WEIGHTS] = dict(zip(c.attributes, c.attribute_weights))
+            "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}, **score_head.hf_config(c)}
     cfg.update({**head, "pad_token_id": pad_token_id, "torch_dtype": "float32", "dtype": "float32"})
     cfg.pop("problem_type", None)
     return cfg

@@ -23,6 +23,7 @@ from flax import nnx
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE, STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.heads import head_of
 from rmflow.schemas.kinds import OUTCOME as OUTCOME_KIND
 from rmflow.schemas.kinds import PROCESS, RESPONSES, ModelKind, kind_named
 from rmflow.schemas.manifest import RenderSpec
@@ -312,7 +313,7 @@ class SequenceScorer:
     def __init__(self, model: RewardTransformer, shapes: ScoringShapes, *, pad_id: int = 0):
         self._graphdef, self._state = nnx.split(model)
         self.shapes, self.pad_id = shapes, pad_id
-        self.attributes = model.config.attributes  # an attribute head's outputs, by name: scored beside the reward
+        self.keeps_outputs = head_of(model.config).keeps_outputs  # the head's outputs scored beside the reward
         self.compiled: set[tuple[int, int]] = set()  # shapes run so far
 
     def warm_up(self, units: bool = False, up_to: int | None = None) -> None:
@@ -330,7 +331,7 @@ class SequenceScorer:
     def _run_padded(self, ids: np.ndarray, seg: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         self.compiled.add(ids.shape)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-        if self.attributes:
+        if self.keeps_outputs:
             rewards, outputs = _rewards_and_outputs(self._graphdef, self._state, ids, pos, seg, last)
             return np.asarray(rewards), np.asarray(outputs)
         return np.asarray(_rewards(self._graphdef, self._state, ids, pos, seg, last)), None
@@ -364,7 +365,7 @@ class SequenceScorer:
         b = units_in_rows(units, self.shapes.rows_for(len(units), length), length, self.pad_id)
         rewards, outputs = self._run_units_padded(b)
         return (record_values(rewards, b["record_slots"]),
-                record_values(outputs, b["record_slots"]) if self.attributes else None)
+                record_values(outputs, b["record_slots"]) if self.keeps_outputs else None)
 
     def _run_units_padded(self, b: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         idx = b["reward_index"]

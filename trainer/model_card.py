@@ -9,6 +9,7 @@ import os
 import re
 from typing import Any
 
+from rmflow.schemas.heads import head_of
 from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.manifest import MANIFEST_FILE
 from rmflow.schemas.presets import is_preset
@@ -32,10 +33,10 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
     front.append("---")
     flat = run.config.to_dict()
     cfg = run.model_config
-    weights = ",".join(f"{n}={w:g}" for n, w in zip(cfg.attributes, cfg.attribute_weights))
-    recipe = [(k, weights if k == "attribute_weights" and cfg.attributes else _get(flat, k)) for k in RECIPE]
-    what = (f"an outcome reward model with an attribute head: one output per attribute ({', '.join(cfg.attributes)}), "
-            f"the reward their weighted sum ({weights})") if cfg.attributes else kind.description
+    head = head_of(cfg)
+    as_scored = head.recipe(cfg)  # what the head scores by, over the options it was trained with
+    recipe = [(k, as_scored.get(k, _get(flat, k))) for k in RECIPE]
+    what = head.describe(cfg, kind.description)
     manifest_sha = data_manifest_sha256(run.path)
     loads = (f"A PEFT adapter (and the score head) for `{hf_class}` on its base model (`adapter_config.json`)"
              if adapter else f"Loads in transformers as `{hf_class}`")
@@ -69,15 +70,8 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
 
 
 def _usage_outputs(run: RunFiles, kind: ModelKind) -> list[str]:
-    """The usage example's last lines: what the logits are, and for an attribute head the reward
-    as their weighted sum (``attribute_weights`` in config.json)."""
-    cfg = run.model_config
-    if not cfg.attributes:
-        return [f"    logits = model(**ids).logits  # the score head's outputs: {kind.description}"]
-    weights = ", ".join(f"{w:g}" for w in cfg.attribute_weights)
-    return [f"    logits = model(**ids).logits[0]  # one output per attribute: {', '.join(cfg.attributes)}",
-            f"reward = float(logits @ torch.tensor([{weights}]))  # their weighted sum (config.json's "
-            "attribute_weights)"]
+    """The usage example's last lines: what the logits are, and the reward (the head's)."""
+    return head_of(run.model_config).usage(run.model_config, kind.description)
 
 
 def _get(flat: dict[str, Any], dotted: str) -> Any:

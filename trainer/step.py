@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from rmflow.schemas.heads import head_of
 from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.decoder import RewardTransformer, router_loss
@@ -204,8 +205,8 @@ class Trainer:
         if not objective.fits(model.config.head):
             wants = "an attribute head (one output per attribute)" if objective.regression else \
                 f"a score head of {objective.kind.num_labels} output(s)"
-            raise ValueError(f"objective {objective.name} trains {wants}; this model's has {model.config.num_labels}"
-                             + (f" ({', '.join(model.config.attributes)})" if model.config.attributes else ""))
+            raise ValueError(f"objective {objective.name} trains {wants}; this model is "
+                             f"{head_of(model.config).describe(model.config, model.config.kind.description)}")
         self.objective = objective
         self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)
         experts = model.config.num_experts if model.config.sparse_layers else 0

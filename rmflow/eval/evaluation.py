@@ -28,6 +28,7 @@ from rmflow.schemas.config import (
     PreprocessConfig,
 )
 from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.heads import head_of
 from rmflow.schemas.kinds import kind_of_record
 from rmflow.schemas.manifest import MANIFEST_FILE
 from rmflow.schemas.outputs import check_replaceable, output_lock, staged_output
@@ -168,10 +169,10 @@ def label_weights(cfg: EvalConfig, loaded: LoadedModel) -> tuple[str, str]:
     scored by; else ``DEFAULT_LABEL_WEIGHTS``."""
     if cfg.attribute_weights.strip():
         return cfg.attribute_weights, "--attribute-weights"
-    head = loaded.model.config
-    if head.attributes:
-        return ",".join(f"{n}={w:g}" for n, w in zip(head.attributes, head.attribute_weights)), \
-            "the model's attribute head"
+    config = loaded.model.config
+    own = head_of(config).label_weights(config)
+    if own:
+        return own, "the model's attribute head"
     if loaded.label_weights:
         return loaded.label_weights, "those the model's training data was scored by"
     return DEFAULT_LABEL_WEIGHTS, "the default: give --attribute-weights for others"

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from rmflow.schemas.config import SCORING_BATCH_SIZE
+from rmflow.schemas.heads import ATTRIBUTE_SCORES, ATTRIBUTES, Head, head_of
 from rmflow.schemas.kinds import OUTCOME, PROCESS, ModelKind, kind_named
 from rmflow.scoring.errors import BadConversation, WrongModelKind
 
@@ -72,11 +73,6 @@ def _encode_each(items: Sequence[Any], encode, what: str) -> list:
         except BadConversation as e:
             raise BadConversation(f"{what} {i}: {e}") from e
     return out
-
-
-def attribute_scores(names: Sequence[str], outputs: Any) -> dict[str, float]:
-    """An attribute head's outputs of one conversation, by name."""
-    return {n: float(v) for n, v in zip(names, outputs)}
 
 
 class RewardModel:
@@ -276,6 +272,16 @@ class RewardModel:
         return self._scorers[shapes]
 
     @property
+    def head(self) -> Head:
+        """What the model outputs (``schemas.heads``): its score head."""
+        return head_of(self._loaded.model.config)
+
+    @property
+    def model_config(self):
+        """The model's configuration (its family, size, and what its head reads: ``schemas.heads``)."""
+        return self._loaded.model.config
+
+    @property
     def attributes(self) -> tuple[str, ...]:
         """An attribute head's outputs, by name (a model trained with a regression objective); ()
         for any other model. Its reward is their weighted sum (``attribute_weights``)."""
@@ -304,16 +310,16 @@ class RewardModel:
         """An attribute head's outputs for each conversation, by name (``attributes``), in input
         order; the reward (``score``) is their weighted sum."""
         self._require(OUTCOME, "score_attributes")
-        if not self.attributes:
-            raise WrongModelKind("score_attributes: this model has no attribute head (it was not trained with a "
-                                 "regression objective); use score")
+        if self.head is not ATTRIBUTES:
+            raise WrongModelKind(f"score_attributes: this model's head is {self.head.name}, not an attribute head "
+                                 "(it was not trained with a regression objective); use score")
         seqs = _encode_each(conversations, self.encode, "conversation")
         scorer = self.scorer(self.shapes(batch_size))
         out: list[dict[str, float]] = [{}] * len(seqs)
         for batch in scorer.shapes.plan([len(s) for s in seqs]):
             _, outputs = scorer.run_outputs([seqs[i] for i in batch])
             for i, row in zip(batch, outputs):
-                out[i] = attribute_scores(self.attributes, row)
+                out[i] = self.head.answer(row, self._loaded.model.config)[ATTRIBUTE_SCORES]
         return out
 
     def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,

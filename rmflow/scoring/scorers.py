@@ -32,12 +32,13 @@ from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.heads import ATTRIBUTE_SCORES, RESPONSE_ATTRIBUTES  # noqa: F401 - re-exported for the Beam job
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.metrics import STEP_THRESHOLD, first_error
 from rmflow.schemas.outputs import inside_of, nested_in
-from rmflow.schemas.record import ResponsesRecord
+from rmflow.schemas.record import is_unit
 from rmflow.schemas.stops import refuse_if_stopping
-from rmflow.scoring.api import BadConversation, RewardModel, attribute_scores
+from rmflow.scoring.api import BadConversation, RewardModel
 
 
 def _lines(path: str):
@@ -124,11 +125,10 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
     return {"scored": scored, "errors": len(rows) - scored}
 
 
-def response_fields(scores: list[float], attributes: list[dict[str, float]] | None = None) -> dict[str, Any]:
-    """A K-response record's output: its responses' scores in the given order and the best's index;
-    for an attribute head, each response's outputs by name."""
-    return {RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__),
-            **({RESPONSE_ATTRIBUTES: attributes} if attributes else {})}
+def response_fields(scores: list[float], extra: dict[str, list] | None = None) -> dict[str, Any]:
+    """A K-response record's output: its responses' scores in the given order and the best's index,
+    and ``extra``: the fields the model's head adds, a list each (``Head.answer_keys``)."""
+    return {RESPONSE_SCORES: scores, BEST_RESPONSE: max(range(len(scores)), key=scores.__getitem__), **(extra or {})}
 
 
 RESPONSES, PAIR, CONVERSATION, SOLUTION = "responses", "pair", "conversation", "solution"  # what a record is
@@ -210,7 +210,7 @@ def score_encoded(rm: RewardModel, records: list[tuple[str, list]], shapes, *, o
     per: list[list] = [[] for _ in records]
     for i, r in enumerate(owner):
         per[r].append(results[i])
-    return [_record_fields(what, rs) for (what, _), rs in zip(records, per)]
+    return [_record_fields(what, rs, rm.head) for (what, _), rs in zip(records, per)]
 
 
 def _run_isolated(rm: RewardModel, scorer: Scorer, items: list, shapes) -> list:
@@ -224,15 +224,15 @@ def _run_isolated(rm: RewardModel, scorer: Scorer, items: list, shapes) -> list:
         return [r for x in items for r in _run_isolated(rm, scorer, [x], shapes)]
 
 
-def _record_fields(what: str, results: list) -> dict[str, Any]:
+def _record_fields(what: str, results: list, head) -> dict[str, Any]:
     failed = next((r for r in results if isinstance(r, Exception)), None)
     if failed is not None:
         return {"error": f"could not be scored: {type(failed).__name__}: {str(failed)[:500]} (a bug in rmflow: "
                          "please report it with this line)", "code": "internal_error"}
     if what == RESPONSES:  # units give a list of fields, one a response; a response alone its own
         each = [f for r in results for f in (r if isinstance(r, list) else [r])]
-        attributes = [f[ATTRIBUTE_SCORES] for f in each] if ATTRIBUTE_SCORES in each[0] else None
-        return response_fields([f["score"] for f in each], attributes)
+        extra = {many: [f[key] for f in each] for key, many in head.answer_keys}
+        return response_fields([f["score"] for f in each], extra)
     if what == PAIR:
         c, r = results[0]["score"], results[1]["score"]
         return dict(zip(PAIR_FIELDS, (c, r, c - r, bool(c > r))))
@@ -320,10 +320,12 @@ def responses_of(obj: Any) -> list[list[dict[str, str]]] | None:
 
 
 def _outcome_fields(rm: RewardModel, scores, outputs) -> list[dict[str, Any]]:
+    """Each conversation's answer: its reward, normalised when the model has the figures, and the
+    fields its head adds (``Head.answer``: an attribute head's outputs by name)."""
     normalized = rm.normalize(scores) if rm.normalization and rm.normalization.get("std") else None
+    head, cfg = rm.head, rm.model_config
     return [{"score": float(s), **({"score_normalized": float(normalized[k])} if normalized is not None else {}),
-             **({ATTRIBUTE_SCORES: attribute_scores(rm.attributes, outputs[k])} if outputs is not None else {})}
-            for k, s in enumerate(scores)]
+             **head.answer(None if outputs is None else outputs[k], cfg)} for k, s in enumerate(scores)]
 
 
 def _run_outcome(rm: RewardModel, items: list, shapes) -> list:
@@ -331,8 +333,8 @@ def _run_outcome(rm: RewardModel, items: list, shapes) -> list:
     responses (``response_units``: each gets its responses' fields, a list, the prompt computed
     once), each kind in one forward of a compiled shape."""
     scorer, out = rm.scorer(shapes), [None] * len(items)
-    seqs = [i for i, x in enumerate(items) if not isinstance(x, ResponsesRecord)]
-    units = [i for i, x in enumerate(items) if isinstance(x, ResponsesRecord)]
+    seqs = [i for i, x in enumerate(items) if not is_unit(x)]
+    units = [i for i, x in enumerate(items) if is_unit(x)]
     if seqs:
         scores, outputs = scorer.run_outputs([items[i] for i in seqs])
         for i, fields in zip(seqs, _outcome_fields(rm, scores, outputs)):
@@ -345,11 +347,11 @@ def _run_outcome(rm: RewardModel, items: list, shapes) -> list:
 
 
 def _outcome_size(item) -> int:
-    return item.unit_len if isinstance(item, ResponsesRecord) else len(item)
+    return item.unit_len if is_unit(item) else len(item)
 
 
 def _outcome_group(item) -> int:
-    return int(isinstance(item, ResponsesRecord))  # units and conversations: one kind of forward a batch
+    return int(is_unit(item))  # units and conversations: one kind of forward a batch
 
 
 def _run_process(rm: RewardModel, solutions: list, shapes) -> list[dict[str, Any]]:
@@ -387,13 +389,12 @@ class Scorer:
 
 # Each reward model kind's scoring of one input (a JSONL line, a server request item): its part
 # of the kind's handlers (rmflow.handlers).
-ATTRIBUTE_SCORES = "attribute_scores"  # an attribute head's outputs by name (RewardModel.attributes)
 OUTCOME_SCORER = Scorer(RewardModel.encode, _outcome_size, _run_outcome, ("score", "score_normalized", ATTRIBUTE_SCORES),
                         _warm_outcome, _outcome_group)
 PROCESS_SCORER = Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
                         _warm, _step_slots)
 # a K-response record's (responses_of)
-RESPONSE_SCORES, BEST_RESPONSE, RESPONSE_ATTRIBUTES = "response_scores", "best_response", "response_attribute_scores"
+RESPONSE_SCORES, BEST_RESPONSE = "response_scores", "best_response"
 OUTPUT_FIELDS = frozenset({*(f for s in (OUTCOME_SCORER, PROCESS_SCORER) for f in s.fields), RESPONSE_SCORES,
                            BEST_RESPONSE, RESPONSE_ATTRIBUTES})  # rmflow's: never a record's own
 

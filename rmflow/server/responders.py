@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 from rmflow.handlers import handler
-from rmflow.scoring.scorers import ATTRIBUTE_SCORES, RESPONSE_ATTRIBUTES
 from rmflow.server.protocol import Parsed
 
 Responder = Callable[[Any, Parsed, list], dict[str, Any]]  # (service, parsed request, results) -> body
@@ -34,22 +33,20 @@ def _per_record(parsed: Parsed, results: list) -> list[list[dict[str, Any]]]:
 
 def respond_native(service, parsed: Parsed, results: list) -> dict[str, Any]:
     """``/v1/score``: the kind's columns per conversation, or per record of K responses its
-    responses' scores and the best one; an attribute head's outputs by name beside each reward."""
+    responses' scores and the best one; the fields the model's head adds beside each reward
+    (``Head.answer_keys``: an attribute head's outputs by name)."""
     rm, normalized = service.rm, parsed.options.get("normalized")
     if "groups" in parsed.options:
         per = _per_record(parsed, results)
         out = {"response_scores": [[r["score"] for r in rs] for rs in per],
-               "best_responses": [max(range(len(rs)), key=lambda i, rs=rs: rs[i]["score"]) for rs in per]}
-        if rm.attributes:
-            out[RESPONSE_ATTRIBUTES] = [[r[ATTRIBUTE_SCORES] for r in rs] for rs in per]
+               "best_responses": [max(range(len(rs)), key=lambda i, rs=rs: rs[i]["score"]) for rs in per],
+               **{many: [[r[key] for r in rs] for rs in per] for key, many in rm.head.answer_keys}}
         if normalized:
             out["normalized_response_scores"] = [[r["score_normalized"] for r in rs] for rs in per]
         return {**out, "model": rm.identity()}
     out = {column: [r[field] for r in results] for column, field in handler(rm.kind, "protocol").columns.items()
            if field != "score_normalized" or normalized}
-    if rm.attributes:
-        out[ATTRIBUTE_SCORES] = [r[ATTRIBUTE_SCORES] for r in results]
-    return {**out, "model": rm.identity()}
+    return {**out, **{key: [r[key] for r in results] for key, _ in rm.head.answer_keys}, "model": rm.identity()}
 
 
 def _reward(service, r: dict[str, Any]) -> float:

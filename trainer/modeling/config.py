@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.kinds import KINDS, OUTCOME, ModelKind, UnknownKind, kind_of_head
+from rmflow.schemas.heads import ATTRIBUTE_WEIGHTS, UnknownHead, check_head, head_of  # noqa: F401 - config.json's key, re-exported
+from rmflow.schemas.kinds import KINDS, OUTCOME, ModelKind, kind_named
 from rmflow.schemas.presets import MODEL_PRESETS, PRESET_BASE
 
 
@@ -89,9 +90,6 @@ class ModelConfigError(RmflowError, ValueError):
     """The checkpoint's config.json describes something rmflow cannot build; says what."""
 
 
-# config.json's key for an attribute head's weights by name ({"helpfulness": 0.65, ...}): the
-# reward is the outputs' weighted sum (``rmflow export`` writes it; ``from_hf`` reads it back).
-ATTRIBUTE_WEIGHTS = "attribute_weights"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,16 +164,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "attributes", tuple(self.attributes))
         object.__setattr__(self, "attribute_weights", tuple(float(w) for w in self.attribute_weights))
-        if self.attributes or self.attribute_weights:
-            if not len(self.attributes) == len(self.attribute_weights) == self.num_labels:
-                raise ModelConfigError(f"an attribute head needs one name and one weight per output: num_labels "
-                                       f"{self.num_labels}, attributes {self.attributes}, attribute_weights "
-                                       f"{self.attribute_weights}")
-        else:
-            try:
-                kind_of_head(self.num_labels)
-            except UnknownKind as e:
-                raise ModelConfigError(f"num_labels {self.num_labels}: {e}") from None
+        try:
+            check_head(self)
+        except UnknownHead as e:
+            raise ModelConfigError(str(e)) from None
         if self.model_type not in ARCHITECTURES:
             raise ModelConfigError(
                 f"model_type {self.model_type!r} is not supported; rmflow builds {sorted(ARCHITECTURES)}"
@@ -248,7 +240,7 @@ class ModelConfig:
     def kind(self) -> ModelKind:
         """The reward model kind of the score head: an attribute head's reward is one score per
         conversation, an outcome model's."""
-        return OUTCOME if self.attributes else kind_of_head(self.num_labels)
+        return kind_named(head_of(self).kind)
 
     def with_head(self, head: ScoreHead) -> ModelConfig:
         return dataclasses.replace(self, **dataclasses.asdict(head))

@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 from rmflow.schemas import jsontext
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.kinds import kind_of_head
+from rmflow.schemas.heads import UnknownHead, head_of, same_outputs
+from rmflow.schemas.kinds import kind_named
 from rmflow.trainer.modeling.config import (
     ATTRIBUTE_WEIGHTS,
     MOE_LAYOUT,
@@ -193,10 +194,17 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
+def _scores_as(cfg: ModelConfig, kind) -> bool:
+    """Whether a checkpoint's head (``schemas.heads``) is one of ``kind``'s models."""
+    try:
+        return head_of(cfg).kind == kind.name
+    except UnknownHead:
+        return False
+
+
 def _describe(head: ScoreHead) -> str:
-    if head.attributes:
-        return "a model with an attribute head (" + ", ".join(f"{n} x {w:g}" for n, w in zip(head.attributes, head.attribute_weights)) + ")"
-    return kind_of_head(head.num_labels).description
+    score_head = head_of(head)
+    return score_head.describe(head, kind_named(score_head.kind).description)
 
 
 def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False, seed: int = 0,
@@ -210,12 +218,12 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
     tensors = read_tensors(folder)
     kind = head_kind(raw)  # None: a causal LM, which gets a fresh score head
     is_classifier = kind is not None
-    if kind is not None and not cfg.attributes and hf_num_labels(raw) != kind.num_labels:
+    if kind is not None and not _scores_as(cfg, kind):
         raise CheckpointError(f"a *{kind.hf_head} checkpoint must have num_labels={kind.num_labels} to be "
                               f"{kind.description} (or name its outputs' {ATTRIBUTE_WEIGHTS}: an attribute head); "
                               f"{checkpoint} has {hf_num_labels(raw)}")
     # the same outputs by name (an attribute head's weights are the run's: not parameters)
-    if kind is not None and head is not None and (cfg.num_labels, cfg.attributes) != (head.num_labels, head.attributes):
+    if kind is not None and head is not None and not same_outputs(cfg, head):
         raise CheckpointError(f"{checkpoint} is {_describe(cfg.head)}, but this run trains {_describe(head)}: "
                               "start from its base model instead")
     if head is not None:
