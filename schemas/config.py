@@ -120,7 +120,7 @@ class PreprocessConfig(Config):
     num_workers: int = option(1, "Local worker processes for the DirectRunner.")
     runner: str = option("DirectRunner", "Beam runner, e.g. DirectRunner or DataflowRunner.")
     beam_args: tuple[str, ...] = option((), "Extra Beam pipeline options, passed through unchanged.")
-    batch_size: int = option(128, "Pairs per tokenizer batch call.")
+    batch_size: int = option(128, "Records per tokenizer batch call.")
     pairs_from: str = option(
         "", "Multi-response layouts (K rated or ranked responses per prompt): empty (the default) keeps each prompt "
         "whole, one responses record (its prompt computed once in training, a listwise loss); expand makes every "
@@ -262,7 +262,7 @@ class EvalConfig(Config):
     split: str = option("eval", "Shard split to evaluate: eval, train or all (raw files: all).")
     step: int | str | None = option(None, "Checkpoint step of a run directory to evaluate, or best (the run's "
                                         "metric_for_best ranks it first); default: the newest.")
-    batch_size: int = option(SCORING_BATCH_SIZE, "Pairs per forward pass.")
+    batch_size: int = option(SCORING_BATCH_SIZE, "Records per forward pass (a pair, a solution, a prompt with its K responses).")
     normalize: bool = option(False, "Store the mean and std of the rewards on this data with the model "
                                   "(reward_normalization.json), to standardise scores.")
     mode: str = option("pairs", "pairs; rewardbench-v1 (subset accuracies, section scores weighted as RewardBench "

@@ -274,7 +274,8 @@ class TrainConfig(Config):
                          flags=("--output", "-o"), required=True, resume_free=True)
     max_steps: int = option(0, "Optimizer steps to run; 0 = num_epochs over the train split.")
     num_epochs: int = option(1, "Passes over the train split when max_steps is 0.")
-    batch_size: int = option(32, "Pairs per micro-batch, over all devices (a multiple of the device count), in every "
+    batch_size: int = option(32, "Records per micro-batch (pairs, solutions, or prompts with their K responses, by the "
+                                 "data's kind), over all devices (a multiple of the device count), in every "
                                  "packing mode.")
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
     center_rewards_coefficient: float = option(
