@@ -38,6 +38,17 @@ REGRESSION = "regression"  # an attribute head fitted to the ratings (trainer.lo
 OBJECTIVES = (*RANKING_LOSSES, REGRESSION, *(f"{r}+{REGRESSION}" for r in RANKING_LOSSES))
 
 
+def fits_ratings(objective: str) -> bool:
+    """Whether an objective (one of ``OBJECTIVES``) trains an attribute head on the ratings: the
+    one place its name is read for it."""
+    return REGRESSION in objective.split("+")
+
+
+def ranking_loss(objective: str) -> str:
+    """The ranking loss an objective names (``RANKING_LOSSES``), "" for regression alone."""
+    return "" if objective == REGRESSION else objective.partition("+")[0]
+
+
 def check_int(value: Any, name: str, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} {value!r}: must be an integer >= {minimum}")
@@ -326,7 +337,7 @@ class TrainConfig(Config):
             check_int(getattr(self, name), name, minimum)
         _one_of(self.objective, "objective", OBJECTIVES)
         if self.attribute_weights.strip():
-            if REGRESSION not in self.objective:
+            if not fits_ratings(self.objective):
                 raise ConfigError(f"attribute_weights {self.attribute_weights!r} weigh a regression head's outputs: "
                                   f"objective {self.objective} trains none (use regression or "
                                   f"{RANKING_LOSSES[0]}+{REGRESSION})")

@@ -29,7 +29,7 @@ from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.manifest import Manifest
 from rmflow.schemas.options import ConfigError
 from rmflow.schemas.train_config import OBJECTIVES as CONFIG_OBJECTIVES
-from rmflow.schemas.train_config import REGRESSION
+from rmflow.schemas.train_config import fits_ratings, ranking_loss
 from rmflow.trainer.data.collate import Collate
 from rmflow.trainer.data.packing import PackCollate
 from rmflow.trainer.data.responses import ResponsesCollate, ResponsesPackCollate
@@ -123,12 +123,12 @@ class Objective:
     @property
     def uses_margins(self) -> bool:
         """Its loss reads the records' margins (``--margin-from-scores``): a Bradley-Terry loss's."""
-        return self.kind.pairwise and self.ranking.partition("+")[0] in ("", RANKING_LOSSES[0])
+        return self.kind.pairwise and ranking_loss(self.ranking) in ("", RANKING_LOSSES[0])
 
     @property
     def regression(self) -> bool:
         """Trains an attribute head (one output per attribute) on the records' ratings."""
-        return REGRESSION in self.ranking.split("+")
+        return fits_ratings(self.ranking)
 
     def head(self, manifest: Manifest, attribute_weights: str = "") -> ScoreHead:
         """The score head a run of this objective trains on ``manifest``'s shards: its kind's, or an
@@ -200,10 +200,9 @@ RESPONSES = tuple(
 _ATTRIBUTE_KEYS = (*_RESPONSE_KEYS, "response_attributes")
 REGRESSIONS = tuple(
     Objective(kinds.RESPONSES, (*ROW_KEYS, *_ATTRIBUTE_KEYS), _ATTRIBUTE_KEYS, RANKING_SUM_KEYS + REGRESSION_SUM_KEYS,
-              "prompts", ranking_metrics_of_sums, _with_regression(objective.partition("+")[0] if "+" in objective
-                                                                   else ""),
+              "prompts", ranking_metrics_of_sums, _with_regression(ranking_loss(objective)),
               ResponsesCollate, ResponsesPackCollate, objective)
-    for objective in CONFIG_OBJECTIVES if REGRESSION in objective.split("+"))
+    for objective in CONFIG_OBJECTIVES if fits_ratings(objective))
 OBJECTIVES = {o.name: o for o in (OUTCOME, PROCESS, *RESPONSES, *REGRESSIONS)}
 
 

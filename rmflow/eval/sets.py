@@ -21,7 +21,7 @@ from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.kinds import OUTCOME, PROCESS, RESPONSES
 from rmflow.schemas.manifest import ERRORS_FILE, TOKENIZER_DIR
-from rmflow.schemas.train_config import REGRESSION, TrainConfig
+from rmflow.schemas.train_config import TrainConfig, fits_ratings
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.plan import other_kind
@@ -43,7 +43,7 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
     from rmflow.pipelines.staging import SUFFIX as STAGING_SUFFIX
 
     data = storage.stage_shards(cfg.sources[0].path)
-    fits_ratings = REGRESSION in cfg.objective.split("+")
+    ratings = fits_ratings(cfg.objective)
     manifest = read_manifest(data)
     root = storage.cache_dir(cfg.output, EVAL_DATA) if storage.is_remote(cfg.output) \
         else os.path.join(cfg.output, EVAL_DATA)
@@ -66,7 +66,7 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
                 step_separator=manifest.step_separator, eval_fraction=0.0,
                 max_bad_fraction=1.0, overwrite=True, **({"pairs_from": "expand"} if as_pairs[name] else {}),
                 # a regression head's ratings, as the training shards keep them, and the weights their scores came from
-                **({"attributes": manifest.config["attributes"]} if manifest.attributes and fits_ratings else {}),
+                **({"attributes": manifest.config["attributes"]} if manifest.attributes and ratings else {}),
                 **({"attribute_weights": manifest.config["attribute_weights"]}
                    if manifest.config.get("attribute_weights") else {})))
         except PreprocessError as e:
