@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 def shapes_by_rounding(shards: str, batch_size: int) -> dict:
     from rmflow.trainer.data import lengths_per_doubling, make_loader
     from rmflow.trainer.data.collate import FINEST
-    from rmflow.trainer.setup import read_manifest, shard_paths
+    from rmflow.trainer.model_setup import read_manifest, shard_paths
 
     manifest = read_manifest(shards)
     paths = shard_paths(shards, manifest, "train")
@@ -55,7 +55,7 @@ def compile_and_step(shards: str, preset: str, batch_size: int, steps: int) -> d
     from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.batching import stack_micro_batches
     from rmflow.trainer.data import make_loader
-    from rmflow.trainer.setup import build_model, read_manifest, shard_paths
+    from rmflow.trainer.model_setup import build_model, read_manifest, shard_paths
     from rmflow.trainer.step import make_trainer
 
     manifest = read_manifest(shards)

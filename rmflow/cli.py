@@ -286,7 +286,7 @@ def train(options: dict, config: str | None, set_: list[str], resume: bool, allo
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from rmflow.eval.reports import training_progress, training_result
-    from rmflow.trainer.setup import planned_steps
+    from rmflow.trainer.model_setup import planned_steps
     from rmflow.trainer.train import run
 
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeRemainingColumn(),

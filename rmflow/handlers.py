@@ -34,7 +34,7 @@ HANDLERS = {
     OUTCOME.name: KindHandlers("rmflow.eval.evaluation:eval_pairs", "rmflow.eval.reports:pair_summary",
                                "rmflow.scoring.scorers:OUTCOME_SCORER", "rmflow.server.protocol:OUTCOME_NATIVE"),
     # K responses per prompt: evaluated as rankings; the model it trains scores and serves as an outcome model
-    RESPONSES.name: KindHandlers("rmflow.eval.responses:eval_records", "rmflow.eval.reports:pair_summary",
+    RESPONSES.name: KindHandlers("rmflow.eval.ranking:eval_records", "rmflow.eval.reports:pair_summary",
                                  "rmflow.scoring.scorers:OUTCOME_SCORER", "rmflow.server.protocol:OUTCOME_NATIVE"),
     PROCESS.name: KindHandlers("rmflow.eval.evaluation:eval_process", "rmflow.eval.reports:process_summary",
                                "rmflow.scoring.scorers:PROCESS_SCORER", "rmflow.server.protocol:PROCESS_NATIVE"),

@@ -1,5 +1,5 @@
 """What a reported metric means, defined once from exact counts: the training logs (window sums,
-``trainer.loss``) and ``rmflow eval`` (a whole set, ``rmflow.eval.metrics``) compute theirs here,
+``trainer.loss``) and ``rmflow eval`` (a whole set, ``rmflow.eval.figures``) compute theirs here,
 so a figure logged while training and the same figure in eval.json cannot drift apart.
 
 * A pair is right when the chosen reply's reward is strictly greater (a tie is not right); so

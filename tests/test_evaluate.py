@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from rmflow.eval.metrics import calibration, pair_metrics
+from rmflow.eval.figures import calibration, pair_metrics
 from rmflow.eval.reports import report_markdown, write_report
 
 RC = np.array([2.0, 0.0, 1.0, 3.0])
@@ -74,7 +74,7 @@ def test_shape_errors():
 
 
 def test_accuracy_interval_is_wilsons():
-    from rmflow.eval.metrics import wilson_interval
+    from rmflow.eval.figures import wilson_interval
 
     lo, hi = wilson_interval(8, 10)  # textbook values: 0.490 - 0.943
     assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)

@@ -271,8 +271,8 @@ def test_an_export_carries_a_model_card_from_its_run(trained_run, tmp_path):
     (computed from the eval split), and how to use it."""
     import grain
     from rmflow.schemas.record import decode
+    from rmflow.trainer.model_setup import read_manifest, shard_paths
     from rmflow.trainer.rundir import read_history
-    from rmflow.trainer.setup import read_manifest, shard_paths
 
     out = pathlib.Path(export(ExportConfig(run=str(trained_run / "run"), output=str(tmp_path / "hf"))))
     card = (out / "README.md").read_text()

@@ -265,7 +265,7 @@ def test_a_model_folder_without_tokenizer_files_is_said(base, tmp_path):
     r = cli("eval", "--model", hf, "--data", base / "shards", "-o", tmp_path / "e")
     assert r.exit_code == 0 and "warning:" in r.output and "has no tokenizer files" in r.output
     # training from such a checkpoint warns the same way
-    from rmflow.trainer.setup import check_tokenizer, read_manifest
+    from rmflow.trainer.model_setup import check_tokenizer, read_manifest
 
     with pytest.warns(RmflowWarning, match="no tokenizer files"):
         check_tokenizer(read_manifest(str(base / "shards")), str(hf), "the model")

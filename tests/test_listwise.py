@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from rmflow.schemas.record import RecordCorruptError, ResponsesRecord, decode, encode, peek_lengths
-from rmflow.trainer.data.responses import (
+from rmflow.trainer.data.response_units import (
     ResponsesCollate,
     ResponsesPackCollate,
     record_values,
@@ -210,7 +210,7 @@ def test_the_ranking_losses_by_hand():
 def test_training_metrics_equal_the_eval_s_ranking_metrics():
     from rmflow.trainer.loss import ranking_metrics_of_sums
 
-    from rmflow.eval.metrics import ranking_metrics
+    from rmflow.eval.figures import ranking_metrics
 
     rng = np.random.default_rng(4)
     rewards = [np.round(rng.normal(size=k), 1) for k in rng.integers(1, 8, 40)]  # rounded: some reward ties
@@ -248,7 +248,7 @@ def test_real_rm_bench_prompts_preprocess_whole_train_packed_or_not_alike_and_ev
     from rmflow.pipelines.preprocess import run
     from rmflow.schemas.config import EvalConfig, PreprocessConfig
     from rmflow.schemas.train_config import TrainConfig
-    from rmflow.trainer.setup import read_manifest, shard_paths
+    from rmflow.trainer.model_setup import read_manifest, shard_paths
     from rmflow.trainer.train import run as train
 
     from rmflow.eval.evaluation import run_eval

@@ -16,8 +16,8 @@ from rmflow.schemas.config import ConfigError
 from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.errors import Interrupted
+from rmflow.trainer.model_setup import base_model
 from rmflow.trainer.modeling import lora
-from rmflow.trainer.setup import base_model
 from rmflow.trainer.train import run as train
 
 from tests.test_train import GOOD, config, synthetic  # noqa: F401 - the synthetic shards fixture

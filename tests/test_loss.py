@@ -55,7 +55,7 @@ def test_a_figure_logged_while_training_equals_the_same_figure_in_eval():
     ties and steps exactly at the threshold included."""
     from rmflow.trainer.loss import step_metrics_of_sums
 
-    from rmflow.eval.metrics import pair_metrics, process_metrics
+    from rmflow.eval.figures import pair_metrics, process_metrics
 
     rng = np.random.default_rng(0)
     rc = rng.normal(size=64).astype(np.float32)

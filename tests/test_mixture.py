@@ -78,7 +78,7 @@ def test_data_spellings_read_as_the_same_sets():
                                           "data.train"):  # the mixture mapping where the section belongs
         TrainConfig(data={"s/hh": 1}, model="micro", output="o")
     from rmflow.trainer.errors import TrainError
-    from rmflow.trainer.setup import read_manifest
+    from rmflow.trainer.model_setup import read_manifest
 
     with pytest.raises(TrainError, match="does not exist: give a shard folder"):  # not "no COMPLETED marker"
         read_manifest("/nonexistent/shards/uf")

@@ -42,7 +42,7 @@ REFERENCE = textwrap.dedent('''
     from rmflow.trainer.data import LoaderSpec, lengths_per_doubling, make_loader
     from rmflow.trainer.batching import stack_micro_batches
     from rmflow.trainer.batching import widen as _widen
-    from rmflow.trainer.setup import build_model, read_manifest, shard_paths
+    from rmflow.trainer.model_setup import build_model, read_manifest, shard_paths
     from rmflow.trainer.step import make_trainer
     from rmflow.trainer.checkpoints import load_trained_model
     data, run_dir = sys.argv[1], sys.argv[2]

@@ -91,7 +91,7 @@ def test_the_in_process_path_loads_no_beam():
             "    def find_spec(self, name, path=None, target=None):\n"
             "        if name.split('.')[0] == 'apache_beam': raise ModuleNotFoundError(name)\n"
             "sys.meta_path.insert(0, NoBeam())\n"
-            "import rmflow.rendering.prepare, rmflow.rendering.files, rmflow.eval.evaluation, rmflow.eval.responses\n"
+            "import rmflow.rendering.prepare, rmflow.rendering.files, rmflow.eval.evaluation, rmflow.eval.ranking\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('apache_beam', 'rmflow.pipelines')))\n"
             "print(bad); sys.exit(int(bool(bad)))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

@@ -34,7 +34,7 @@ from rmflow.trainer.objective import PROCESS
 from rmflow.trainer.step import Trainer
 from rmflow.trainer.train import run as train
 
-from rmflow.eval.metrics import process_metrics
+from rmflow.eval.figures import process_metrics
 from tests import forward
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -299,7 +299,7 @@ def test_a_run_keeps_its_head_and_its_eval_sets_keep_its_ratings(rated, tmp_path
                data={"train": str(rated), "eval": {"swapped": str(tmp_path / "swapped")}})
 
     import numpy as np
-    from rmflow.trainer.data.responses import ResponsesCollate
+    from rmflow.trainer.data.response_units import ResponsesCollate
     from rmflow.trainer.objective import objective_for
 
     rng = np.random.default_rng(0)

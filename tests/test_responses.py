@@ -157,7 +157,7 @@ def test_preprocess_expands_real_rm_bench_prompts_and_keeps_each_prompt_in_one_s
     from rmflow.schemas.config import EvalConfig
     from rmflow.schemas.record import decode
     from rmflow.schemas.train_config import TrainConfig
-    from rmflow.trainer.setup import read_manifest, shard_paths
+    from rmflow.trainer.model_setup import read_manifest, shard_paths
     from rmflow.trainer.train import run as train
 
     from rmflow.eval.evaluation import run_eval
@@ -251,7 +251,7 @@ def test_preprocess_groups_a_prompt_s_rows_and_counts_every_row(tmp_path, tokeni
     import grain
     from rmflow.pipelines.preprocess import run
     from rmflow.schemas.record import decode
-    from rmflow.trainer.setup import read_manifest, shard_paths
+    from rmflow.trainer.model_setup import read_manifest, shard_paths
 
     src = tmp_path / "helpsteer.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in _helpsteer_rows()))
@@ -289,7 +289,7 @@ def test_preprocess_groups_a_prompt_s_rows_and_counts_every_row(tmp_path, tokeni
 def test_ranking_metrics_by_hand():
     import numpy as np
 
-    from rmflow.eval.metrics import kendall_tau_b, ranking_metrics, spearman
+    from rmflow.eval.figures import kendall_tau_b, ranking_metrics, spearman
 
     # prompt 1: labels 3 > 2 > 1, rewards order two of its three pairs right; prompt 2: a reward tie at the top
     m = ranking_metrics([np.array([0.9, 0.1, 0.5]), np.array([1.0, 1.0, 0.0])],
@@ -424,7 +424,7 @@ def test_preprocess_keeps_each_response_s_attribute_ratings_in_its_record(tmp_pa
     import grain
     from rmflow.pipelines.preprocess import run
     from rmflow.schemas.record import decode
-    from rmflow.trainer.setup import read_manifest, shard_paths
+    from rmflow.trainer.model_setup import read_manifest, shard_paths
 
     src = tmp_path / "helpsteer.jsonl"
     rows = _helpsteer_rows()

@@ -14,6 +14,7 @@ from flax import nnx
 from rmflow.trainer import storage
 from rmflow.trainer.compilation import use_compilation_cache
 from rmflow.trainer.errors import TrainError
+from rmflow.trainer.model_setup import base_model
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.objective import greater_is_better
@@ -24,7 +25,6 @@ from rmflow.trainer.rundir import (
     read_history,
     read_run,
 )
-from rmflow.trainer.setup import base_model
 
 STATE_ITEM = "state"  # the train state's item in a checkpoint (beside the data loader's)
 

@@ -33,7 +33,7 @@ from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.data import PackCollate, StepPackCollate, bucket_length
 from rmflow.trainer.data.collate import MIN_BUCKET
-from rmflow.trainer.data.responses import ResponsesPackCollate, record_values, units_in_rows
+from rmflow.trainer.data.response_units import ResponsesPackCollate, record_values, units_in_rows
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
 from rmflow.trainer.modeling.config import head_kind
 from rmflow.trainer.modeling.convert import load_reward_model

@@ -110,7 +110,7 @@ def _length_baseline(run: RunFiles) -> str:
     """'The longer reply wins' over the eval split's pairs, read from the run's own data only (the
     folder's manifest must be the one the run trained on); said missing otherwise."""
     from rmflow.schemas.record import decode
-    from rmflow.trainer.setup import shard_paths
+    from rmflow.trainer.model_setup import shard_paths
 
     data = run.config.data.train
     if not isinstance(data, str):

@@ -32,7 +32,7 @@ from rmflow.schemas.train_config import OBJECTIVES as CONFIG_OBJECTIVES
 from rmflow.schemas.train_config import fits_ratings, ranking_loss
 from rmflow.trainer.data.collate import Collate
 from rmflow.trainer.data.packing import PackCollate
-from rmflow.trainer.data.responses import ResponsesCollate, ResponsesPackCollate
+from rmflow.trainer.data.response_units import ResponsesCollate, ResponsesPackCollate
 from rmflow.trainer.data.steps import StepCollate, StepPackCollate
 from rmflow.trainer.loss import (
     RANKING_LOSSES,

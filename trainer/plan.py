@@ -23,15 +23,15 @@ from rmflow.schemas.sources import DataSource
 from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.data import count_records, lengths_per_doubling, resolve_packing
 from rmflow.trainer.errors import TrainError
-from rmflow.trainer.objective import Objective, objective_for
-from rmflow.trainer.parallel.mesh import batch_shards
-from rmflow.trainer.setup import (
+from rmflow.trainer.model_setup import (
     check_same_preprocessing,
     evaluates_at,
     plan_steps,
     read_manifest,
     shard_paths,
 )
+from rmflow.trainer.objective import Objective, objective_for
+from rmflow.trainer.parallel.mesh import batch_shards
 
 SMALL_EVAL = 20  # an eval split below this many records gets a warning: its accuracy says little
 

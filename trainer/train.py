@@ -43,6 +43,10 @@ from rmflow.trainer.data.lookahead import Lookahead, checkpointable
 from rmflow.trainer.errors import Interrupted, TrainError
 from rmflow.trainer.loggers import Reporters, check_available
 from rmflow.trainer.memory import release_free_memory
+from rmflow.trainer.model_setup import (
+    build_model,
+    check_output,
+)
 from rmflow.trainer.modeling.convert import resolve
 from rmflow.trainer.parallel import BATCH_AXES, distributed, make_mesh
 from rmflow.trainer.plan import plan_run
@@ -57,10 +61,6 @@ from rmflow.trainer.rundir import (
     write_history,
     write_mixture,
     write_run_files,
-)
-from rmflow.trainer.setup import (
-    build_model,
-    check_output,
 )
 from rmflow.trainer.step import Trainer, TrainState, make_trainer
 from rmflow.trainer.window import MetricWindow

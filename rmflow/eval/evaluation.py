@@ -16,7 +16,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from rmflow.eval.metrics import pair_metrics, process_metrics
+from rmflow.eval.figures import pair_metrics, process_metrics
 from rmflow.eval.reports import rewardbench_v2_markdown, write_eval, write_process_report, write_report
 from rmflow.eval.rewardbench import TIES, best_of_n_credit, ties_score, v1_scores, v2_scores
 from rmflow.handlers import handler
@@ -43,7 +43,7 @@ from rmflow.trainer.inference import (
     score_steps,
     write_normalization,
 )
-from rmflow.trainer.setup import check_model_fits, check_tokenizer, read_manifest
+from rmflow.trainer.model_setup import check_model_fits, check_tokenizer, read_manifest
 
 
 class EvalError(RmflowError):

@@ -1,6 +1,6 @@
 """Evaluation reports: ``eval.json`` (the metrics and the config that produced them), ``report.md``
 and PNG plots, for each reward model kind and benchmark mode; and the rows of the summary
-table ``rmflow eval`` prints. Rendering only: the numbers come from ``rmflow.eval.metrics``.
+table ``rmflow eval`` prints. Rendering only: the numbers come from ``rmflow.eval.figures``.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ from rmflow.schemas.manifest import ERRORS_FILE, TOKENIZER_DIR
 from rmflow.schemas.train_config import TrainConfig, fits_ratings
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
+from rmflow.trainer.model_setup import check_output, read_manifest
 from rmflow.trainer.plan import other_kind
 from rmflow.trainer.rundir import EVAL_DATA
-from rmflow.trainer.setup import check_output, read_manifest
 
 
 def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:

@@ -40,7 +40,7 @@ from rmflow.schemas.config import ServeConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
-from rmflow.server.metrics import ServerMetrics
+from rmflow.server.prometheus import ServerMetrics
 from rmflow.server.protocol import (
     RequestError,
     read_classify,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from rmflow.eval.metrics import ranking_metrics
+from rmflow.eval.figures import ranking_metrics
 from rmflow.eval.reports import figure, input_lines, ranking_plot, write_eval
 from rmflow.schemas.config import EvalConfig
 from rmflow.trainer.inference import LoadedModel, write_normalization
@@ -42,7 +42,7 @@ def eval_records(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[st
 def data_attributes(cfg: EvalConfig) -> tuple[str, ...]:
     """The attribute ratings the evaluated shards keep, by name (their manifest's); () for raw files."""
     from rmflow.trainer import storage
-    from rmflow.trainer.setup import read_manifest
+    from rmflow.trainer.model_setup import read_manifest
 
     if len(cfg.data) != 1 or not storage.is_shard_folder([cfg.data[0]]):
         return ()
