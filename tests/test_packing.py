@@ -436,7 +436,7 @@ def test_a_run_on_gpus_packs_and_builds_its_model_with_the_attention_for_its_row
     run packs and its model takes the Pallas kernels; over several, whose mesh the kernels cannot
     be partitioned over yet, it buckets with cuDNN (16-bit) or the blockwise kernel."""
     from rmflow.schemas.train_config import TrainConfig
-    from rmflow.trainer import setup
+    from rmflow.trainer import model_setup as setup
     from rmflow.trainer.data import resolve_packing
     from rmflow.trainer.modeling.config import ModelConfig
 
