@@ -22,7 +22,7 @@ still an outcome model, whose head a model's configuration says (``schemas.heads
 
 A new kind (say, a generative judge) is one entry here, its record type in
 ``schemas/record.py``, its rendering recipe (``rendering``), its objective in
-``trainer/objective.py``, its scoring core in ``trainer/inference.py`` and its handler set in
+``trainer/objective.py``, its scoring core in ``trainer/inference/cores.py`` and its handler set in
 ``rmflow/handlers.py``; ``tests/test_kinds.py`` names any that lacks it.
 """
 

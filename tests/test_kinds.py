@@ -199,7 +199,7 @@ def test_a_training_record_is_shown_by_the_run_s_kind():
 # What scores, serves, exports and describes a trained model: it asks the model's head
 # (``schemas.heads``) what varies by head, and never tests a model's attributes itself.
 HEAD_USERS = ("rmflow/server", "rmflow/scoring", "rmflow/eval/evaluation.py", "trainer/export.py",
-              "trainer/model_card.py", "trainer/inference.py", "trainer/modeling/convert.py",
+              "trainer/model_card.py", "trainer/inference", "trainer/modeling/convert.py",
               "trainer/modeling/config.py", "trainer/step.py")
 
 
