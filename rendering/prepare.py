@@ -147,9 +147,6 @@ class Prepared:
     layouts: tuple[str, ...]
 
 
-IN_PROCESS_ONLY = ("decontaminate", "near_dedup")  # options the in-process chain does not run
-
-
 def prepare(cfg: PreprocessConfig, tokenizer: RecordTokenizer, fs: FileSystem | None = None,
             errors_file: str = "") -> Prepared:
     """``cfg.inputs`` through the preprocess steps in this process, with ``tokenizer`` (the chat
@@ -193,9 +190,10 @@ class _Collected:
         self.files: list[tuple] = []
 
     def take(self, events: Iterator[steps.Event]) -> list[Any]:
-        main = []
+        main: list[Any] = []
+        into = {steps.MAIN: main, steps.DEAD: self.dead, steps.NOTED: self.noted, steps.FILES: self.files}
         for tag, value in events:
-            {steps.MAIN: main, steps.DEAD: self.dead, steps.NOTED: self.noted, steps.FILES: self.files}[tag].append(value)
+            into[tag].append(value)
         return main
 
     def items(self, fitted: list[tuple]) -> list[tuple[str, Any]]:

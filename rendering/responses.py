@@ -357,28 +357,33 @@ def group_rows(rows: list[Row]) -> dict[str, Any]:
         out["attributes"] = [dict(zip(r.attribute_names, r.attributes)) for r in rows]
     return out
 
+# Where each K-response layout keeps its prompt and its responses, read without their labels (scores,
+# ranks, ratings, a rejected one beside a chosen one): the prompt's field, and each list of
+# responses with the field that holds an item's text (None: the item is the response)
+RAW_RESPONSES: dict[str, tuple[str, tuple[tuple[str, str | None], ...]]] = {
+    "responses": ("prompt", (("responses", None),)),
+    "rewardbench2": ("prompt", (("chosen", None), ("rejected", None))),
+    "nectar": ("prompt", (("answers", "answer"),)),
+    "ultrafeedback-raw": ("instruction", (("completions", "response"),)),
+}
+
+
+def _raw_list(record: Mapping[str, Any], name: str, field: str | None) -> list[tuple[Message, ...]]:
+    items = _list(record, name)
+    if field is None:
+        return [_response(x, f"{name}[{i}]") for i, x in enumerate(items)]
+    if not all(isinstance(x, Mapping) for x in items):
+        raise BadRecord("bad_type", f"each of '{name}' must be an object with '{field}'")
+    return [_response(x.get(field), f"{name}[{i}].{field}") for i, x in enumerate(items)]
+
+
 def raw_responses(record: Mapping[str, Any], fmt: str) -> tuple[tuple[Message, ...], list[tuple[Message, ...]]]:
     """The prompt and every response of a record as given (none left out: to score them all).
     Raises BadRecord, an empty response among them included."""
-    if fmt == "responses":  # to score them, the responses need no scores or ranks of their own
-        prompt = _prompt(record.get("prompt"), "prompt")
-        responses = [_response(x, f"responses[{i}]") for i, x in enumerate(_list(record, "responses"))]
-    elif fmt == "rewardbench2":  # nor a rejected one beside a chosen one
-        prompt = _prompt(record.get("prompt"), "prompt")
-        responses = [_response(x, f"{side}[{i}]") for side in ("chosen", "rejected")
-                     for i, x in enumerate(_list(record, side))]
-    elif fmt == "nectar":  # nor ranks
-        prompt = _prompt(record.get("prompt"), "prompt")
-        answers = _list(record, "answers")
-        if not all(isinstance(a, Mapping) for a in answers):
-            raise BadRecord("bad_type", "each of 'answers' must be an object with 'answer'")
-        responses = [_response(a.get("answer"), f"answers[{i}].answer") for i, a in enumerate(answers)]
-    elif fmt == "ultrafeedback-raw":  # nor ratings
-        prompt = _prompt(record.get("instruction"), "instruction")
-        completions = _list(record, "completions")
-        if not all(isinstance(c, Mapping) for c in completions):
-            raise BadRecord("bad_type", "each of 'completions' must be an object with 'response'")
-        responses = [_response(c.get("response"), f"completions[{i}].response") for i, c in enumerate(completions)]
+    if fmt in RAW_RESPONSES:  # to score them, the responses need none of their labels
+        prompt_field, lists = RAW_RESPONSES[fmt]
+        prompt = _prompt(record.get(prompt_field), prompt_field)
+        responses = [r for name, field in lists for r in _raw_list(record, name, field)]
     else:
         prompt, responses, _, _ = _READERS[fmt](record)
     for i, r in enumerate(responses):

@@ -409,7 +409,7 @@ def export(options: dict) -> None:
                       "peft.PeftModel.from_pretrained(base_model, path)")
         return
     kind = kind_named(jsontext.read(os.path.join(out, EXPORT_INFO))["kind"])
-    console.print(f"exported to [bold]{out}[/bold]: load it with transformers.AutoModel{kind.hf_head}.from_pretrained")
+    console.print(f"exported to [bold]{out}[/bold]: load it with transformers.AutoModel{kind.head.hf_head}.from_pretrained")
 
 
 if __name__ == "__main__":

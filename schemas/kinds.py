@@ -3,10 +3,9 @@
 A kind decides what a shard record is, which eval modes apply, what the statistics count and
 what a user is told, and which score head its records train by default (``head``). What a model
 outputs is the other axis, the head (``schemas.heads``: how wide, how Hugging Face and PEFT name
-it, what an answer carries); a kind's head fields (``hf_head``, ``peft_task`` ...) are its default
-head's. Code that varies by kind reads a field of ``ModelKind`` (or looks its own behaviour up by
+it, what an answer carries); a kind's own is ``kind.head``. Code that varies by kind reads a field of ``ModelKind`` (or looks its own behaviour up by
 ``ModelKind.name`` in a table checked complete by ``tests/test_kinds.py``); it never compares
-kind names, record types or head widths itself.
+kind names, record types or head widths itself; what varies by head it reads of ``head``.
 
 * ``outcome``: preference pairs (``PairRecord``); one score per conversation; Bradley-Terry.
 * ``process``: stepwise solutions (``StepRecord``); P(correct) at each step's end; per-step
@@ -55,36 +54,6 @@ class ModelKind:
     lengths: tuple[str, ...]  # the length histograms of its records' ``stat_lengths`` that a summary shows
     headline: tuple[str, ...]  # the eval metrics a workflow summary reports, in order
     scores_as: str = ""  # the kind of the model it trains, when another's (what a run records); "": itself
-
-    # What its default head says (``schemas.heads``), as the kind's own: one place for each
-    @property
-    def num_labels(self) -> int:
-        return self.head.outputs
-
-    @property
-    def hf_head(self) -> str:
-        return self.head.hf_head
-
-    @property
-    def head_bias(self) -> bool:
-        return self.head.bias
-
-    @property
-    def hf_labels(self) -> dict[str, str]:
-        return self.head.hf_labels(None)
-
-    @property
-    def peft_task(self) -> str:
-        return self.head.peft_task
-
-    @property
-    def normalizable(self) -> bool:
-        """One scalar score per conversation, which ``rmflow eval --normalize`` standardises."""
-        return self.head.per_conversation
-
-    @property
-    def api(self) -> str:
-        return self.head.api
 
     @property
     def model(self) -> ModelKind:
@@ -164,5 +133,5 @@ def kind_of_head(num_labels: int) -> ModelKind:
         return kind_named(head_of({"num_labels": num_labels}).kind)
     except UnknownHead:
         raise UnknownKind(f"a score head of {num_labels} outputs is no reward model kind rmflow knows "
-                          f"({', '.join(f'{k.name}: {k.num_labels}' for k in KINDS.values() if not k.scores_as)})"
+                          f"({', '.join(f'{k.name}: {k.head.outputs}' for k in KINDS.values() if not k.scores_as)})"
                           ) from None

@@ -46,7 +46,7 @@ def test_every_per_kind_table_covers_exactly_the_kinds():
     for name, objective in OBJECTIVES.items():  # a kind's objectives: one per objective it takes
         assert objective.name == name
         # the kind's own head, or (regression) an attribute head
-        assert objective.fits(ScoreHead(objective.kind.num_labels)) != objective.regression
+        assert objective.fits(ScoreHead(objective.kind.head.outputs)) != objective.regression
         assert objective.fits(ScoreHead(2, ("a", "b"), (1.0, 0.5))) == objective.regression
 
 
@@ -66,7 +66,7 @@ def test_every_kind_s_handlers_resolve_and_agree():
 
 def test_lookups_round_trip_and_refuse_what_no_kind_is():
     for kind in KINDS.values():
-        assert kind_named(kind.name) is kind and kind_of_head(kind.num_labels) is kind.model
+        assert kind_named(kind.name) is kind and kind_of_head(kind.head.outputs) is kind.model
         assert set(kind.eval_modes) <= set(EVAL_MODES), kind.name
     pair = PairRecord(np.array([1, 2]), np.array([1, 3]), 1, 1, 1, "0" * 32)
     steps = StepRecord(np.array([1, 2, 3]), np.array([1, 2]), np.array([1, 0], np.uint8), 1, "0" * 32)
@@ -87,9 +87,9 @@ def test_export_head_reads_back_as_its_kind():
     from rmflow.trainer.modeling.config import ModelConfig, head_kind, hf_num_labels
 
     for kind in (k for k in KINDS.values() if k.model is k):
-        cfg = hf_config(ModelConfig.tiny(vocab_size=64, num_labels=kind.num_labels), None, 0, kind)
-        assert cfg["architectures"][0].endswith(kind.hf_head) and head_kind(cfg) is kind
-        assert hf_num_labels(cfg) == kind.num_labels and len(cfg["id2label"]) == kind.num_labels
+        cfg = hf_config(ModelConfig.tiny(vocab_size=64, num_labels=kind.head.outputs), None, 0, kind)
+        assert cfg["architectures"][0].endswith(kind.head.hf_head) and head_kind(cfg) is kind
+        assert hf_num_labels(cfg) == kind.head.outputs and len(cfg["id2label"]) == kind.head.outputs
         assert {v: int(k) for k, v in cfg["id2label"].items()} == cfg["label2id"]
     assert head_kind({"architectures": ["LlamaForCausalLM"]}) is None
 

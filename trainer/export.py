@@ -57,7 +57,7 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
             cfg[key] = {**{k: v for k, v in rope_cfg.items() if k != "type"}, "rope_type": "longrope"}
     score_head = head_of(c)  # its labels, and what else config.json says of it (``ModelConfig.from_hf`` reads it back)
     labels = score_head.hf_labels(c)
-    head = {"architectures": [f"{c.hf_prefix}{kind.hf_head}"], "num_labels": c.num_labels,
+    head = {"architectures": [f"{c.hf_prefix}{kind.head.hf_head}"], "num_labels": c.num_labels,
             "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}, **score_head.hf_config(c)}
     cfg.update({**head, "pad_token_id": pad_token_id, "torch_dtype": "float32", "dtype": "float32"})
     cfg.pop("problem_type", None)
@@ -140,7 +140,7 @@ def check_hf_class(model_cfg: ModelConfig, kind: ModelKind) -> None:
     has no Hugging Face layout)."""
     import transformers
 
-    name = f"{model_cfg.hf_prefix}{kind.hf_head}"
+    name = f"{model_cfg.hf_prefix}{kind.head.hf_head}"
     if not hasattr(transformers, name):
         raise ExportError(f"transformers has no {name}, so {kind.description} of a {model_cfg.model_type} model has no "
                           "Hugging Face layout to export to: score and serve it from its run directory (rmflow "
@@ -210,7 +210,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
         if os.path.exists(normalization) and not adapter:  # the run's `rmflow eval --normalize` figures, and OpenRLHF's
             write_normalization(staging, jsontext.read(normalization))
         with open(os.path.join(staging, "README.md"), "w") as f:  # the model card
-            f.write(model_card(run, step, kind, f"{run.model_config.hf_prefix}{kind.hf_head}", adapter))
+            f.write(model_card(run, step, kind, f"{run.model_config.hf_prefix}{kind.head.hf_head}", adapter))
     return output
 
 
@@ -256,7 +256,7 @@ def write_adapter(model: RewardTransformer, folder: str, cfg, base_path: str, ki
     if model.score.bias is not None:
         tensors[f"{PEFT_PREFIX}score.bias"] = np.asarray(model.score.bias[...], np.float32)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": kind.peft_task, "r": cfg.rank, "lora_alpha": cfg.alpha,
+    config = {"peft_type": "LORA", "task_type": kind.head.peft_task, "r": cfg.rank, "lora_alpha": cfg.alpha,
               "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
               "modules_to_save": ["score"], "fan_in_fan_out": False, "inference_mode": True,
               "init_lora_weights": True, "base_model_name_or_path": base_path}

@@ -135,7 +135,7 @@ class Objective:
         attribute head over the attributes the records keep, weighted by ``attribute_weights``
         (name=weight,...; empty: those preprocessing scored the responses by)."""
         if not self.regression:
-            return ScoreHead(self.kind.num_labels)
+            return ScoreHead(self.kind.head.outputs)
         names = manifest.attributes
         if not names:
             raise ConfigError(f"objective {self.ranking} fits the responses' attribute ratings, which these shards "
@@ -156,7 +156,7 @@ class Objective:
 
     def fits(self, head: ScoreHead) -> bool:
         """``head`` is one this objective trains."""
-        return bool(head.attributes) == self.regression and (self.regression or head.num_labels == self.kind.num_labels)
+        return bool(head.attributes) == self.regression and (self.regression or head.num_labels == self.kind.head.outputs)
 
     def with_router(self) -> Objective:
         """This objective for a mixture of experts: its sums and metrics also the router's

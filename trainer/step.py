@@ -204,7 +204,7 @@ class Trainer:
         of the step too."""
         if not objective.fits(model.config.head):
             wants = "an attribute head (one output per attribute)" if objective.regression else \
-                f"a score head of {objective.kind.num_labels} output(s)"
+                f"a score head of {objective.kind.head.outputs} output(s)"
             raise ValueError(f"objective {objective.name} trains {wants}; this model is "
                              f"{head_of(model.config).describe(model.config, model.config.kind.description)}")
         self.objective = objective

@@ -184,10 +184,10 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
                          f"of {cfg.model}")
     loaded = load_model(cfg.model, cfg.step)
     kind = loaded.kind
-    if cfg.mode not in kind.eval_modes or (cfg.normalize and not kind.normalizable):
-        asked = f"--mode {cfg.mode}" + (" and --normalize" if cfg.normalize and not kind.normalizable else "")
+    if cfg.mode not in kind.eval_modes or (cfg.normalize and not kind.head.per_conversation):
+        asked = f"--mode {cfg.mode}" + (" and --normalize" if cfg.normalize and not kind.head.per_conversation else "")
         raise EvalError(f"{asked} do not apply to {cfg.model}, {kind.description}: its modes are "
-                        f"{', '.join(kind.eval_modes)}" + ("" if kind.normalizable else ", without --normalize"))
+                        f"{', '.join(kind.eval_modes)}" + ("" if kind.head.per_conversation else ", without --normalize"))
     check_raw_options(cfg)
     input_summary, weights = None, None
     if cfg.mode == "rewardbench-v2":

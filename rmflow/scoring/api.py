@@ -398,7 +398,7 @@ class RewardModel:
         if self.kind == kind.name:
             return
         mine = kind_named(self.kind)
-        raise WrongModelKind(f"{method}: this is {mine.description}, not {kind.description}: use {mine.api}")
+        raise WrongModelKind(f"{method}: this is {mine.description}, not {kind.description}: use {mine.head.api}")
 
     def normalize(self, scores: np.ndarray) -> np.ndarray:
         if not self.normalization or not self.normalization.get("std"):

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rmflow.handlers import handler
+from rmflow.rendering.responses import RAW_RESPONSES
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.errors import RmflowError
@@ -252,8 +253,7 @@ def row_conversation(obj: Any) -> list[dict[str, str]] | None:
 
 
 # Where each multi-response layout keeps its responses: to count them before reading any
-RESPONSE_LISTS = {"responses": ("responses",), "rewardbench2": ("chosen", "rejected"), "nectar": ("answers",),
-                  "ultrafeedback-raw": ("completions",)}
+RESPONSE_LISTS = {layout: tuple(name for name, _ in lists) for layout, (_, lists) in RAW_RESPONSES.items()}
 
 
 def responses_layout(obj: Any) -> str | None:

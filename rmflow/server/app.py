@@ -105,7 +105,7 @@ class Service:
         shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=True)
         scorer = handler(rm.kind, "scorer")
         # K-response records in units of compiled shapes: an outcome model's (a process model has none)
-        self.units = cfg.response_units and kind_named(rm.kind).normalizable
+        self.units = cfg.response_units and kind_named(rm.kind).head.per_conversation
         scorer.warm_up(rm, shapes, self.units, self.startup_length)
         _ = rm.assistant_marker  # rendered once, before the first request
         self.rm, self.shapes = rm, shapes

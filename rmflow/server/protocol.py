@@ -145,7 +145,7 @@ def read_native(body: Any, rm: RewardModel, max_items: int, units: bool = True) 
     if len(sent) > 1:
         raise RequestError(400, f"send one of {', '.join(repr(k) for k in sent)}, not several: one request scores one "
                                 "kind of item")
-    if RESPONSES_KEY in body and kind_named(rm.kind).normalizable:
+    if RESPONSES_KEY in body and kind_named(rm.kind).head.per_conversation:
         return _read_responses(body, rm, native, max_items, units)
     for other in every("protocol").values():
         if other is not native and other.key in body and native.key not in body:

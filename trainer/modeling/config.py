@@ -319,7 +319,7 @@ def head_kind(d: Mapping[str, Any]) -> ModelKind | None:
     """The reward model kind whose Hugging Face head a checkpoint's ``architectures`` name, or
     None (a causal LM: no score head)."""
     for kind in KINDS.values():
-        if any(a.endswith(kind.hf_head) for a in d.get("architectures") or []):
+        if any(a.endswith(kind.head.hf_head) for a in d.get("architectures") or []):
             return kind
     return None
 
@@ -335,7 +335,7 @@ def _head(d: Mapping[str, Any]) -> ScoreHead:
     (``attribute_weights``, as ``rmflow export`` writes them); for a causal LM, the outcome head's
     (a fresh head of the size the run asks for replaces it)."""
     if head_kind(d) is None:
-        return ScoreHead(OUTCOME.num_labels)
+        return ScoreHead(OUTCOME.head.outputs)
     weights = d.get(ATTRIBUTE_WEIGHTS)
     if not weights:
         return ScoreHead(hf_num_labels(d))

@@ -219,7 +219,7 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
     kind = head_kind(raw)  # None: a causal LM, which gets a fresh score head
     is_classifier = kind is not None
     if kind is not None and not _scores_as(cfg, kind):
-        raise CheckpointError(f"a *{kind.hf_head} checkpoint must have num_labels={kind.num_labels} to be "
+        raise CheckpointError(f"a *{kind.head.hf_head} checkpoint must have num_labels={kind.head.outputs} to be "
                               f"{kind.description} (or name its outputs' {ATTRIBUTE_WEIGHTS}: an attribute head); "
                               f"{checkpoint} has {hf_num_labels(raw)}")
     # the same outputs by name (an attribute head's weights are the run's: not parameters)

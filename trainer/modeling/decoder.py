@@ -536,7 +536,7 @@ class RewardTransformer(nnx.Module):
         self.model = DecoderModel(cfg, dtype=dtype, remat=remat, rngs=rngs, attention=attention,
                                   scan_layers=scan_layers)
         std = score_init_std if score_init_std is not None else 1.0 / math.sqrt(cfg.hidden_size + 1)
-        self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=cfg.kind.head_bias, dtype=dtype,
+        self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=cfg.kind.head.bias, dtype=dtype,
                                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
     def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None, *,
