@@ -21,15 +21,18 @@ import argparse
 import importlib.util
 import pathlib
 import time
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from rmflow.schemas.train_config import OptimizerConfig
+from rmflow.schemas.record import PairRecord
+from rmflow.schemas.train_config import LoraConfig, OptimizerConfig
 from rmflow.trainer.batching import stack_micro_batches
 from rmflow.trainer.data import Collate, PackCollate
+from rmflow.trainer.modeling import lora as lora_module
 from rmflow.trainer.modeling.attention import allowed, attention
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.decoder import RewardTransformer
@@ -59,6 +62,19 @@ CONFIGS = {
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
                          rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True, tie_word_embeddings=True,
                          max_position_embeddings=32768),
+    # the sizes users train (random weights; Llama 3's RoPE scaling left out: it does not change the speed)
+    "Qwen2.5-1.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True, tie_word_embeddings=True,
+                         max_position_embeddings=32768),
+    "Llama-3.2-3B": dict(model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                         num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                         max_position_embeddings=131072),
+    "Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                         max_position_embeddings=131072),
 }
 
 
@@ -129,6 +145,35 @@ def load_records(shards: pathlib.Path):
     paths = sorted(str(p) for p in shards.glob("train-*.array_record"))
     source = grain.sources.ArrayRecordDataSource(paths)
     return [decode(source[i]) for i in range(len(source))]
+
+
+def synthetic_pairs(pair_tokens: int, count: int, vocab_size: int, seed: int = 0) -> list[PairRecord]:
+    """``count`` pairs of ``pair_tokens`` tokens each as a packed row holds them: a prompt of half
+    (once), a chosen and a rejected reply of a quarter each; random token ids (speed and memory do
+    not depend on the values)."""
+    rng = np.random.default_rng(seed)
+    prompt, reply = pair_tokens // 2, pair_tokens // 4
+    out = []
+    for i in range(count):
+        ids = rng.integers(1, vocab_size, prompt + 2 * reply)
+        chosen, rejected = np.concatenate([ids[:prompt], ids[prompt:prompt + reply]]), np.concatenate(
+            [ids[:prompt], ids[prompt + reply:]])
+        out.append(PairRecord(chosen_ids=chosen, rejected_ids=rejected, chosen_last=len(chosen) - 1,
+                              rejected_last=len(rejected) - 1, prompt_len=prompt, pair_id=f"{i:032x}"))
+    return out
+
+
+def pair_attended(prompt: int, chosen: int, rejected: int) -> int:
+    """Query-key pairs one packed pair attends (closed form of ``attended_pairs`` for a unit):
+    the prompt causally, each reply token the whole prompt and its own branch up to itself."""
+    causal = lambda n: n * (n + 1) // 2  # noqa: E731
+    return causal(prompt) + sum(n * prompt + causal(n) for n in (chosen, rejected))
+
+
+def synthetic_attended(pair_tokens: int):
+    """``attended`` for batches of ``synthetic_pairs``: their pairs' closed form, no mask built."""
+    prompt, reply = pair_tokens // 2, pair_tokens // 4
+    return lambda batch: int(batch["computed_tokens"]) // (prompt + 2 * reply) * pair_attended(prompt, reply, reply)
 
 
 def attended_pairs(batch) -> int:
@@ -235,38 +280,94 @@ def bucket_batches(records, batch_size: int, steps: int, max_length: int, packin
     return [collate(window[i * every * batch_size :][:batch_size]) for i in range(steps)]
 
 
+class Setup(typing.NamedTuple):
+    """A configuration ready to step: its model config, trainer, first state, batches, attention
+    implementation, non-embedding parameters and the model FLOPs a token costs per parameter."""
+
+    cfg: ModelConfig
+    trainer: Trainer
+    state: object
+    batches: list
+    impl: str
+    body: int
+    flops_per_param: int
+
+
+def set_up(name: str, records, packing: str, batch_size: int, steps: int, max_length: int,
+           packed_attention: str, config: dict | None = None, scan: bool = True, remat: bool = False,
+           lora: LoraConfig | None = None) -> Setup:
+    """The model (random weights, bfloat16 compute, float32 parameters), its trainer and the
+    batches of one configuration. ``remat``: each layer recomputed in the backward pass;
+    ``lora``: adapters on a frozen base (its ``base_dtype``), only they and the score head
+    trained. Model FLOPs a token: 6 x parameters, or 4 x with LoRA (a frozen base's weight
+    gradients are never computed)."""
+    cfg = ModelConfig(**(config or CONFIGS[name]))
+    impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
+    model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl, scan_layers=scan,
+                              remat=remat)
+    trainable = nnx.Param
+    if lora is not None:
+        lora_module.apply(model, lora)
+        trainable = lora_module.trainable_filter(lora)
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    body = params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    trainer = Trainer(model, OptimizerConfig(learning_rate=1e-5), total_steps=1000, trainable=trainable)
+    batches = (packed_batches(records, batch_size, steps, max_length) if packing == "pack"
+               else bucket_batches(records, batch_size, steps, max_length, packing))
+    return Setup(cfg, trainer, trainer.init_state, batches, impl, body, 4 if lora is not None else 6)
+
+
+def compile_shapes(run: Setup) -> tuple[object, int, float]:
+    """Each batch shape stepped once (compiled), so that what is timed after is steady state:
+    the state after, the shapes and the seconds it took."""
+    state, shapes, start = run.state, set(), time.perf_counter()
+    for b in run.batches:
+        if b["input_ids"].shape not in shapes:
+            shapes.add(b["input_ids"].shape)
+            state, _ = run.trainer.train_step(state, jax.device_put(stack_micro_batches([b])))
+    jax.block_until_ready(state.params)
+    return state, len(shapes), time.perf_counter() - start
+
+
+def model_flops(run: Setup, attended: int, computed: int) -> float:
+    """Model FLOPs of the batches: the parameters' (``flops_per_param`` x non-embedding
+    parameters x computed tokens) and the attention's (12 x layers x attended query-key pairs x
+    heads x head_dim). Recomputation (``remat``) is not counted: MFU measures useful work."""
+    cfg = run.cfg
+    return (run.flops_per_param * run.body * computed
+            + 12 * cfg.num_hidden_layers * attended * cfg.num_attention_heads * cfg.head_dim)
+
+
+def peak_device_bytes() -> int | None:
+    """The device allocator's peak bytes in use in this process (None where it does not say)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
 def throughput(name: str, records, packing: str, batch_size: int, steps: int, peak: float, block: int,
                packed_attention: str = "blockwise", max_length: int = 2048, config: dict | None = None,
-               launch: tuple[int, int] | None = None, scan: bool = True, profile: bool = True) -> dict:
+               launch: tuple[int, int] | None = None, scan: bool = True, profile: bool = True,
+               remat: bool = False, lora: LoraConfig | None = None, attended=None) -> dict:
     """Steady-state training throughput of one configuration (every shape compiled first); one
-    row: real tokens/s, padding, model TFLOP/s, MFU over ``peak`` TFLOP/s, compilations and,
-    with ``profile``, the shares of the step the attention takes (one layer's forward and
-    backward timed alone on each batch's rows, times the layers) and the parameter update
-    (``optimizer_seconds``). ``launch``: the Pallas
-    kernels' (num_warps, num_stages); ``scan``: the layers as one scanned layer."""
-    cfg = ModelConfig(**(config or CONFIGS[name]))
+    row: real tokens/s, padding, model TFLOP/s, MFU over ``peak`` TFLOP/s, compilations, the
+    device's peak memory and, with ``profile``, the shares of the step the attention takes (one
+    layer's forward and backward timed alone on each batch's rows, times the layers) and the
+    parameter update (``optimizer_seconds``). ``launch``: the Pallas kernels' (num_warps,
+    num_stages); ``scan``: the layers as one scanned layer; ``remat`` and ``lora`` as
+    ``set_up``; ``attended``: the batch's attended query-key pairs (default ``attended_pairs``,
+    which builds each row's mask: give a closed form for long rows)."""
+    attended = attended or attended_pairs
     impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
     before = set_kernel(block if impl in ("blockwise", "pallas") else None, *(launch or (None, None)))
     try:
-        model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl, scan_layers=scan)
-        params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        body = params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-        trainer = Trainer(model, OptimizerConfig(learning_rate=1e-5), total_steps=1000)
-        batches = (packed_batches(records, batch_size, steps, max_length) if packing == "pack"
-                   else bucket_batches(records, batch_size, steps, max_length, packing))
-        state = trainer.init_state
-        compile_start = time.perf_counter()
-        shapes = set()
-        for b in batches:  # compile every shape first: timings below are steady state
-            if b["input_ids"].shape not in shapes:
-                shapes.add(b["input_ids"].shape)
-                state, m = trainer.train_step(state, jax.device_put(stack_micro_batches([b])))
-        jax.block_until_ready(state.params)
-        compile_s = time.perf_counter() - compile_start
+        run = set_up(name, records, packing, batch_size, steps, max_length, packed_attention, config, scan, remat,
+                     lora)
+        cfg, batches = run.cfg, run.batches
+        state, shapes, compile_s = compile_shapes(run)
         device_batches = [jax.device_put(stack_micro_batches([b])) for b in batches]
         start = time.perf_counter()
         for b in device_batches:
-            state, m = trainer.train_step(state, b)
+            state, m = run.trainer.train_step(state, b)
         jax.block_until_ready(m)
         seconds = time.perf_counter() - start
         attn = update = None
@@ -277,32 +378,144 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
                     per_shape[b["input_ids"].shape] = attention_seconds(b, impl, cfg.num_attention_heads,
                                                                         cfg.num_key_value_heads, cfg.head_dim)
             attn = sum(per_shape[b["input_ids"].shape] for b in batches) * cfg.num_hidden_layers
-            update = optimizer_seconds(trainer, state) * len(batches)
+            update = optimizer_seconds(run.trainer, state) * len(batches)
         kernel = set_kernel()  # the settings the measured step used
     finally:
         restore_kernel(before)
     real = sum(int(b["real_tokens"]) for b in batches)
     computed = sum(int(b["computed_tokens"]) for b in batches)
     slots = sum(b["input_ids"].size for b in batches)
-    pairs = sum(attended_pairs(b) for b in batches)
-    flops = 6 * body * computed + 12 * cfg.num_hidden_layers * pairs * cfg.num_attention_heads * cfg.head_dim
+    flops = model_flops(run, sum(attended(b) for b in batches), computed)
     pallas = impl == "pallas"
+    peak_bytes = peak_device_bytes()
     row = {"model": name, "packing": packing, "attention": impl,
            "block": kernel["block"] if pallas else kernel["blockwise_block"] if impl == "blockwise" else None,
            "num_warps": kernel["num_warps"] if pallas else None, "num_stages": kernel["num_stages"] if pallas else None,
            "scan_layers": scan, "pairs_per_step": batch_size, "rows": f"{batches[0]['input_ids'].shape[0]} x "
-           f"{'/'.join(str(s[1]) for s in sorted(shapes))}", "real_tokens_per_s": real / seconds,
+           f"{'/'.join(str(s) for s in sorted({b['input_ids'].shape[1] for b in batches}))}",
+           "real_tokens_per_s": real / seconds,
            "padding": 1 - computed / slots, "computed_per_real": computed / real,
            "model_tflops": flops / seconds / 1e12, "mfu": flops / seconds / 1e12 / peak, "step_ms": 1e3 * seconds / len(batches),
            "attention_share": attn / seconds if attn is not None else None,
            "optimizer_share": update / seconds if update is not None else None,
-           "shapes": len(shapes), "compile_s": compile_s}
+           "shapes": shapes, "compile_s": compile_s,
+           "peak_device_gib": peak_bytes / 2**30 if peak_bytes is not None else None}
     block_note = f" (block {row['block']})" if row["block"] else ""
     share = (f" attention {attn / seconds:.0%}, parameter update {update / seconds:.0%} of the step"
              if attn is not None else "")
     print(f"| {name} | {packing} | {impl}{block_note} | {batch_size} | {real / seconds:,.0f} | {row['padding']:.3f} "
-          f"| {row['model_tflops']:,.1f} | {row['mfu']:.1%} | {len(shapes)} in {compile_s:.0f} s |{share}", flush=True)
+          f"| {row['model_tflops']:,.1f} | {row['mfu']:.1%} | {shapes} in {compile_s:.0f} s |{share}", flush=True)
     return row
+
+
+# What a kernel is, from its name (first match wins): the categories of the profile's table.
+KERNEL_CATEGORIES = (("attention (Pallas)", ("_forward_kernel", "_dkdv_kernel", "_dq_kernel", "pallas")),
+                     ("attention (cuDNN)", ("cudnn", "fmha", "flash")),
+                     ("matrix products", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul", "dot", "convolution")),
+                     ("reductions", ("reduce", "scatter", "sort")),
+                     ("copies", ("memcpy", "memset", "copy", "transpose", "dynamic-update-slice",
+                                 "dynamic_update_slice")))
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "elementwise and other fusions")
+
+
+def device_kernels(xplane: str) -> list[tuple[str, str, float, float]]:
+    """The kernels a ``jax.profiler`` trace recorded, as (name, HLO op, start ns, duration ns):
+    the GPU planes' stream lines, or on CPU the host's XLA operations (events with an HLO op)."""
+    from jax._src.profiler import ProfileData
+
+    data = ProfileData.from_file(xplane)
+    gpu = [pl for pl in data.planes if pl.name.startswith("/device:GPU")]
+    out = []
+    for plane in gpu or [pl for pl in data.planes if pl.name.startswith("/host:CPU")]:
+        lines = list(plane.lines)
+        streams = [ln for ln in lines if ln.name.startswith("Stream")] or lines
+        for line in streams:
+            for e in line.events:
+                stats = dict((k, v) for k, v in e.stats)
+                if gpu or "hlo_op" in stats:
+                    out.append((e.name, str(stats.get("hlo_op", "")), float(e.start_ns), float(e.duration_ns)))
+    return out
+
+
+def busy_ns(kernels) -> float:
+    """Time at least one kernel ran (the union of their intervals)."""
+    total, end = 0.0, -1.0
+    for _, _, start, dur in sorted(kernels, key=lambda k: k[2]):
+        if start + dur > end:
+            total += start + dur - max(start, end)
+            end = start + dur
+    return total
+
+
+def profile_table(kernels, steps: int, step_s: float, top: int = 20) -> list[dict]:
+    """Where a steady step's time goes: the device's busy time against the wall time of the
+    traced steps (``step_s`` each), by category of kernel and by kernel (the ``top`` longest),
+    per step."""
+    per_step = 1e-6 / steps  # ns over the traced steps -> ms a step
+    step_ms = 1e3 * step_s
+    rows = [{"summary": "device busy", "step_ms": step_ms, "busy_ms": busy_ns(kernels) * per_step,
+             "idle_ms": step_ms - busy_ns(kernels) * per_step, "kernels_per_step": len(kernels) / steps}]
+    by_cat: dict[str, list] = {}
+    by_name: dict[tuple[str, str], list] = {}
+    for k in kernels:
+        by_cat.setdefault(kernel_category(k[0] + " " + k[1]), []).append(k[3])
+        by_name.setdefault((k[0], k[1]), []).append(k[3])
+    for cat, durs in sorted(by_cat.items(), key=lambda kv: -sum(kv[1])):
+        rows.append({"category": cat, "ms_per_step": sum(durs) * per_step, "share_of_step": sum(durs) * per_step /
+                     step_ms, "kernels_per_step": len(durs) / steps})
+    for (name, op), durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        rows.append({"kernel": name[:90], "hlo_op": op[:40], "category": kernel_category(name + " " + op),
+                     "ms_per_step": sum(durs) * per_step, "calls_per_step": len(durs) / steps,
+                     "share_of_step": sum(durs) * per_step / step_ms})
+    return rows
+
+
+def profile_steps(name: str, records, batch_size: int, steps: int, max_length: int, peak: float, block: int,
+                  packed_attention: str, trace_dir: pathlib.Path, config: dict | None = None,
+                  launch: tuple[int, int] | None = None, scan: bool = True) -> list[dict]:
+    """A steady packed step profiled: every shape compiled, then ``steps`` steps timed back to
+    back (the wall a step takes in training, and the host's time to dispatch one, each step then
+    waited for), then the same steps under ``jax.profiler.trace``; rows of ``profile_table``
+    after one summary row (the step, dispatch, real tokens/s and MFU)."""
+    before = set_kernel(block if packed_attention in ("blockwise", "pallas") else None, *(launch or (None, None)))
+    try:
+        run = set_up(name, records, "pack", batch_size, steps, max_length, packed_attention, config, scan)
+        state, _, compile_s = compile_shapes(run)
+        device_batches = [jax.device_put(stack_micro_batches([b])) for b in run.batches]
+        dispatch = []
+        for b in device_batches:
+            start = time.perf_counter()
+            state, m = run.trainer.train_step(state, b)
+            dispatch.append(time.perf_counter() - start)
+            jax.block_until_ready(m)
+        start = time.perf_counter()
+        for b in device_batches:
+            state, m = run.trainer.train_step(state, b)
+        jax.block_until_ready(m)
+        step_s = (time.perf_counter() - start) / len(device_batches)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        with jax.profiler.trace(str(trace_dir)):
+            start = time.perf_counter()
+            for b in device_batches:
+                state, m = run.trainer.train_step(state, b)
+            jax.block_until_ready(m)
+            traced_s = (time.perf_counter() - start) / len(device_batches)
+    finally:
+        restore_kernel(before)
+    xplane = max(trace_dir.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    real = sum(int(b["real_tokens"]) for b in run.batches) / len(run.batches)
+    computed = sum(int(b["computed_tokens"]) for b in run.batches)
+    flops = model_flops(run, sum(attended_pairs(b) for b in run.batches), computed) / len(run.batches)
+    head = {"summary": "step", "model": name, "scan_layers": scan, "pairs_per_step": batch_size,
+            "rows": f"{run.batches[0]['input_ids'].shape[0]} x {run.batches[0]['input_ids'].shape[1]}",
+            "step_ms": 1e3 * step_s, "dispatch_ms": 1e3 * float(np.median(dispatch)),
+            "real_tokens_per_s": real / step_s, "mfu": flops / step_s / 1e12 / peak, "compile_s": compile_s,
+            "traced_step_ms": 1e3 * traced_s, "trace_mib": xplane.stat().st_size / 2**20}
+    return [head, *profile_table(device_kernels(str(xplane)), len(device_batches), traced_s)]
 
 
 def kernel_sweep(records, batch_size: int, max_length: int, heads: tuple[int, int, int], configs,

@@ -24,6 +24,16 @@ Two steps, because the GPU machine has no Beam and no network:
      max_length 2048 in bfloat16, 32 pairs a step (Qwen2.5-0.5B also 64): ``pack`` with that
      kernel against ``bucket`` with cuDNN, and layers scanned against unrolled; what is faster
      on SmolLM2 becomes the plan the trainers below use;
+   - ``profile``: a steady packed step of Qwen2.5-0.5B (layers unrolled and scanned) traced with
+     ``jax.profiler``: the step's wall time against the device's busy time, and the kernels' time
+     by kind (matrix products, attention, elementwise fusions, reductions, copies) and by kernel;
+   - ``sizes``: the sizes users train, on synthetic pairs of 2k to 32k tokens (random weights in
+     the real configurations): full fine-tuning of Qwen2.5-1.5B and Llama-3.2-3B (layers
+     recomputed where their activations would not fit), LoRA of rank 16 on every linear layer of
+     a bfloat16 Llama-3.1-8B; real tokens/s, MFU, peak device memory, each run in a process of
+     its own, and per model the longest pair that fitted;
+   - ``trl_sizes``: TRL's RewardTrainer at those sizes (PEFT for LoRA, gradient checkpointing
+     where rmflow recomputes), and rmflow over TRL at each size both ran;
    - ``real``: the model of ``--checkpoint`` (the real SmolLM2-135M-Instruct; ``--gguf`` builds
      it from the pieces of its quantised source, ``split_gguf`` below) trained into a reward
      model for one epoch of the HH-RLHF and UltraFeedback pairs by rmflow and by TRL with the
@@ -78,7 +88,7 @@ BENCH = REPO / "benchmarks"
 DATA = REPO.parent / "shared" / "data"
 TOKENIZER = REPO.parent / "shared" / "assets" / "smollm2-135m-instruct-tokenizer"
 SITE = pathlib.Path("/tmp/rmflow-gpu-site")
-PARTS = ("parity", "kernel", "speed", "real", "trl")
+PARTS = ("parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "real", "trl")
 # What the GPU image lacks (its list: the device tool's KINDS.md); the versions this project installs.
 WHEELS = ("grain", "array-record", "portpicker", "tensorboardX", "trl", "datasets", "dill", "multiprocess", "xxhash")
 # Reads the real SmolLM2's quantised source (GGUF) into transformers; not one of the project's packages.
@@ -108,6 +118,19 @@ SIZES = {
                            ("Qwen2.5-0.5B", "pack", False, 64), ("Qwen2.5-0.5B", "bucket", False, 64),
                            ("SmolLM2-135M", "pack", False, 32), ("SmolLM2-135M", "bucket", False, 32),
                            ("SmolLM2-135M", "pack", True, 32)),
+            # profile_runs: (model, scan layers, pairs a step), a steady packed step traced
+            "profile_runs": (("Qwen2.5-0.5B", False, 32), ("Qwen2.5-0.5B", True, 32)), "profile_steps": 4,
+            # size_runs: (model, tokens a pair, pairs a step, training), in order of need: full fine-tuning
+            # at 1.5B and 3B (recomputing layers where the activations would not fit), the 8B LoRA at
+            # 16k-token pairs, then longer pairs until one does not fit
+            "size_runs": (("Qwen2.5-1.5B", 2048, 4, "full"), ("Llama-3.2-3B", 2048, 4, "full+remat"),
+                          ("Llama-3.1-8B", 16384, 1, "lora16"), ("Llama-3.2-3B", 8192, 1, "full+remat"),
+                          ("Llama-3.2-3B", 16384, 1, "full+remat"), ("Qwen2.5-1.5B", 16384, 1, "full+remat"),
+                          ("Llama-3.1-8B", 32768, 1, "lora16"), ("Llama-3.2-3B", 32768, 1, "full+remat")),
+            "size_steps": 3,
+            # trl_size_runs: TRL at the sizes it may fit, the same (model, tokens a pair, pairs a step, training)
+            "trl_size_runs": (("Qwen2.5-1.5B", 2048, 4, "full"), ("Llama-3.2-3B", 2048, 4, "full+remat"),
+                              ("Llama-3.1-8B", 16384, 1, "lora16"), ("Llama-3.2-3B", 16384, 1, "full+remat")),
             "trl_steps": 30, "trl_batch": 16, "checkpointing": (False, True), "real_batch": 16, "real_steps": 0,
             "lr": 1e-5},
     "rehearse": {"max_length": 256, "kernel_batch": 4, "speed_steps": 2, "parity_t": 256,
@@ -116,6 +139,10 @@ SIZES = {
                  "kernel_configs": (("pallas", 64, None, None), ("blockwise", 64, None, None)),
                  "kernel_heads": (4, 2, 16),
                  "speed_runs": (("toy", "pack", False, 4), ("toy", "bucket", False, 4), ("toy", "pack", True, 4)),
+                 "profile_runs": (("toy", False, 4),), "profile_steps": 2,
+                 "size_runs": (("toy", 256, 2, "full"), ("toy", 512, 1, "lora16")),
+                 "size_steps": 3,
+                 "trl_size_runs": (("toy", 512, 1, "lora16"),),
                  "trl_steps": 6, "trl_batch": 2, "checkpointing": (True,),
                  "real_batch": 4, "real_steps": 3, "lr": 1e-4},
 }
@@ -243,8 +270,10 @@ class Ctx:
     (``add``), so that a part stopped midway keeps what it measured."""
 
     def __init__(self, size: dict, inputs: pathlib.Path, work: pathlib.Path, checkpoint: str | None, rehearse: bool,
-                 plan: dict, deadline: float, rows_file: pathlib.Path, gguf: list[str] | None = None):
+                 plan: dict, deadline: float, rows_file: pathlib.Path, gguf: list[str] | None = None,
+                 earlier: dict | None = None):
         self.size, self.inputs, self.work, self.checkpoint = size, inputs, work, checkpoint
+        self.earlier = earlier or {}  # rows of parts this part compares with: this call's, else the kept report's
         self.rehearse, self.plan, self.deadline, self.gguf = rehearse, plan, deadline, gguf
         self.rows_file, self.rows = rows_file, []
 
@@ -327,6 +356,191 @@ def part_speed(ctx: Ctx) -> None:
         gc.collect()
         runs += 1
     ctx.add(*speed_summaries(ctx.rows, trained="toy" if ctx.rehearse else PLAN_MODEL, kept=ctx.plan))
+
+
+def part_profile(ctx: Ctx) -> None:
+    """Where a steady packed step's time goes (``device.profile_steps``), for each of
+    ``profile_runs``, with the kernel the kernel part found fastest."""
+    import device
+
+    records = device.load_records(ctx.inputs / "train")
+    kernel = kernel_choice(ctx.plan)
+    for name, scan, batch in ctx.size["profile_runs"]:
+        if ctx.left() < 60 and ctx.rows:
+            ctx.add({"model": name, "scan_layers": scan, "skipped": "out of time"})
+            continue
+        try:
+            ctx.add(*device.profile_steps(name, records, batch, ctx.size["profile_steps"], ctx.size["max_length"],
+                                          _peak(), kernel.get("block", 0), ctx.plan.get("packed_attention", "pallas"),
+                                          ctx.work / f"trace-{name}-{int(scan)}", config=TOY if name == "toy" else None,
+                                          launch=(kernel.get("num_warps"), kernel.get("num_stages")), scan=scan))
+        except Exception as e:  # noqa: BLE001 - one run's failure is its row's; the next still runs
+            ctx.add({"model": name, "scan_layers": scan, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        gc.collect()
+
+
+# How each size run trains: (recompute layers, LoRA rank on all linear layers of a bfloat16 base or None)
+TRAINING = {"full": (False, None), "full+remat": (True, None), "lora16": (True, 16)}
+
+
+def size_run(spec: dict) -> dict:
+    """One size run in this process (``gpu.py size SPEC``): synthetic pairs of the run's length
+    (``device.synthetic_pairs``) trained in bfloat16 with the packed-row kernel, the row of
+    ``device.throughput`` with the device's memory: bytes in use once the model is set up, and
+    the process's peak (set-up included)."""
+    import device
+    from rmflow.schemas.train_config import LoraConfig
+
+    config = TOY if spec["model"] == "toy" else device.CONFIGS[spec["model"]]
+    remat, rank = TRAINING[spec["training"]]
+    lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules="all-linear", base_dtype="bfloat16") if rank else None
+    records = device.synthetic_pairs(spec["pair_tokens"], spec["pairs"] * spec["steps"], config["vocab_size"])
+    row = device.throughput(spec["model"], records, "pack", spec["pairs"], spec["steps"], _peak(), spec["block"],
+                            spec["attention"], max_length=spec["pair_tokens"], config=config, launch=spec["launch"],
+                            scan=True, profile=False, remat=remat, lora=lora,
+                            attended=device.synthetic_attended(spec["pair_tokens"]))
+    return {"trainer": "rmflow", "model": spec["model"], "training": spec["training"], "pair_tokens": spec["pair_tokens"],
+            "fits": True,
+            **{k: row[k] for k in ("pairs_per_step", "rows", "real_tokens_per_s", "mfu", "model_tflops", "step_ms",
+                                   "peak_device_gib", "compile_s", "attention")}}
+
+
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemoryError")
+
+
+def _size_runs(ctx: Ctx, trainer: str, runs) -> None:
+    """Each (model, tokens a pair, pairs a step, training) of ``runs`` in a process of its own
+    (``gpu.py size SPEC``: its own peak memory; an out-of-memory failure is that run's
+    ``fits: False``), the device's memory given to JAX up to 95%."""
+    kernel = kernel_choice(ctx.plan)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
+    for model, pair_tokens, pairs, training in runs:
+        head = {"trainer": trainer, "model": model, "training": training, "pair_tokens": pair_tokens,
+                "pairs_per_step": pairs}
+        if ctx.left() < 60 and ctx.rows:
+            ctx.add({**head, "skipped": "out of time"})
+            continue
+        spec = {**head, "pairs": pairs, "steps": ctx.size["size_steps"], "block": kernel.get("block", 0),
+                "attention": ctx.plan.get("packed_attention", "pallas"), "rehearse": ctx.rehearse,
+                "launch": (kernel.get("num_warps"), kernel.get("num_stages")), "work": str(ctx.work),
+                "tokenizer": str(ctx.inputs / "train" / "tokenizer")}
+        try:
+            proc = subprocess.run([sys.executable, __file__, "size", json.dumps(spec)], capture_output=True,
+                                  text=True, timeout=ctx.left(), env=env)
+        except subprocess.TimeoutExpired:
+            ctx.add({**head, "skipped": "stopped at the budget's end"})
+            continue
+        found = [ln[len("SIZE-ROW "):] for ln in proc.stdout.splitlines() if ln.startswith("SIZE-ROW ")]
+        if found:
+            ctx.add(json.loads(found[-1]))
+        elif any(m in proc.stderr for m in OUT_OF_MEMORY):
+            ctx.add({**head, "fits": False, "error": "out of memory: " + proc.stderr.strip().splitlines()[-1][:200]})
+        else:
+            ctx.add({**head, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"})
+
+
+def part_sizes(ctx: Ctx) -> None:
+    """rmflow at the sizes users train (``size_runs``), then per model and training the longest
+    pair that fitted."""
+    _size_runs(ctx, "rmflow", ctx.size["size_runs"])
+    ctx.add(*size_summaries(ctx.rows))
+
+
+def part_trl_sizes(ctx: Ctx) -> None:
+    """TRL's RewardTrainer at the sizes of ``trl_size_runs`` (``trl_size_run``), then its rows
+    against rmflow's at the same size (this call's ``sizes`` rows, else the kept report's)."""
+    _size_runs(ctx, "TRL RewardTrainer", ctx.size["trl_size_runs"])
+    ctx.add(*size_ratios(ctx.earlier.get("sizes", []), ctx.rows))
+
+
+def trl_size_run(spec: dict) -> dict:
+    """TRL's RewardTrainer on ``device.synthetic_pairs`` of the run's size (``gpu.py size`` with
+    trainer TRL): random weights of the configuration built with transformers on the device,
+    sdpa attention, bfloat16 autocast over float32 weights for full fine-tuning, or PEFT's LoRA
+    on a bfloat16 base; gradient checkpointing where rmflow recomputes layers. Real tokens/s of
+    the steady steps (after the first two) and torch's peak allocated memory."""
+    import device
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig as PeftLora
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+
+    config = dict(TOY if spec["model"] == "toy" else device.CONFIGS[spec["model"]])
+    remat, rank = TRAINING[spec["training"]]
+    qkv_bias = config.pop("qkv_bias", False)
+    hf = AutoConfig.for_model(config.pop("model_type"), **config, num_labels=1, pad_token_id=0,
+                              **({"attention_bias": True} if qkv_bias and spec["model"].startswith("Llama") else {}))
+    records = device.synthetic_pairs(spec["pair_tokens"], spec["pairs"] * spec["steps"], hf.vocab_size)
+    ds = Dataset.from_dict({"chosen_ids": [r.chosen_ids.tolist() for r in records],
+                            "rejected_ids": [r.rejected_ids.tolist() for r in records]})
+    gpu = torch.cuda.is_available() and not spec["rehearse"]
+    with torch.device("cuda" if gpu else "cpu"):
+        model = AutoModelForSequenceClassification.from_config(
+            hf, dtype=torch.bfloat16 if rank else torch.float32, attn_implementation="sdpa")
+    seconds: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            if gpu:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - self.t)
+
+    cfg = RewardConfig(output_dir=spec["work"] + "/trl-size", max_steps=spec["steps"],
+                       per_device_train_batch_size=spec["pairs"], learning_rate=1e-5, max_length=spec["pair_tokens"],
+                       logging_steps=1, save_strategy="no", report_to=[], use_cpu=not gpu, seed=0,
+                       dataloader_num_workers=0, disable_tqdm=True, bf16=gpu, gradient_checkpointing=remat)
+    lora = PeftLora(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="SEQ_CLS") if rank else None
+    trainer = RewardTrainer(model=model, args=cfg, train_dataset=ds, peft_config=lora, callbacks=[Clock()],
+                            processing_class=AutoTokenizer.from_pretrained(spec["tokenizer"]))
+    trainer.train()
+    steady = seconds[2:] or seconds
+    real = sum(len(r.chosen_ids) + len(r.rejected_ids) for r in records) / len(records) * spec["pairs"]
+    return {"trainer": "TRL RewardTrainer", "model": spec["model"], "training": spec["training"],
+            "pair_tokens": spec["pair_tokens"], "fits": True, "pairs_per_step": spec["pairs"],
+            "gradient_checkpointing": remat, "real_tokens_per_s": real / statistics.median(steady),
+            "step_ms": 1e3 * statistics.median(steady),
+            "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None}
+
+
+def size_ratios(rmflow_rows: list[dict], trl_rows: list[dict]) -> list[dict]:
+    """rmflow over TRL at each size both ran (model, training, tokens a pair): real tokens/s and
+    peak device memory; where only one fitted, which."""
+    def key(r):
+        return r.get("model"), r.get("training"), r.get("pair_tokens")
+
+    ours = {key(r): r for r in rmflow_rows if "fits" in r and r.get("trainer", "rmflow") == "rmflow"}
+    out = []
+    for t in (r for r in trl_rows if "fits" in r and r.get("trainer") == "TRL RewardTrainer"):
+        r = ours.get(key(t))
+        if r is None:
+            continue
+        row = {"summary": "rmflow / TRL", "model": t["model"], "training": t["training"],
+               "pair_tokens": t["pair_tokens"]}
+        if r["fits"] and t["fits"]:
+            row.update(tokens_per_s=r["real_tokens_per_s"] / t["real_tokens_per_s"],
+                       peak_memory=(r["peak_device_gib"] / t["peak_device_gib"]
+                                    if r.get("peak_device_gib") and t.get("peak_device_gib") else None))
+        else:
+            row["fits"] = {"rmflow": r["fits"], "TRL": t["fits"]}
+        out.append(row)
+    return out
+
+
+def size_summaries(rows: list[dict]) -> list[dict]:
+    """Per model and training: the longest pair that fitted and the shortest that did not."""
+    ours = [r for r in rows if "fits" in r and r.get("trainer", "rmflow") == "rmflow"]
+    out = []
+    for model, training in dict.fromkeys((r["model"], r["training"]) for r in ours):
+        runs = [r for r in ours if r["model"] == model and r["training"] == training]
+        fit = [r["pair_tokens"] for r in runs if r["fits"]]
+        not_fit = [r["pair_tokens"] for r in runs if not r["fits"]]
+        out.append({"summary": "longest pair", "model": model, "training": training,
+                    "fits": max(fit) if fit else None, "does_not_fit": min(not_fit) if not_fit else None})
+    return out
 
 
 PLAN_MODEL = "SmolLM2-135M"  # the model the trl and real parts train: the speed part's plan is measured on it
@@ -552,8 +766,8 @@ def part_checkpoint(ctx: Ctx) -> None:
     partial.rename(target)
 
 
-FNS = {"parity": part_parity, "kernel": part_kernel, "speed": part_speed, "trl": part_trl, "real": part_real,
-       "checkpoint": part_checkpoint}
+FNS = {"parity": part_parity, "kernel": part_kernel, "speed": part_speed, "profile": part_profile,
+       "sizes": part_sizes, "trl_sizes": part_trl_sizes, "trl": part_trl, "real": part_real, "checkpoint": part_checkpoint}
 
 
 def child(part: str, spec: dict) -> None:
@@ -565,7 +779,7 @@ def child(part: str, spec: dict) -> None:
     if spec.get("checkpointing") is not None:
         size = {**size, "checkpointing": tuple(spec["checkpointing"])}
     ctx = Ctx(size, pathlib.Path(spec["inputs"]), pathlib.Path(spec["work"]), spec["checkpoint"], spec["rehearse"],
-              spec["plan"], spec["deadline"], pathlib.Path(spec["rows_file"]), spec.get("gguf"))
+              spec["plan"], spec["deadline"], pathlib.Path(spec["rows_file"]), spec.get("gguf"), spec.get("earlier"))
     FNS[part](ctx)
 
 
@@ -615,7 +829,9 @@ def _device() -> dict:
 
 
 def markdown(report: dict) -> str:
+    calls = "; ".join(f"{c.get('date', '?')}: {','.join(c.get('parts', []))}" for c in report.get("calls", []))
     lines = [f"# GPU check: {report['device']}", "", f"Command: `{report['command']}`  ", f"Date: {report['date']}  ",
+             *([f"Calls (each part's rows are its latest call's): {calls}  "] if calls else []),
              f"JAX {report.get('jax')}, Flax {report.get('flax')}; wheels installed: "
              f"{', '.join(report['wheels']) or 'none'}", ""]
     if report.get("plan"):
@@ -727,7 +943,8 @@ def _run_parts(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkp
             part_work.mkdir(parents=True)
             spec = {"inputs": str(inputs), "work": str(part_work), "checkpoint": checkpoint, "rehearse": rehearse,
                     "plan": report["plan"], "deadline": deadline, "rows_file": str(work / f"rows-{part}.jsonl"),
-                    "gguf": gguf, "checkpointing": checkpointing}
+                    "gguf": gguf, "checkpointing": checkpointing,
+                    "earlier": {"sizes": _rows(report["parts"].get("sizes"))} if part == "trl_sizes" else {}}
             left = deadline - time.time()
             if left < 30:
                 result = {"error": f"not run: {left:.0f} s of the budget left", "rows": []}
@@ -777,9 +994,19 @@ def main() -> None:
     c = sub.add_parser("child", help=argparse.SUPPRESS)
     c.add_argument("part")
     c.add_argument("spec")
+    z = sub.add_parser("size", help=argparse.SUPPRESS)
+    z.add_argument("spec")
     a = ap.parse_args()
     if a.command == "child":
         child(a.part, json.loads(a.spec))
+        return
+    if a.command == "size":
+        spec = json.loads(a.spec)
+        if spec["rehearse"]:
+            os.environ["JAX_PLATFORMS"] = "cpu"
+        sys.path.insert(0, str(BENCH))
+        run_one = trl_size_run if spec["trainer"] == "TRL RewardTrainer" else size_run
+        print("SIZE-ROW " + json.dumps(run_one(spec), default=str), flush=True)
         return
     if a.command == "prepare":
         info = prepare(pathlib.Path(a.inputs), SIZES["gpu"]["max_length"], not a.no_wheels)

@@ -26,7 +26,8 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     errors = {p: rows["error"][-1500:] for p, rows in report["parts"].items() if isinstance(rows, dict)}
     assert proc.returncode == 0 and not errors, (errors, proc.stdout[-2000:], proc.stderr[-2000:])
     parts = report["parts"]
-    assert set(parts) == {"parity", "kernel", "speed", "trl", "real"} and report["rehearse"]
+    assert set(parts) == {"parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "trl", "real"}
+    assert report["rehearse"]
     # rmflow as the GPU machine runs it: its wheel, built from this checkout and installed apart
     assert "/site/rmflow/trainer/" in report["rmflow"] and any(w.startswith("rmflow-") for w in report["wheels"])
     # kernel: each packed-row kernel timed alone; the fastest setting goes on to speed
@@ -47,6 +48,23 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     assert summary["ratio"] > 0 and {r.get("packing") for r in parts["speed"]} >= {"pack", "bucket"}
     timed_runs = [r for r in parts["speed"] if "real_tokens_per_s" in r]
     assert timed_runs and all(0 < r["attention_share"] and 0 < r["optimizer_share"] < 1 for r in timed_runs)
+    # profile: a steady step traced, its time split by kind of kernel; the device's busy time within the step
+    steps = [r for r in parts["profile"] if r.get("summary") == "step"]
+    assert steps and steps[0]["step_ms"] > 0 and 0 < steps[0]["dispatch_ms"] and 0 < steps[0]["mfu"] < 1
+    (busy,) = [r for r in parts["profile"] if r.get("summary") == "device busy"]
+    assert 0 < busy["busy_ms"] <= busy["step_ms"] * 1.01
+    categories = {r["category"]: r for r in parts["profile"] if "category" in r and "kernel" not in r}
+    assert "matrix products" in categories and all(r["ms_per_step"] > 0 for r in categories.values())
+    assert [r for r in parts["profile"] if "kernel" in r]
+    # sizes: rmflow on synthetic pairs, full and LoRA; TRL beside at the same size, and the ratio
+    sizes = {r["training"]: r for r in parts["sizes"] if r.get("trainer") == "rmflow"}
+    assert set(sizes) == {"full", "lora16"} and all(r["fits"] and r["real_tokens_per_s"] > 0 for r in sizes.values())
+    assert {r["training"]: r["fits"] for r in parts["sizes"] if r.get("summary") == "longest pair"} == {
+        "full": 256, "lora16": 512}
+    (trl_size,) = [r for r in parts["trl_sizes"] if r.get("trainer") == "TRL RewardTrainer"]
+    assert trl_size["fits"] and trl_size["gradient_checkpointing"] and trl_size["real_tokens_per_s"] > 0
+    (ratio,) = [r for r in parts["trl_sizes"] if r.get("summary") == "rmflow / TRL"]
+    assert ratio["training"] == "lora16" and ratio["tokens_per_s"] > 0
     # trl: both trainers measured, the ratios computed
     trainers = [r for r in parts["trl"] if "trainer" in r]
     assert {r["trainer"] for r in trainers} == {"TRL RewardTrainer", "rmflow"}
@@ -235,3 +253,55 @@ def test_inputs_without_rmflows_wheel_are_refused_before_anything_runs(tmp_path)
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "has no rmflow wheel" in proc.stderr and "gpu.py prepare" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _device_script():
+    spec = importlib.util.spec_from_file_location("gpu_device", REPO / "benchmarks" / "device.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_synthetic_pairs_attended_count_is_the_masks_and_kernels_are_told_apart():
+    """The sizes part counts a long row's attention in closed form (no T x T mask on the device):
+    it must equal the mask's count; the profile's categories read kernel names ("convert" is no
+    convolution, a Pallas kernel is attention); busy time counts overlapping kernels once."""
+    device = _device_script()
+    from rmflow.trainer.data import PackCollate
+
+    for tokens, pairs in ((256, 3), (100, 2), (516, 1)):
+        batch = PackCollate(pairs, tokens, 0)(device.synthetic_pairs(tokens, pairs, 1000))
+        assert device.synthetic_attended(tokens)(batch) == device.attended_pairs(batch)
+    assert device.kernel_category("loop_dynamic-update-slice_convert_fusion") == "copies"
+    assert device.kernel_category("nvjet_sm90_tst_192x192_64x3 command_buffer_1") == "matrix products"
+    assert device.kernel_category("_dkdv_kernel command_buffer_1") == "attention (Pallas)"
+    assert device.kernel_category("loop_multiply_fusion_45") == "elementwise and other fusions"
+    kernels = [("a", "", 0.0, 10.0), ("b", "", 5.0, 10.0), ("c", "", 30.0, 5.0)]
+    assert device.busy_ns(kernels) == 20.0
+    rows = device.profile_table(kernels, steps=1, step_s=50e-9, top=2)  # ns: 50 a step
+    assert rows[0]["busy_ms"] == pytest.approx(20e-6) and rows[0]["idle_ms"] == pytest.approx(30e-6)
+    assert [r["kernel"] for r in rows if "kernel" in r] == ["a", "b"]
+
+
+def test_size_summaries_and_ratios_pair_each_size_with_its_match():
+    """The longest pair that fitted per model and training (rmflow's runs only), and rmflow over
+    TRL at each size both ran; where one side did not fit, which."""
+    gpu = _gpu_script()
+
+    def row(trainer, model, training, tokens, fits, tps=None, peak=None):
+        return {"trainer": trainer, "model": model, "training": training, "pair_tokens": tokens, "fits": fits,
+                **({"real_tokens_per_s": tps, "peak_device_gib": peak} if fits else {})}
+
+    ours = [row("rmflow", "M", "full", 2048, True, 300.0, 40.0), row("rmflow", "M", "full", 8192, False),
+            row("rmflow", "M", "lora16", 16384, True, 50.0, 30.0), {"model": "M", "skipped": "out of time"}]
+    theirs = [row("TRL RewardTrainer", "M", "full", 2048, True, 100.0, 50.0),
+              row("TRL RewardTrainer", "M", "lora16", 16384, False),
+              row("TRL RewardTrainer", "N", "full", 2048, True, 1.0, 1.0)]
+    assert gpu.size_summaries(ours + theirs) == [
+        {"summary": "longest pair", "model": "M", "training": "full", "fits": 2048, "does_not_fit": 8192},
+        {"summary": "longest pair", "model": "M", "training": "lora16", "fits": 16384, "does_not_fit": None}]
+    assert gpu.size_ratios(ours, theirs) == [
+        {"summary": "rmflow / TRL", "model": "M", "training": "full", "pair_tokens": 2048, "tokens_per_s": 3.0,
+         "peak_memory": 0.8},
+        {"summary": "rmflow / TRL", "model": "M", "training": "lora16", "pair_tokens": 16384,
+         "fits": {"rmflow": True, "TRL": False}}]
