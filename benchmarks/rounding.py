@@ -27,9 +27,10 @@ sys.path.insert(0, str(REPO))
 
 
 def shapes_by_rounding(shards: str, batch_size: int) -> dict:
-    from rmflow.trainer.data import lengths_per_doubling, make_loader
+    from rmflow.trainer.data import LoaderSpec, lengths_per_doubling, make_loader
     from rmflow.trainer.data.collate import FINEST
     from rmflow.trainer.model_setup import read_manifest, shard_paths
+    from rmflow.trainer.objective import objective_for
 
     manifest = read_manifest(shards)
     paths = shard_paths(shards, manifest, "train")
@@ -38,9 +39,10 @@ def shapes_by_rounding(shards: str, batch_size: int) -> dict:
            "accelerator picks": lengths_per_doubling(steps, "gpu")}
     g = 1
     while g <= FINEST:
-        loader = make_loader(paths, batch_size=batch_size, max_length=manifest.max_length, seed=0, num_epochs=1,
-                             pad_id=manifest.tokenizer.pad_token_id or 0, packing="pack", kind=manifest.kind,
-                             per_doubling=g)
+        loader = make_loader(paths, LoaderSpec(batch_size=batch_size, max_length=manifest.max_length, seed=0,
+                                               num_epochs=1, pad_id=manifest.tokenizer.pad_token_id or 0,
+                                               packing="pack", objective=objective_for(manifest.kind),
+                                               per_doubling=g))
         lengths, computed = [], 0
         for batch in loader:
             lengths.append(batch["input_ids"].shape[1])
@@ -54,18 +56,20 @@ def compile_and_step(shards: str, preset: str, batch_size: int, steps: int) -> d
     import jax
     from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer.batching import stack_micro_batches
-    from rmflow.trainer.data import make_loader
+    from rmflow.trainer.data import LoaderSpec, make_loader
     from rmflow.trainer.model_setup import build_model, read_manifest, shard_paths
+    from rmflow.trainer.objective import for_config
     from rmflow.trainer.step import make_trainer
 
     manifest = read_manifest(shards)
     cfg = TrainConfig(data={"train": shards, "packing": "pack"}, model=preset, output="unwritten",
                       batch_size=batch_size, max_steps=steps + 1,
                       optimizer={"warmup_steps": 0})  # the trainer's settings only: nothing is written
-    trainer = make_trainer(cfg, build_model(cfg, manifest, "pack", 1), steps + 1)
-    loader = make_loader(shard_paths(shards, manifest, "train"), batch_size=batch_size,
-                         max_length=manifest.max_length, seed=0, num_epochs=1, packing="pack", kind=manifest.kind,
-                         pad_id=manifest.tokenizer.pad_token_id or 0, per_doubling=1)
+    objective = for_config(cfg, manifest)
+    trainer = make_trainer(cfg, build_model(cfg, manifest, objective, "pack", 1), steps + 1, objective)
+    loader = make_loader(shard_paths(shards, manifest, "train"), LoaderSpec(
+        batch_size=batch_size, max_length=manifest.max_length, seed=0, num_epochs=1, packing="pack",
+        objective=objective, pad_id=manifest.tokenizer.pad_token_id or 0, per_doubling=1))
     first = next(iter(loader))  # one shape, compiled once, then timed
     batch = {k: jax.numpy.asarray(v) for k, v in stack_micro_batches([first], trainer.objective).items()}
     state = trainer.init_state

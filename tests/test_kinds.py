@@ -4,6 +4,7 @@ comparing names or head widths itself. Likewise the model presets (schemas/prese
 compares ``--model`` with a preset's name."""
 
 import ast
+import dataclasses
 import pathlib
 
 import numpy as np
@@ -235,3 +236,30 @@ def test_every_head_is_complete_and_its_model_kind_known():
         assert head.hf_head and head.peft_task and head.api
     assert head_of({"num_labels": 1}).name == "reward" and head_of({"num_labels": 2}).name == "step-classes"
     assert head_of({"num_labels": 3, "attributes": ("a", "b", "c")}).name == "attributes"
+
+
+def _objective_lookups(path: pathlib.Path) -> list[int]:
+    """Lines that resolve an objective from a name (``objective_for``, ``OBJECTIVES[...]``)."""
+    tree = ast.parse(path.read_text())
+    calls = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", getattr(n.func, "attr", "")) == "objective_for"]
+    return calls + [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Subscript)
+                    and getattr(n.value, "id", "") == "OBJECTIVES"]
+
+
+def test_a_run_s_objective_is_built_once_and_passed_as_an_object():
+    """The objective is resolved from the config in one place (``trainer.objective.for_config``);
+    the model builder, the loader and the step take the object, never a name to look up again."""
+    home = ROOT / "trainer" / "objective.py"
+    found = [f"{p.relative_to(ROOT)}:{line}" for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+             if p != home for line in _objective_lookups(p)]
+    assert not found, "resolves an objective by name again; take the run's Objective instead:\n" + "\n".join(found)
+    assert _objective_lookups(home)  # the scan sees the one place that does it
+    import inspect
+
+    from rmflow.trainer.data.loader import LoaderSpec
+    from rmflow.trainer.model_setup import build_model
+    from rmflow.trainer.step import StepProgram
+
+    assert "objective" in inspect.signature(build_model).parameters
+    assert {"objective"} <= {f.name for f in dataclasses.fields(LoaderSpec)} & {f.name for f in dataclasses.fields(StepProgram)}

@@ -43,6 +43,7 @@ REFERENCE = textwrap.dedent('''
     from rmflow.trainer.batching import stack_micro_batches
     from rmflow.trainer.batching import widen as _widen
     from rmflow.trainer.model_setup import build_model, read_manifest, shard_paths
+    from rmflow.trainer.objective import for_config
     from rmflow.trainer.step import make_trainer
     from rmflow.trainer.checkpoints import load_trained_model
     data, run_dir = sys.argv[1], sys.argv[2]
@@ -50,7 +51,7 @@ REFERENCE = textwrap.dedent('''
                       batch_size=8, checkpoint={"save_steps": 2}, logging={"steps": 1},
                       optimizer={"learning_rate": 1e-3, "adam_eps": 1e-6})
     manifest = read_manifest(data)
-    trainer = make_trainer(cfg, build_model(cfg, manifest), STEPS)
+    trainer = make_trainer(cfg, build_model(cfg, manifest, for_config(cfg, manifest)), STEPS)
     paths = shard_paths(data, manifest, "train")
     # What process i of 2 reads: half the pairs of each global batch, packed into its 2 rows.
     its = [iter(make_loader(paths, LoaderSpec(batch_size=4, max_length=manifest.max_length, seed=cfg.seed, num_epochs=None,

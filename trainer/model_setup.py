@@ -27,7 +27,7 @@ from rmflow.trainer.modeling.attention import resolve_attention
 from rmflow.trainer.modeling.config import ModelConfig, ScoreHead
 from rmflow.trainer.modeling.convert import load_reward_model, read_config, resolve
 from rmflow.trainer.modeling.decoder import RewardTransformer
-from rmflow.trainer.objective import objective_for
+from rmflow.trainer.objective import Objective
 from rmflow.trainer.rundir import EVAL_DATA, RUN_DIRECTORY, tokenizer_fingerprint
 
 
@@ -76,13 +76,14 @@ def check_same_preprocessing(sources, manifests: list[Manifest], subject: str = 
         raise TrainError(f"{subject} not preprocessed alike: " + "; ".join(problems))
 
 
-def build_model(cfg: TrainConfig, manifest: Manifest, packing: str | None = None, devices: int = 1,
-                shards: str | None = None) -> RewardTransformer:
+def build_model(cfg: TrainConfig, manifest: Manifest, objective: Objective, packing: str | None = None,
+                devices: int = 1, shards: str | None = None) -> RewardTransformer:
     """The model, checked against the shards (``manifest``, of the folder ``shards``): token ids
-    must fit and the tokenizer must match; with LoRA adapters added when the config asks; its
+    must fit and the tokenizer must match; its score head the one ``objective`` trains
+    (``trainer.objective.for_config``); with LoRA adapters added when the config asks; its
     attention the one for the rows of ``packing`` (resolved) over ``devices``."""
     vocab = manifest.tokenizer.vocab_size
-    head = objective_for(manifest.kind, cfg.objective).head(manifest, cfg.attribute_weights)
+    head = objective.model_head
     preset = ModelConfig.preset(cfg.model.path, vocab_size=vocab, **dataclasses.asdict(head)) \
         if is_preset(cfg.model.path) else None
     if preset is None:

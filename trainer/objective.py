@@ -29,7 +29,7 @@ from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.manifest import Manifest
 from rmflow.schemas.options import ConfigError
 from rmflow.schemas.train_config import OBJECTIVES as CONFIG_OBJECTIVES
-from rmflow.schemas.train_config import fits_ratings, ranking_loss
+from rmflow.schemas.train_config import TrainConfig, fits_ratings, ranking_loss
 from rmflow.trainer.data.collate import Collate
 from rmflow.trainer.data.packing import PackCollate
 from rmflow.trainer.data.response_units import ResponsesCollate, ResponsesPackCollate
@@ -113,7 +113,8 @@ class Objective:
     padded: type  # the collation of one record a padded row (trainer.data: none and bucket modes)
     packed: type  # the collation of records packed into long rows (pack mode)
     ranking: str = ""  # the config's ``objective``, for a kind that has a choice (``CONFIG_OBJECTIVES``)
-    attributes: tuple[str, ...] = ()  # a regression objective's attributes, for its metrics (``for_data``)
+    attributes: tuple[str, ...] = ()  # a regression objective's attributes, for its metrics (``for_config``)
+    model_head: ScoreHead = ScoreHead()  # the score head it trains on the run's data (``for_config``)
 
     @property
     def name(self) -> str:
@@ -150,9 +151,11 @@ class Objective:
         what = "attribute_weights" if given else "the shards' scores (preprocess's attribute_weights)"
         return ScoreHead(len(names), names, weights_over(names, weights, what))
 
-    def for_data(self, head: ScoreHead) -> Objective:
-        """This objective with the attribute names of ``head`` (its metrics name each one)."""
-        return dataclasses.replace(self, attributes=head.attributes) if self.regression else self
+    def for_data(self, manifest: Manifest, attribute_weights: str = "") -> Objective:
+        """This objective on ``manifest``'s shards: with the score head it trains there (``head``)
+        and, for a regression, the attribute names its metrics name."""
+        head = self.head(manifest, attribute_weights)
+        return dataclasses.replace(self, model_head=head, attributes=head.attributes if self.regression else ())
 
     def fits(self, head: ScoreHead) -> bool:
         """``head`` is one this objective trains."""
@@ -221,3 +224,10 @@ def objective_for(kind: str, ranking: str = RANKING_LOSSES[0]) -> Objective:
         raise ValueError(f"objective {ranking} applies to K responses per prompt; shards of kind {kind} train "
                          f"with {RANKING_LOSSES[0]}")
     return OBJECTIVES[name]
+
+
+def for_config(cfg: TrainConfig, manifest: Manifest) -> Objective:
+    """A run's objective, built once from its config and its shards (data kind x head x loss):
+    the kind's objective with the config's ranking loss, its score head over the data; the model
+    builder, the loader and the step all take this object."""
+    return objective_for(manifest.kind, cfg.objective).for_data(manifest, cfg.attribute_weights)

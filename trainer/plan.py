@@ -30,7 +30,7 @@ from rmflow.trainer.model_setup import (
     read_manifest,
     shard_paths,
 )
-from rmflow.trainer.objective import Objective, objective_for
+from rmflow.trainer.objective import Objective, for_config
 from rmflow.trainer.parallel.mesh import batch_shards
 
 SMALL_EVAL = 20  # an eval split below this many records gets a warning: its accuracy says little
@@ -98,8 +98,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
         except ManifestError as e:
             raise TrainError(f"{source.path}: {e}" if mixture else str(e)) from e
     try:
-        objective = objective_for(manifest.kind, cfg.objective)
-        objective = objective.for_data(objective.head(manifest, cfg.attribute_weights))
+        objective = for_config(cfg, manifest)
     except ValueError as e:
         raise TrainError(f"{primary}: {e}") from None
     check_labels(cfg, sources, manifests, objective)

@@ -27,7 +27,7 @@ from rmflow.schemas.heads import head_of
 from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.decoder import RewardTransformer, router_loss
-from rmflow.trainer.objective import OUTCOME, ROUTER_SUM, Objective, objective_for
+from rmflow.trainer.objective import OUTCOME, ROUTER_SUM, Objective
 from rmflow.trainer.optimizer import (
     clip_scale,
     hyperparameters,
@@ -55,17 +55,13 @@ class StepProgram:
     numbers are the step's ``hyper`` argument (``hyperparameters``)."""
 
     graphdef: Any
-    kind: str  # the objective's (``trainer.objective.OBJECTIVES``)
+    objective: Objective  # what the step trains (``trainer.objective``); hashable, built once a run
     lr_schedule: str
     adam_b1: float
     adam_b2: float
     decays: bool
     clips: bool
     experts: int = 0  # a mixture of experts' count: its router's load-balancing loss is added (``_loss``)
-
-    @property
-    def objective(self) -> Objective:
-        return objective_for(self.kind)
 
     @property
     def sum_keys(self) -> tuple[str, ...]:
@@ -210,7 +206,7 @@ class Trainer:
         self.objective = objective
         self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)
         experts = model.config.num_experts if model.config.sparse_layers else 0
-        self.program = StepProgram(self.graphdef, objective.name, optim.schedule, optim.adam_b1,
+        self.program = StepProgram(self.graphdef, objective, optim.schedule, optim.adam_b1,
                                    optim.adam_b2, bool(optim.weight_decay), bool(optim.max_grad_norm), experts)
         self.objective = objective.with_router() if experts else objective
         hyper = hyperparameters(optim, total_steps)

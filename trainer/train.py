@@ -86,7 +86,7 @@ class Run:
         self.mesh = make_mesh(cfg.mesh.shape)
         self.plan = plan = plan_run(cfg, mesh_shape=dict(self.mesh.shape), processes=jax.process_count(),
                                     backend=jax.default_backend())
-        model = build_model(cfg, plan.manifest, plan.packing, self.mesh.size, plan.primary)
+        model = build_model(cfg, plan.manifest, plan.objective, plan.packing, self.mesh.size, plan.primary)
         self.trainer = make_trainer(cfg, model, plan.total_steps, plan.objective)
         self.objective = self.trainer.objective  # with the router's loss for a mixture of experts
         # The read-ahead window's groups compile_ahead has looked at, by their batches' ids.
@@ -108,7 +108,7 @@ class Run:
         return make_loader(paths, LoaderSpec(batch_size=plan.local_batch, max_length=plan.max_length, seed=self.cfg.seed,
                            num_epochs=None if train else 1, shuffle=train,
                            worker_count=self.cfg.data.workers if workers is None else workers,
-                           pad_id=plan.pad_id, packing=plan.packing, rows=plan.rows, kind=self.objective.name,
+                           pad_id=plan.pad_id, packing=plan.packing, rows=plan.rows, objective=self.objective,
                            weights=weights, per_doubling=per_doubling))
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:

@@ -25,15 +25,18 @@ sizes and weights and the position, so no sampler's state or repr is checked on 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Sequence
 
 import grain
-from rmflow.schemas.kinds import OUTCOME
 from rmflow.schemas.record import PairRecord, StepRecord, decode
 from rmflow.schemas.train_config import PACKING
 from rmflow.trainer.data.bucketing import LengthBuckets
 from rmflow.trainer.data.collate import FINEST
 from rmflow.trainer.data.mixture import LabelledBatch
+
+if typing.TYPE_CHECKING:
+    from rmflow.trainer.objective import Objective
 
 BUCKET_WINDOW = 32  # micro-batches whose pairs are sorted by length together in bucket mode
 # Record reads per process: Grain's default (16 threads, 500 records ahead) holds memory in 16
@@ -75,14 +78,15 @@ def resolve_packing(packing: str, backend: str, devices: int = 1) -> str:
     return "pack" if backend == "cpu" or (backend == "gpu" and devices == 1) else "bucket"
 
 
-def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int, kind: str = OUTCOME.name,
-               per_doubling: int = FINEST):
-    """The collation of a packing mode for the records of a reward model kind or objective (its objective's,
-    ``trainer.objective``); ``per_doubling``: how finely ``pack`` and ``bucket`` round row
-    lengths (``fine_length``)."""
-    from rmflow.trainer.objective import objective_for  # not in Grain's workers: they get the collation
+def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int,
+               objective: Objective | None = None, per_doubling: int = FINEST):
+    """The collation of a packing mode for the records ``objective`` trains on (its own
+    collations, ``trainer.objective``; None: preference pairs'); ``per_doubling``: how finely
+    ``pack`` and ``bucket`` round row lengths (``fine_length``)."""
+    if objective is None:  # imported here: Grain's workers get the collation, not the objective's jax
+        from rmflow.trainer.objective import OUTCOME
 
-    objective = objective_for(kind)
+        objective = OUTCOME
     padded, packed = objective.padded, objective.packed
     if packing == "pack":
         return packed(batch_size, max_length, pad_id, rows, per_doubling=per_doubling)
@@ -157,7 +161,7 @@ class LoaderSpec:
     packing: str = "none"
     rows: int = 1
     shard: tuple[int, int] | None = None
-    kind: str = OUTCOME.name
+    objective: Objective | None = None  # what the records train (``trainer.objective``); None: pairs
     weights: Sequence[float] | None = None
     per_doubling: int = FINEST
 
@@ -171,7 +175,7 @@ def make_loader(shard_paths: Sequence[str], spec: LoaderSpec) -> grain.IterDatas
     from the sets mixed by those weights (``grain.MapDataset.mix``), endlessly, each set in
     its own shuffled passes; each batch then counts its records per set in ``source_counts``."""
     collate = collate_fn(spec.packing, batch_size=spec.batch_size, max_length=spec.max_length, pad_id=spec.pad_id,
-                         rows=spec.rows, kind=spec.kind, per_doubling=spec.per_doubling)
+                         rows=spec.rows, objective=spec.objective, per_doubling=spec.per_doubling)
     where = _shard(spec.shard, spec.shard_by_process)
     if spec.weights is None:
         ds = _stream(grain.sources.ArrayRecordDataSource(list(shard_paths)), shard=where, shuffle=spec.shuffle,
