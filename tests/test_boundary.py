@@ -239,3 +239,37 @@ def test_importing_any_module_changes_nothing_in_the_process():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env)
     assert r.returncode == 0, f"importing rmflow's modules changes the environment: {r.stdout.strip()} " \
                               f"{r.stderr[-2000:]}"
+
+
+# What scores a model outside rmflow.scoring and the inference package itself: it goes through the
+# one front door (rmflow.scoring.RewardModel), never the inference cores' free functions.
+SCORING_FREE_FUNCTIONS = {"score_pairs", "score_steps", "score_sequences", "score_responses",
+                          "score_responses_outputs", "score_groups", "RECORD_SCORING", "SCORING_CORES"}
+FRONT_DOOR_USERS = ("rmflow/eval", "rmflow/server", "rmflow/workflow.py", "rmflow/cli.py", "rmflow/scoring/grpo.py",
+                    "rmflow/scoring/batch.py", "rmflow/scoring/scorers.py")
+
+
+def _free_scoring_imports(path: pathlib.Path, root: pathlib.Path = REPO) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rmflow.trainer.inference"):
+            found += [f"{path.relative_to(root)}:{node.lineno} {a.name}" for a in node.names
+                      if a.name in SCORING_FREE_FUNCTIONS]
+    return found
+
+
+def test_every_consumer_scores_through_the_front_door():
+    """Eval, the server, batch scoring and GRPO's reward function score through
+    ``rmflow.scoring.RewardModel`` (``score_records``, ``score_ids``, the scorers), so their
+    scores are one path's."""
+    files = [p for user in FRONT_DOOR_USERS for p in ((REPO / user).rglob("*.py") if (REPO / user).is_dir()
+                                                       else [REPO / user]) if p.is_file()]
+    found = [hit for p in files for hit in _free_scoring_imports(p)]
+    assert len(files) > 10 and not found, "score through rmflow.scoring.RewardModel instead:\n" + "\n".join(found)
+
+
+def test_the_front_door_scan_finds_what_it_forbids(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from rmflow.trainer.inference import score_pairs, load_model\n"
+                     "from rmflow.trainer.inference.units import score_groups\n")
+    assert [h.split()[-1] for h in _free_scoring_imports(probe, tmp_path)] == ["score_pairs", "score_groups"]

@@ -27,13 +27,13 @@ PACKAGES = ("schemas", "rendering", "pipelines", "trainer", "rmflow")
 
 
 def _per_kind_tables():
-    from rmflow.trainer.inference import SCORING_CORES
+    from rmflow.trainer.inference import RECORD_SCORING, SCORING_CORES
     from rmflow.trainer.objective import OBJECTIVES
 
     from rmflow.handlers import HANDLERS
 
     return {"trainer.objective.OBJECTIVES": OBJECTIVES, "rmflow.handlers.HANDLERS": HANDLERS,
-            "trainer.inference.SCORING_CORES": SCORING_CORES}
+            "trainer.inference.SCORING_CORES": SCORING_CORES, "trainer.inference.RECORD_SCORING": RECORD_SCORING}
 
 
 def test_every_per_kind_table_covers_exactly_the_kinds():

@@ -38,9 +38,6 @@ from rmflow.trainer.inference import (
     LoadedModel,
     load_model,
     require_tokenizer,
-    score_pairs,
-    score_sequences,
-    score_steps,
     write_normalization,
 )
 from rmflow.trainer.model_setup import check_model_fits, check_tokenizer, read_manifest
@@ -228,13 +225,21 @@ def _subsets(records) -> list[str] | None:
     return subsets
 
 
+def front_door(loaded: LoadedModel):
+    """The loaded model as every consumer scores it (``rmflow.scoring.RewardModel``): eval's
+    scores are the API's, the server's and ``rmflow score``'s. Shards need no tokenizer."""
+    from rmflow.scoring.api import RewardModel
+
+    return RewardModel(loaded, tokenizer=None, normalization=loaded.normalization)
+
+
 def eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Writer]:
     if cfg.mode == "rewardbench-v1":
         unlabeled = sum(r.subset is None for r in records)
         if unlabeled:
             raise EvalError(f"rewardbench-v1 needs a 'subset' on every pair; {unlabeled:,} of {len(records):,} pairs "
                              "have none (RewardBench rows carry it: keep the column when converting)")
-    rc, rr = score_pairs(loaded.model, records, batch_size=cfg.batch_size, pad_id=loaded.pad_id)
+    rc, rr = front_door(loaded).score_records(records, batch_size=cfg.batch_size)
     metrics = pair_metrics(
         rc, rr, margin=np.array([r.margin or 0.0 for r in records]),
         len_chosen=np.array([len(r.chosen_ids) - r.prompt_len for r in records]),
@@ -255,7 +260,7 @@ def eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str,
 
 
 def eval_process(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str, Any], Writer]:
-    p_correct = score_steps(loaded.model, records, batch_size=cfg.batch_size, pad_id=loaded.pad_id)
+    p_correct = front_door(loaded).score_records(records, batch_size=cfg.batch_size)
     labels = [r.step_labels for r in records]
     metrics = process_metrics(p_correct, labels, subsets=_subsets(records))
     config = {"model": cfg.model, "model_description": loaded.description, "data": list(cfg.data),
@@ -282,8 +287,7 @@ def run_rewardbench_v2(cfg: EvalConfig, loaded: LoadedModel) -> tuple[dict[str, 
     if not seqs:
         raise EvalError(f"rewardbench-v2: no record of {', '.join(data)} can be scored ({skipped['count']} skipped; "
                         f"the first, {skipped['first']})")
-    model, batch_size, pad_id = loaded.model, cfg.batch_size, loaded.pad_id
-    scores = np.asarray(score_sequences(model, seqs, batch_size=batch_size, pad_id=pad_id))
+    scores = np.asarray(front_door(loaded).score_ids(seqs, batch_size=cfg.batch_size))
     k = max((n for _, n, _ in examples), default=0)
     if any(n != k for _, n, _ in examples):
         raise EvalError("rewardbench-v2: every example outside the Ties subset needs the same number of completions")

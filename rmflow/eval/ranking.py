@@ -25,9 +25,9 @@ def eval_records(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[st
     """The multi-response kind's evaluator: shards of ``ResponsesRecord`` (or raw files read into
     them), each response's reward that of its own conversation with its prompt (the prompt
     computed once, ``score_responses``), ranked against their labels."""
-    from rmflow.trainer.inference import score_responses_outputs
+    from rmflow.eval.evaluation import front_door
 
-    rewards, outputs = score_responses_outputs(loaded.model, records, pad_id=loaded.pad_id)  # each prompt once
+    rewards, outputs = front_door(loaded).score_records(records)  # each prompt once
     rewards = np.concatenate(rewards)
     lengths = [r.lasts[i] + 1 for r in records for i in range(r.k)]
     spans = np.cumsum([0] + [r.k for r in records])

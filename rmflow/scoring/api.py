@@ -305,6 +305,20 @@ class RewardModel:
 
         return score_groups(self._loaded.model, groups, pad_id=self._loaded.pad_id)
 
+    def score_records(self, records: Sequence[Any], *, batch_size: int = SCORING_BATCH_SIZE):
+        """Scores of tokenized records of one data kind (shards', or raw files read by
+        ``rendering.prepare``), each packed as training packs it, the prompt once
+        (``trainer.inference.RECORD_SCORING``): for pairs (chosen, rejected) rewards; for
+        solutions P(correct) of each step, an array a record; for K responses (rewards, the
+        head's outputs), an array each a record. Equal to scoring each conversation alone."""
+        from rmflow.schemas.kinds import kind_of_record
+        from rmflow.trainer.inference import RECORD_SCORING
+
+        if not len(records):
+            raise ValueError("no records to score")
+        return RECORD_SCORING[kind_of_record(records[0]).name](self._loaded.model, list(records),
+                                                               batch_size=batch_size, pad_id=self.pad_id)
+
     def score_attributes(self, conversations: Sequence[Conversation], *, batch_size: int = SCORING_BATCH_SIZE
                          ) -> list[dict[str, float]]:
         """An attribute head's outputs for each conversation, by name (``attributes``), in input

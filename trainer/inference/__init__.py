@@ -5,9 +5,10 @@ server and batch scoring).
 
 ``load_model`` reads a run directory (its newest or a given checkpoint) or an exported
 checkpoint folder, local or remote, with its tokenizer folder, pad id, step separator and kind
-(``schemas.kinds``). ``score_sequences`` / ``score_pairs`` / ``score_steps`` run it: pairs and
-solutions packed as in training and scored by the training code's own forward. Nothing here
-imports the training loop.
+(``schemas.kinds``). ``score_sequences`` / ``score_pairs`` / ``score_steps`` /
+``score_responses`` run it: pairs, solutions and K responses packed as in training and scored by
+the training code's own forward (``RECORD_SCORING``: each data kind's). Consumers reach these
+through the one front door, ``rmflow.scoring.RewardModel``; nothing here imports the training loop.
 """
 
 from rmflow.trainer.inference.cores import (  # noqa: F401
@@ -36,6 +37,7 @@ from rmflow.trainer.inference.programs import (  # noqa: F401
 )
 from rmflow.trainer.inference.shapes import BATCH_OVERHEAD_TOKENS, ScoringShapes  # noqa: F401
 from rmflow.trainer.inference.units import (  # noqa: F401
+    RECORD_SCORING,
     UNIT_RESPONSES,
     response_units,
     score_groups,

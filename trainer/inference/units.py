@@ -117,3 +117,25 @@ def response_units(seqs: Sequence[np.ndarray], max_length: int) -> list[np.ndarr
         cuts[-1].append(i)
         size += own
     return [seqs[c[0]] if len(c) == 1 else _as_unit([seqs[i] for i in c], shared) for c in cuts]
+
+
+def _pair_records(model: RewardTransformer, records, *, batch_size: int, pad_id: int):
+    from rmflow.trainer.inference.cores import score_pairs
+
+    return score_pairs(model, records, batch_size=batch_size, pad_id=pad_id)
+
+
+def _step_records(model: RewardTransformer, records, *, batch_size: int, pad_id: int):
+    from rmflow.trainer.inference.cores import score_steps
+
+    return score_steps(model, records, batch_size=batch_size, pad_id=pad_id)
+
+
+def _response_records(model: RewardTransformer, records, *, batch_size: int, pad_id: int):
+    return score_responses_outputs(model, records, pad_id=pad_id)
+
+
+# Each data kind's (schemas.kinds) tokenized records scored as training packs them (a pair's or K
+# responses' prompt once): pairs -> (chosen, rejected) rewards; solutions -> P(correct) of each
+# step, one array a record; K responses -> (rewards, head outputs), one array each a record.
+RECORD_SCORING = {"outcome": _pair_records, "process": _step_records, "multi-response": _response_records}
