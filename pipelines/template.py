@@ -116,12 +116,12 @@ def _text(value: Any) -> str:
 def _parse(f: dataclasses.Field, text: str) -> Any:
     if _is_list(f):
         return tuple(p for p in text.split(",") if p)
-    kind = str(f.type)
-    if kind == "bool":
+    type_text = str(f.type)
+    if type_text == "bool":
         return text.strip().lower() in ("true", "1", "yes")
-    if kind == "int":
+    if type_text == "int":
         return int(text)
-    if kind == "float":
+    if type_text == "float":
         return float(text)
     return text
 

@@ -458,13 +458,13 @@ class CountWithExample(beam.CombineFn):
         return acc
 
 
-def _counts_by_reason(letters, label: str, kind: str, key: tuple[str, str] = ("category", "code")):
-    """(kind, ((a, b), count)) for each value of the ``key`` fields among dead-letter-shaped entries."""
+def _counts_by_reason(letters, label: str, item: str, key: tuple[str, str] = ("category", "code")):
+    """(item, ((a, b), count)) for each value of the ``key`` fields among dead-letter-shaped entries."""
     return (
         letters
         | f"{label}Key" >> beam.Map(lambda d: ((d[key[0]], d[key[1]]), d.get("count", 1)))
         | f"Count{label}" >> beam.CombinePerKey(sum)
-        | f"{label}Items" >> beam.Map(lambda kv, kind=kind: (kind, kv))
+        | f"{label}Items" >> beam.Map(lambda kv, item=item: (item, kv))
     )
 
 

@@ -72,24 +72,24 @@ NOTED_COUNTS = (
 def gather(items: list) -> dict[str, Any]:
     """The exact per-file, per-reason and per-shard counts gathered in the pipeline."""
     summary: dict[str, Any] = {"files": {}, "layouts": {}, "dead": [], "shards": [], "marked": [], "dead_by_file": []}
-    for kind, value in items:
-        if kind == "file":
+    for item, value in items:
+        if item == "file":
             summary["files"][value[0]] = value[1]
             summary["layouts"][value[0]] = value[2]
-        elif kind == "dead":
+        elif item == "dead":
             (category, code), (n, (source, line, reason)) = value
-            summary[kind].append({"category": category, "code": code, "count": n,
+            summary[item].append({"category": category, "code": code, "count": n,
                                   "example": {"source": source, "line": line, "reason": reason}})
-        elif kind == "marked":
+        elif item == "marked":
             (category, code), n = value
-            summary[kind].append({"category": category, "code": code, "count": n})
-        elif kind in ("dead_by_file", "made_by_file"):
+            summary[item].append({"category": category, "code": code, "count": n})
+        elif item in ("dead_by_file", "made_by_file"):
             (source, category), n = value
-            summary.setdefault(kind, []).append({"source": source, "category": category, "count": n})
+            summary.setdefault(item, []).append({"source": source, "category": category, "count": n})
         else:
             summary["shards"].append(value)
-    for kind in ("dead", "marked"):
-        summary[kind].sort(key=lambda d: (d["category"], d["code"]))
+    for item in ("dead", "marked"):
+        summary[item].sort(key=lambda d: (d["category"], d["code"]))
     summary["dead_by_file"].sort(key=lambda d: (d["source"], d["category"]))
     summary["shards"].sort(key=lambda s: s["file"])
     return summary

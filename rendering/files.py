@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Protocol
 
 from rmflow.schemas import jsontext
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.outputs import output_kind
+from rmflow.schemas.outputs import output_type_of
 from rmflow.schemas.paths import is_url
 
 FileInfo = tuple[str, int, float]  # (path, size in bytes, modification time)
@@ -244,7 +244,7 @@ def list_inputs(patterns: tuple[str, ...], skipped: list[tuple[str, str]] | None
                         skipped.append((path, why))
                 elif is_supported(path):
                     files[path] = (size, mtime)
-        own = output_kind(fs.names_in(stripped) or set()) if is_dir else None
+        own = output_type_of(fs.names_in(stripped) or set()) if is_dir else None
         if not files and own:
             raise InputError(f"input {pattern!r} is an rmflow {own}, not raw data (its files are skipped as inputs)"
                              + ("; train and eval read shard folders as they are" if own == "shard folder" else
@@ -276,7 +276,7 @@ def _excluded(root: str, paths: list[str]) -> dict[str, str]:
     for path in paths:
         folder, _, name = path.rpartition("/")
         names_in.setdefault(folder, set()).add(name)
-    kinds = {folder: kind for folder, names in names_in.items() if (kind := output_kind(names))}
+    found = {folder: found_type for folder, names in names_in.items() if (found_type := output_type_of(names))}
     out = {}
     for folder, names in names_in.items():  # a datasets.save_to_disk folder's metadata is not data
         if DATASETS_METADATA & names and any(n.endswith(ARROW_SUFFIXES) for n in names) \
@@ -293,8 +293,8 @@ def _excluded(root: str, paths: list[str]) -> dict[str, str]:
             continue
         folder = path.rpartition("/")[0]
         while len(folder) >= len(root) and folder:
-            if folder in kinds:
-                out[path] = f"inside an rmflow {kinds[folder]} ({folder})"
+            if folder in found:
+                out[path] = f"inside an rmflow {found[folder]} ({folder})"
                 break
             folder = folder.rpartition("/")[0]
     return out

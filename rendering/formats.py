@@ -273,8 +273,8 @@ def _text(value: Any, name: str) -> str:
     if isinstance(value, (list, tuple)):
         for i, p in enumerate(value):
             if not (isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                kind = p.get("type") if isinstance(p, Mapping) else type(p).__name__
-                raise BadRecord("bad_type", f"{name} content part {i} is {kind!r}: content is a string or a list of "
+                part_type = p.get("type") if isinstance(p, Mapping) else type(p).__name__
+                raise BadRecord("bad_type", f"{name} content part {i} is {part_type!r}: content is a string or a list of "
                                 "text parts ({'type': 'text', 'text': ...}); a reward model here reads text only")
         return _valid_text("".join(p["text"] for p in value), name)
     raise BadRecord("bad_type", f"{name} content must be a string or a list of text parts, got {type(value).__name__}")

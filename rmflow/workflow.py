@@ -53,10 +53,10 @@ EXPORT_KEYS = {f.name for f in dataclasses.fields(ExportConfig)} - {"run", "outp
 
 def _a(value: Any) -> str:
     """A YAML value's type, in words: 'a list [1, 2]'."""
-    kind = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+    words = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
         type(value), type(value).__name__)
     shown = repr(value)
-    return f"{kind} {shown if len(shown) <= 40 else shown[:37] + '...'}"
+    return f"{words} {shown if len(shown) <= 40 else shown[:37] + '...'}"
 
 
 @dataclasses.dataclass(frozen=True)

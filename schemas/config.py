@@ -75,7 +75,8 @@ class PreprocessConfig(Config):
                             required=True)
     chat_template: str | None = option(None, "Jinja chat template file that replaces the tokenizer's own.")
     format: str = option("auto", "Input layout: auto (detected per file) or one of " + ", ".join(FORMATS) + ".")
-    max_length: int = option(1024, "Longest allowed sequence (prompt + reply) in tokens, per side.")
+    max_length: int = option(1024, "Longest sequence (a prompt and one reply, in tokens) a record may hold; a longer "
+                                   "one follows --length-policy. Recorded in the manifest: training's default.")
     length_policy: str = option(
         "drop", "drop: drop pairs longer than max_length. truncate-prompt: cut the oldest prompt "
         "tokens (keeping the template's leading tokens and both replies whole); drop if the replies alone do not fit."
@@ -410,8 +411,9 @@ class ServeConfig(Config):
     port: int = option(8000, "Port to listen on (0: any free port; the chosen one is printed).")
     api_key: str = option("", f"Bearer token every request must carry (Authorization: Bearer ...); default: the "
                             f"{SERVE_API_KEY_ENV} environment variable; none: no authentication.")
-    max_length: int = option(0, "Longest sequence scored, in tokens; 0 = the model's positions (all it can "
-                              "score). What each endpoint does with a longer one: docs/scoring-serving.md.")
+    max_length: int = option(0, "Longest sequence (a prompt and one reply, in tokens) the server scores; 0 = the "
+                              "model's positions (all it can score). What each endpoint does with a longer one: "
+                              "docs/scoring-serving.md.")
     startup_length: int = option(0, "Batch shapes up to this many tokens compile at start-up, longer ones when a "
                                   "request first needs them; 0 = the length the model was trained at (its "
                                   "training data's max_length, recorded in the run and its export), else "

@@ -202,23 +202,23 @@ class Config:
             if sub is not None:
                 object.__setattr__(self, f.name, _section_value(sub, f, value))
                 continue
-            kind = str(f.type)
-            if (value is None and "None" in kind) or "|" in kind.replace(" | None", ""):
+            type_text = str(f.type)
+            if (value is None and "None" in type_text) or "|" in type_text.replace(" | None", ""):
                 continue  # a union of value types (data, step) is checked by its own parser
-            if kind.startswith("int"):
+            if type_text.startswith("int"):
                 if isinstance(value, float) and value.is_integer():
                     object.__setattr__(self, f.name, int(value))
                     continue
                 ok = isinstance(value, int) and not isinstance(value, bool)
-            elif kind.startswith("float"):
+            elif type_text.startswith("float"):
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                 if ok:
                     object.__setattr__(self, f.name, float(value))
-            elif kind.startswith("bool"):
+            elif type_text.startswith("bool"):
                 ok = isinstance(value, bool)
-            elif kind.startswith("str"):
+            elif type_text.startswith("str"):
                 ok = isinstance(value, str)
-            elif kind.startswith("tuple[str"):
+            elif type_text.startswith("tuple[str"):
                 if isinstance(value, str):
                     value = (value,)
                 ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
@@ -227,10 +227,10 @@ class Config:
             else:
                 continue
             if not ok:
-                hint = " (unquoted true or false)" if kind.startswith("bool") else ""
-                if kind.startswith(("float", "int")) and isinstance(value, str) and _number_text(value):
+                hint = " (unquoted true or false)" if type_text.startswith("bool") else ""
+                if type_text.startswith(("float", "int")) and isinstance(value, str) and _number_text(value):
                     hint = " (unquoted; YAML reads 1e-4 as text: write 1.0e-4)"
-                raise ConfigError(f"{f.name} {value!r}: must be {_TYPE_WORDS.get(kind.split(' ')[0], kind)}{hint}")
+                raise ConfigError(f"{f.name} {value!r}: must be {_TYPE_WORDS.get(type_text.split(' ')[0], type_text)}{hint}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]):

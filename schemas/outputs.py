@@ -7,10 +7,10 @@ holder (host, process id, command, start time). The lock is ``flock`` on a file 
 next command then takes it over and says so. Remote outputs (gs://) have no such lock: object
 stores offer none, and docs/preprocessing.md says so.
 
-``staged_output(output, kind)`` gives a staging folder beside ``output`` and swaps it in when the
+``staged_output(output, output_type)`` gives a staging folder beside ``output`` and swaps it in when the
 block ends without an error: an earlier output there is replaced whole (no stale file survives), and
 an interrupted write leaves the earlier one intact. What it replaces must be an earlier output of the
-same kind, or nothing: ``check_replaceable`` is the one rule every command applies before it writes,
+same output_type, or nothing: ``check_replaceable`` is the one rule every command applies before it writes,
 so no command ever deletes a folder of other files, another command's output or its own input. Staging folders left by a writer that died are
 removed by the next holder of the lock (which proves that writer is gone).
 
@@ -147,12 +147,12 @@ def stale_staging(output: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def staged_output(output: str, kind: str) -> Iterator[str]:
+def staged_output(output: str, output_type: str) -> Iterator[str]:
     """A fresh staging folder beside ``output`` (mode as the umask says), swapped in on success
-    when ``output`` is new, empty or an earlier output of ``kind`` (``check_replaceable``: checked
+    when ``output`` is new, empty or an earlier output of ``output_type`` (``check_replaceable``: checked
     before the block runs and again before the swap)."""
     output = os.path.abspath(output.rstrip("/"))
-    check_replaceable(output, kind)
+    check_replaceable(output, output_type)
     if is_locked_by_me(output):
         for old in stale_staging(output):
             shutil.rmtree(old, ignore_errors=True)
@@ -161,7 +161,7 @@ def staged_output(output: str, kind: str) -> Iterator[str]:
     try:
         yield staging
         follow_umask(staging)
-        check_replaceable(output, kind)
+        check_replaceable(output, output_type)
         swap_in(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -223,7 +223,7 @@ OUTPUT_SIGNATURES: dict[str, tuple[frozenset[str], ...]] = {
 }
 
 
-# What an output of each kind may hold at its top level (fnmatch patterns; None: anything, its
+# What an output of each output_type may hold at its top level (fnmatch patterns; None: anything, its
 # parts each checked by their own command's rule): a folder recognised as a command's earlier
 # output is replaced or written into only when it holds nothing else, so that a file a user put
 # in it is never deleted with it.
@@ -245,33 +245,33 @@ OUTPUT_FILES: dict[str, tuple[str, ...] | None] = {
 }
 
 
-def foreign_files(kind: str, names: set[str] | frozenset[str]) -> list[str]:
-    """The names of ``names`` that an output of ``kind`` never holds (``OUTPUT_FILES``), sorted."""
-    own = OUTPUT_FILES[kind]
+def foreign_files(output_type: str, names: set[str] | frozenset[str]) -> list[str]:
+    """The names of ``names`` that an output of ``output_type`` never holds (``OUTPUT_FILES``), sorted."""
+    own = OUTPUT_FILES[output_type]
     return [] if own is None else sorted(n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in own))
 
 
-def output_kind(names: set[str] | frozenset[str]) -> str | None:
-    """The kind of rmflow output a folder holding files ``names`` is, or None."""
-    for kind in OUTPUT_SIGNATURES:
-        if is_output_of(kind, names):
-            return kind
+def output_type_of(names: set[str] | frozenset[str]) -> str | None:
+    """The output_type of rmflow output a folder holding files ``names`` is, or None."""
+    for output_type in OUTPUT_SIGNATURES:
+        if is_output_of(output_type, names):
+            return output_type
     return None
 
 
-def is_output_of(kind: str, names: set[str] | frozenset[str]) -> bool:
-    """Whether a folder holding files ``names`` is an rmflow output of ``kind`` (OUTPUT_SIGNATURES)."""
-    return any(sig <= set(names) for sig in OUTPUT_SIGNATURES[kind])
+def is_output_of(output_type: str, names: set[str] | frozenset[str]) -> bool:
+    """Whether a folder holding files ``names`` is an rmflow output of ``output_type`` (OUTPUT_SIGNATURES)."""
+    return any(sig <= set(names) for sig in OUTPUT_SIGNATURES[output_type])
 
 
 class OutputRefused(RmflowError):
     """An output a command would replace is not its own earlier output; nothing was written."""
 
 
-def replace_refusal(output: str, kind: str, names: set[str] | frozenset[str] | None, *, is_file: bool = False,
+def replace_refusal(output: str, output_type: str, names: set[str] | frozenset[str] | None, *, is_file: bool = False,
                     option: str = "--output", ignore: frozenset[str] = frozenset(), replaces: bool = True
                     ) -> str | None:
-    """Why a command that writes a ``kind`` output (OUTPUT_SIGNATURES) and replaces what is there
+    """Why a command that writes a ``output_type`` output (OUTPUT_SIGNATURES) and replaces what is there
     must not write to ``output``, or None when it may: it may replace nothing (``names`` None),
     an empty folder (but for ``ignore``, what the command itself put there first) or its own
     earlier output holding nothing else (``OUTPUT_FILES``; a command that writes into its output
@@ -279,23 +279,23 @@ def replace_refusal(output: str, kind: str, names: set[str] | frozenset[str] | N
     another command's output or a folder of other files, which it would delete. The one rule every command applies (``check_replaceable``, and the Beam jobs with
     their own listing of a remote folder)."""
     if is_file:
-        return f"{option} {output} is a file; give a folder for the {kind}"
+        return f"{option} {output} is a file; give a folder for the {output_type}"
     if names is None:
         return None
     names = set(names) - set(ignore)
     if not names:
         return None
-    if is_output_of(kind, names):
-        foreign = foreign_files(kind, names) if replaces else []
+    if is_output_of(output_type, names):
+        foreign = foreign_files(output_type, names) if replaces else []
         if not foreign:
             return None
         shown = ", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "")
-        return (f"{option} {output} is an earlier {kind} that also holds {shown}, which rmflow did not write and "
+        return (f"{option} {output} is an earlier {output_type} that also holds {shown}, which rmflow did not write and "
                 "replacing it would delete: move them out, or give another folder")
-    other = output_kind(names)
+    other = output_type_of(names)
     shown = ", ".join(sorted(names)[:4]) + (" ..." if len(names) > 4 else "")
     what = f"is an rmflow {other}" if other else f"holds other files ({shown})"
-    return f"{option} {output} {what}, not an earlier {kind}, the only folder this command writes over: give a " \
+    return f"{option} {output} {what}, not an earlier {output_type}, the only folder this command writes over: give a " \
            "new or empty folder"
 
 
@@ -304,7 +304,7 @@ def replace_refusal(output: str, kind: str, names: set[str] | frozenset[str] | N
 HOLDS_OUTPUTS: dict[str, tuple[str, ...] | None] = {"workflow folder": None, "run directory": ("eval_data",)}
 
 
-def check_replaceable(output: str, kind: str, *, option: str = "--output", ignore: frozenset[str] = frozenset(),
+def check_replaceable(output: str, output_type: str, *, option: str = "--output", ignore: frozenset[str] = frozenset(),
                       inputs: tuple[str, ...] = (), replaces: bool = True) -> None:
     """``replace_refusal`` of a local ``output`` (remote ones: the Beam jobs list them themselves),
     raised as OutputRefused; also refused when it lies inside another rmflow output (``nested_in``),
@@ -315,7 +315,7 @@ def check_replaceable(output: str, kind: str, *, option: str = "--output", ignor
     if os.path.islink(output.rstrip("/")):  # the swap would replace the link, not the folder it names
         raise OutputRefused(f"{option} {output} is a link to {os.path.realpath(output)}: give the folder itself")
     names = set(os.listdir(output)) if os.path.isdir(output) else None
-    why = replace_refusal(output, kind, names, is_file=os.path.exists(output) and not os.path.isdir(output),
+    why = replace_refusal(output, output_type, names, is_file=os.path.exists(output) and not os.path.isdir(output),
                           option=option, ignore=ignore, replaces=replaces) or nested_in(output, option)
     if why:
         raise OutputRefused(why)
@@ -332,15 +332,15 @@ def check_replaceable(output: str, kind: str, *, option: str = "--output", ignor
 def nested_in(path: str, option: str = "--output") -> str | None:
     """Why ``path`` (a local output folder or file) must not be written: it lies inside another
     rmflow output, which that output's own command would replace or read as its own, unless that
-    kind holds it by design (``HOLDS_OUTPUTS``); None when it may be written."""
+    output_type holds it by design (``HOLDS_OUTPUTS``); None when it may be written."""
     path = os.path.abspath(path.rstrip("/"))
     parent = os.path.dirname(path)
     while True:
-        kind = output_kind(set(os.listdir(parent))) if os.path.isdir(parent) else None
-        if kind:
-            allowed = HOLDS_OUTPUTS.get(kind, ())
+        output_type = output_type_of(set(os.listdir(parent))) if os.path.isdir(parent) else None
+        if output_type:
+            allowed = HOLDS_OUTPUTS.get(output_type, ())
             if allowed is not None and os.path.relpath(path, parent).split(os.sep)[0] not in allowed:
-                return (f"{option} {path} is inside an rmflow {kind} ({parent}), which its own command replaces or "
+                return (f"{option} {path} is inside an rmflow {output_type} ({parent}), which its own command replaces or "
                         "reads as its own: give a path outside it")
         if os.path.dirname(parent) == parent:
             return None
@@ -348,12 +348,12 @@ def nested_in(path: str, option: str = "--output") -> str | None:
 
 
 def holds_output(folder: str) -> tuple[str, str] | None:
-    """(the folder, its kind) of an rmflow output below ``folder`` (not ``folder`` itself), or None."""
+    """(the folder, its output_type) of an rmflow output below ``folder`` (not ``folder`` itself), or None."""
     for root, dirs, files in os.walk(folder):
         if root != folder:
-            kind = output_kind(set(dirs) | set(files))
-            if kind:
-                return root, kind
+            output_type = output_type_of(set(dirs) | set(files))
+            if output_type:
+                return root, output_type
     return None
 
 

@@ -75,8 +75,9 @@ class DataConfig(Config):
                                      "{name: shard folder or raw files in any layout preprocess reads} (raw files "
                                      "are preprocessed with the data's tokenizer into RUN/eval_data/NAME); as a "
                                      "flag: name=path,name=path.", resume_free=True)
-    max_length: int = option(0, "Longest sequence (prompt and reply, in tokens) a batch row is built for; a longer "
-                                "record stops the run. 0 = the shards' max_length (preprocess --max-length).")
+    max_length: int = option(0, "Longest sequence (a prompt and one reply, in tokens) the run accepts; its batch rows "
+                                "are built for it, and a longer record stops the run. 0 = the shards' max_length "
+                                "(preprocess --max-length).")
     packing: str = option("auto", "How pairs become rows: pack (each pair's prompt once and both replies, packed into "
                                   "one row per device, no padding between pairs), bucket (one sequence a row, pairs "
                                   "of similar length batched together), none (one sequence a row, shuffled, padded "
@@ -95,6 +96,11 @@ class DataConfig(Config):
         check_int(self.max_length, "max_length", 0)
         check_int(self.workers, "workers", 0)
         _one_of(self.packing, "packing", PACKING)
+
+    def max_length_over(self, shards: int) -> int:
+        """The run's max_length over shards preprocessed at ``shards``: the config's, else theirs
+        (the one place a run's length limit is resolved: training and its named eval sets)."""
+        return self.max_length or shards
 
     @property
     def sources(self) -> tuple[DataSource, ...]:

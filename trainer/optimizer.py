@@ -31,21 +31,21 @@ def hyperparameters(c: OptimizerConfig, total_steps: int) -> dict[str, np.ndarra
     return out
 
 
-def learning_rate_at(step: jax.Array, hyper: dict[str, Any], kind: str) -> jax.Array:
+def learning_rate_at(step: jax.Array, hyper: dict[str, Any], schedule: str) -> jax.Array:
     """Linear warmup from 0 to learning_rate, then linear or cosine decay to learning_rate_end:
     optax's linear_schedule, cosine_decay_schedule and join_schedules, computed from arrays."""
     lr, warmup = hyper["learning_rate"], hyper["warmup_steps"]
     decay_steps = jnp.maximum(hyper["total_steps"] - warmup, 1)
     after = step - warmup
-    if kind == "cosine":
+    if schedule == "cosine":
         count = jnp.minimum(after, decay_steps).astype(jnp.float32)
         cosine = 0.5 * (1 + jnp.cos(jnp.pi * count / decay_steps.astype(jnp.float32)))
         decay = lr * (hyper["cosine_keep"] * cosine + hyper["cosine_alpha"])
-    elif kind == "linear":
+    elif schedule == "linear":
         frac = 1 - jnp.clip(after, 0, decay_steps) / decay_steps
         decay = hyper["lr_span"] * frac + hyper["learning_rate_end"]
     else:
-        raise ValueError(f"schedule {kind!r}: use 'linear' or 'cosine'")
+        raise ValueError(f"schedule {schedule!r}: use 'linear' or 'cosine'")
     warm = -lr * (1 - jnp.clip(step, 0, warmup) / jnp.maximum(warmup, 1)) + lr
     return jnp.where(step < warmup, warm, decay)
 
@@ -74,7 +74,7 @@ def make_optimizer(c: OptimizerConfig, total_steps: int = 0, hyper: dict[str, An
     division by the number of pairs, in one pass over the gradients (``clip_scale``). Inside the
     jitted step the numbers come from ``hyper`` (arrays; default: ``c``'s over ``total_steps``);
     what shapes the program comes from ``c``:
-    the schedule's kind, Adam's betas, and whether there is weight decay at all. The state's
+    the schedule, Adam's betas, and whether there is weight decay at all. The state's
     layout is the same either way."""
     h = hyperparameters(c, total_steps) if hyper is None else hyper
     return optax.adamw(lambda step: learning_rate_at(step, h, c.schedule), b1=c.adam_b1, b2=c.adam_b2,

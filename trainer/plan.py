@@ -91,7 +91,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     check_same_preprocessing(sources, manifests)
     manifest = max(manifests, key=lambda m: m.max_length)
     primary = sources[manifests.index(manifest)].path
-    max_length = cfg.data.max_length or manifest.max_length
+    max_length = cfg.data.max_length_over(manifest.max_length)
     for source, m in zip(sources, manifests):
         try:
             m.check_compatible(max_length=max_length)

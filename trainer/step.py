@@ -48,7 +48,7 @@ class TrainState:
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
     """What the compiled train and eval steps depend on besides the shapes (and shardings) of
-    their arguments: the model's structure, the objective, the schedule's kind, and whether weight
+    their arguments: the model's structure, the objective, the schedule, and whether weight
     decay and gradient clipping are on. Hashable: the steps are jitted once per process with it
     static, so two Trainers of one program (a run resumed in the same process, eval after train,
     a sweep over learning rates) trace and compile each batch shape once. The optimizer's other

@@ -36,11 +36,11 @@ def _fs(url: str):
         raise StorageError(f"cannot open {url}: {e}. For gs:// install the gcp extra (pip install 'rmflow[gcp]')") from e
 
 
-def cache_dir(url: str, kind: str) -> str:
+def cache_dir(url: str, purpose: str) -> str:
     """The local folder that mirrors ``url`` (stable per URL)."""
     root = os.environ.get("RMFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rmflow")
     tag = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
-    return os.path.join(root, kind, f"{os.path.basename(url.rstrip('/')) or 'root'}-{tag}")
+    return os.path.join(root, purpose, f"{os.path.basename(url.rstrip('/')) or 'root'}-{tag}")
 
 
 def _listing(fs, root: str) -> dict[str, int]:

@@ -62,7 +62,7 @@ def preprocess_eval_sets(cfg: TrainConfig) -> TrainConfig:
         try:
             result = preprocess(PreprocessConfig(
                 inputs=tuple(paths), output=folder, tokenizer=os.path.join(data, TOKENIZER_DIR),
-                max_length=cfg.data.max_length or manifest.max_length, length_policy=manifest.length_policy,
+                max_length=cfg.data.max_length_over(manifest.max_length), length_policy=manifest.length_policy,
                 step_separator=manifest.step_separator, eval_fraction=0.0,
                 max_bad_fraction=1.0, overwrite=True, **({"pairs_from": "expand"} if as_pairs[name] else {}),
                 # a regression head's ratings, as the training shards keep them, and the weights their scores came from

@@ -424,9 +424,9 @@ def _gemma3_rope(d: Mapping[str, Any]) -> tuple[dict[str, Any], float]:
         full, local = dict(given or d.get("rope_scaling") or {}), {}
     full.setdefault("rope_theta", d.get("rope_theta") or 1e6)
     local.setdefault("rope_theta", d.get("rope_local_base_freq") or 1e4)
-    kind = local.get("rope_type") or local.get("type") or "default"
-    if kind != "default":
-        raise ModelConfigError(f"rope_parameters.sliding_attention rope_type {kind!r}: rmflow runs the sliding "
+    rope_type = local.get("rope_type") or local.get("type") or "default"
+    if rope_type != "default":
+        raise ModelConfigError(f"rope_parameters.sliding_attention rope_type {rope_type!r}: rmflow runs the sliding "
                                "layers' default RoPE (their own base) only")
     return full, float(local["rope_theta"])
 
