@@ -34,7 +34,7 @@ test-airflow:
 	$(PYTHON) -m venv .venv-airflow
 	.venv-airflow/bin/pip install --quiet -e '.[all,airflow]' pytest
 	RMFLOW_REQUIRE_AIRFLOW=1 AIRFLOW_HOME=$(CURDIR)/.venv-airflow/home .venv-airflow/bin/python -m pytest -q \
-		-p no:cacheprovider tests/test_deploy.py
+		-p no:cacheprovider tests/workflow/test_deploy.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

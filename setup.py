@@ -4,7 +4,7 @@ The repository's stage folders install inside the rmflow package: ``schemas/`` a
 ``rmflow.schemas``, ``rendering/`` as ``rmflow.rendering``, ``pipelines/`` as ``rmflow.pipelines``, ``trainer/`` as
 ``rmflow.trainer``.
 Every folder under these trees ships, found rather than listed by hand: a hand-written list once
-left ``rmflow/server/`` out of the wheel. tests/test_wheel.py checks that every file of the trees
+left ``rmflow/server/`` out of the wheel. tests/project/test_wheel.py checks that every file of the trees
 is in the built wheel."""
 
 from setuptools import find_namespace_packages, setup

@@ -63,7 +63,7 @@ with its defaults, the settings measured fastest.
 
 ``--rehearse`` runs the same code path on this CPU at toy sizes (a 2-layer model, short rows,
 a few steps), preparing its inputs in a temporary folder: ``python benchmarks/gpu.py rehearse
-OUT``. The test suite runs it (``tests/test_gpu_script.py``), so that GPU time goes to measuring.
+OUT``. The test suite runs it (``tests/project/test_gpu_script.py``), so that GPU time goes to measuring.
 """
 
 from __future__ import annotations
@@ -397,10 +397,11 @@ def size_run(spec: dict) -> dict:
     records = device.synthetic_pairs(spec["pair_tokens"], spec["pairs"] * spec["steps"], config["vocab_size"])
     row = device.throughput(spec["model"], records, "pack", spec["pairs"], spec["steps"], _peak(), spec["block"],
                             spec["attention"], max_length=spec["pair_tokens"], config=config, launch=spec["launch"],
-                            scan=True, profile=False, remat=remat, lora=lora,
+                            scan=spec["scan_layers"], profile=False, remat=remat, lora=lora,
                             attended=device.synthetic_attended(spec["pair_tokens"]))
     return {"trainer": "rmflow", "model": spec["model"], "training": spec["training"], "pair_tokens": spec["pair_tokens"],
             "fits": True,
+            "scan_layers": spec["scan_layers"],
             **{k: row[k] for k in ("pairs_per_step", "rows", "real_tokens_per_s", "mfu", "model_tflops", "step_ms",
                                    "peak_device_gib", "compile_s", "attention")}}
 
@@ -421,6 +422,7 @@ def _size_runs(ctx: Ctx, trainer: str, runs) -> None:
             ctx.add({**head, "skipped": "out of time"})
             continue
         spec = {**head, "pairs": pairs, "steps": ctx.size["size_steps"], "block": kernel.get("block", 0),
+                "scan_layers": ctx.plan.get("scan_layers", "on") != "off",  # the speed part's plan; scanned by default
                 "attention": ctx.plan.get("packed_attention", "pallas"), "rehearse": ctx.rehearse,
                 "launch": (kernel.get("num_warps"), kernel.get("num_stages")), "work": str(ctx.work),
                 "tokenizer": str(ctx.inputs / "train" / "tokenizer")}

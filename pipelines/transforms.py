@@ -207,7 +207,7 @@ class TokenizerFiles(beam.PTransform):
     with the shards. Beam bz2-pickles every DoFn at level 9 when the graph is built and again as
     each bundle processor starts: a DoFn holding the tokenizer's files would make every job
     (de)compress them each time, and every Dataflow job submit that much more graph
-    (tests/test_remote.py checks that no transform holds the files)."""
+    (tests/workflow/test_remote.py checks that no transform holds the files)."""
 
     def __init__(self, folder: str, name: str):
         super().__init__()

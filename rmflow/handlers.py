@@ -2,7 +2,7 @@
 summary `rmflow eval` prints, its scorer (`rmflow score`, the Python API's batches, the Beam
 job, the server) and its `rmflow serve` request and response. A new kind (``schemas.kinds``)
 adds one entry here, beside its objective in ``trainer.objective`` and its rendering recipe in
-``rendering``; ``tests/test_kinds.py`` names any part a kind lacks.
+``rendering``; ``tests/project/test_kinds.py`` names any part a kind lacks.
 
 The parts live in their capability's package and are named here as ``module:attribute``,
 imported on first use, so that a command imports its own package only (the server never

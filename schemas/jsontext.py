@@ -5,7 +5,7 @@ tokenized or written back as UTF-8) anywhere in it, keys included, and, with
 field back would write a file other tools cannot read). Preprocessing reads NaN so that the
 value checks name the field (a NaN margin is a ``bad_value``); scoring and serving refuse it.
 
-``dumps`` and ``dump`` write every JSON text rmflow writes (``tests/test_boundary.py`` holds every
+``dumps`` and ``dump`` write every JSON text rmflow writes (``tests/project/test_boundary.py`` holds every
 module to them): ``json``'s, with a value that is not a finite number (a metric over nothing, a
 correlation of a constant) written as ``null``, never as ``NaN`` or ``Infinity``, which strict
 readers (jq, JavaScript, ``json.loads`` with ``parse_constant``) refuse."""

@@ -4,7 +4,7 @@ A kind decides what a shard record is, which eval modes apply, what the statisti
 what a user is told, and which score head its records train by default (``head``). What a model
 outputs is the other axis, the head (``schemas.heads``: how wide, how Hugging Face and PEFT name
 it, what an answer carries); a kind's own is ``kind.head``. Code that varies by kind reads a field of ``ModelKind`` (or looks its own behaviour up by
-``ModelKind.name`` in a table checked complete by ``tests/test_kinds.py``); it never compares
+``ModelKind.name`` in a table checked complete by ``tests/project/test_kinds.py``); it never compares
 kind names, record types or head widths itself; what varies by head it reads of ``head``.
 
 * ``outcome``: preference pairs (``PairRecord``); one score per conversation; Bradley-Terry.
@@ -22,7 +22,7 @@ still an outcome model, whose head a model's configuration says (``schemas.heads
 A new kind (say, a generative judge) is one entry here, its record type in
 ``schemas/record.py``, its rendering recipe (``rendering``), its objective in
 ``trainer/objective.py``, its scoring core in ``trainer/inference/cores.py`` and its handler set in
-``rmflow/handlers.py``; ``tests/test_kinds.py`` names any that lacks it.
+``rmflow/handlers.py``; ``tests/project/test_kinds.py`` names any that lacks it.
 """
 
 from __future__ import annotations
