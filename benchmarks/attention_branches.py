@@ -13,13 +13,12 @@ import os
 import pathlib
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
+from bench_common import REPO
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def kernel_at(revision: str, folder: str):
@@ -38,9 +37,10 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from bench_common import load_test_helper
     from rmflow.trainer.modeling import attention as now
 
-    from tests.layouts import packed_layout
+    packed_layout = load_test_helper("layouts").packed_layout
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", required=True, help="the git revision whose kernel to compare with")

@@ -16,14 +16,10 @@ import os
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 from serve import conversations, default_model, fits  # noqa: E402
 

@@ -10,14 +10,10 @@ arrays) beside `pickle.loads` of a dict holding the same arrays (no integrity ch
 from __future__ import annotations
 
 import argparse
-import pathlib
 import pickle
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from rmflow.schemas.record import PairRecord, decode, encode  # noqa: E402
 
 

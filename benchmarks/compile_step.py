@@ -12,14 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import pathlib
 import statistics
-import sys
 import time
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

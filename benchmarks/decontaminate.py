@@ -17,13 +17,12 @@ import os
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
+from bench_common import REPO
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 SHARED = REPO.parent / "shared" / "data"
 TRAIN = ("hh_helpful_base_test_first2000.jsonl.gz", "hh_helpful_rejection_sampled_test.jsonl.gz",
          "ultrafeedback_binarized_sample1000.jsonl.gz")

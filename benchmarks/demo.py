@@ -21,7 +21,8 @@ import subprocess
 import sys
 import tempfile
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from bench_common import REPO
+
 DEMO = REPO / "rmflow" / "demo"
 
 CHILD = r'''

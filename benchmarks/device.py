@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import time
 import typing
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from bench_common import load_test_helper
 from flax import nnx
 from rmflow.schemas.record import PairRecord
 from rmflow.schemas.train_config import LoraConfig, OptimizerConfig
@@ -38,20 +38,7 @@ from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.step import Trainer
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load_packed_layout():
-    """``tests/layouts.py``'s random packed rows, read from the checkout by path: rmflow itself is
-    imported as installed (on a GPU machine, the carried wheel), so the checkout is not put on
-    the path."""
-    spec = importlib.util.spec_from_file_location("rmflow_test_layouts", REPO / "tests" / "layouts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.packed_layout
-
-
-packed_layout = _load_packed_layout()
+packed_layout = load_test_helper("layouts").packed_layout
 
 CONFIGS = {
     "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -83,9 +83,9 @@ import tempfile
 import time
 import traceback
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-BENCH = REPO / "benchmarks"
-DATA = REPO.parent / "shared" / "data"
+from bench_common import REPO
+from bench_common import SHARED_DATA as DATA
+
 TOKENIZER = REPO.parent / "shared" / "assets" / "smollm2-135m-instruct-tokenizer"
 SITE = pathlib.Path("/tmp/rmflow-gpu-site")
 PARTS = ("parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "real", "trl")
@@ -776,7 +776,6 @@ def child(part: str, spec: dict) -> None:
     """One part, in this process (started by ``run``), its rows written to ``spec['rows_file']``."""
     if spec["rehearse"]:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.path.insert(0, str(BENCH))
     size = SIZES["rehearse" if spec["rehearse"] else "gpu"]
     if spec.get("checkpointing") is not None:
         size = {**size, "checkpointing": tuple(spec["checkpointing"])}
@@ -904,7 +903,6 @@ def run(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: s
 def _run_parts(inputs: pathlib.Path, out: pathlib.Path, parts: list[str], checkpoint: str | None, rehearse: bool,
                deadline: float, keep: pathlib.Path | None, gguf: list[str] | None, site: pathlib.Path | None,
                checkpointing: tuple[bool, ...] | None = None) -> dict:
-    sys.path.insert(0, str(BENCH))
     wheels = install_wheels(inputs / "wheels", site or SITE)
     if rehearse:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -1006,7 +1004,6 @@ def main() -> None:
         spec = json.loads(a.spec)
         if spec["rehearse"]:
             os.environ["JAX_PLATFORMS"] = "cpu"
-        sys.path.insert(0, str(BENCH))
         run_one = trl_size_run if spec["trainer"] == "TRL RewardTrainer" else size_run
         print("SIZE-ROW " + json.dumps(run_one(spec), default=str), flush=True)
         return

@@ -32,18 +32,16 @@ import math
 import os
 import pathlib
 import statistics
-import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 import vs_trl  # noqa: E402
+from bench_common import DEMO_TOKENIZER as TOKENIZER
+from bench_common import REPO
 
 DATA = REPO.parent / "shared" / "data" / "multi_response" / "rmbench_dev.jsonl.gz"
-TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"  # SmolLM2's
 
 
 def prepare(work: pathlib.Path, data: pathlib.Path, prompts: int, max_length: int, tokenizer: str) -> dict:

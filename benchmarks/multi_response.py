@@ -23,14 +23,13 @@ import hashlib
 import json
 import os
 import pathlib
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
+from bench_common import DEMO_TOKENIZER as TOKENIZER
+from bench_common import REPO
 from rmflow.pipelines.preprocess import run as preprocess  # noqa: E402
 from rmflow.schemas.config import EvalConfig, PreprocessConfig  # noqa: E402
 from rmflow.schemas.train_config import TrainConfig  # noqa: E402
@@ -39,7 +38,6 @@ from rmflow.trainer.train import run as train  # noqa: E402
 from rmflow.eval.evaluation import run_eval  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "multi_response" / "rmbench_dev.jsonl.gz"
-TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"
 FIGURES = ("pair_accuracy", "best_of_k_accuracy", "kendall_tau", "spearman")
 LISTWISE = {"listwise": "bradley-terry", "plackett-luce": "plackett-luce"}  # whole prompts, by ranking loss
 

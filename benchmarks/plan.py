@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
+from bench_common import REPO
 from serve import conversations  # noqa: E402
 
 

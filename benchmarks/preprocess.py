@@ -22,23 +22,21 @@ import os
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
+from bench_common import DEMO_TOKENIZER as TOKENIZER
+from bench_common import REPO
+from bench_common import SHARED_DATA as DATA
 from rmflow.pipelines.preprocess import run  # noqa: E402
 from rmflow.pipelines.tokenizer_files import load_tokenizer_assets  # noqa: E402
 from rmflow.rendering.formats import BadRecord, detect_format, normalize  # noqa: E402
 from rmflow.rendering.tokenize import build_tokenizer  # noqa: E402
 from rmflow.schemas.config import PreprocessConfig  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data"
 DEMO = REPO / "rmflow" / "demo" / "hh_rlhf_helpful_sample.jsonl.gz"
-TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"
 BATCH = 128
 
 

@@ -13,16 +13,14 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
-import sys
 import tempfile
 import time
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_common import DEMO_TOKENIZER as TOKENIZER
+from bench_common import SHARED_DATA as DATA
 from flax import nnx  # noqa: E402
 from rmflow.schemas.train_config import OptimizerConfig  # noqa: E402
 from rmflow.trainer.batching import stack_micro_batches  # noqa: E402
@@ -31,9 +29,6 @@ from rmflow.trainer.modeling.attention import attention  # noqa: E402
 from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
 from rmflow.trainer.modeling.decoder import RewardTransformer  # noqa: E402
 from rmflow.trainer.step import Trainer  # noqa: E402
-
-DATA = REPO.parent / "shared" / "data"
-TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"
 
 
 def timed(fn, repeat: int) -> float:

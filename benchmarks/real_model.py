@@ -35,13 +35,11 @@ import sys
 import tempfile
 import time
 
+from bench_common import SHARED_DATA as DATA
+
 START = time.perf_counter()
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-DATA = REPO.parent / "shared" / "data"
 PARTS = ("full", "lora", "score", "eval")
 LORA = {"rank": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"}
 

@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def shapes_by_rounding(shards: str, batch_size: int) -> dict:

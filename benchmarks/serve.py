@@ -30,7 +30,6 @@ import concurrent.futures
 import gzip
 import json
 import os
-import pathlib
 import socket
 import statistics
 import subprocess
@@ -40,11 +39,10 @@ import threading
 import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 import requests  # noqa: E402
+from bench_common import REPO
 
 DATA = REPO.parent / "shared" / "data" / "hh_helpful_base_test_first2000.jsonl.gz"
 

@@ -14,26 +14,22 @@ import logging
 import os
 import pathlib
 import resource
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import grain  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_common import DEMO_TOKENIZER as TOKENIZER
+from bench_common import SHARED_DATA as DATA
 from rmflow.pipelines.preprocess import run as preprocess  # noqa: E402
 from rmflow.schemas.config import PreprocessConfig  # noqa: E402
 from rmflow.schemas.record import decode  # noqa: E402
 from rmflow.schemas.train_config import TrainConfig  # noqa: E402
 from rmflow.trainer.data import make_loader  # noqa: E402
 from rmflow.trainer.train import run as train  # noqa: E402
-
-DATA = REPO.parent / "shared" / "data"
-TOKENIZER = REPO / "rmflow" / "demo" / "tokenizer"
 
 
 def length_baseline(shards: pathlib.Path) -> tuple[float, int]:

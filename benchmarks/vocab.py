@@ -16,8 +16,9 @@ import gzip
 import json
 import pathlib
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
+from bench_common import REPO
+from bench_common import SHARED_DATA as DATA
+
 SMOLLM2 = REPO / "rmflow" / "demo" / "tokenizer"
 HH_FILES = ("hh_helpful_base_test_first2000.jsonl.gz", "hh_helpful_rejection_sampled_test.jsonl.gz")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

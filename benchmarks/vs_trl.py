@@ -43,14 +43,13 @@ import sys
 import tempfile
 import time
 
+from bench_common import SHARED_DATA as DATA
+
 START = time.time()  # this process's start, for a child's end-to-end time
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))  # rmflow itself as installed (editable here, a wheel on a GPU machine)
 
 from vocab import tokenizer_folder  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data"
 MODES = ("none", "bucket", "pack")
 TINY = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096)

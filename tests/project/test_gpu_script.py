@@ -15,6 +15,13 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data"
 
 
+@pytest.fixture(autouse=True)
+def _benchmarks_importable(monkeypatch):
+    """The scripts import each other by name, as they do when run by path (their folder first on
+    the import path); loaded here by path, their folder goes first for the test's duration."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared (the real data the check reads)")
 def test_the_gpu_check_rehearses_every_part(tmp_path):

@@ -36,3 +36,22 @@ def test_a_script_s_rmflow_imports_exist(path):
             except ModuleNotFoundError:
                 missing.append(f"{path.name}:{line}: {module} has no {name}")
     assert not missing, "\n".join(missing)
+
+
+def _path_edits(source: str) -> list[int]:
+    """Lines that change the import path (``sys.path.insert``/``append``, ``sys.path = ...``)."""
+    tree = ast.parse(source)
+    calls = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr in ("insert", "append", "extend") and ast.unparse(n.func.value) == "sys.path"]
+    return calls + [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                    and any(ast.unparse(t) == "sys.path" for t in n.targets)]
+
+
+def test_no_benchmark_edits_the_import_path():
+    """The scripts run by path and import each other by name (their folder is first on the path);
+    rmflow is the installed one. The one exception puts the GPU machine's installed wheels first:
+    ``gpu.install_wheels``. The scan sees what it forbids."""
+    found = {str(p.relative_to(ROOT)): _path_edits(p.read_text()) for p in (ROOT / "benchmarks").glob("*.py")}
+    allowed = {"benchmarks/gpu.py": 1}
+    assert {k: v for k, v in found.items() if len(v) > allowed.get(k, 0)} == {}
+    assert _path_edits("import sys\nsys.path.insert(0, 'x')\nsys.path = []\n") == [2, 3]
