@@ -1,3 +1,3 @@
 """The preprocess stage (installed as ``rmflow.pipelines``): an Apache Beam pipeline from raw
-preference or stepwise data to ArrayRecord shards and their manifest. Imports ``rmflow.schemas``,
-never JAX."""
+preference, stepwise or K-response data to ArrayRecord shards and their manifest. Imports
+``rmflow.schemas`` and ``rmflow.rendering``, never JAX."""

@@ -330,8 +330,9 @@ def run_workflow(
 @command(name="eval")
 @config_options(EvalConfig)
 def eval_(options: dict) -> None:
-    """Evaluate a reward model: accuracy, loss, margins, calibration, length bias, per-subset accuracy; a process
-    reward model: step accuracy, precision/recall/F1 of incorrect steps, first-error accuracy, ProcessBench F1."""
+    """Evaluate a reward model: accuracy, loss, margins, calibration, length bias, per-subset accuracy; K responses
+    per prompt (--mode responses): best-of-K, Kendall's tau, pairwise accuracy; a process reward model: step
+    accuracy, precision/recall/F1 of incorrect steps, first-error accuracy, ProcessBench F1."""
     from rmflow.eval.evaluation import run_eval
     from rmflow.eval.reports import eval_summary
 
@@ -386,9 +387,10 @@ def score(options: dict, ctx: typer.Context) -> None:
 @command()
 @config_options(ServeConfig, positional=("model",))
 def serve(options: dict) -> None:
-    """Serve a reward model over HTTP with dynamic batching: POST /v1/score (conversations, or a process model's
-    solutions), /get_reward (OpenRLHF's --remote_rm_url), /classify (vLLM's pooling API, as verl calls it);
-    GET /health, /metrics (Prometheus), /v1/model. Needs rmflow's serve extra (Starlette, uvicorn)."""
+    """Serve a reward model over HTTP with dynamic batching: POST /v1/score (conversations, K responses to a prompt,
+    or a process model's solutions), /get_reward (OpenRLHF's --remote_rm_url), /classify and /pooling (vLLM's
+    pooling API, as verl calls it), /v1/embeddings (SGLang's); GET /health, /metrics (Prometheus), /v1/model.
+    Needs rmflow's serve extra (Starlette, uvicorn)."""
     cfg = ServeConfig.from_dict(options)
     from rmflow.server.app import serve as run_server
 

@@ -238,7 +238,7 @@ def checkpoint_step(value: Any) -> int | str | None:
     return value
 
 
-# PreprocessConfig fields that decide how a raw record becomes a pair (rendering.formats.normalize_all).
+# PreprocessConfig fields that decide how a raw record becomes a pair (rendering.responses.normalize_all).
 NORMALIZE_OPTIONS = ("margin_from_scores", "min_score_gap", "drop_score_ties", "pairs_from", "max_responses",
                      "attributes")
 EVAL_MODES = ("pairs", "rewardbench-v1", "rewardbench-v2", "responses")

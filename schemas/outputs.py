@@ -5,7 +5,7 @@ command writes it: a second process that names the same folder is refused in one
 holder (host, process id, command, start time). The lock is ``flock`` on a file beside the folder
 (``.<name>.rmflow-lock``), so the kernel releases it when its process dies, however it dies; the
 next command then takes it over and says so. Remote outputs (gs://) have no such lock: object
-stores offer none, and docs/preprocessing.md says so.
+stores offer none, and docs/scoring-serving.md says so.
 
 ``staged_output(output, output_type)`` gives a staging folder beside ``output`` and swaps it in when the
 block ends without an error: an earlier output there is replaced whole (no stale file survives), and
@@ -209,8 +209,8 @@ EXPORT_INFO = "rmflow_export.json"  # in an export: the run and step it came fro
 EVAL_FILE = "eval.json"  # in an eval folder: the metrics and the config that produced them
 REPORT_FILE = "report.md"
 
-SCORES_SUMMARY = "summary.json"
-WORKFLOW_FILE = "rmflow_workflow.json"  # in a workflow's folder: written first, the workflow file it runs  # in a scoring job's output, beside its COMPLETED marker
+SCORES_SUMMARY = "summary.json"  # in a scoring job's output, beside its COMPLETED marker
+WORKFLOW_FILE = "rmflow_workflow.json"  # in a workflow's folder: written first, the workflow file it runs
 OUTPUT_SIGNATURES: dict[str, tuple[frozenset[str], ...]] = {
     "shard folder": (frozenset({"manifest.json", "stats.json"}), frozenset({"_summary.json"})),
     "run directory": (frozenset({"model_config.json"}),),  # written before the first step (and checkpoint)

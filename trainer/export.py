@@ -191,7 +191,7 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
                 plain = nnx.clone(model)
                 lora.strip(plain)
                 _write_checkpoint(plain, os.path.join(staging, "base"), base, pad, kind, max_shard_bytes)
-                base_path = "base"  # relative: the export moves and uploads whole (loading: docs/scoring-serving.md)
+                base_path = "base"  # relative: the export moves and uploads whole (loading: docs/training.md)
             write_adapter(model, staging, run.config.lora, base_path, kind)
         else:
             lora.merge(model)  # a LoRA run exports W + A B alpha/rank: a plain checkpoint

@@ -47,8 +47,8 @@ MODEL_CONFIG = "model_config.json"
 DATA_MANIFEST = "data_manifest.json"
 MIXTURE = "mixture.json"
 EVAL_DATA = "eval_data"  # raw eval_data files, preprocessed before the run (rmflow.eval.sets)
-CONFIG_HISTORY = "config_history.jsonl"
-METRICS_FILE = "metrics.jsonl"  # the metric history: one record per logging or eval step, rewritten on resume  # every config the run has trained under, from which step
+CONFIG_HISTORY = "config_history.jsonl"  # every config the run has trained under, from which step
+METRICS_FILE = "metrics.jsonl"  # the metric history: one record per logging or eval step, rewritten on resume
 
 BASE_CONFIG = "base_config.json"
 CHECKPOINTS = "checkpoints"

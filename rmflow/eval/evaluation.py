@@ -84,7 +84,7 @@ def _prepare_raw(cfg: EvalConfig, loaded: LoadedModel, output: str, raw_options:
                  ) -> tuple[list, dict[str, Any], bool]:
     """Raw files preprocessed in this process with the model's tokenizer (``rendering.prepare``:
     the job's steps, no Beam); what that set aside goes to ``output``/input_errors.jsonl, or, when
-    nothing was usable, beside ``final_output``, which keeps its earlier eval."""
+    nothing was usable, beside the eval's output (``cfg.output``), which keeps its earlier eval."""
     from rmflow.rendering.accounting import PreprocessError
     from rmflow.rendering.prepare import local_record_tokenizer, prepare
 
@@ -226,7 +226,7 @@ def _subsets(records) -> list[str] | None:
 
 
 def front_door(loaded: LoadedModel):
-    """The loaded model as every consumer scores it (``rmflow.scoring.RewardModel``): eval's
+    """The loaded model as every consumer scores it (``rmflow.RewardModel``): eval's
     scores are the API's, the server's and ``rmflow score``'s. Shards need no tokenizer."""
     from rmflow.scoring.api import RewardModel
 

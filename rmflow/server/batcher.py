@@ -2,7 +2,7 @@
 
 Handlers ``submit`` a request's encoded items (token ids, with their size in tokens) and await
 one future per item; a single device thread takes what is queued once a token budget's worth is
-there or ``max_wait`` after the oldest item came (at most a few budgets' worth), cuts it into
+there or ``max_wait_s`` after the oldest item came (at most a few budgets' worth), cuts it into
 batches of the model's fixed shapes (shortest first) and runs them one after another, resolving
 each item's future with its own result. The HTTP event loop never touches the device.
 

@@ -63,11 +63,10 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     categories = {r["category"]: r for r in parts["profile"] if "category" in r and "kernel" not in r}
     assert "matrix products" in categories and all(r["ms_per_step"] > 0 for r in categories.values())
     assert [r for r in parts["profile"] if "kernel" in r]
-    # sizes: rmflow on synthetic pairs, full and LoRA; TRL beside at the same size, and the ratio
+    # sizes: rmflow on synthetic pairs (LoRA, layers recomputed); TRL beside at the same size, and the ratio
     sizes = {r["training"]: r for r in parts["sizes"] if r.get("trainer") == "rmflow"}
-    assert set(sizes) == {"full", "lora16"} and all(r["fits"] and r["real_tokens_per_s"] > 0 for r in sizes.values())
-    assert {r["training"]: r["fits"] for r in parts["sizes"] if r.get("summary") == "longest pair"} == {
-        "full": 256, "lora16": 512}
+    assert set(sizes) == {"lora16"} and all(r["fits"] and r["real_tokens_per_s"] > 0 for r in sizes.values())
+    assert {r["training"]: r["fits"] for r in parts["sizes"] if r.get("summary") == "longest pair"} == {"lora16": 512}
     (trl_size,) = [r for r in parts["trl_sizes"] if r.get("trainer") == "TRL RewardTrainer"]
     assert trl_size["fits"] and trl_size["gradient_checkpointing"] and trl_size["real_tokens_per_s"] > 0
     (ratio,) = [r for r in parts["trl_sizes"] if r.get("summary") == "rmflow / TRL"]

@@ -8,7 +8,7 @@ checkpoint folder, local or remote, with its tokenizer folder, pad id, step sepa
 (``schemas.kinds``). ``score_sequences`` / ``score_pairs`` / ``score_steps`` /
 ``score_responses`` run it: pairs, solutions and K responses packed as in training and scored by
 the training code's own forward (``RECORD_SCORING``: each data kind's). Consumers reach these
-through the one front door, ``rmflow.scoring.RewardModel``; nothing here imports the training loop.
+through the one front door, ``rmflow.RewardModel``; nothing here imports the training loop.
 """
 
 from rmflow.trainer.inference.cores import (  # noqa: F401
