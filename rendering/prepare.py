@@ -145,6 +145,7 @@ class Prepared:
     dead: list[dict[str, Any]]
     stats: dict[str, Any]
     layouts: tuple[str, ...]
+    inputs: tuple[tuple[str, int], ...] = ()  # (path, bytes) of each file read, as a manifest lists them
 
 
 def prepare(cfg: PreprocessConfig, tokenizer: RecordTokenizer, fs: FileSystem | None = None,
@@ -157,9 +158,10 @@ def prepare(cfg: PreprocessConfig, tokenizer: RecordTokenizer, fs: FileSystem | 
         raise PreprocessError("decontamination and near-duplicate removal run in `rmflow preprocess` only")
     started, skipped = time.time(), []
     try:
-        files = [path for path, _, _ in list_inputs(cfg.inputs, skipped, fs)]
+        listed = list_inputs(cfg.inputs, skipped, fs)
     except InputError as e:
         raise PreprocessError(str(e)) from e
+    files = [path for path, _, _ in listed]
     check_score_options(cfg, files, fs)
     check_pairs_from(cfg, files, fs)
     out = _Collected()
@@ -178,7 +180,8 @@ def prepare(cfg: PreprocessConfig, tokenizer: RecordTokenizer, fs: FileSystem | 
         raise
     kept = sorted(fitted, key=lambda f: (f[0].record_id, f[2]))
     return Prepared([decode(f[1]) for f in kept], out.dead, stats,
-                    tuple(sorted({x for x in summary["layouts"].values() if x})))
+                    tuple(sorted({x for x in summary["layouts"].values() if x})),
+                    tuple((path, size) for path, size, _ in listed))
 
 
 class _Collected:

@@ -6,7 +6,7 @@ adds one entry here, beside its objective in ``trainer.objective`` and its rende
 
 The parts live in their capability's package and are named here as ``module:attribute``,
 imported on first use, so that a command imports its own package only (the server never
-imports eval, and nothing but a train run's raw ``data.eval`` sets imports the Beam stage).
+imports eval, and nothing but `rmflow preprocess` and `rmflow score --runner` imports the Beam stage).
 """
 
 from __future__ import annotations

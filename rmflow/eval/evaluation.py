@@ -96,16 +96,16 @@ def _prepare_raw(cfg: EvalConfig, loaded: LoadedModel, output: str, raw_options:
     try:
         prepared = prepare(raw, local_record_tokenizer(folder, loaded.step_separator, raw.format), errors_file=kept)
     except PreprocessError as e:  # e.g. no usable pair: keep the reasons where the user can read them
-        where = _write_input_errors(e.dead, failed_errors_path(cfg.output)) if e.dead else None
+        where = write_input_errors(e.dead, failed_errors_path(cfg.output)) if e.dead else None
         raise EvalError(e.reason + (f"; every record set aside and its reason: {where}" if where else "")) from e
-    _write_input_errors(prepared.dead, kept)
+    write_input_errors(prepared.dead, kept)
     counts = prepared.stats["counts"]
     weighted = bool(counts["scored_by_weights"]) or any(x in SCORED_BY_WEIGHTS for x in prepared.layouts)
     return prepared.records, {"counts": counts, "not_scored": prepared.stats["dead_letters"],
                               "left_out": left_out(counts)}, weighted
 
 
-def _write_input_errors(dead: list[dict[str, Any]], dest: str) -> str:
+def write_input_errors(dead: list[dict[str, Any]], dest: str) -> str:
     """The records a raw input's preprocessing set aside, one JSON line each, as errors.jsonl has them."""
     os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
     with open(dest, "w") as f:

@@ -92,7 +92,48 @@ def test_the_in_process_path_loads_no_beam():
             "        if name.split('.')[0] == 'apache_beam': raise ModuleNotFoundError(name)\n"
             "sys.meta_path.insert(0, NoBeam())\n"
             "import rmflow.rendering.prepare, rmflow.rendering.files, rmflow.eval.evaluation, rmflow.eval.ranking\n"
+            "import rmflow.eval.sets\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('apache_beam', 'rmflow.pipelines')))\n"
             "print(bad); sys.exit(int(bool(bad)))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["hh pairs and bad records", "k responses"])
+def test_a_run_s_raw_eval_set_written_in_process_is_the_beam_job_s_shard_folder(case, shared_data, tokenizer_dir,
+                                                                                 tmp_path):
+    """A train run's raw ``data.eval`` set, written in this process (``rmflow.eval.sets``): the same
+    manifest as the preprocess job writes from the same files and options (its content: all but
+    where it was written), the same records and dead letters, the same tokenizer files."""
+    import dataclasses
+
+    from rmflow.eval.sets import write_shard_folder
+    from rmflow.schemas.manifest import Manifest
+
+    make, options = CASES[case]
+    files = make(shared_data, tmp_path)
+    train = preprocess(PreprocessConfig(inputs=(str(files[0]),), output=str(tmp_path / "train"), tokenizer=tokenizer_dir,
+                                        max_length=256, max_bad_fraction=1.0, **options)).manifest
+    cfg = PreprocessConfig(inputs=tuple(str(f) for f in files), output=str(tmp_path / "beam"),
+                           tokenizer=str(tmp_path / "train" / "tokenizer"), max_length=256, eval_fraction=0.0,
+                           max_bad_fraction=1.0, overwrite=True, **options)
+    job = preprocess(cfg)
+    here = dataclasses.replace(cfg, output=str(tmp_path / "here"))
+    prepared = prepare(here, local_record_tokenizer(here.tokenizer, here.step_separator))
+    ours = write_shard_folder(here.output, prepared, here, dataclasses.replace(train.tokenizer, name=here.tokenizer))
+    assert ours.content_identity() == job.manifest.content_identity()
+    assert Manifest.from_json((tmp_path / "here" / "manifest.json").read_text()) == ours
+
+    def records(folder):
+        paths = [str(folder / s.file) for s in ours.splits["train"].shards]
+        source = grain.sources.ArrayRecordDataSource(paths)
+        return sorted(source[i] for i in range(len(source)))
+
+    assert records(tmp_path / "here") == records(tmp_path / "beam") and records(tmp_path / "here")
+    key = lambda d: (d["source"], d["line"], d["code"])  # noqa: E731
+    errors = [sorted((json.loads(x) for x in (tmp_path / f / "errors.jsonl").read_text().splitlines()), key=key)
+              for f in ("here", "beam")]
+    assert errors[0] == errors[1]
+    for f in sorted((tmp_path / "beam" / "tokenizer").iterdir()):
+        assert (tmp_path / "here" / "tokenizer" / f.name).read_bytes() == f.read_bytes()
+    assert (tmp_path / "here" / "COMPLETED").exists() and not list(tmp_path.glob("here.writing-*"))

@@ -190,14 +190,17 @@ def test_the_preprocess_extra_alone(venvs, tmp_path):
 def test_the_train_extra_alone_then_serve(venvs, demo_shards, tmp_path):
     venv = venvs("train")
     _every_help(venv, tmp_path)
+    with gzip.open(REPO / DEMO, "rt") as f:  # raw files: a named eval set, then eval of them
+        (tmp_path / "raw.jsonl").write_text("".join(itertools.islice(f, 12)))
+    # a raw named eval set is preprocessed in process: no Beam in this environment
     r = _rmflow(venv, "train", "--data", str(demo_shards), "--model", "micro", "-o", str(tmp_path / "run"),
-                "--set", "max_steps=1", "--set", "batch_size=4", cwd=tmp_path)
+                "--set", "max_steps=1", "--set", "batch_size=4", "--data.eval", f"raw={tmp_path / 'raw.jsonl'}",
+                cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert (tmp_path / "run" / "eval_data" / "raw" / "COMPLETED").exists()
     r = _rmflow(venv, "export", str(tmp_path / "run"), "-o", str(tmp_path / "export"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     # eval of a raw JSONL preprocesses it in process: no Beam in this environment
-    with gzip.open(REPO / DEMO, "rt") as f:
-        (tmp_path / "raw.jsonl").write_text("".join(itertools.islice(f, 12)))
     r = _rmflow(venv, "eval", "--model", str(tmp_path / "export"), "--data", str(tmp_path / "raw.jsonl"), "-o",
                 str(tmp_path / "ev"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
