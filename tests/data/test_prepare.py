@@ -107,8 +107,9 @@ def test_a_run_s_raw_eval_set_written_in_process_is_the_beam_job_s_shard_folder(
     where it was written), the same records and dead letters, the same tokenizer files."""
     import dataclasses
 
-    from rmflow.eval.sets import write_shard_folder
     from rmflow.schemas.manifest import Manifest
+
+    from rmflow.eval.sets import write_shard_folder
 
     make, options = CASES[case]
     files = make(shared_data, tmp_path)
