@@ -21,7 +21,7 @@ import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from serve import conversations, default_model, fits  # noqa: E402
+from serve import conversations, default_model, fits
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import pickle
 import time
 
 import numpy as np
-from rmflow.schemas.record import PairRecord, decode, encode  # noqa: E402
+from rmflow.schemas.record import PairRecord, decode, encode
 
 
 def best_of(fn, items, repeat=5) -> float:

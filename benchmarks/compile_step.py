@@ -15,15 +15,15 @@ import dataclasses
 import statistics
 import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from device import CONFIGS  # noqa: E402
-from flax import nnx  # noqa: E402
-from rmflow.schemas.train_config import OptimizerConfig  # noqa: E402
-from rmflow.trainer.modeling import lora  # noqa: E402
-from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
-from rmflow.trainer.modeling.decoder import RewardTransformer  # noqa: E402
-from rmflow.trainer.step import Trainer  # noqa: E402
+import jax
+import jax.numpy as jnp
+from device import CONFIGS
+from flax import nnx
+from rmflow.schemas.train_config import OptimizerConfig
+from rmflow.trainer.modeling import lora
+from rmflow.trainer.modeling.config import ModelConfig
+from rmflow.trainer.modeling.decoder import RewardTransformer
+from rmflow.trainer.step import Trainer
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import vs_trl  # noqa: E402
+import vs_trl
 from bench_common import DEMO_TOKENIZER as TOKENIZER
 from bench_common import REPO
 

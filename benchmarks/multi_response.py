@@ -30,12 +30,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from bench_common import DEMO_TOKENIZER as TOKENIZER
 from bench_common import REPO
-from rmflow.pipelines.preprocess import run as preprocess  # noqa: E402
-from rmflow.schemas.config import EvalConfig, PreprocessConfig  # noqa: E402
-from rmflow.schemas.train_config import TrainConfig  # noqa: E402
-from rmflow.trainer.train import run as train  # noqa: E402
+from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.schemas.config import EvalConfig, PreprocessConfig
+from rmflow.schemas.train_config import TrainConfig
+from rmflow.trainer.train import run as train
 
-from rmflow.eval.evaluation import run_eval  # noqa: E402
+from rmflow.eval.evaluation import run_eval
 
 DATA = REPO.parent / "shared" / "data" / "multi_response" / "rmbench_dev.jsonl.gz"
 FIGURES = ("pair_accuracy", "best_of_k_accuracy", "kendall_tau", "spearman")

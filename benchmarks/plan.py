@@ -13,9 +13,9 @@ import os
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import numpy as np  # noqa: E402
+import numpy as np
 from bench_common import REPO
-from serve import conversations  # noqa: E402
+from serve import conversations
 
 
 def greedy_cut(shapes, lengths):

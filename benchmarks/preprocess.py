@@ -30,11 +30,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from bench_common import DEMO_TOKENIZER as TOKENIZER
 from bench_common import REPO
 from bench_common import SHARED_DATA as DATA
-from rmflow.pipelines.preprocess import run  # noqa: E402
-from rmflow.pipelines.tokenizer_files import load_tokenizer_assets  # noqa: E402
-from rmflow.rendering.formats import BadRecord, detect_format, normalize  # noqa: E402
-from rmflow.rendering.tokenize import build_tokenizer  # noqa: E402
-from rmflow.schemas.config import PreprocessConfig  # noqa: E402
+from rmflow.pipelines.preprocess import run
+from rmflow.pipelines.tokenizer_files import load_tokenizer_assets
+from rmflow.rendering.formats import BadRecord, detect_format, normalize
+from rmflow.rendering.tokenize import build_tokenizer
+from rmflow.schemas.config import PreprocessConfig
 
 DEMO = REPO / "rmflow" / "demo" / "hh_rlhf_helpful_sample.jsonl.gz"
 BATCH = 128

@@ -16,19 +16,19 @@ import statistics
 import tempfile
 import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 from bench_common import DEMO_TOKENIZER as TOKENIZER
 from bench_common import SHARED_DATA as DATA
-from flax import nnx  # noqa: E402
-from rmflow.schemas.train_config import OptimizerConfig  # noqa: E402
-from rmflow.trainer.batching import stack_micro_batches  # noqa: E402
-from rmflow.trainer.data import make_loader  # noqa: E402
-from rmflow.trainer.modeling.attention import attention  # noqa: E402
-from rmflow.trainer.modeling.config import ModelConfig  # noqa: E402
-from rmflow.trainer.modeling.decoder import RewardTransformer  # noqa: E402
-from rmflow.trainer.step import Trainer  # noqa: E402
+from flax import nnx
+from rmflow.schemas.train_config import OptimizerConfig
+from rmflow.trainer.batching import stack_micro_batches
+from rmflow.trainer.data import make_loader
+from rmflow.trainer.modeling.attention import attention
+from rmflow.trainer.modeling.config import ModelConfig
+from rmflow.trainer.modeling.decoder import RewardTransformer
+from rmflow.trainer.step import Trainer
 
 
 def timed(fn, repeat: int) -> float:

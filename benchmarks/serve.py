@@ -40,8 +40,8 @@ import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import numpy as np  # noqa: E402
-import requests  # noqa: E402
+import numpy as np
+import requests
 from bench_common import REPO
 
 DATA = REPO.parent / "shared" / "data" / "hh_helpful_base_test_first2000.jsonl.gz"

@@ -19,17 +19,17 @@ import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import grain  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import grain
+import jax
+import numpy as np
 from bench_common import DEMO_TOKENIZER as TOKENIZER
 from bench_common import SHARED_DATA as DATA
-from rmflow.pipelines.preprocess import run as preprocess  # noqa: E402
-from rmflow.schemas.config import PreprocessConfig  # noqa: E402
-from rmflow.schemas.record import decode  # noqa: E402
-from rmflow.schemas.train_config import TrainConfig  # noqa: E402
-from rmflow.trainer.data import make_loader  # noqa: E402
-from rmflow.trainer.train import run as train  # noqa: E402
+from rmflow.pipelines.preprocess import run as preprocess
+from rmflow.schemas.config import PreprocessConfig
+from rmflow.schemas.record import decode
+from rmflow.schemas.train_config import TrainConfig
+from rmflow.trainer.data import make_loader
+from rmflow.trainer.train import run as train
 
 
 def length_baseline(shards: pathlib.Path) -> tuple[float, int]:

@@ -48,7 +48,7 @@ from bench_common import SHARED_DATA as DATA
 START = time.time()  # this process's start, for a child's end-to-end time
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from vocab import tokenizer_folder  # noqa: E402
+from vocab import tokenizer_folder  # noqa: E402 - after the verbosity is set: it imports transformers
 
 MODES = ("none", "bucket", "pack")
 TINY = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
