@@ -18,7 +18,9 @@ Two steps, because the GPU machine has no Beam and no network:
    - ``kernel``: one layer's attention, forward and backward, on packed rows of real pairs, for
      each packed-row kernel and setting (Pallas block size, Triton warps and pipeline stages; the
      blockwise kernel; cuDNN with the dense mask): milliseconds and attention TFLOP/s; the fastest,
-     with its own settings, goes on to ``speed``;
+     with its own settings, goes on to ``speed``; then the same kernels on long pairs at a larger
+     model's heads (``kernel_long``: two 8k-token pairs, Llama-3.2-3B's 24 query and 8 KV heads of
+     128), where the ``sizes`` part lost its speed;
    - ``speed``: training throughput (real tokens/s, MFU, the attention's and the parameter
      update's shares of the step) with Qwen2.5-0.5B- and SmolLM2-135M-shaped weights at
      max_length 2048 in bfloat16, 32 pairs a step (Qwen2.5-0.5B also 64): ``pack`` with that
@@ -114,6 +116,7 @@ SIZES = {
             "kernel_configs": (("pallas", 64, 4, 2), ("pallas", 64, 4, 3), ("pallas", 64, 4, 4), ("pallas", 64, 8, 3),
                                ("pallas", 128, 4, 3), ("blockwise", 512, None, None), ("cudnn", None, None, None)),
             "kernel_heads": (9, 3, 64),
+            "kernel_long": ((24, 8, 128), 8192, 2),  # Llama-3.2-3B's heads, two 8k-token pairs: a 16k-token row
             "speed_runs": (("Qwen2.5-0.5B", "pack", False, 32), ("Qwen2.5-0.5B", "bucket", False, 32),
                            ("Qwen2.5-0.5B", "pack", False, 64), ("Qwen2.5-0.5B", "bucket", False, 64),
                            ("SmolLM2-135M", "pack", False, 32), ("SmolLM2-135M", "bucket", False, 32),
@@ -138,6 +141,7 @@ SIZES = {
                                   ("pallas", "float32", 100), ("blockwise", "float32", 100, 32, 2.0)),
                  "kernel_configs": (("pallas", 64, None, None), ("blockwise", 64, None, None)),
                  "kernel_heads": (4, 2, 16),
+                 "kernel_long": ((4, 2, 32), 512, 2),
                  "speed_runs": (("toy", "pack", False, 4), ("toy", "bucket", False, 4), ("toy", "pack", True, 4)),
                  "profile_runs": (("toy", False, 4),), "profile_steps": 2,
                  "size_runs": (("toy", 512, 1, "lora16"),),  # LoRA and recomputation; plain full: the speed part
@@ -313,6 +317,21 @@ def part_kernel(ctx: Ctx) -> None:
         ctx.add({"summary": "fastest", "attention": best["attention"], "block": best["block"],
                  "num_warps": best["num_warps"], "num_stages": best["num_stages"], "ms": best["ms"],
                  "others_ms_over_it": {_name(r): r["ms"] / best["ms"] for r in timed if r is not best}})
+    long_units(ctx)
+
+
+def long_units(ctx: Ctx) -> None:
+    """The same kernels and settings on the shape where the sizes part lost its speed: long pairs
+    (``kernel_long``: heads (query, KV, head dim), tokens a pair, pairs a row; synthetic pairs, a
+    prompt of half), rows tagged with the shape; they inform, the plan stays the real pairs'."""
+    import device
+
+    if not ctx.size.get("kernel_long") or ctx.left() < 60:
+        return
+    heads, tokens, pairs = ctx.size["kernel_long"]
+    shape = f"{pairs} pairs of {tokens} tokens, heads {heads[0]}/{heads[1]} of {heads[2]}"
+    device.kernel_sweep(device.synthetic_pairs(tokens, pairs, 1000), pairs, tokens, heads, ctx.size["kernel_configs"],
+                        steps=1, emit=lambda row: ctx.add({"shape": shape, **row}))
 
 
 def _name(row: dict) -> str:

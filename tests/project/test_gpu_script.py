@@ -38,8 +38,11 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     # rmflow as the GPU machine runs it: its wheel, built from this checkout and installed apart
     assert "/site/rmflow/trainer/" in report["rmflow"] and any(w.startswith("rmflow-") for w in report["wheels"])
     # kernel: each packed-row kernel timed alone; the fastest setting goes on to speed
-    kernels = [r for r in parts["kernel"] if "ms" in r and "summary" not in r]
+    kernels = [r for r in parts["kernel"] if "ms" in r and "summary" not in r and "shape" not in r]
     assert {r["attention"] for r in kernels} == {"pallas", "blockwise"} and all(r["ms"] > 0 for r in kernels)
+    long = [r for r in parts["kernel"] if "shape" in r]  # the same kernels on long pairs, tagged
+    assert {r["attention"] for r in long} == {"pallas", "blockwise"} and all(r["ms"] > 0 for r in long)
+    assert "2 pairs of 512 tokens" in long[0]["shape"]
     (plan,) = [r for r in parts["speed"] if r.get("summary") == "plan"]
     assert plan["packing"] in ("pack", "bucket") and plan["scan_layers"] in ("on", "off")
     assert report["plan"]["packing"] == plan["packing"]
