@@ -193,3 +193,31 @@ def test_a_bfloat16_checkpoint_is_read_on_the_host_as_float32(tmp_path):
     for name, value in weights.items():
         assert tensors[name].dtype == np.float32 and isinstance(tensors[name], np.ndarray)
         np.testing.assert_array_equal(tensors[name], value.float().numpy())
+
+
+@pytest.mark.parametrize("head", ["ForSequenceClassification", "ForCausalLM"])
+def test_a_checkpoint_loads_without_drawing_the_weights_it_holds(head, tmp_path, monkeypatch):
+    """The model a checkpoint fills is built abstractly: no weight it holds is first drawn at random
+    (for a causal LM, only its fresh score head is); a variable nothing filled is an error naming it."""
+    import jax
+    from flax import nnx
+    from jax._src import random as jax_random  # what the initializers call
+    from rmflow.trainer.modeling.convert import CheckpointError, check_concrete
+    from rmflow.trainer.modeling.decoder import RewardTransformer
+
+    build_hf("llama", head, tmp_path)
+    drawn = []
+    normal = jax_random.normal
+
+    def recording(key, shape=(), *args, **kwargs):
+        if not isinstance(key, jax.core.Tracer):  # a concrete draw, not an abstract one
+            drawn.append(tuple(shape))
+        return normal(key, shape, *args, **kwargs)
+
+    monkeypatch.setattr(jax_random, "normal", recording)
+    model = load_reward_model(str(tmp_path))
+    hidden = model.config.hidden_size
+    assert drawn == ([] if head == "ForSequenceClassification" else [(hidden, 1)])
+    abstract = nnx.eval_shape(lambda: RewardTransformer(model.config, rngs=nnx.Rngs(0)))
+    with pytest.raises(CheckpointError, match=r"left model\.embed_tokens\.embedding, .* and \d+ more without a value"):
+        check_concrete(abstract, "probe")

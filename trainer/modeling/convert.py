@@ -30,7 +30,7 @@ from rmflow.trainer.modeling.config import (
     head_kind,
     hf_num_labels,
 )
-from rmflow.trainer.modeling.decoder import RewardTransformer
+from rmflow.trainer.modeling.decoder import RewardTransformer, score_layer
 
 IGNORED = ("lm_head.weight",)  # a causal LM's head: not part of a reward model
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
@@ -229,26 +229,30 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
     if head is not None:
         cfg = cfg.with_head(head)
     tensors = stack_experts(split_fused(tensors, cfg), cfg)
-    model = RewardTransformer(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed), attention=attention,
-                              scan_layers=scan_layers)
+    # built abstractly: every weight comes from the checkpoint, so none is drawn at random first
+    model = nnx.eval_shape(lambda: RewardTransformer(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(0),
+                                                     attention=attention, scan_layers=scan_layers))
+    model.model.set_rope_tables(cfg)
+    if not is_classifier:  # a causal LM: a fresh score head, seeded, its bias 0
+        model.score = score_layer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+        if model.score.bias is not None:
+            model.score.bias[...] = jnp.zeros_like(model.score.bias[...])
     state = nnx.state(model, nnx.Param)
     missing, bad_shape, used = [], [], set()
     for path, var in nnx.to_flat_state(state):
         name, transpose = hf_name(path)
         if name.startswith("score.") and not is_classifier:
-            if name == "score.bias":
-                var[...] = jnp.zeros_like(var[...])
-            continue  # fresh head, seeded (bias 0)
+            continue
         if name not in tensors:
             missing.append(name)
             continue
         value = tensors[name].T if transpose else tensors[name]
-        expected = var[...].shape
+        expected = var.get_value().shape  # abstract (a shape and dtype) until set
         if value.shape != expected:
             bad_shape.append(f"{name}: checkpoint {tensors[name].shape}, model expects "
                              f"{expected[::-1] if transpose else expected}")
             continue
-        var[...] = jnp.asarray(value, jnp.float32)
+        var.set_value(jnp.asarray(value, jnp.float32))
         used.add(name)
     unexpected = sorted(set(tensors) - used - set(IGNORED)
                         - {n for n in tensors if n.endswith(IGNORED_SUFFIXES)})
@@ -258,4 +262,18 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
         raise CheckpointError(f"checkpoint {checkpoint} does not match a {cfg.hf_prefix} reward model; "
                               + "; ".join(p for p in parts if p))
     nnx.update(model, state)
+    check_concrete(model, checkpoint)
     return model
+
+
+def check_concrete(model: RewardTransformer, checkpoint: str) -> None:
+    """Every variable of a model built abstractly holds a value: one the checkpoint did not fill
+    and the loader did not compute would otherwise surface as a shape without data at first use."""
+    import jax
+
+    empty = [".".join(map(str, path)) for path, var in nnx.to_flat_state(nnx.state(model))
+             if isinstance(var.get_value(), jax.ShapeDtypeStruct)]
+    if empty:
+        shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise CheckpointError(f"loading {checkpoint} left {shown} without a value: the loader must set every "
+                              "variable the checkpoint does not hold")

@@ -460,16 +460,20 @@ class DecoderModel(nnx.Module):
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None  # Gemma: embeddings times sqrt(hidden)
         self.windows = tuple(dict.fromkeys(cfg.layer_window(i) for i in range(cfg.num_hidden_layers)))
         self.norm = _norm(cfg, cfg.hidden_size, dtype)
-        self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # a constant, not a parameter
-        # Gemma 3: the sliding layers' own RoPE (default, their own base); each layer takes its table
-        self.sliding_inv_freq = nnx.Variable(rope_inv_freq(dataclasses.replace(
-            cfg, rope_type="default", rope_params=(), rope_theta=cfg.sliding_rope_theta))) \
-            if cfg.sliding_rope_theta else None
+        self.set_rope_tables(cfg)
         self.rope_scale = rope_attention_factor(cfg)
         self.sliding_window, self.dtype = cfg.sliding_window, dtype
         self.attention = resolve_attention(attention, dtype, softcap=bool(cfg.attn_logit_softcapping))
         self.remat, self.scan_layers = remat, scan_layers
 
+
+    def set_rope_tables(self, cfg: ModelConfig) -> None:
+        """The RoPE tables, constants computed from the configuration (not parameters): the global
+        layers', and Gemma 3's sliding layers' own (default RoPE, their own base)."""
+        self.inv_freq = nnx.Variable(rope_inv_freq(cfg))
+        self.sliding_inv_freq = nnx.Variable(rope_inv_freq(dataclasses.replace(
+            cfg, rope_type="default", rope_params=(), rope_theta=cfg.sliding_rope_theta))) \
+            if cfg.sliding_rope_theta else None
     def __call__(self, input_ids, positions, segment_ids, branch_ids=None):
         """Hidden states before the final norm, (B, T, H)."""
         x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, len(self.layers))
@@ -516,6 +520,15 @@ class DecoderModel(nnx.Module):
         return (x, stats) if with_router else x
 
 
+def score_layer(cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, init_std: float | None = None) -> nnx.Linear:
+    """A fresh score head: hidden size to the head's outputs (with a bias where the head has one),
+    float32 parameters, its kernel drawn with standard deviation ``init_std`` (default
+    1/sqrt(hidden + 1))."""
+    std = init_std if init_std is not None else 1.0 / math.sqrt(cfg.hidden_size + 1)
+    return nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=cfg.kind.head.bias, dtype=dtype,
+                      param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
 class RewardTransformer(nnx.Module):
     """Decoder + ``score`` head, shaped by the reward model kind of ``cfg.num_labels``
     (``schemas.kinds``): a reward per sequence, or for a process reward model (Hugging Face's
@@ -535,9 +548,7 @@ class RewardTransformer(nnx.Module):
         self.config = cfg
         self.model = DecoderModel(cfg, dtype=dtype, remat=remat, rngs=rngs, attention=attention,
                                   scan_layers=scan_layers)
-        std = score_init_std if score_init_std is not None else 1.0 / math.sqrt(cfg.hidden_size + 1)
-        self.score = nnx.Linear(cfg.hidden_size, cfg.num_labels, use_bias=cfg.kind.head.bias, dtype=dtype,
-                                param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
+        self.score = score_layer(cfg, dtype=dtype, rngs=rngs, init_std=score_init_std)
 
     def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None, *,
                   with_router: bool = False):
