@@ -267,6 +267,12 @@ def bucket_batches(records, batch_size: int, steps: int, max_length: int, packin
     return [collate(window[i * every * batch_size :][:batch_size]) for i in range(steps)]
 
 
+def attention_for(packing: str, packed_attention: str) -> str:
+    """The attention a configuration runs: the packed-row kernel for ``pack``, else cuDNN on a GPU
+    (one sequence a row) or the blockwise kernel."""
+    return packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
+
+
 class Setup(typing.NamedTuple):
     """A configuration ready to step: its model config, trainer, first state, batches, attention
     implementation, non-embedding parameters and the model FLOPs a token costs per parameter."""
@@ -289,7 +295,7 @@ def set_up(name: str, records, packing: str, batch_size: int, steps: int, max_le
     trained. Model FLOPs a token: 6 x parameters, or 4 x with LoRA (a frozen base's weight
     gradients are never computed)."""
     cfg = ModelConfig(**(config or CONFIGS[name]))
-    impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
+    impl = attention_for(packing, packed_attention)
     model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl, scan_layers=scan,
                               remat=remat)
     trainable = nnx.Param
@@ -344,7 +350,7 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
     ``set_up``; ``attended``: the batch's attended query-key pairs (default ``attended_pairs``,
     which builds each row's mask: give a closed form for long rows)."""
     attended = attended or attended_pairs
-    impl = packed_attention if packing == "pack" else "cudnn" if jax.default_backend() == "gpu" else "blockwise"
+    impl = attention_for(packing, packed_attention)
     before = set_kernel(block if impl in ("blockwise", "pallas") else None, *(launch or (None, None)))
     try:
         run = set_up(name, records, packing, batch_size, steps, max_length, packed_attention, config, scan, remat,

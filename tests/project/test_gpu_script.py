@@ -95,8 +95,9 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     assert "## parity" in md and "## real" in md and "| rmflow |" in md
 
 
-def _gpu_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu.py")
+def _script(name: str):
+    """``benchmarks/NAME.py`` loaded by path, as the GPU machine runs it."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -106,7 +107,7 @@ def test_speed_summaries_compare_within_a_model_and_batch_and_plan_on_the_traine
     """pack over bucket (with the same layers) and scanned over unrolled are drawn per (model,
     pairs a step), never across batches; the plan comes from the model the later parts train, at
     its smallest batch that compared them."""
-    gpu = _gpu_script()
+    gpu = _script("gpu")
 
     def row(model, packing, scan, batch, tps):
         return {"model": model, "packing": packing, "scan_layers": scan, "pairs_per_step": batch,
@@ -144,7 +145,7 @@ def test_a_speed_run_that_fails_is_recorded_and_the_next_runs_still_run(tmp_path
     its error; the runs after it are measured and summarised."""
     import types
 
-    gpu = _gpu_script()
+    gpu = _script("gpu")
     calls = []
 
     def throughput(name, records, packing, batch, *args, scan, **kw):
@@ -171,7 +172,7 @@ def test_a_speed_run_that_fails_is_recorded_and_the_next_runs_still_run(tmp_path
 def test_the_real_checkpoints_source_travels_in_pieces_that_join_back(tmp_path):
     """A device call carries at most 64 MiB: the 98 MB GGUF goes in pieces, the first one smaller
     (its call also carries the inputs); joined in order they are the file again."""
-    gpu = _gpu_script()
+    gpu = _script("gpu")
     source = tmp_path / "model.gguf"
     source.write_bytes(os.urandom(10_001))
     pieces = gpu.split_gguf(source, [tmp_path / "a", tmp_path / "b", tmp_path / "c"], first_mb=0.002)
@@ -194,7 +195,7 @@ def test_a_later_call_runs_on_the_plan_an_earlier_call_measured(tmp_path, monkey
     measured, also from a part that ran out of time after measuring them; a part a later call
     could not run keeps the earlier call's rows; a report from another card is not merged."""
     _isolated(monkeypatch)
-    gpu = _gpu_script()
+    gpu = _script("gpu")
     keep = tmp_path / "keep"
     keep.mkdir()
     earlier = {"device": "cpu", "parts": {
@@ -221,7 +222,7 @@ def test_one_checkpointing_setting_rerun_keeps_the_other_settings_rows(tmp_path,
     """``--checkpointing on`` reruns the trl part with checkpointing on only (the child is told so)
     and the kept report's rows measured with it off stay beside the new ones."""
     _isolated(monkeypatch)
-    gpu = _gpu_script()
+    gpu = _script("gpu")
     keep = tmp_path / "keep"
     keep.mkdir()
     off = [{"trainer": "rmflow", "gradient_checkpointing": False, "tokens_per_s": 2.0},
@@ -246,7 +247,7 @@ def test_a_part_out_of_budget_is_stopped_with_everything_it_started(tmp_path, mo
     """At the budget's end the part is stopped (its process group killed, which holds the trainers
     a part starts), and the result says so, with no rows."""
     _isolated(monkeypatch)
-    gpu = _gpu_script()
+    gpu = _script("gpu")
     spec = {"inputs": str(tmp_path), "work": str(tmp_path), "checkpoint": None, "rehearse": True, "plan": {},
             "deadline": 0, "rows_file": str(tmp_path / "rows.jsonl")}
     result = gpu._launch_part("parity", spec, timeout=0.5)  # importing JAX alone takes longer
@@ -264,18 +265,11 @@ def test_inputs_without_rmflows_wheel_are_refused_before_anything_runs(tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-def _device_script():
-    spec = importlib.util.spec_from_file_location("gpu_device", REPO / "benchmarks" / "device.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_synthetic_pairs_attended_count_is_the_masks_and_kernels_are_told_apart():
     """The sizes part counts a long row's attention in closed form (no T x T mask on the device):
     it must equal the mask's count; the profile's categories read kernel names ("convert" is no
     convolution, a Pallas kernel is attention); busy time counts overlapping kernels once."""
-    device = _device_script()
+    device = _script("device")
     from rmflow.trainer.data import PackCollate
 
     for tokens, pairs in ((256, 3), (100, 2), (516, 1)):
@@ -295,7 +289,7 @@ def test_the_synthetic_pairs_attended_count_is_the_masks_and_kernels_are_told_ap
 def test_size_summaries_and_ratios_pair_each_size_with_its_match():
     """The longest pair that fitted per model and training (rmflow's runs only), and rmflow over
     TRL at each size both ran; where one side did not fit, which."""
-    gpu = _gpu_script()
+    gpu = _script("gpu")
 
     def row(trainer, model, training, tokens, fits, tps=None, peak=None):
         return {"trainer": trainer, "model": model, "training": training, "pair_tokens": tokens, "fits": fits,

@@ -27,6 +27,17 @@ from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.objective import OUTCOME
 
 
+def padded_rows(shapes: ScoringShapes, lengths: Sequence[int], pad_id: int, what: str
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, segment ids) of one batch's rows, all padding, in the fixed shape its longest
+    item needs: at most the rows of that length; more items than those is an error."""
+    length = shapes.length_for(max(lengths))
+    if len(lengths) > shapes.rows(length):
+        raise ValueError(f"{len(lengths)} {what} of up to {length} tokens: a batch holds {shapes.rows(length)}")
+    rows = shapes.rows_for(len(lengths), length)
+    return np.full((rows, length), pad_id, np.int32), np.zeros((rows, length), np.int32)
+
+
 class SequenceScorer:
     """An outcome model's forward, jitted once over the shapes of ``ScoringShapes``: ``score``
     cuts any number of token sequences into batches of those shapes and returns the rewards in
@@ -65,14 +76,8 @@ class SequenceScorer:
 
     def run_outputs(self, sequences: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         """Rewards of one batch and, for an attribute head, its outputs (B, N); else None."""
-        length = self.shapes.length_for(max(len(s) for s in sequences))
-        if len(sequences) > self.shapes.rows(length):
-            raise ValueError(f"{len(sequences)} sequences of up to {length} tokens: a batch holds "
-                             f"{self.shapes.rows(length)}")
-        rows = self.shapes.rows_for(len(sequences), length)
-        ids = np.full((rows, length), self.pad_id, np.int32)
-        seg = np.zeros_like(ids)
-        last = np.zeros(rows, np.int32)
+        ids, seg = padded_rows(self.shapes, [len(s) for s in sequences], self.pad_id, "sequences")
+        last = np.zeros(len(ids), np.int32)
         for row, s in enumerate(sequences):
             ids[row, : len(s)], seg[row, : len(s)], last[row] = s, 1, len(s) - 1
         rewards, outputs = self._run_padded(ids, seg, last)
@@ -140,14 +145,8 @@ class StepScorer:
 
     def run(self, solutions: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """P(correct) per step of one batch: at most the rows of the length its longest needs."""
-        length = self.shapes.length_for(max(len(ids) for ids, _ in solutions))
-        if len(solutions) > self.shapes.rows(length):
-            raise ValueError(f"{len(solutions)} solutions of up to {length} tokens: a batch holds "
-                             f"{self.shapes.rows(length)}")
-        rows = self.shapes.rows_for(len(solutions), length)
-        ids = np.full((rows, length), self.pad_id, np.int32)
-        seg = np.zeros_like(ids)
-        idx = np.zeros((rows, max(self.slots(s) for s in solutions)), np.int32)
+        ids, seg = padded_rows(self.shapes, [len(s) for s, _ in solutions], self.pad_id, "solutions")
+        idx = np.zeros((len(ids), max(self.slots(s) for s in solutions)), np.int32)
         for row, (s, ends) in enumerate(solutions):
             ids[row, : len(s)], seg[row, : len(s)], idx[row, : len(ends)] = s, 1, ends
         p = self._run_padded(ids, seg, idx)

@@ -10,6 +10,7 @@ from flax import nnx
 from rmflow.schemas.record import ResponsesRecord
 from rmflow.trainer.data.response_units import ResponsesPackCollate, record_values
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS
+from rmflow.trainer.inference.cores import score_pairs, score_steps
 from rmflow.trainer.inference.programs import _rewards_and_outputs
 from rmflow.trainer.modeling.decoder import RewardTransformer
 
@@ -120,14 +121,10 @@ def response_units(seqs: Sequence[np.ndarray], max_length: int) -> list[np.ndarr
 
 
 def _pair_records(model: RewardTransformer, records, *, batch_size: int, pad_id: int):
-    from rmflow.trainer.inference.cores import score_pairs
-
     return score_pairs(model, records, batch_size=batch_size, pad_id=pad_id)
 
 
 def _step_records(model: RewardTransformer, records, *, batch_size: int, pad_id: int):
-    from rmflow.trainer.inference.cores import score_steps
-
     return score_steps(model, records, batch_size=batch_size, pad_id=pad_id)
 
 

@@ -233,10 +233,8 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
     model = nnx.eval_shape(lambda: RewardTransformer(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(0),
                                                      attention=attention, scan_layers=scan_layers))
     model.model.set_rope_tables(cfg)
-    if not is_classifier:  # a causal LM: a fresh score head, seeded, its bias 0
+    if not is_classifier:  # a causal LM: a fresh score head, seeded (its bias, if any, 0)
         model.score = score_layer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-        if model.score.bias is not None:
-            model.score.bias[...] = jnp.zeros_like(model.score.bias[...])
     state = nnx.state(model, nnx.Param)
     missing, bad_shape, used = [], [], set()
     for path, var in nnx.to_flat_state(state):
