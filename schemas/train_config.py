@@ -24,7 +24,8 @@ from rmflow.schemas.sources import (
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
-PACKING = ("auto", "none", "bucket", "pack")
+PACKING = ("auto", "none", "bucket", "pack", "fixed")
+PACKED = ("pack", "fixed")  # the modes whose rows hold several units (attention with branches and segments)
 SCAN_LAYERS = ("auto", "on", "off")
 ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas")
 DISTRIBUTED = ("auto", "on", "off")
@@ -78,12 +79,18 @@ class DataConfig(Config):
     max_length: int = option(0, "Longest sequence (a prompt and one reply, in tokens) the run accepts; its batch rows "
                                 "are built for it, and a longer record stops the run. 0 = the shards' max_length "
                                 "(preprocess --max-length).")
-    packing: str = option("auto", "How pairs become rows: pack (each pair's prompt once and both replies, packed into "
-                                  "one row per device, no padding between pairs), bucket (one sequence a row, pairs "
-                                  "of similar length batched together), none (one sequence a row, shuffled, padded "
-                                  "to a power of two), or auto: pack on CPU and on one GPU, bucket over several GPUs "
-                                  "(the pallas kernels are not partitioned yet) and on TPU (whose splash attention "
-                                  "cannot express the shared prompt).")
+    packing: str = option("auto", "How pairs become rows: fixed (each pair's prompt once and both replies, packed "
+                                  "into one row per device of one fixed length, row_tokens, filled from the stream: "
+                                  "one compiled step a run, a step holding batch_size pairs on average), pack (the "
+                                  "same units, exactly batch_size pairs a step, the rows as long as they need, "
+                                  "rounded to a handful of lengths), bucket (one sequence a row, pairs of similar "
+                                  "length batched together), none (one sequence a row, shuffled, padded to a power of "
+                                  "two), or auto: fixed on CPU and on one GPU, bucket over several GPUs (the pallas "
+                                  "kernels are not partitioned yet) and on TPU (whose splash attention cannot "
+                                  "express the shared prompt).")
+    row_tokens: int = option(0, "Tokens of each row in packing fixed; 0 = chosen from the data: the rows of a step "
+                                "hold batch_size records of the data's mean length (sampled at the start), and a row "
+                                "never less than the longest record the shards can hold.")
     workers: int = option(0, "Grain worker processes decoding records; 0 = in the training process.", resume_free=True)
 
     def __post_init__(self) -> None:
@@ -95,6 +102,7 @@ class DataConfig(Config):
             raise ConfigError(str(e)) from e
         check_int(self.max_length, "max_length", 0)
         check_int(self.workers, "workers", 0)
+        check_int(self.row_tokens, "row_tokens", 0)
         _one_of(self.packing, "packing", PACKING)
 
     def max_length_over(self, shards: int) -> int:

@@ -19,7 +19,7 @@ from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.manifest import COMPLETED_FILE, MANIFEST_FILE, TOKENIZER_DIR, Manifest, ManifestError
 from rmflow.schemas.outputs import check_replaceable
 from rmflow.schemas.presets import is_preset
-from rmflow.schemas.train_config import TrainConfig
+from rmflow.schemas.train_config import PACKED, TrainConfig
 from rmflow.trainer import storage
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.modeling import lora
@@ -104,7 +104,7 @@ def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, head:
     which ``attention: auto`` is resolved (None: one sequence a row, as scoring has them)."""
     dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
     arch = preset_config if is_preset(cfg.model.path) else read_config(resolve(cfg.model.path))[0]
-    attention = resolve_attention(cfg.model.attention, dtype, jax.default_backend(), packed=packing == "pack",
+    attention = resolve_attention(cfg.model.attention, dtype, jax.default_backend(), packed=packing in PACKED,
                                   softcap=bool(arch.attn_logit_softcapping),
                                   devices=devices)
     if is_preset(cfg.model.path):

@@ -16,12 +16,15 @@ import os
 import warnings
 from collections.abc import Mapping
 
+import numpy as np
+
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.kinds import OUTCOME, RESPONSES, kind_named
 from rmflow.schemas.manifest import MANIFEST_FILE, Manifest, ManifestError
 from rmflow.schemas.sources import DataSource
 from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.data import count_records, lengths_per_doubling, resolve_packing
+from rmflow.trainer.data.rows import RowShape, row_shape_for, target_tokens
 from rmflow.trainer.errors import TrainError
 from rmflow.trainer.model_setup import (
     check_same_preprocessing,
@@ -57,6 +60,7 @@ class RunPlan:
     train_rounding: int  # lengths per doubling of the train loader's rows (``lengths_per_doubling``)
     eval_rounding: dict[str, int]  # of each eval set's loader
     pad_id: int
+    row_shape: RowShape | None = None  # packing ``fixed``: every train and eval micro-batch's shape
 
     @property
     def mixture(self) -> bool:
@@ -128,13 +132,54 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     eval_rounding = {name: lengths_per_doubling(-(-(count_records(paths) // processes) // local_batch)
                                                 * len(evaluations), backend)
                      for name, paths in eval_sets.items()}
+    packing = resolve_packing(cfg.data.packing, backend, math.prod(mesh_shape.values()))
+    pad_id = manifest.tokenizer.pad_token_id or 0
+    rows = shards // processes
+    row_shape = None
+    if packing == "fixed":
+        row_shape = fixed_row_shape(cfg, objective, train_sets, [s.weight for s in sources], eval_sets,
+                                    local_batch=local_batch, rows=rows, max_length=max_length, pad_id=pad_id)
     return RunPlan(cfg=cfg, sources=sources, manifests=tuple(manifests), manifest=manifest, primary=primary,
                    max_length=max_length, objective=objective, train_sets=train_sets, train_units=train_units,
-                   eval_sets=eval_sets, data_evals=data_evals, rows=shards // processes, local_batch=local_batch,
-                   packing=resolve_packing(cfg.data.packing, backend,
-                                           math.prod(mesh_shape.values())), total_steps=total_steps,
+                   eval_sets=eval_sets, data_evals=data_evals, rows=rows, local_batch=local_batch,
+                   packing=packing, total_steps=total_steps,
                    evaluations=evaluations, train_rounding=lengths_per_doubling(total_steps, backend),
-                   eval_rounding=eval_rounding, pad_id=manifest.tokenizer.pad_token_id or 0)
+                   eval_rounding=eval_rounding, pad_id=pad_id, row_shape=row_shape)
+
+
+SIZE_SAMPLE = 1024  # records whose units size a fixed row (evenly spaced over the training data)
+
+
+def fixed_row_shape(cfg: TrainConfig, objective: Objective, train_sets, weights, eval_sets: Mapping[str, list[str]],
+                    *, local_batch: int, rows: int, max_length: int, pad_id: int) -> RowShape:
+    """The one micro-batch shape of a run in packing ``fixed`` (``trainer.data.rows.row_shape_for``):
+    its units sized on ``SIZE_SAMPLE`` records spread evenly over the training sets (a mixture's
+    by weight). A row holds the longest unit of the training and eval sets: the longest one
+    ``max_length`` allows (a pair's two sequences whole, one solution) when the row is as long
+    anyway, else the longest the records' headers give (a pair's two sequences, a solution, a
+    prompt and its K responses)."""
+    import grain
+    from rmflow.schemas.record import decode, peek_lengths
+
+    collate = objective.packed(local_batch, max_length, pad_id, rows)
+    sizes = []
+    total = sum(weights)
+    for paths, weight in zip(train_sets, weights):
+        source = grain.sources.ArrayRecordDataSource(list(paths))
+        n = max(16, round(SIZE_SAMPLE * weight / total))
+        for i in sorted({int(x) for x in np.linspace(0, len(source) - 1, min(n, len(source)))}):
+            sizes.append(collate.size(decode(source[i])))
+    wanted = cfg.data.row_tokens or target_tokens(sizes, batch_size=local_batch, rows=rows)
+    bound = None if objective.kind.name == RESPONSES.name else max_length * (2 if objective.kind.pairwise else 1)
+    if bound is not None and wanted >= bound:
+        longest = bound
+    else:  # every record's header: (chosen, rejected) tokens, a solution's (tokens, 0), a unit's (tokens, 0)
+        longest = max(sum(peek_lengths(source[i])) for paths in (*train_sets, *eval_sets.values())
+                      for source in [grain.sources.ArrayRecordDataSource(list(paths))] for i in range(len(source)))
+    try:
+        return row_shape_for(sizes, batch_size=local_batch, rows=rows, longest=longest, row_tokens=cfg.data.row_tokens)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
 
 
 def other_kind(name: str, named: str, training: str) -> str:

@@ -109,7 +109,9 @@ class Run:
                            num_epochs=None if train else 1, shuffle=train,
                            worker_count=self.cfg.data.workers if workers is None else workers,
                            pad_id=plan.pad_id, packing=plan.packing, rows=plan.rows, objective=self.objective,
-                           weights=weights, per_doubling=per_doubling))
+                           weights=weights, per_doubling=per_doubling,
+                           **({"row_tokens": plan.row_shape.tokens, "row_slots": plan.row_shape.slots}
+                              if plan.row_shape else {})))
 
     def to_device(self, micro: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         """Each process's micro-batches become its slice of the global batch (rows split over

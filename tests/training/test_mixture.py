@@ -163,8 +163,9 @@ def test_a_mixture_trains_logs_each_set_and_resumes_exactly_after_kill_9(sets, t
     assert timing_free[0] == timing_free[1]
 
     history = straight.history
-    for h in history:  # 6 steps of 8 pairs: 36 from a, 12 from b in every window
-        assert (h["pairs/a"], h["pairs/b"]) == (36, 12) and h["pairs"] == 48
+    for h in history:  # 6 steps of 8 pairs on average (fixed rows): 3/4 of them from a
+        assert h["pairs/a"] + h["pairs/b"] == h["pairs"] and 0.6 < h["pairs/a"] / h["pairs"] < 0.9
+    assert 0.8 < sum(h["pairs"] for h in history) / (24 * 8) < 1.25
     last = history[-1]
     assert last["eval/a/pairs"] + last["eval/b/pairs"] == last["eval_pairs"] > 0
     n = last["eval_pairs"]

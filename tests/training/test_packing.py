@@ -406,8 +406,8 @@ def test_auto_packing_and_attention_resolve_by_backend():
     from rmflow.trainer.data import resolve_packing
     from rmflow.trainer.modeling.attention import resolve_attention
 
-    assert [resolve_packing("auto", b) for b in ("cpu", "gpu", "tpu")] == ["pack", "pack", "bucket"]
-    assert [resolve_packing("auto", b, 8) for b in ("cpu", "gpu", "tpu")] == ["pack", "bucket", "bucket"]
+    assert [resolve_packing("auto", b) for b in ("cpu", "gpu", "tpu")] == ["fixed", "fixed", "bucket"]
+    assert [resolve_packing("auto", b, 8) for b in ("cpu", "gpu", "tpu")] == ["fixed", "bucket", "bucket"]
     assert resolve_packing("none", "gpu") == "none"
     assert resolve_attention("auto", jnp.float32, "cpu") == "blockwise"
     assert resolve_attention("auto", jnp.float32, "cpu", packed=True) == "blockwise"
@@ -428,7 +428,7 @@ def test_auto_packing_and_attention_resolve_by_backend():
 
 
 @pytest.mark.parametrize("devices,dtype,packing,attention", [
-    (1, "bfloat16", "pack", "pallas"), (1, "float32", "pack", "pallas"),
+    (1, "bfloat16", "fixed", "pallas"), (1, "float32", "fixed", "pallas"),
     (8, "bfloat16", "bucket", "cudnn"), (8, "float32", "bucket", "blockwise")])
 def test_a_run_on_gpus_packs_and_builds_its_model_with_the_attention_for_its_rows(monkeypatch, devices, dtype, packing,
                                                                                   attention):

@@ -47,7 +47,7 @@ def synthetic(tmp_path_factory, tokenizer_dir):
 
 def config(data, out, **kw):
     """A run on ``data``: ``kw`` over these options (a section given as a mapping updates that section's)."""
-    base = {"data": str(data), "model": "micro", "output": str(out), "batch_size": 16, "seed": 0,
+    base = {"data": data if isinstance(data, dict) else str(data), "model": "micro", "output": str(out), "batch_size": 16, "seed": 0,
             "optimizer": {"learning_rate": 1e-3}, "logging": {"steps": 10}}
     for key, value in kw.items():
         base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and isinstance(value, dict) else value
@@ -58,10 +58,9 @@ def config(data, out, **kw):
 
 
 def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
-    """``lengths_per_doubling`` decides each loader's rounding: a short run's rows are powers of
-    two (few programs to compile), a long
-    run's one of 8 lengths per doubling (little padding); an eval set's, its batches times the
-    run's evaluations."""
+    """In packing ``pack``, ``lengths_per_doubling`` decides each loader's rounding: a short run's
+    rows are powers of two (few programs to compile), a long run's one of 8 lengths per doubling
+    (little padding); an eval set's, its batches times the run's evaluations."""
     from rmflow.trainer.train import Run
 
     def lengths(run, in_training):
@@ -71,9 +70,10 @@ def test_a_run_rounds_rows_as_finely_as_its_steps_repay(synthetic, tmp_path):
     def pow2(n):
         return n & (n - 1) == 0
 
-    short = Run(config(synthetic, tmp_path / "s", max_steps=6, eval_steps=3))
+    pack = {"train": str(synthetic), "packing": "pack"}
+    short = Run(config(pack, tmp_path / "s", max_steps=6, eval_steps=3))
     assert all(pow2(n) for n in lengths(short, True) + lengths(short, False))
-    long = Run(config(synthetic, tmp_path / "l", max_steps=2000, eval_steps=5))  # 400 evaluations of 5 batches
+    long = Run(config(pack, tmp_path / "l", max_steps=2000, eval_steps=5))  # 400 evaluations of 5 batches
     for in_training in (True, False):
         got = lengths(long, in_training)
         assert not all(pow2(n) for n in got) and all(n % 16 == 0 for n in got), got  # 8 per doubling of 128
@@ -93,7 +93,7 @@ def test_a_run_is_planned_without_a_device(synthetic, tmp_path):
     assert cpu.total_steps == gpu.total_steps == 2000 and cpu.evaluations == frozenset(range(5, 2001, 5))
     assert (cpu.train_rounding, gpu.train_rounding) == (8, 2) and (cpu.eval_rounding, gpu.eval_rounding) == ({"": 8},
             {"": 2})
-    assert (cpu.packing, gpu.packing) == ("pack", "bucket")
+    assert (cpu.packing, gpu.packing) == ("fixed", "bucket")
     assert (cpu.rows, cpu.local_batch, gpu.rows, gpu.local_batch) == (1, 16, 4, 8)
     with pytest.raises(TrainError, match=r"batch_size 16 must be a multiple of the 32 batch shards \(mesh data x fsdp x expert = 8 x 4 x 1\)"):
         plan_run(cfg, mesh_shape={"data": 8, "fsdp": 4, "tensor": 1}, processes=1, backend="gpu")
@@ -120,7 +120,7 @@ def test_a_run_plans_with_its_own_mesh_and_backend(synthetic, tmp_path, monkeypa
     assert run.plan.train_rounding == 8
 
 
-@pytest.mark.parametrize("devices,packing", [(1, "pack"), (8, "bucket")])
+@pytest.mark.parametrize("devices,packing", [(1, "fixed"), (8, "bucket")])
 def test_a_run_builds_its_model_for_the_rows_its_packing_makes(synthetic, tmp_path, monkeypatch, devices, packing):
     """The run hands the model builder its resolved packing and its mesh's size, from which
     ``attention: auto`` is resolved (``setup.base_model``): on one GPU packed rows and the Pallas

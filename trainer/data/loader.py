@@ -9,14 +9,17 @@ shuffled, mixed, batched; an ``IterDataset`` to iterate): ArrayRecord shards to 
 * ``bucket``: the same rows, but the pairs of a micro-batch have similar lengths
   (``trainer.data.bucketing``), and rows are padded to a finer set of lengths.
 * ``pack``: each pair packed as one unit (prompt once, both replies) into ``rows`` long rows
-  with no padding between pairs (``trainer.data.packing``).
+  with no padding between pairs (``trainer.data.packing``), ``batch_size`` pairs a micro-batch.
+* ``fixed``: the same units, in ``rows`` rows of one fixed length (``row_tokens``) filled from
+  the stream (``trainer.data.rows``): one shape a run, ``batch_size`` pairs a micro-batch on
+  average.
 
 Stepwise solutions (process reward models) are collated by ``trainer.data.steps`` in the same
 modes: one solution a row, or packed (each reward model kind's collations are its objective's,
 ``trainer.objective``).
 
-In every mode a micro-batch holds exactly ``batch_size`` pairs (solutions) (fewer only at the end of a
-finite pass, the rest weight 0) and the loader's state, checkpointed with the run, resumes on
+In every mode but ``fixed`` a micro-batch holds exactly ``batch_size`` pairs (solutions) (fewer only at
+the end of a finite pass, the rest weight 0); in every mode the loader's state, checkpointed with the run, resumes on
 exactly the next batch. Records are decoded (and CRC-checked) in Grain's worker processes.
 Every position of the stream maps to one record by a pure function of the seed, the sets'
 sizes and weights and the position, so no sampler's state or repr is checked on a restore.
@@ -30,10 +33,11 @@ from collections.abc import Sequence
 
 import grain
 from rmflow.schemas.record import PairRecord, StepRecord, decode
-from rmflow.schemas.train_config import PACKING
+from rmflow.schemas.train_config import PACKED, PACKING
 from rmflow.trainer.data.bucketing import LengthBuckets
 from rmflow.trainer.data.collate import FINEST
 from rmflow.trainer.data.mixture import LabelledBatch
+from rmflow.trainer.data.rows import WINDOW_BATCHES, FixedRows, RowShape
 
 if typing.TYPE_CHECKING:
     from rmflow.trainer.objective import Objective
@@ -65,7 +69,7 @@ class Tag(grain.transforms.Map):
 
 
 def resolve_packing(packing: str, backend: str, devices: int = 1) -> str:
-    """``auto`` -> ``pack`` on CPU and on one GPU (each prompt computed once, no padding between
+    """``auto`` -> ``fixed`` on CPU and on one GPU (each prompt computed once, no padding between
     pairs; on the GPU with the Pallas kernels, ``resolve_attention``), ``bucket`` over several
     GPUs (the Pallas kernels have no partitioning rule yet; cuDNN's fused attention takes one
     sequence a row) and on TPU, whose splash attention takes no run-time mask that could express
@@ -75,7 +79,7 @@ def resolve_packing(packing: str, backend: str, devices: int = 1) -> str:
         raise ValueError(f"packing {packing!r}: use one of {PACKING}")
     if packing != "auto":
         return packing
-    return "pack" if backend == "cpu" or (backend == "gpu" and devices == 1) else "bucket"
+    return "fixed" if backend == "cpu" or (backend == "gpu" and devices == 1) else "bucket"
 
 
 def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int,
@@ -88,7 +92,7 @@ def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, r
 
         objective = OUTCOME
     padded, packed = objective.padded, objective.packed
-    if packing == "pack":
+    if packing in PACKED:  # fixed: the packed collation's ``size`` and ``layout``
         return packed(batch_size, max_length, pad_id, rows, per_doubling=per_doubling)
     if packing in ("none", "bucket"):
         return padded(batch_size, max_length, pad_id, lengths="pow2" if packing == "none" else "fine",
@@ -164,6 +168,12 @@ class LoaderSpec:
     objective: Objective | None = None  # what the records train (``trainer.objective``); None: pairs
     weights: Sequence[float] | None = None
     per_doubling: int = FINEST
+    row_tokens: int = 0  # ``fixed``: tokens a row (``trainer.data.rows.row_shape_for``)
+    row_slots: int = 0  # ``fixed``: unit slots a row
+
+    @property
+    def row_shape(self) -> RowShape:
+        return RowShape(self.rows, self.row_tokens, self.row_slots)
 
 
 def make_loader(shard_paths: Sequence[str], spec: LoaderSpec) -> grain.IterDataset:
@@ -186,15 +196,26 @@ def make_loader(shard_paths: Sequence[str], spec: LoaderSpec) -> grain.IterDatas
             raise ValueError("a mixture is drawn endlessly and shuffled (num_epochs=None, shuffle=True)")
         ds = mixed_stream([grain.sources.ArrayRecordDataSource(list(paths)) for paths in shard_paths], spec.weights,
                           shard=where, seed=spec.seed)
-        decode_op, collate = DecodeLabelled(), LabelledBatch(collate, len(shard_paths))
+        decode_op = DecodeLabelled()
+        if spec.packing != "fixed":  # FixedRows counts a mixture's sets itself
+            collate = LabelledBatch(collate, len(shard_paths))
+    if spec.packing == "fixed":  # records decoded in order (in the workers, if any), laid out here
+        shape = spec.row_shape
+        return FixedRows(_workers(ds.map(decode_op).to_iter_dataset(READ_OPTIONS), spec.worker_count), shape=shape,
+                         size=collate.size, layout=collate.layout(shape.tokens, shape.slots),
+                         window=WINDOW_BATCHES * spec.batch_size, labels=len(shard_paths) if spec.weights else 0)
     if spec.packing == "bucket":
         ds = LengthBuckets(ds, batch_size=spec.batch_size, window=BUCKET_WINDOW, seed=spec.seed)
     ds = ds.map(decode_op).batch(spec.batch_size, drop_remainder=False, batch_fn=collate)
-    out = ds.to_iter_dataset(READ_OPTIONS)
-    if spec.worker_count:
-        from absl import flags
+    return _workers(ds.to_iter_dataset(READ_OPTIONS), spec.worker_count)
 
-        if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we do not run under absl.app
-            flags.FLAGS.mark_as_parsed()
-        out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=spec.worker_count))
-    return out
+
+def _workers(ds: grain.IterDataset, count: int) -> grain.IterDataset:
+    """``ds`` computed in ``count`` worker processes (0: in this one)."""
+    if not count:
+        return ds
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we do not run under absl.app
+        flags.FLAGS.mark_as_parsed()
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=count))

@@ -79,12 +79,29 @@ class PackCollate:
         units = [pack_unit(r) for r in records]
         placement = assign_rows([len(u.ids) for u in units], self.rows)
         length = fine_length(max(sum(len(units[i].ids) for i in row) for row in placement), self.per_doubling)
-        k = self.batch_size
-        ids = np.full((self.rows, length), self.pad_id, np.int32)
-        pos = np.zeros((self.rows, length), np.int32)
-        seg = np.zeros((self.rows, length), np.int32)
-        br = np.zeros((self.rows, length), np.int32)
-        index = np.zeros((self.rows, 2 * k), np.int32)
+        return self._lay_out(records, units, placement, length, self.batch_size)
+
+    def size(self, r: PairRecord) -> tuple[int, int]:
+        """A pair's unit in a row: (its tokens, 1 pair slot) (``trainer.data.rows``)."""
+        check_fits(max(len(r.chosen_ids), len(r.rejected_ids)), self.max_length)
+        return len(pack_unit(r).ids), 1
+
+    def layout(self, length: int, slots: int):
+        """The collation of pairs already placed in rows (``trainer.data.rows``): ``length``
+        tokens and ``slots`` pair slots a row."""
+        def lay_out(records: Sequence[PairRecord], placement: list[list[int]]) -> dict[str, np.ndarray]:
+            return self._lay_out(records, [pack_unit(r) for r in records], placement, length, slots)
+
+        return lay_out
+
+    def _lay_out(self, records: Sequence[PairRecord], units: list[Unit], placement: list[list[int]], length: int,
+                 k: int) -> dict[str, np.ndarray]:
+        rows = len(placement)
+        ids = np.full((rows, length), self.pad_id, np.int32)
+        pos = np.zeros((rows, length), np.int32)
+        seg = np.zeros((rows, length), np.int32)
+        br = np.zeros((rows, length), np.int32)
+        index = np.zeros((rows, 2 * k), np.int32)
         order = []  # the pair slot (row * k + j) of each record
         for row, members in enumerate(placement):
             start = 0
@@ -96,7 +113,7 @@ class PackCollate:
                 index[row, 2 * j : 2 * j + 2] = (start + u.chosen_at, start + u.rejected_at)
                 order.append((row * k + j, i))
                 start = end
-        slots = pair_arrays([], self.rows * k)
+        slots = pair_arrays([], rows * k)
         pair_slot = np.zeros(len(records), np.int32)
         for slot, i in order:
             slots["margin"][slot] = records[i].margin or 0.0

@@ -78,10 +78,11 @@ def _arrays(rows: int, length: int, slots: int, pad_id: int, attributes: int) ->
 
 
 def _collate(records: Sequence[ResponsesRecord], placement: list[list[int]], length_of, pad_id: int,
-             attributes: bool = True) -> dict[str, np.ndarray]:
+             attributes: bool = True, slots: int = 0) -> dict[str, np.ndarray]:
+    """``slots``: response slots a row (0: the power of two, from 8, that holds the fullest row's)."""
     units = [responses_unit(r) for r in records]
     length = length_of(max(sum(len(units[i].ids) for i in row) for row in placement))
-    slots = step_slots(max(sum(records[i].k for i in row) for row in placement))
+    slots = slots or step_slots(max(sum(records[i].k for i in row) for row in placement))
     n_attr = {r.attributes.shape[1] for r in records} if attributes else {0}
     if len(n_attr) > 1:
         raise ValueError(f"records of one batch keep different numbers of attribute ratings {sorted(n_attr)}: "
@@ -150,6 +151,19 @@ class ResponsesPackCollate:
         _fits(records, self.max_length)
         placement = assign_rows([r.unit_len for r in records], self.rows)
         return _collate(records, placement, lambda n: fine_length(n, self.per_doubling), self.pad_id, self.attributes)
+
+    def size(self, r: ResponsesRecord) -> tuple[int, int]:
+        """A record's unit in a row: (its tokens, its responses' slots) (``trainer.data.rows``)."""
+        _fits([r], self.max_length)
+        return r.unit_len, r.k
+
+    def layout(self, length: int, slots: int):
+        """The collation of records already placed in rows (``trainer.data.rows``): ``length``
+        tokens and ``slots`` response slots a row."""
+        def lay_out(records: Sequence[ResponsesRecord], placement: list[list[int]]) -> dict[str, np.ndarray]:
+            return _collate(records, placement, lambda n: length, self.pad_id, self.attributes, slots)
+
+        return lay_out
 
 
 def units_in_rows(records: Sequence[ResponsesRecord], rows: int, length: int, pad_id: int = 0

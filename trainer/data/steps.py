@@ -96,18 +96,36 @@ class StepPackCollate:
         placement = assign_rows([len(r.input_ids) for r in records], self.rows)
         length = fine_length(max(sum(len(records[i].input_ids) for i in row) for row in placement), self.per_doubling)
         slots = step_slots(max(sum(len(records[i].step_ends) for i in row) for row in placement))
-        b = _arrays(self.rows, length, slots, self.pad_id)
-        record_steps = np.zeros((len(records), 3), np.int32)
-        for row, members in enumerate(placement):
-            start = first = 0
-            for j, i in enumerate(members):
-                r = records[i]
-                _place(b, row, start, first, j + 1, r)
-                record_steps[i] = (row, first, len(r.step_ends))
-                start += len(r.input_ids)
-                first += len(r.step_ends)
-        real = sum(len(r.input_ids) for r in records)
-        return {**b, "record_steps": record_steps, "real_tokens": np.int64(real), "computed_tokens": np.int64(real)}
+        return _lay_out(records, placement, length, slots, self.pad_id)
+
+    def size(self, r: StepRecord) -> tuple[int, int]:
+        """A solution in a row: (its tokens, its steps' slots) (``trainer.data.rows``)."""
+        check_fits(len(r.input_ids), self.max_length)
+        return len(r.input_ids), len(r.step_ends)
+
+    def layout(self, length: int, slots: int):
+        """The collation of solutions already placed in rows (``trainer.data.rows``): ``length``
+        tokens and ``slots`` step slots a row."""
+        def lay_out(records: Sequence[StepRecord], placement: list[list[int]]) -> dict[str, np.ndarray]:
+            return _lay_out(records, placement, length, slots, self.pad_id)
+
+        return lay_out
+
+
+def _lay_out(records: Sequence[StepRecord], placement: list[list[int]], length: int, slots: int, pad_id: int
+             ) -> dict[str, np.ndarray]:
+    b = _arrays(len(placement), length, slots, pad_id)
+    record_steps = np.zeros((len(records), 3), np.int32)
+    for row, members in enumerate(placement):
+        start = first = 0
+        for j, i in enumerate(members):
+            r = records[i]
+            _place(b, row, start, first, j + 1, r)
+            record_steps[i] = (row, first, len(r.step_ends))
+            start += len(r.input_ids)
+            first += len(r.step_ends)
+    real = sum(len(r.input_ids) for r in records)
+    return {**b, "record_steps": record_steps, "real_tokens": np.int64(real), "computed_tokens": np.int64(real)}
 
 
 def record_step_values(values: np.ndarray, record_steps: np.ndarray) -> list[np.ndarray]:

@@ -15,6 +15,7 @@ from rmflow.schemas.kinds import PROCESS, RESPONSES
 from rmflow.schemas.record import PairRecord, ResponsesRecord, StepRecord
 from rmflow.trainer.data import PackCollate, StepPackCollate
 from rmflow.trainer.data.response_units import record_values, units_in_rows
+from rmflow.trainer.data.rows import WINDOW_BATCHES, packed_batches, row_shape_for
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
 from rmflow.trainer.inference.programs import (
     _packed_pair_rewards,
@@ -178,35 +179,49 @@ def score_sequences(model: RewardTransformer, sequences: Sequence[np.ndarray], *
     return SequenceScorer(model, shapes, pad_id=pad_id).score(sequences, progress)
 
 
+def record_batches(collate, records: Sequence, *, batch_size: int = 0, row_tokens: int = 0):
+    """``records`` packed as training packs them (``collate``: a kind's packed collation, its
+    ``size`` and ``layout``), in rows of one shape so that scoring them compiles one program:
+    one row holding ``batch_size`` records on average, or ``row_tokens`` tokens (at least the
+    longest record's unit). Yields (batch, the records' indices in the batch's order)."""
+    sizes = [collate.size(r) for r in records]
+    longest = max(t for t, _ in sizes)
+    shape = row_shape_for(sizes, batch_size=max(batch_size, 1), rows=1, longest=longest,
+                          row_tokens=max(row_tokens, longest) if row_tokens else 0)
+    lay_out = collate.layout(shape.tokens, shape.slots)
+    for placement in packed_batches(sizes, shape, WINDOW_BATCHES * max(batch_size, 1)):
+        order = [i for row in placement for i in row]
+        local = {i: k for k, i in enumerate(order)}
+        yield lay_out([records[i] for i in order], [[local[i] for i in row] for row in placement]), order
+
+
 def score_pairs(model: RewardTransformer, records: Sequence[PairRecord], *, batch_size: int = SCORING_BATCH_SIZE,
                 max_length: int | None = None, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Rewards of chosen and rejected for each record, in order: the records packed as in
-    training (``PackCollate``, one row) and scored by the same ``pair_rewards``."""
+    training (``PackCollate``, one row of one length for all: ``record_batches``) and scored
+    by the same ``pair_rewards``."""
     longest = max(max(len(r.chosen_ids), len(r.rejected_ids)) for r in records)
     collate = PackCollate(batch_size, max(max_length or 0, longest), pad_id)
     graphdef, state = nnx.split(model)
-    rc, rr = [], []
-    for i in range(0, len(records), batch_size):
-        chunk = records[i : i + batch_size]
-        b = collate(chunk)
+    chosen, rejected = np.zeros(len(records), np.float32), np.zeros(len(records), np.float32)
+    for b, order in record_batches(collate, records, batch_size=batch_size):
         c, r = (np.asarray(x) for x in _packed_pair_rewards(graphdef, state, {k: b[k] for k in OUTCOME.device_keys}))
-        rc.append(c[b["pair_slot"]])
-        rr.append(r[b["pair_slot"]])
-    return np.concatenate(rc), np.concatenate(rr)
-
+        chosen[order], rejected[order] = c[b["pair_slot"]], r[b["pair_slot"]]
+    return chosen, rejected
 
 
 def score_steps(model: RewardTransformer, records: Sequence[StepRecord], *, batch_size: int = SCORING_BATCH_SIZE,
                 max_length: int | None = None, pad_id: int = 0) -> list[np.ndarray]:
     """P(correct) of each step of each record, in order: the records packed as in training
-    (``StepPackCollate``, one row) and scored by the model's step logits."""
+    (``StepPackCollate``, one row of one length for all: ``record_batches``) and scored by the
+    model's step logits."""
     longest = max(len(r.input_ids) for r in records)
     collate = StepPackCollate(batch_size, max(max_length or 0, longest), pad_id)
     graphdef, state = nnx.split(model)
-    out: list[np.ndarray] = []
-    for i in range(0, len(records), batch_size):
-        b = collate(records[i : i + batch_size])
+    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(records)
+    for b, order in record_batches(collate, records, batch_size=batch_size):
         p = np.asarray(_step_probabilities(graphdef, state, *(b[k] for k in (
             "input_ids", "positions", "segment_ids", "reward_index", "branch_ids"))))
-        out += record_step_values(p, b["record_steps"])
+        for i, values in zip(order, record_step_values(p, b["record_steps"])):
+            out[i] = values
     return out

@@ -10,7 +10,7 @@ from flax import nnx
 from rmflow.schemas.record import ResponsesRecord
 from rmflow.trainer.data.response_units import ResponsesPackCollate, record_values
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS
-from rmflow.trainer.inference.cores import score_pairs, score_steps
+from rmflow.trainer.inference.cores import record_batches, score_pairs, score_steps
 from rmflow.trainer.inference.programs import _rewards_and_outputs
 from rmflow.trainer.modeling.decoder import RewardTransformer
 
@@ -18,8 +18,9 @@ from rmflow.trainer.modeling.decoder import RewardTransformer
 def score_responses(model: RewardTransformer, records: Sequence[ResponsesRecord], *, tokens: int = 8192,
                     max_length: int | None = None, pad_id: int = 0) -> list[np.ndarray]:
     """The reward of each response of each record, in order, each prompt computed once: the
-    records packed as in training (``ResponsesPackCollate``, one row of about ``tokens`` tokens,
-    or one record) and scored at every response's reward token."""
+    records packed as in training (``ResponsesPackCollate``, rows of one shape for all: ``tokens``
+    tokens, or the longest record's unit: ``record_batches``) and scored at every response's
+    reward token."""
     return score_responses_outputs(model, records, tokens=tokens, max_length=max_length, pad_id=pad_id)[0]
 
 
@@ -28,23 +29,17 @@ def score_responses_outputs(model: RewardTransformer, records: Sequence[Response
                             ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``score_responses``, and the score head's outputs of each response of each record, (K, N)
     (an attribute head's: one per attribute)."""
+    longest = max(r.prompt_len + max(len(x) for x in r.responses) for r in records)
+    collate = ResponsesPackCollate(1, max(max_length or 0, longest), pad_id)
     graphdef, state = nnx.split(model)
-    out: list[np.ndarray] = []
-    heads: list[np.ndarray] = []
-    start = 0
-    while start < len(records):
-        end, size = start, 0
-        while end < len(records) and (end == start or size + records[end].unit_len <= tokens):
-            size += records[end].unit_len
-            end += 1
-        chunk = records[start:end]
-        longest = max(r.prompt_len + max(len(x) for x in r.responses) for r in chunk)
-        b = ResponsesPackCollate(len(chunk), max(max_length or 0, longest), pad_id)(chunk)
+    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(records)
+    heads: list[np.ndarray] = [np.zeros((0, 0), np.float32)] * len(records)
+    for b, order in record_batches(collate, records, row_tokens=tokens):
         rewards, outputs = _rewards_and_outputs(graphdef, state, *(b[k] for k in (
             "input_ids", "positions", "segment_ids", "reward_index", "branch_ids")))
-        out += record_values(np.asarray(rewards), b["record_slots"])
-        heads += record_values(np.asarray(outputs), b["record_slots"])
-        start = end
+        for i, r, o in zip(order, record_values(np.asarray(rewards), b["record_slots"]),
+                           record_values(np.asarray(outputs), b["record_slots"])):
+            out[i], heads[i] = r, o
     return out, heads
 
 
