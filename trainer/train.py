@@ -229,13 +229,13 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
                       RmflowWarning, stacklevel=2)
     if latest is not None:
         check_same_head(run_dir, r.trainer.model(r.trainer.init_state.params).config)
-    if distributed.is_primary():  # one writer for the run's own files; every process takes part in checkpoints
-        _write_run(cfg, r, run_dir, local_sources, latest, changed)
     feed = Feed.of(cfg, r)
     out = Outputs.of(cfg, run_dir, on_log)
     state = r.trainer.use_mesh(r.mesh)  # parameters and optimizer state sharded by the name rules
-    if resume and latest is not None:
-        state = out.restore(latest, state, r.trainer.state_shardings, feed.iterator)
+    if resume and latest is not None:  # before the run's files are rewritten: a refused restore leaves them
+        state = out.restore(latest, state, r.trainer.state_shardings, feed.iterator, r.plan.packing)
+    if distributed.is_primary():  # one writer for the run's own files; every process takes part in checkpoints
+        _write_run(cfg, r, run_dir, local_sources, latest, changed)
     out.begin(int(state.step))
     if on_start:
         on_start(int(state.step), r.objective.kind)
@@ -322,17 +322,26 @@ class Outputs:
     def metrics_path(self) -> str:
         return os.path.join(self.run_dir, METRICS_FILE)
 
-    def restore(self, latest: int, state: TrainState, shardings, iterator) -> TrainState:
+    def restore(self, latest: int, state: TrainState, shardings, iterator, packing: str) -> TrainState:
         """The state and the loader's position at checkpoint ``latest``, onto this run's mesh
-        (whatever mesh saved it); the history up to it."""
+        (whatever mesh saved it); the history up to it. ``packing``: the run's resolved packing mode,
+        named when the loader's saved position is another mode's."""
         import grain
         import orbax.checkpoint as ocp
 
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
                     for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(shardings))]
         with reading_checkpoint(self.run_dir, latest):
-            restored = self.manager.restore(latest, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(checkpointable(iterator))))
+            try:
+                restored = self.manager.restore(latest, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract),
+                    data=grain.checkpoint.CheckpointRestore(checkpointable(iterator))))
+            except (KeyError, ValueError) as e:
+                if "loader state" not in str(e) and not isinstance(e, KeyError):
+                    raise
+                raise TrainError(f"--resume: checkpoint {latest} holds the loader's position in another packing mode "
+                                 f"than this run's ({packing}); resume with the run's own data.packing (a run "
+                                 "started when auto meant pack: --set data.packing=pack)") from None
         self.history = [h for h in read_history(self.metrics_path) if h["step"] <= latest]
         return jax.tree.unflatten(jax.tree.structure(state), list(restored["state"]))
 

@@ -181,6 +181,8 @@ class _FixedRowsIterator(grain.DatasetIterator):
                 "served": [i for i, e in enumerate(self._read) if e[3]]}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {"parent", "read", "served"}:
+            raise ValueError("the loader state was not saved by rows of one fixed shape (packing fixed)")
         self._parent.set_state(state["parent"])
         self._read, self._exhausted = [], False
         served = set(state["served"])
