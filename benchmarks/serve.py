@@ -206,7 +206,7 @@ def main() -> None:
         scorer.score(encoded)
         forwards.append(time.perf_counter() - t)
     median_seq = sorted(encoded, key=len)[len(encoded) // 2]
-    single = rm.scorer(rm.shapes(1))  # one sequence, one row: "one forward of that length"
+    single = rm.scorer(rm.shapes(1, packed=False))  # one sequence, one row: "one forward of that length"
     single.run([median_seq])
     one = []
     for _ in range(max(a.repeat, 5)):

@@ -519,6 +519,11 @@ def peek_lengths(buf: bytes) -> tuple[int, int]:
     return fields[4], fields[5]
 
 
+def item_scores(item: object) -> int:
+    """The scores a scoring item yields: one per response of a unit (``is_unit``), one for a conversation."""
+    return item.k if isinstance(item, ResponsesRecord) else 1
+
+
 def is_unit(item: object) -> bool:
     """Whether a scoring item is a unit of one prompt's K responses (the prompt once, then each
     response: a ``ResponsesRecord``) rather than one encoded conversation."""

@@ -17,7 +17,6 @@ import warnings
 from collections.abc import Mapping
 
 import numpy as np
-
 from rmflow.schemas.errors import RmflowWarning
 from rmflow.schemas.kinds import OUTCOME, RESPONSES, kind_named
 from rmflow.schemas.manifest import MANIFEST_FILE, Manifest, ManifestError
@@ -132,26 +131,20 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     eval_rounding = {name: lengths_per_doubling(-(-(count_records(paths) // processes) // local_batch)
                                                 * len(evaluations), backend)
                      for name, paths in eval_sets.items()}
-    packing = resolve_packing(cfg.data.packing, backend, math.prod(mesh_shape.values()))
-    pad_id = manifest.tokenizer.pad_token_id or 0
-    rows = shards // processes
-    row_shape = None
-    if packing == "fixed":
-        row_shape = fixed_row_shape(cfg, objective, train_sets, [s.weight for s in sources], eval_sets,
-                                    local_batch=local_batch, rows=rows, max_length=max_length, pad_id=pad_id)
-    return RunPlan(cfg=cfg, sources=sources, manifests=tuple(manifests), manifest=manifest, primary=primary,
+    plan = RunPlan(cfg=cfg, sources=sources, manifests=tuple(manifests), manifest=manifest, primary=primary,
                    max_length=max_length, objective=objective, train_sets=train_sets, train_units=train_units,
-                   eval_sets=eval_sets, data_evals=data_evals, rows=rows, local_batch=local_batch,
-                   packing=packing, total_steps=total_steps,
-                   evaluations=evaluations, train_rounding=lengths_per_doubling(total_steps, backend),
-                   eval_rounding=eval_rounding, pad_id=pad_id, row_shape=row_shape)
+                   eval_sets=eval_sets, data_evals=data_evals, rows=shards // processes, local_batch=local_batch,
+                   packing=resolve_packing(cfg.data.packing, backend, math.prod(mesh_shape.values())),
+                   total_steps=total_steps, evaluations=evaluations,
+                   train_rounding=lengths_per_doubling(total_steps, backend), eval_rounding=eval_rounding,
+                   pad_id=manifest.tokenizer.pad_token_id or 0)
+    return dataclasses.replace(plan, row_shape=fixed_row_shape(plan)) if plan.packing == "fixed" else plan
 
 
 SIZE_SAMPLE = 1024  # records whose units size a fixed row (evenly spaced over the training data)
 
 
-def fixed_row_shape(cfg: TrainConfig, objective: Objective, train_sets, weights, eval_sets: Mapping[str, list[str]],
-                    *, local_batch: int, rows: int, max_length: int, pad_id: int) -> RowShape:
+def fixed_row_shape(plan: RunPlan) -> RowShape:
     """The one micro-batch shape of a run in packing ``fixed`` (``trainer.data.rows.row_shape_for``):
     its units sized on ``SIZE_SAMPLE`` records spread evenly over the training sets (a mixture's
     by weight). A row holds the longest unit of the training and eval sets: the longest one
@@ -161,20 +154,21 @@ def fixed_row_shape(cfg: TrainConfig, objective: Objective, train_sets, weights,
     import grain
     from rmflow.schemas.record import decode, peek_lengths
 
-    collate = objective.packed(local_batch, max_length, pad_id, rows)
+    cfg, objective, local_batch, rows = plan.cfg, plan.objective, plan.local_batch, plan.rows
+    collate = objective.packed(local_batch, plan.max_length, plan.pad_id, rows)
     sizes = []
-    total = sum(weights)
-    for paths, weight in zip(train_sets, weights):
+    weights = [s.weight for s in plan.sources]
+    for paths, weight in zip(plan.train_sets, weights):
         source = grain.sources.ArrayRecordDataSource(list(paths))
-        n = max(16, round(SIZE_SAMPLE * weight / total))
+        n = max(16, round(SIZE_SAMPLE * weight / sum(weights)))
         for i in sorted({int(x) for x in np.linspace(0, len(source) - 1, min(n, len(source)))}):
             sizes.append(collate.size(decode(source[i])))
     wanted = cfg.data.row_tokens or target_tokens(sizes, batch_size=local_batch, rows=rows)
-    bound = None if objective.kind.name == RESPONSES.name else max_length * (2 if objective.kind.pairwise else 1)
+    bound = None if objective.kind.name == RESPONSES.name else plan.max_length * (2 if objective.kind.pairwise else 1)
     if bound is not None and wanted >= bound:
         longest = bound
     else:  # every record's header: (chosen, rejected) tokens, a solution's (tokens, 0), a unit's (tokens, 0)
-        longest = max(sum(peek_lengths(source[i])) for paths in (*train_sets, *eval_sets.values())
+        longest = max(sum(peek_lengths(source[i])) for paths in (*plan.train_sets, *plan.eval_sets.values())
                       for source in [grain.sources.ArrayRecordDataSource(list(paths))] for i in range(len(source)))
     try:
         return row_shape_for(sizes, batch_size=local_batch, rows=rows, longest=longest, row_tokens=cfg.data.row_tokens)

@@ -39,6 +39,10 @@ from rmflow.scoring.errors import BadConversation, WrongModelKind
 
 Conversation = Sequence[dict[str, str]] | dict[str, Any]
 
+# The tokens a conversation is given in a packed row when only a batch size is: the largest row of
+# ``RewardModel.shapes(batch_size)`` holds batch_size x this many (and the longest conversation).
+PACKED_TOKENS_PER_ITEM = 512
+
 
 def conversation_messages(obj: Any) -> tuple[tuple[str, ...], ...]:
     """The messages of a conversation (a list of ``{role, content}``, or an object with ``messages``),
@@ -251,23 +255,30 @@ class RewardModel:
         self._scorers.clear()
 
     def shapes(self, batch_size: int = SCORING_BATCH_SIZE, token_budget: int | None = None,
-               small_batches: bool = False):
-        """The batch shapes this model scores in (``trainer.inference.ScoringShapes``): power-of-two
-        lengths up to the model's positions; ``batch_size`` rows each, or with a token budget
-        as many rows as fit it (at most ``batch_size``); ``small_batches``: smaller ones too."""
-        from rmflow.trainer.inference import ScoringShapes
+               small_batches: bool = False, *, packed: bool = True):
+        """The batch shapes this model scores in. ``packed`` (for the kinds that score packed
+        rows, ``trainer.inference.PACKED_CORES``): a few row sizes, conversations and K-response
+        units side by side in a row (``PackedShapes``; the largest row holds ``token_budget``
+        tokens, by default ``batch_size`` conversations of ``PACKED_TOKENS_PER_ITEM``); else one
+        item a row (``ScoringShapes``: power-of-two lengths up to the model's positions,
+        ``batch_size`` rows each, or with a token budget as many rows as fit it, at most
+        ``batch_size``; ``small_batches``: smaller ones too), an item's shape set by itself alone."""
+        from rmflow.trainer.inference import PACKED_CORES, PackedShapes, ScoringShapes
 
+        if packed and self.kind in PACKED_CORES:
+            return PackedShapes(self.max_length, token_budget or batch_size * PACKED_TOKENS_PER_ITEM)
         return ScoringShapes(self.max_length, max_rows=batch_size, token_budget=token_budget,
                              small_batches=small_batches)
 
     def scorer(self, shapes=None):
         """The model's scorer for ``shapes`` (default ``self.shapes()``), its kind's
-        (``trainer.inference.SCORING_CORES``): built and compiled once and reused by every later call."""
-        from rmflow.trainer.inference import SCORING_CORES
+        (``trainer.inference.SCORING_CORES``, ``PACKED_CORES`` for packed rows): built and
+        compiled once and reused by every later call."""
+        from rmflow.trainer.inference import PACKED_CORES, SCORING_CORES, PackedShapes
 
         shapes = shapes or self.shapes()
         if shapes not in self._scorers:
-            make = SCORING_CORES[self.kind]
+            make = (PACKED_CORES if isinstance(shapes, PackedShapes) else SCORING_CORES)[self.kind]
             self._scorers[shapes] = make(self._loaded.model, shapes, pad_id=self._loaded.pad_id)
         return self._scorers[shapes]
 

@@ -137,8 +137,9 @@ class RewardModelHandler(ModelHandler):
             except Exception as e:  # noqa: BLE001 - one record, never the job: a bad record or a bug, named
                 err = as_bad_record(e)
                 out[i] = {"error": err.message, "code": err.code}
-        # in the core's shapes, a batch never spanning two (what fixes a record's score to the last bit)
-        shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget)
+        # one item a row, in the core's shapes, a batch never spanning two (what fixes a record's score
+        # to the last bit, whatever else the bundle holds: a rerun writes the same bytes)
+        shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget, packed=False)
         for i, fields in zip(owner, score_encoded(model, encoded, shapes, one_length=True)):
             out[i] = fields if "error" in fields else {"fields": fields}
         return [PredictionResult(ex, r) for ex, r in zip(batch, out)]

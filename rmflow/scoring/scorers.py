@@ -37,7 +37,7 @@ from rmflow.schemas.heads import ATTRIBUTE_SCORES, RESPONSE_ATTRIBUTES  # noqa: 
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.metrics import STEP_THRESHOLD, first_error
 from rmflow.schemas.outputs import inside_of, nested_in
-from rmflow.schemas.record import is_unit
+from rmflow.schemas.record import is_unit, item_scores
 from rmflow.schemas.stops import refuse_if_stopping
 from rmflow.scoring.api import BadConversation, RewardModel
 
@@ -331,27 +331,17 @@ def _outcome_fields(rm: RewardModel, scores, outputs) -> list[dict[str, Any]]:
 def _run_outcome(rm: RewardModel, items: list, shapes) -> list:
     """One batch of encoded conversations (each gets its fields) and units of one prompt's
     responses (``response_units``: each gets its responses' fields, a list, the prompt computed
-    once), each kind in one forward of a compiled shape."""
-    scorer, out = rm.scorer(shapes), [None] * len(items)
-    seqs = [i for i, x in enumerate(items) if not is_unit(x)]
-    units = [i for i, x in enumerate(items) if is_unit(x)]
-    if seqs:
-        scores, outputs = scorer.run_outputs([items[i] for i in seqs])
-        for i, fields in zip(seqs, _outcome_fields(rm, scores, outputs)):
-            out[i] = fields
-    if units:
-        rewards, outputs = scorer.run_units([items[i] for i in units])
-        for j, i in enumerate(units):
-            out[i] = _outcome_fields(rm, rewards[j], None if outputs is None else outputs[j])
+    once), as the scorer of ``shapes`` runs them (``run_items``: packed in one row, or each kind
+    in one forward of a compiled shape)."""
+    out = []
+    for item, (rewards, outputs) in zip(items, rm.scorer(shapes).run_items(items)):
+        fields = _outcome_fields(rm, rewards, outputs)
+        out.append(fields if is_unit(item) else fields[0])
     return out
 
 
 def _outcome_size(item) -> int:
     return item.unit_len if is_unit(item) else len(item)
-
-
-def _outcome_group(item) -> int:
-    return int(is_unit(item))  # units and conversations: one kind of forward a batch
 
 
 def _run_process(rm: RewardModel, solutions: list, shapes) -> list[dict[str, Any]]:
@@ -383,14 +373,15 @@ class Scorer:
     fields: tuple[str, ...]
     # compile the batch shapes (up to a length) before the first request (and, if asked, those of response units)
     warm_up: Callable[[RewardModel, Any, bool, int | None], None]
-    # what besides its length fixes an encoded input's batch shape (``ScoringShapes.plan``'s groups)
+    # what besides its length an encoded input takes of a batch (``plan``'s groups): of one item a row,
+    # what fixes its shape (a solution's step slots; a unit's responses); of a packed row, its reward slots
     group: Callable[[Any], int] = lambda x: 0
 
 
 # Each reward model kind's scoring of one input (a JSONL line, a server request item): its part
 # of the kind's handlers (rmflow.handlers).
 OUTCOME_SCORER = Scorer(RewardModel.encode, _outcome_size, _run_outcome, ("score", "score_normalized", ATTRIBUTE_SCORES),
-                        _warm_outcome, _outcome_group)
+                        _warm_outcome, item_scores)
 PROCESS_SCORER = Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
                         _warm, _step_slots)
 # a K-response record's (responses_of)

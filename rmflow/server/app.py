@@ -350,11 +350,10 @@ def _load(service: Service, server, port: int) -> None:
         return
     while not server.started and not server.should_exit:
         time.sleep(0.01)
-    rm, compiled = service.rm, sum(n <= service.startup_length for _, n in service.shapes.shapes)
+    rm = service.rm
     print(f"rmflow serve: ready on http://{cfg.host}:{port} ({rm.description}, {rm.kind} reward model, up to "
-          f"{rm.max_length:,} tokens: {service.max_length_source}; {compiled} batch shapes up to "
-          f"{service.startup_length:,} tokens compiled{', each also for response units' if service.units else ''}"
-          f"{', longer ones on first use' if service.startup_length < rm.max_length else ''})", flush=True)
+          f"{rm.max_length:,} tokens: {service.max_length_source}; "
+          f"{service.shapes.describe(service.startup_length, service.units)})", flush=True)
 
 
 def serve(cfg: ServeConfig) -> int:

@@ -110,7 +110,8 @@ def test_a_length_limit_is_the_model_s_own_to_set(workdir):
     rm = RewardModel.load(str(workdir / "runs" / "rm1"))
     before = rm.score(CONVS[:2])
     rm.limit_length(64)
-    assert rm.max_length == 64 and max(rm.shapes().lengths) == 64 and not rm._scorers
+    assert rm.max_length == 64 and rm.shapes().max_length == 64 and not rm._scorers
+    assert max(rm.shapes(packed=False).lengths) == 64
     with pytest.raises(BadConversation, match="more than the model's 64 positions"):
         rm.score([[U("word " * 80), A("ok")]])
     with pytest.raises(ValueError, match="from 1 to the model's 4096 positions"):

@@ -280,7 +280,7 @@ def test_every_record_is_scored_as_the_server_scores_it_and_none_takes_the_other
     """In process and in the Beam job's model handler alike (``scorers.score_encoded``): K
     responses with their prompt once, K = 1 as its one conversation, a row, a pair; a record whose
     scoring fails (a bug) gets an error and the others their scores."""
-    from rmflow.trainer.inference import SequenceScorer
+    from rmflow.trainer.inference import PackedScorer, SequenceScorer
 
     from rmflow.scoring.batch import JobSpec, RewardModelHandler
     from rmflow.scoring.scorers import score_file
@@ -303,23 +303,29 @@ def test_every_record_is_scored_as_the_server_scores_it_and_none_takes_the_other
         {"scored": len(K_LINES), "errors": 0}
     _check_k_lines(rm, [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()])
 
-    real_run = SequenceScorer.run_outputs  # a forward that fails on one conversation's length (a bug, say)
-    poison = len(rm.encode(convs[1]))
+    real_run, real_items = SequenceScorer.run_outputs, PackedScorer.run_items  # a forward that fails on one
+    poison = len(rm.encode(convs[1]))  # conversation's length (a bug, say): one item a row (the Beam job), packed
 
     def failing(self, seqs):
         if any(len(x) == poison for x in seqs):
             raise RuntimeError("boom")
         return real_run(self, seqs)
 
+    def failing_items(self, items):
+        if any(len(x) == poison for x in items):
+            raise RuntimeError("boom")
+        return real_items(self, items)
+
     monkeypatch.setattr(SequenceScorer, "run_outputs", failing)
+    monkeypatch.setattr(PackedScorer, "run_items", failing_items)
     lines = [{"id": i, "messages": c} for i, c in enumerate(convs[:4])]
     (tmp_path / "in2.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert score_file(str(base / "run"), str(tmp_path / "in2.jsonl"), str(tmp_path / "out2.jsonl")) == \
         {"scored": 3, "errors": 1}
     rows = [json.loads(x) for x in (tmp_path / "out2.jsonl").read_text().splitlines()]
     assert "RuntimeError: boom" in rows[1]["error"] and rows[1]["line"] == 2 and rows[1]["id"] == 1
-    np.testing.assert_allclose([rows[i]["score"] for i in (0, 2, 3)], real_run.__get__(rm.scorer())(
-        [rm.encode(convs[i]) for i in (0, 2, 3)])[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose([rows[i]["score"] for i in (0, 2, 3)], [r[0] for r, _ in real_items(
+        rm.scorer(), [rm.encode(convs[i]) for i in (0, 2, 3)])], atol=1e-5, rtol=0)
     results = RewardModelHandler(spec).run_inference([("in", i, json.dumps(x)) for i, x in enumerate(lines)], rm)
     assert [r.inference.get("code") for r in results] == [None, "internal_error", None, None]
 

@@ -132,10 +132,11 @@ def test_health_says_loading_until_warm_then_the_model(outcome):
     assert server.statuses[-1] == 200 and 503 in server.statuses, server.statuses
     info = requests.get(server.url + "/v1/model", headers=AUTH, timeout=10).json()
     assert info["kind"] == "outcome" and info["step"] == 1 and len(info["tokenizer_hash"]) == 64
-    assert info["max_length"] == MAX_LENGTH and [n for _, n in info["batch_shapes"]][-1] == MAX_LENGTH
-    assert [1, MAX_LENGTH] in info["batch_shapes"]  # a lone sequence runs in a one-row forward
-    assert len(info["batch_shapes"]) == 25 and max(r for r, _ in info["batch_shapes"]) == 16  # --max-batch-rows
-    assert info["response_units"] and "each also for response units" in server.output()
+    assert info["max_length"] == MAX_LENGTH
+    # packed rows: the full row holds --token-budget, each smaller a quarter of the one above (a lone
+    # short sequence runs in the smallest); conversations and K-response units share them
+    assert info["batch_shapes"] == [[1, 256], [1, 1024], [1, 4096]]
+    assert info["response_units"] and "3 packed row sizes compiled (256, 1,024, 4,096 tokens)" in server.output()
 
 
 def test_native_scores_equal_the_api(outcome, conversations):
@@ -494,8 +495,8 @@ def test_sigterm_finishes_what_is_in_flight_then_exits(outcome, conversations):
 
 def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_model_s(outcome, conversations):
     """Served without --max-length, a model trained on the demo's 128-token shards scores up to its
-    4,096 positions and compiles the shapes up to 128 at start-up, longer ones on first use: an
-    OpenRLHF batch with one query past 128 tokens gets every reward. With --no-response-units, a K-response record's responses
+    4,096 positions, in packed rows of at most 4 sizes compiled at start-up, the largest holding
+    its positions: an OpenRLHF batch with one query past 128 tokens gets every reward. With --no-response-units, a K-response record's responses
     run as conversations, the prompt in each. A SIGTERM that finds more work than
     --shutdown-timeout-s allows answers what has not run with 503 JSON and Retry-After, says so,
     and exits 0."""
@@ -507,7 +508,7 @@ def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_model_s(o
         assert info["max_length"] == rm.positions and info["startup_length"] == 128, info
         assert max(n for _, n in info["batch_shapes"]) == rm.positions and not info["response_units"]
         assert f"up to {rm.positions:,} tokens: the model's positions; " in server.output()
-        assert "up to 128 tokens compiled, longer ones on first use" in server.output()
+        assert len(info["batch_shapes"]) <= 4  # packed rows: every size compiled at start-up, the largest the positions
         renderer = rm._record_tokenizer()
         short_long = [renderer.render_text((("user", "Hi"), ("assistant", "Hello."))),
                       renderer.render_text((("user", "word " * 400), ("assistant", "Hello.")))]

@@ -162,7 +162,7 @@ def test_a_step_s_loss_is_the_mean_over_its_records_however_the_rows_split_them(
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-def test_a_run_compiles_one_train_and_one_eval_program(synthetic, tmp_path, caplog):
+def test_a_run_compiles_one_train_and_one_eval_program(synthetic, tmp_path, caplog):  # noqa: F811
     """A run in fixed rows (the default on CPU) compiles its train step and its eval step once
     each, however its batches' records vary (counted from JAX's own compile log)."""
     from rmflow.trainer.step import forget_compiled
@@ -181,7 +181,7 @@ def test_a_run_compiles_one_train_and_one_eval_program(synthetic, tmp_path, capl
     assert sum("jit(_eval_stacked)" in m for m in done) == 1, done
 
 
-def test_a_checkpoint_of_another_packing_mode_is_refused_in_one_line(synthetic, tmp_path):
+def test_a_checkpoint_of_another_packing_mode_is_refused_in_one_line(synthetic, tmp_path):  # noqa: F811
     """A run saved in packing pack (what auto meant before fixed rows) resumed in fixed rows:
     the loader's saved position means nothing to the packer, and the error says what to resume with."""
     from rmflow.trainer.errors import TrainError

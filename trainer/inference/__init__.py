@@ -12,6 +12,7 @@ through the one front door, ``rmflow.RewardModel``; nothing here imports the tra
 """
 
 from rmflow.trainer.inference.cores import (  # noqa: F401
+    PACKED_CORES,
     SCORING_CORES,
     SequenceScorer,
     StepScorer,
@@ -29,6 +30,7 @@ from rmflow.trainer.inference.load import (  # noqa: F401
     require_tokenizer,
     write_normalization,
 )
+from rmflow.trainer.inference.packed import PackedScorer, PackedShapes  # noqa: F401
 from rmflow.trainer.inference.programs import (  # noqa: F401
     _packed_pair_rewards,
     _rewards,

@@ -12,11 +12,12 @@ from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.schemas.heads import head_of
 from rmflow.schemas.kinds import OUTCOME as OUTCOME_KIND
 from rmflow.schemas.kinds import PROCESS, RESPONSES
-from rmflow.schemas.record import PairRecord, ResponsesRecord, StepRecord
+from rmflow.schemas.record import PairRecord, ResponsesRecord, StepRecord, is_unit
 from rmflow.trainer.data import PackCollate, StepPackCollate
 from rmflow.trainer.data.response_units import record_values, units_in_rows
 from rmflow.trainer.data.rows import WINDOW_BATCHES, packed_batches, row_shape_for
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
+from rmflow.trainer.inference.packed import PackedScorer
 from rmflow.trainer.inference.programs import (
     _packed_pair_rewards,
     _rewards,
@@ -103,6 +104,22 @@ class SequenceScorer:
                                                 b["segment_ids"], idx, b["branch_ids"])
         return np.asarray(rewards), np.asarray(outputs)
 
+    def run_items(self, items: Sequence) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Each item's rewards (one for a conversation, K for a unit) and, for an attribute head,
+        its outputs, the conversations and the units each in one forward of a compiled shape."""
+        out: list = [None] * len(items)
+        seqs = [i for i, x in enumerate(items) if not is_unit(x)]
+        units = [i for i, x in enumerate(items) if is_unit(x)]
+        if seqs:
+            scores, outputs = self.run_outputs([items[i] for i in seqs])
+            for j, i in enumerate(seqs):
+                out[i] = (scores[j : j + 1], None if outputs is None else outputs[j : j + 1])
+        if units:
+            rewards, outputs = self.run_units([items[i] for i in units])
+            for j, i in enumerate(units):
+                out[i] = (rewards[j], None if outputs is None else outputs[j])
+        return out
+
     def score(self, sequences: Sequence[np.ndarray], progress=None) -> np.ndarray:
         """Rewards of any number of sequences (each at its last token), in input order."""
         scores = np.zeros(len(sequences), np.float32)
@@ -165,8 +182,10 @@ class StepScorer:
         return out
 
 
-# Each reward model kind's (schemas.kinds) scorer: a score per sequence, or P(correct) per step.
+# Each reward model kind's (schemas.kinds) scorer: a score per sequence, or P(correct) per step; in
+# one item a row (``ScoringShapes``), and in packed rows (``PackedShapes``) for the kinds that have one.
 SCORING_CORES = {OUTCOME_KIND.name: SequenceScorer, PROCESS.name: StepScorer, RESPONSES.name: SequenceScorer}
+PACKED_CORES = {OUTCOME_KIND.name: PackedScorer, RESPONSES.name: PackedScorer}
 
 
 def score_sequences(model: RewardTransformer, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,

@@ -70,6 +70,13 @@ class ScoringShapes:
     def shapes(self) -> tuple[tuple[int, int], ...]:
         return tuple((r, n) for n in self.lengths for r in self.row_options(n))
 
+    def describe(self, up_to: int, units: bool = False) -> str:
+        """What a server of these shapes compiled at start-up: those up to ``up_to`` tokens
+        (``units``: each also for K-response units)."""
+        compiled = sum(n <= up_to for _, n in self.shapes)
+        return (f"{compiled} batch shapes up to {up_to:,} tokens compiled{', each also for response units' if units else ''}"
+                f"{', longer ones on first use' if up_to < self.max_length else ''}")
+
     def plan(self, lengths: Sequence[int], *, one_length: bool = False,
              groups: Sequence[Any] | None = None) -> list[np.ndarray]:
         """Batches of indices into ``lengths``, shortest first, each fitting a shape of the set
