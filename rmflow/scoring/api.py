@@ -255,18 +255,21 @@ class RewardModel:
         self._scorers.clear()
 
     def shapes(self, batch_size: int = SCORING_BATCH_SIZE, token_budget: int | None = None,
-               small_batches: bool = False, *, packed: bool = True):
+               small_batches: bool = False, *, packed: bool = True, row_length: int = 0):
         """The batch shapes this model scores in. ``packed`` (for the kinds that score packed
-        rows, ``trainer.inference.PACKED_CORES``): a few row sizes, conversations and K-response
-        units side by side in a row (``PackedShapes``; the largest row holds ``token_budget``
-        tokens, by default ``batch_size`` conversations of ``PACKED_TOKENS_PER_ITEM``); else one
-        item a row (``ScoringShapes``: power-of-two lengths up to the model's positions,
-        ``batch_size`` rows each, or with a token budget as many rows as fit it, at most
-        ``batch_size``; ``small_batches``: smaller ones too), an item's shape set by itself alone."""
+        rows, ``trainer.inference.PACKED_CORES``): conversations and K-response units side by side
+        in rows of ``row_length`` tokens (0: the length the model was trained at, else its
+        ``max_length``), as many a forward as hold ``token_budget`` tokens (by default
+        ``batch_size`` conversations of ``PACKED_TOKENS_PER_ITEM``), a longer item in a row of
+        ``max_length`` (``PackedShapes``); else one item a row (``ScoringShapes``: power-of-two
+        lengths up to the model's positions, ``batch_size`` rows each, or with a token budget as
+        many rows as fit it, at most ``batch_size``; ``small_batches``: smaller ones too), an
+        item's shape set by itself alone."""
         from rmflow.trainer.inference import PACKED_CORES, PackedShapes, ScoringShapes
 
         if packed and self.kind in PACKED_CORES:
-            return PackedShapes(self.max_length, token_budget or batch_size * PACKED_TOKENS_PER_ITEM)
+            return PackedShapes(self.max_length, token_budget or batch_size * PACKED_TOKENS_PER_ITEM,
+                                row_length or self.trained_max_length or 0)
         return ScoringShapes(self.max_length, max_rows=batch_size, token_budget=token_budget,
                              small_batches=small_batches)
 

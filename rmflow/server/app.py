@@ -102,7 +102,7 @@ class Service:
         if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
             raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
                                     "--normalize` on it first")
-        shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=True)
+        shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=True, row_length=self.startup_length)
         scorer = handler(rm.kind, "scorer")
         # K-response records in units of compiled shapes: an outcome model's (a process model has none)
         self.units = cfg.response_units and kind_named(rm.kind).head.per_conversation

@@ -133,10 +133,11 @@ def test_health_says_loading_until_warm_then_the_model(outcome):
     info = requests.get(server.url + "/v1/model", headers=AUTH, timeout=10).json()
     assert info["kind"] == "outcome" and info["step"] == 1 and len(info["tokenizer_hash"]) == 64
     assert info["max_length"] == MAX_LENGTH
-    # packed rows: the full row holds --token-budget, each smaller a quarter of the one above (a lone
-    # short sequence runs in the smallest); conversations and K-response units share them
-    assert info["batch_shapes"] == [[1, 256], [1, 1024], [1, 4096]]
-    assert info["response_units"] and "3 packed row sizes compiled (256, 1,024, 4,096 tokens)" in server.output()
+    # packed rows of the training length (the demo shards' 128 tokens), as many a forward as hold
+    # --token-budget, a quarter of them, or one (a lone request); conversations and units share them
+    assert info["batch_shapes"] == [[1, 128], [8, 128], [32, 128], [1, 256]]
+    assert info["response_units"] and "4 packed shapes compiled (1 x 128, 8 x 128, 32 x 128, 1 x 256 tokens)" \
+        in server.output()
 
 
 def test_native_scores_equal_the_api(outcome, conversations):
@@ -508,7 +509,8 @@ def test_sigterm_out_of_time_answers_503_and_the_default_length_is_the_model_s(o
         assert info["max_length"] == rm.positions and info["startup_length"] == 128, info
         assert max(n for _, n in info["batch_shapes"]) == rm.positions and not info["response_units"]
         assert f"up to {rm.positions:,} tokens: the model's positions; " in server.output()
-        assert len(info["batch_shapes"]) <= 4  # packed rows: every size compiled at start-up, the largest the positions
+        # packed rows of the training length, 1 or 2 a forward (--token-budget 256), and one of the positions
+        assert info["batch_shapes"] == [[1, 128], [2, 128], [1, rm.positions]]
         renderer = rm._record_tokenizer()
         short_long = [renderer.render_text((("user", "Hi"), ("assistant", "Hello."))),
                       renderer.render_text((("user", "word " * 400), ("assistant", "Hello.")))]

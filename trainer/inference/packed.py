@@ -1,14 +1,18 @@
 """Scoring in packed rows: conversations and units of one prompt's K responses side by side in
-one row, each on its own segment (attention never crosses segments; a unit's responses each see
-the prompt and themselves only, as in training), in a handful of fixed row sizes.
+rows, each on its own segment (attention never crosses segments; a unit's responses each see
+the prompt and themselves only, as in training), in a handful of fixed shapes.
 
-``PackedShapes`` is the set of rows (``ROW_SIZES`` sizes: the full row, holding the token
-budget and the longest item, then each a quarter of the one above, down to ``MIN_ROW``), and
-how items are cut into rows; ``PackedScorer`` runs one row of items. So a server compiles
-``ROW_SIZES`` programs at start-up, whatever lengths and mixes of requests come, and a lone
-short request runs in the smallest row, not a full one. A conversation's score is its own alone
-(its segment sees nothing else), to float rounding: a Beam job that must rerun byte-identical
-scores in ``ScoringShapes`` (one item a row, the shape set by the item alone).
+``PackedShapes`` is the set of shapes and how items are placed in rows: rows of one length (the
+length most items fit: the model's training length, by default), as many a forward as hold the
+token budget, a quarter of them, or one (a lone short request runs in one row, not a full
+forward); an item longer than a row, up to ``max_length``, in a row of that length, one row a
+forward. ``PackedScorer`` runs them. So a server compiles at most ``MAX_SHAPES`` programs at
+start-up, whatever lengths and mixes of requests come. Several rows of moderate length, not one
+long row, because the last layer runs at the reward slots against every key of their row, and
+a CPU runs the blockwise attention's loops a block at a time: on this CPU one row of 16,384
+tokens scored 4,500 tokens/s where 16 rows of 1,024 scored 22,900. A conversation's score is
+its own alone (its segment sees nothing else), to float rounding: a Beam job that must rerun
+byte-identical scores in ``ScoringShapes`` (one item a row, the shape set by the item alone).
 """
 
 from __future__ import annotations
@@ -24,92 +28,113 @@ from rmflow.trainer.data.response_units import ResponsesUnit, responses_unit
 from rmflow.trainer.inference.programs import _rewards_and_outputs
 from rmflow.trainer.modeling.decoder import RewardTransformer
 
-ROW_SIZES = 4  # row sizes compiled: the programs a server compiles at start-up
-MIN_ROW = 256  # the smallest row's tokens at least
-ALIGN = 128  # row sizes are multiples of this
-SLOT_TOKENS = 8  # a row has a reward slot per this many of its tokens (at least 8 slots)
-OPEN_ROWS = 8  # rows still taking items while ``plan`` fills them (first-fit over these)
+MAX_SHAPES = 4  # programs a server compiles at start-up, at most
+ALIGN = 128  # row lengths are multiples of this
+SLOT_TOKENS = 8  # a row has a reward slot per this many of its tokens (from 8, at most MAX_SLOTS)...
+MAX_SLOTS = 256  # ...so that the last layer, run at the reward slots, stays a small share of the row
+OPEN_ROWS = 32  # rows still taking items while ``place`` fills them (first-fit over these)
 
 
 def _tokens(item) -> int:
     return item.unit_len if is_unit(item) else len(item)
 
 
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedShapes:
-    """The rows packed scoring runs: ``ROW_SIZES`` sizes of one row each, the largest holding
-    ``token_budget`` tokens and an item of ``max_length`` (a conversation; a unit of responses
-    is cut to fit it, ``response_units``)."""
+    """The rows packed scoring runs: rows of ``row_length`` tokens (0: ``max_length``), as many
+    a forward as hold ``token_budget`` tokens, and fewer (a quarter, one) for a short queue; an
+    item longer than a row (up to ``max_length``) runs in a row of its own length class, one row
+    a forward. At most ``MAX_SHAPES`` shapes (``shapes``)."""
 
     max_length: int
     token_budget: int = 16384
+    row_length: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_length < 1 or self.token_budget < 1:
+        if self.max_length < 1 or self.token_budget < 1 or self.row_length < 0:
             raise ValueError(f"packed shapes need a positive max_length and token budget: {self}")
 
     @property
-    def sizes(self) -> tuple[int, ...]:
-        """The row sizes, smallest first."""
-        full = -(-max(self.token_budget, self.max_length) // ALIGN) * ALIGN
-        out = [full]
-        while len(out) < ROW_SIZES and out[-1] // 4 >= MIN_ROW:
-            out.append(-(-(out[-1] // 4) // ALIGN) * ALIGN)
-        return tuple(reversed(out))
+    def row(self) -> int:
+        """A row's tokens: the length most items fit (the model's training length, by default)."""
+        return _align(min(self.row_length or self.max_length, self.max_length))
+
+    @property
+    def long(self) -> int:
+        """The tokens of the row an item longer than ``row`` runs in (0: none is)."""
+        return _align(self.max_length) if _align(self.max_length) > self.row else 0
+
+    @property
+    def rows(self) -> int:
+        """Rows a full forward holds: the token budget's worth."""
+        return max(1, self.token_budget // self.row)
+
+    @property
+    def row_counts(self) -> tuple[int, ...]:
+        """The forwards' row counts, smallest first: one, a quarter of the full count, the full count
+        (as many as ``MAX_SHAPES`` allows beside the long row)."""
+        counts = sorted({1, max(1, self.rows // 4), self.rows})
+        keep = MAX_SHAPES - (1 if self.long else 0)
+        return tuple(counts[:1] + counts[len(counts) - keep + 1:]) if len(counts) > keep else tuple(counts)
 
     def slots(self, tokens: int) -> int:
-        """The reward slots of a row of ``tokens``: a power of two, one per ``SLOT_TOKENS`` at least 8."""
-        need = max(8, tokens // SLOT_TOKENS)
+        """The reward slots of a row of ``tokens``: a power of two, one per ``SLOT_TOKENS``, from 8
+        to ``MAX_SLOTS``."""
+        need = min(MAX_SLOTS, max(8, tokens // SLOT_TOKENS))
         return 1 << (need - 1).bit_length()
 
     @property
     def shapes(self) -> tuple[tuple[int, int], ...]:
         """(rows, tokens) of each compiled program."""
-        return tuple((1, n) for n in self.sizes)
+        return tuple((r, self.row) for r in self.row_counts) + (((1, self.long),) if self.long else ())
 
     def describe(self, up_to: int = 0, units: bool = False) -> str:
-        """What a server of these rows compiled at start-up: every row size (``up_to`` and
-        ``units`` change nothing: a row takes short and long items, conversations and units)."""
-        return (f"{len(self.sizes)} packed row sizes compiled ({', '.join(f'{n:,}' for n in self.sizes)} tokens), "
-                "conversations and response units side by side")
+        """What a server of these rows compiled at start-up: every shape (``up_to`` and ``units``
+        change nothing: a row takes short and long items, conversations and units)."""
+        return (f"{len(self.shapes)} packed shapes compiled ({', '.join(f'{r} x {n:,}' for r, n in self.shapes)} "
+                "tokens), conversations and response units side by side")
 
-    def size_for(self, tokens: int) -> int:
-        """The smallest row that holds ``tokens``."""
-        for n in self.sizes:
-            if tokens <= n:
-                return n
-        raise ValueError(f"{tokens} tokens: more than the largest row's {self.sizes[-1]} (max_length {self.max_length})")
-
-    def plan(self, lengths: Sequence[int], *, one_length: bool = False,
-             groups: Sequence[int] | None = None) -> list[np.ndarray]:
-        """Batches (one row each) of indices into ``lengths``, every item in one: longest first,
-        each to the first of the last ``OPEN_ROWS`` rows with room for its tokens and its reward
-        slots (``groups``: each item's, 1 when None), the rest in input order. ``one_length``
-        has no meaning here (an item's row depends on its neighbours): refused."""
-        if one_length:
-            raise ValueError("packed rows cannot score each item in a shape of its own: use ScoringShapes")
-        if not len(lengths):
-            return []
-        full = self.sizes[-1]
-        cap = self.slots(full)
-        slots = list(groups) if groups is not None else [1] * len(lengths)
-        order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-        rows: list[list[int]] = []
-        load: list[tuple[int, int]] = []
-        first_open = 0
-        for i in order:
+    def place(self, lengths: Sequence[int], slots: Sequence[int]) -> list[list[int]]:
+        """Rows of indices into ``lengths``: longest first, each item to the first of the last
+        ``OPEN_ROWS`` rows of its class (``row`` tokens, or ``long`` for a longer item) with room
+        for its tokens and its reward slots. Deterministic; the rows of ``row`` tokens first."""
+        rows: dict[int, list[list[int]]] = {self.row: [], self.long: []}  # by row length: the rows, and
+        loads: dict[int, list[tuple[int, int]]] = {self.row: [], self.long: []}  # their (tokens, slots)
+        for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
             n, s = int(lengths[i]), int(slots[i])
-            if n > full or s > cap:
-                raise ValueError(f"an item of {n} tokens and {s} scores: more than a row's {full} tokens and {cap}")
-            for r in range(max(first_open, len(rows) - OPEN_ROWS), len(rows)):
-                if load[r][0] + n <= full and load[r][1] + s <= cap:
-                    rows[r].append(i)
+            size = self.row if n <= self.row else self.long
+            if n > size or s > self.slots(size):
+                raise ValueError(f"an item of {n} tokens and {s} scores: more than the longest row's "
+                                 f"{self.long or self.row} tokens (max_length {self.max_length}) and its "
+                                 f"{self.slots(self.long or self.row)} scores")
+            these, load = rows[size], loads[size]
+            for r in range(max(0, len(these) - OPEN_ROWS), len(these)):
+                if load[r][0] + n <= size and load[r][1] + s <= self.slots(size):
+                    these[r].append(i)
                     load[r] = (load[r][0] + n, load[r][1] + s)
                     break
             else:
-                rows.append([i])
+                these.append([i])
                 load.append((n, s))
-        return [np.asarray(sorted(r), np.int64) for r in rows]
+        return [sorted(r) for r in rows[self.row]] + ([sorted(r) for r in rows[self.long]] if self.long else [])
+
+    def plan(self, lengths: Sequence[int], *, one_length: bool = False,
+             groups: Sequence[int] | None = None) -> list[np.ndarray]:
+        """Batches of indices into ``lengths``, each a forward of one shape: the rows ``place``
+        makes (``groups``: each item's reward slots, 1 when None), up to ``rows`` a batch, a long
+        row alone. ``one_length`` has no meaning here (an item's row depends on its neighbours):
+        refused."""
+        if one_length:
+            raise ValueError("packed rows cannot score each item in a shape of its own: use ScoringShapes")
+        placed = self.place(lengths, list(groups) if groups is not None else [1] * len(lengths))
+        short = [r for r in placed if max(int(lengths[i]) for i in r) <= self.row]
+        batches = [short[k : k + self.rows] for k in range(0, len(short), self.rows)]
+        batches += [[r] for r in placed if max(int(lengths[i]) for i in r) > self.row]
+        return [np.asarray(sorted(i for r in b for i in r), np.int64) for b in batches]
 
 
 class PackedScorer:
@@ -125,44 +150,54 @@ class PackedScorer:
         self.compiled: set[tuple[int, int]] = set()  # (rows, tokens) run so far
 
     def warm_up(self, units: bool = False, up_to: int | None = None) -> None:
-        """Compile every row size now (``units`` and ``up_to`` change nothing: each row takes
-        conversations and units alike, and a short item runs in a small row)."""
-        for _, n in self.shapes.shapes:
-            self._forward(self._row(n, []))
+        """Compile every shape now (``units`` and ``up_to`` change nothing: each row takes
+        conversations and units alike, short and long)."""
+        for rows, n in self.shapes.shapes:
+            self._forward(self._rows(n, [[] for _ in range(rows)], []))
 
-    def _row(self, tokens: int, items: Sequence) -> dict[str, np.ndarray]:
-        slots = self.shapes.slots(tokens)
-        b = {"input_ids": np.full((1, tokens), self.pad_id, np.int32),
-             **{k: np.zeros((1, tokens), np.int32) for k in ("positions", "segment_ids", "branch_ids")},
-             "reward_index": np.zeros((1, slots), np.int32)}
-        start = first = 0
-        for j, item in enumerate(items):
-            u = responses_unit(item) if is_unit(item) else _sequence_unit(item)
-            end = start + len(u.ids)
-            b["input_ids"][0, start:end], b["positions"][0, start:end] = u.ids, u.positions
-            b["branch_ids"][0, start:end], b["segment_ids"][0, start:end] = u.branches, j + 1
-            b["reward_index"][0, first : first + len(u.reward_at)] = start + u.reward_at
-            start, first = end, first + len(u.reward_at)
+    def _rows(self, tokens: int, placement: list[list[int]], items: Sequence) -> dict[str, np.ndarray]:
+        r, slots = len(placement), self.shapes.slots(tokens)
+        b = {"input_ids": np.full((r, tokens), self.pad_id, np.int32),
+             **{k: np.zeros((r, tokens), np.int32) for k in ("positions", "segment_ids", "branch_ids")},
+             "reward_index": np.zeros((r, slots), np.int32)}
+        for row, members in enumerate(placement):
+            start = first = 0
+            for j, i in enumerate(members):
+                item = items[i]
+                u = responses_unit(item) if is_unit(item) else _sequence_unit(item)
+                end = start + len(u.ids)
+                b["input_ids"][row, start:end], b["positions"][row, start:end] = u.ids, u.positions
+                b["branch_ids"][row, start:end], b["segment_ids"][row, start:end] = u.branches, j + 1
+                b["reward_index"][row, first : first + len(u.reward_at)] = start + u.reward_at
+                start, first = end, first + len(u.reward_at)
         return b
 
     def _forward(self, b: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         self.compiled.add(b["input_ids"].shape)
         rewards, outputs = _rewards_and_outputs(self._graphdef, self._state, b["input_ids"], b["positions"],
                                                 b["segment_ids"], b["reward_index"], b["branch_ids"])
-        return np.asarray(rewards)[0], np.asarray(outputs)[0]
+        return np.asarray(rewards), np.asarray(outputs)
 
     def run_items(self, items: Sequence) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """Each item's rewards (one for a conversation, K for a unit) and, for an attribute head,
-        its outputs (one row of N each), from one forward of the smallest row that holds them."""
-        tokens = sum(_tokens(x) for x in items)
-        if sum(item_scores(x) for x in items) > self.shapes.slots(self.shapes.size_for(tokens)):
-            raise ValueError(f"{len(items)} items of {sum(item_scores(x) for x in items)} scores: more than a row holds")
-        rewards, outputs = self._forward(self._row(self.shapes.size_for(tokens), items))
-        out, first = [], 0
-        for x in items:
-            k = item_scores(x)
-            out.append((rewards[first : first + k], outputs[first : first + k] if self.keeps_outputs else None))
-            first += k
+        its outputs (one row of N each): the items in rows (``PackedShapes.place``), run in
+        forwards of the compiled shapes (one, for a batch ``plan`` cut)."""
+        shapes = self.shapes
+        placed = shapes.place([_tokens(x) for x in items], [item_scores(x) for x in items])
+        short = [r for r in placed if max(_tokens(items[i]) for i in r) <= shapes.row]
+        forwards = [(shapes.row, short[k : k + shapes.rows]) for k in range(0, len(short), shapes.rows)]
+        forwards += [(shapes.long, [r]) for r in placed if max(_tokens(items[i]) for i in r) > shapes.row]
+        out: list = [None] * len(items)
+        for tokens, rows in forwards:
+            count = tokens == shapes.row and next(c for c in shapes.row_counts if c >= len(rows)) or 1
+            rewards, outputs = self._forward(self._rows(tokens, rows + [[] for _ in range(count - len(rows))], items))
+            for row, members in enumerate(rows):
+                first = 0
+                for i in members:
+                    k = item_scores(items[i])
+                    out[i] = (rewards[row, first : first + k],
+                              outputs[row, first : first + k] if self.keeps_outputs else None)
+                    first += k
         return out
 
     def run(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
