@@ -7,7 +7,7 @@ Prints each variant's wall time (median and range), the ratio of the medians, th
 compiled, those that took a second or more, and the seconds it spent, and the final train loss
 and eval metrics (close, not equal: a step in fixed rows holds batch_size pairs on average).
 
-    .venv/bin/python benchmarks/demo.py [--repeat 3]
+    .venv/bin/python benchmarks/demo.py [--repeat 3] [--warm]
 """
 
 from __future__ import annotations
@@ -71,27 +71,39 @@ def demo_spec(folder: pathlib.Path, variant: str) -> pathlib.Path:
     return path
 
 
-def run_once(variant: str) -> dict:
+def run_once(variant: str, warm: bool = False) -> list[dict]:
+    """One first run of ``variant`` (an empty compilation cache); ``warm``: then a rerun into a
+    new output folder that finds the first run's cache."""
+    out = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(tmp)
         env = {**os.environ, "RMFLOW_COMPILATION_CACHE": str(folder / "jax-cache"), "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(demo_spec(folder, variant)), str(folder / "demo"), variant],
-                              capture_output=True, text=True, env=env, cwd=REPO)
-        if proc.returncode:
-            raise SystemExit(f"{variant} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-        return json.loads(line[len("RESULT "):])
+        for k in range(2 if warm else 1):
+            run_folder = folder / f"run{k}"
+            run_folder.mkdir()
+            proc = subprocess.run([sys.executable, "-c", CHILD, str(demo_spec(run_folder, variant)),
+                                   str(run_folder / "demo"), variant], capture_output=True, text=True, env=env, cwd=REPO)
+            if proc.returncode:
+                raise SystemExit(f"{variant} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+            out.append(json.loads(line[len("RESULT "):]))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--warm", action="store_true", help="also rerun each rmflow run on its own compilation cache")
     a = ap.parse_args()
     results: dict[str, list[dict]] = {"rmflow": [], "reference": []}
     for i in range(a.repeat):
         for variant in ("rmflow", "reference") if i % 2 == 0 else ("reference", "rmflow"):
-            r = run_once(variant)
+            r, *rerun = run_once(variant, warm=a.warm and variant == "rmflow")
             results[variant].append(r)
+            if rerun:
+                results.setdefault("rerun", []).append(rerun[0])
+                print(f"run {i + 1} rerun    : {rerun[0]['wall']:6.1f} s, {rerun[0]['compiles']} compilations "
+                      f"({rerun[0]['long_compiles']} of 1 s or more; {rerun[0]['compile_s']:.1f} s in all)", flush=True)
             print(f"run {i + 1} {variant:9s}: {r['wall']:6.1f} s, {r['compiles']} compilations "
                   f"({r['long_compiles']} of 1 s or more; {r['compile_s']:.1f} s in all), loss {r['loss']:.4f}, eval accuracy {r['eval_accuracy']:.4f}, "
                   f"eval loss {r['eval_loss']:.4f}", flush=True)

@@ -1,5 +1,6 @@
 """`rmflow serve` start-up: seconds from launch until GET /health answers 200 (the model loaded
-and the batch shapes up to --startup-length compiled), with the default options and with each
+and its start-up shapes compiled: an outcome model's packed shapes, a process model's up to
+--startup-length), with the default options and with each
 set of other options given (by default --startup-length 4096: every shape to the model's
 positions), alternating, without the persistent compilation cache (RMFLOW_COMPILATION_CACHE=off)
 unless --cache is given.
@@ -24,7 +25,7 @@ import requests
 
 
 def start_up(model: str, extra: list[str], cache: bool) -> tuple[float, int, int]:
-    """(seconds to ready, the length compiled at start-up, batch shapes compiled)."""
+    """(seconds to ready, the startup length, the programs compiled so far: at start-up)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -46,8 +47,7 @@ def start_up(model: str, extra: list[str], cache: bool) -> tuple[float, int, int
             time.sleep(0.2)
         seconds = time.monotonic() - start
         info = requests.get(url + "/v1/model", timeout=5).json()
-        compiled = [s for s in info["batch_shapes"] if s[1] <= info["startup_length"]]
-        return seconds, info["startup_length"], len(compiled)
+        return seconds, info["startup_length"], info["compiled_shapes"]
     finally:
         proc.terminate()
         proc.wait(60)
@@ -66,8 +66,8 @@ def main() -> None:
     for _ in range(a.repeat):
         for extra in ([], *others):
             seconds, length, shapes = start_up(a.model, extra, a.cache)
-            print(f"{' '.join(extra) or 'default':>20}: ready in {seconds:6.1f} s (shapes to {length} tokens "
-                  f"compiled at start-up: {shapes})", flush=True)
+            print(f"{' '.join(extra) or 'default':>20}: ready in {seconds:6.1f} s (startup length {length} tokens; "
+                  f"programs compiled at start-up: {shapes})", flush=True)
 
 
 if __name__ == "__main__":

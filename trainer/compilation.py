@@ -11,6 +11,9 @@ a stale entry. ``compilation_cache`` in the train config picks the folder:
 * ``off``: no persistent cache (``RMFLOW_COMPILATION_CACHE=off`` does the same for ``auto``);
 * a folder: that folder.
 
+On GPUs, XLA's per-fusion autotuning results are kept in the same folder
+(``jax_persistent_cache_enable_xla_caches``), so fusions tuned once are never tuned again.
+
 JAX treats its cache as trusted code: keep it in a folder only you can write to (the default
 is in your home directory).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import os
 
 OFF = ("off", "none", "false", "0")
+XLA_CACHES = "xla_gpu_per_fusion_autotune_cache_dir"  # XLA's own caches kept in the cache folder
 
 
 def cache_folder(setting: str, environ=os.environ) -> str | None:
@@ -56,4 +60,7 @@ def use_compilation_cache(setting: str, environ=os.environ) -> str | None:
         cc.reset_cache()  # a cache opened on another folder is closed; the next compile opens this one
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # On GPUs, XLA's autotuning results too, per fusion, beside the executables: a program with
+    # the fusions of one compiled before (another batch shape's, a rerun's) tunes none of them again
+    jax.config.update("jax_persistent_cache_enable_xla_caches", XLA_CACHES)
     return folder

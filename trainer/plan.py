@@ -131,10 +131,14 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     eval_rounding = {name: lengths_per_doubling(-(-(count_records(paths) // processes) // local_batch)
                                                 * len(evaluations), backend)
                      for name, paths in eval_sets.items()}
+    if cfg.data.packing == "fixed" and processes > 1:
+        raise TrainError(f"data.packing fixed over {processes} processes: each process's eval sets would make "
+                         "a different number of batches, which the processes must run together; use pack (auto "
+                         "picks it)")
     plan = RunPlan(cfg=cfg, sources=sources, manifests=tuple(manifests), manifest=manifest, primary=primary,
                    max_length=max_length, objective=objective, train_sets=train_sets, train_units=train_units,
                    eval_sets=eval_sets, data_evals=data_evals, rows=shards // processes, local_batch=local_batch,
-                   packing=resolve_packing(cfg.data.packing, backend, math.prod(mesh_shape.values())),
+                   packing=resolve_packing(cfg.data.packing, backend, math.prod(mesh_shape.values()), processes),
                    total_steps=total_steps, evaluations=evaluations,
                    train_rounding=lengths_per_doubling(total_steps, backend), eval_rounding=eval_rounding,
                    pad_id=manifest.tokenizer.pad_token_id or 0)

@@ -40,6 +40,7 @@ from rmflow.trainer.checkpoints import checkpoint_manager, existing_checkpoint, 
 from rmflow.trainer.compilation import use_compilation_cache
 from rmflow.trainer.data import LoaderSpec, make_loader
 from rmflow.trainer.data.lookahead import Lookahead, checkpointable
+from rmflow.trainer.data.rows import OtherPackingState
 from rmflow.trainer.errors import Interrupted, TrainError
 from rmflow.trainer.loggers import Reporters, check_available
 from rmflow.trainer.memory import release_free_memory
@@ -336,12 +337,12 @@ class Outputs:
                 restored = self.manager.restore(latest, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract),
                     data=grain.checkpoint.CheckpointRestore(checkpointable(iterator))))
-            except (KeyError, ValueError) as e:
-                if "loader state" not in str(e) and not isinstance(e, KeyError):
+            except OtherPackingState:  # saved by pack, bucket or none; this run packs fixed rows
+                raise TrainError(_other_mode(latest, packing, "pack, bucket or none", "pack")) from None
+            except KeyError as e:  # Grain's batch iterator given the fixed rows' state
+                if packing == "fixed":
                     raise
-                raise TrainError(f"--resume: checkpoint {latest} holds the loader's position in another packing mode "
-                                 f"than this run's ({packing}); resume with the run's own data.packing (a run "
-                                 "started when auto meant pack: --set data.packing=pack)") from None
+                raise TrainError(_other_mode(latest, packing, "fixed", "fixed")) from e
         self.history = [h for h in read_history(self.metrics_path) if h["step"] <= latest]
         return jax.tree.unflatten(jax.tree.structure(state), list(restored["state"]))
 
@@ -359,6 +360,12 @@ class Outputs:
             self.writer.log(record, step)
         if self.on_log:
             self.on_log(record)
+
+
+def _other_mode(step: int, packing: str, saved: str, resume_with: str) -> str:
+    return (f"--resume: checkpoint {step} holds the loader's position as packing {saved} saves it, and this run "
+            f"packs {packing}: resume with the run's own mode (--set data.packing={resume_with} "
+            "--allow-config-change; a run started when auto meant pack resumes with pack)")
 
 
 @dataclasses.dataclass(frozen=True)

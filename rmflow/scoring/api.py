@@ -39,8 +39,8 @@ from rmflow.scoring.errors import BadConversation, WrongModelKind
 
 Conversation = Sequence[dict[str, str]] | dict[str, Any]
 
-# The tokens a conversation is given in a packed row when only a batch size is: the largest row of
-# ``RewardModel.shapes(batch_size)`` holds batch_size x this many (and the longest conversation).
+# The tokens a conversation is given in packed rows when only a batch size is: a full forward of
+# ``RewardModel.shapes(batch_size)`` holds batch_size x this many.
 PACKED_TOKENS_PER_ITEM = 512
 
 

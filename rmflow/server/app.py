@@ -261,6 +261,7 @@ def model_info(service: Service) -> Response:
     return JSONResponse({**service.rm.identity(), "max_length": service.rm.max_length,
                          "startup_length": service.startup_length,
                          "batch_shapes": [list(s) for s in service.shapes.shapes],
+                         "compiled_shapes": len(service.rm.scorer(service.shapes).compiled),
                          "response_units": service.units, "endpoints": [path for path, _, _ in SCORING]})
 
 

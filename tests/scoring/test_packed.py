@@ -12,13 +12,13 @@ from rmflow.trainer.modeling.decoder import RewardTransformer
 from tests.training.test_step import CFG
 
 
-def test_rows_of_the_training_length_as_many_as_the_budget_holds_and_a_long_row():
+def test_rows_of_the_training_length_as_many_as_the_budget_holds_and_longer_items_by_power_of_two():
     shapes = PackedShapes(4096, 16384, row_length=512)  # a model of 4,096 positions trained at 512
-    assert shapes.shapes == ((1, 512), (8, 512), (32, 512), (1, 4096))
+    assert shapes.shapes == ((1, 512), (8, 512), (32, 512))  # compiled at start-up
+    assert [shapes.long_size(n) for n in (513, 1024, 1025, 4000)] == [1024, 1024, 2048, 4096]
     assert (shapes.slots(512), shapes.slots(4096)) == (64, 256)
     assert PackedShapes(512, 4096).shapes == ((1, 512), (2, 512), (8, 512))  # nothing longer than a row
     assert PackedShapes(300, 256).shapes == ((1, 384),)
-    assert len(PackedShapes(32768, 1 << 20, row_length=1024).shapes) == 4  # never more than 4
 
 
 def test_a_plan_puts_every_item_in_one_row_within_its_tokens_and_slots():
@@ -37,6 +37,7 @@ def test_a_plan_puts_every_item_in_one_row_within_its_tokens_and_slots():
     assert sum(len(b) for b in batches if max(lengths[i] for i in b) > 512) == 3  # the long ones apart
     with pytest.raises(ValueError, match="packed rows cannot score each item in a shape of its own"):
         shapes.plan(lengths, one_length=True)
+    assert {shapes.long_size(lengths[i]) for b in batches for i in b if lengths[i] > 512} == {1024, 2048}
     with pytest.raises(ValueError, match="an item of 2049 tokens"):
         shapes.plan([2049])
 
@@ -53,7 +54,7 @@ def test_packed_scores_equal_each_item_alone_and_compile_once_per_row_size():
                                      "0" * 32))
     packed = PackedScorer(model, PackedShapes(256, 1024, row_length=128))
     packed.warm_up()
-    shapes = {(1, 128), (2, 128), (8, 128), (1, 256)}  # rows of 128 tokens, 1, 2 or 8 a forward; a long row
+    shapes = {(1, 128), (2, 128), (8, 128)}  # rows of 128 tokens, 1, 2 or 8 a forward
     assert packed.compiled == shapes
     alone = SequenceScorer(model, ScoringShapes(256, max_rows=1))
     items = seqs + units
@@ -62,7 +63,7 @@ def test_packed_scores_equal_each_item_alone_and_compile_once_per_row_size():
                                     groups=[1] * len(seqs) + [u.k for u in units]):
         for i, (rewards, _) in zip(batch, packed.run_items([items[i] for i in batch])):
             got[i] = rewards
-    assert packed.compiled == shapes  # nothing new, whatever the lengths
+    assert packed.compiled == shapes | {(1, 256)}  # the row of the two items over 128 tokens, nothing else
     for s, r in zip(seqs, got):
         np.testing.assert_allclose(r, alone.run([s]), atol=1e-5, rtol=0)
     for u, r in zip(units, got[len(seqs):]):

@@ -129,12 +129,17 @@ def test_loader_workers_make_the_same_batches_and_a_mixture_counts_its_sets(tmp_
         assert int(b["source_counts"].sum()) == int(b["weight"].sum()) > 0
 
 
-def test_a_record_longer_than_a_row_is_refused_in_one_line(tmp_path):
+def test_a_record_longer_than_a_row_or_with_more_parts_than_its_slots_is_refused_in_one_line(tmp_path):
     paths = _pairs(tmp_path)
     it = iter(make_loader(paths, LoaderSpec(batch_size=4, max_length=64, num_epochs=1, shard_by_process=False,
                                             packing="fixed", rows=1, row_tokens=20, row_slots=8)))
     with pytest.raises(ValueError, match=r"more than a row's 20: raise data.row_tokens"):
         list(it)
+    steps = iter(make_loader(_solutions(tmp_path), LoaderSpec(batch_size=4, max_length=64, num_epochs=1,
+                                                              shard_by_process=False, packing="fixed", rows=1,
+                                                              row_tokens=128, row_slots=2, objective=PROCESS)))
+    with pytest.raises(ValueError, match=r"scored parts \(steps, responses\), more than a row's 2 slots"):
+        list(steps)
 
 
 def test_a_step_s_loss_is_the_mean_over_its_records_however_the_rows_split_them():
@@ -190,10 +195,26 @@ def test_a_checkpoint_of_another_packing_mode_is_refused_in_one_line(synthetic, 
     pack = {"train": str(synthetic), "packing": "pack"}
     train(config(pack, tmp_path / "r", max_steps=4, checkpoint={"save_steps": 2}))
     before = (tmp_path / "r" / "config.json").read_bytes()
-    with pytest.raises(TrainError, match=r"another packing mode than this run's \(fixed\).*data.packing=pack"):
+    with pytest.raises(TrainError, match=r"as packing pack, bucket or none saves it, and this run packs fixed: "
+                                         r".*--set data.packing=pack --allow-config-change"):
         train(config(synthetic, tmp_path / "r", max_steps=6, checkpoint={"save_steps": 2}), resume=True,
               allow_config_change=True)
     assert (tmp_path / "r" / "config.json").read_bytes() == before  # the refused resume wrote nothing
     resumed = train(config(pack, tmp_path / "r", max_steps=6, checkpoint={"save_steps": 2}), resume=True,
                     allow_config_change=True)
     assert resumed.history[-1]["step"] == 6
+    train(config(synthetic, tmp_path / "f", max_steps=4, checkpoint={"save_steps": 2}))  # saved in fixed rows
+    with pytest.raises(TrainError, match=r"as packing fixed saves it, and this run packs pack: .*data.packing=fixed"):
+        train(config(pack, tmp_path / "f", max_steps=6, checkpoint={"save_steps": 2}), resume=True,
+              allow_config_change=True)
+
+
+def test_fixed_rows_over_several_processes_are_refused_and_auto_packs_there(synthetic, tmp_path):  # noqa: F811
+    from rmflow.trainer.errors import TrainError
+    from rmflow.trainer.plan import plan_run
+
+    mesh = {"data": 2, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert plan_run(config(synthetic, tmp_path / "a"), mesh_shape=mesh, processes=2, backend="cpu").packing == "pack"
+    with pytest.raises(TrainError, match="data.packing fixed over 2 processes: .* use pack"):
+        plan_run(config({"train": str(synthetic), "packing": "fixed"}, tmp_path / "b"), mesh_shape=mesh, processes=2,
+                 backend="cpu")

@@ -408,6 +408,7 @@ def test_auto_packing_and_attention_resolve_by_backend():
 
     assert [resolve_packing("auto", b) for b in ("cpu", "gpu", "tpu")] == ["fixed", "fixed", "bucket"]
     assert [resolve_packing("auto", b, 8) for b in ("cpu", "gpu", "tpu")] == ["fixed", "bucket", "bucket"]
+    assert resolve_packing("auto", "cpu", 1, processes=2) == "pack"  # eval batches the same count on each
     assert resolve_packing("none", "gpu") == "none"
     assert resolve_attention("auto", jnp.float32, "cpu") == "blockwise"
     assert resolve_attention("auto", jnp.float32, "cpu", packed=True) == "blockwise"

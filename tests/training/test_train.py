@@ -309,6 +309,8 @@ def test_a_second_run_compiles_nothing_the_first_compiled(synthetic, tmp_path):
         forget_compiled()
         first = train(config(synthetic, tmp_path / "a", max_steps=6, logging={"steps": 3}, compilation_cache=str(cache)))
         assert events["executables"] > events["read"] and os.listdir(cache)
+        # XLA's own caches (a GPU's autotuning, per fusion) are kept in the same folder
+        assert jax.config.jax_persistent_cache_enable_xla_caches == "xla_gpu_per_fusion_autotune_cache_dir"
         events.update(executables=0, read=0)
         forget_compiled()  # as a new process
         second = train(config(synthetic, tmp_path / "b", max_steps=6, logging={"steps": 3}, compilation_cache=str(cache), **other))

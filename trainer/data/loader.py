@@ -37,7 +37,7 @@ from rmflow.schemas.train_config import PACKED, PACKING
 from rmflow.trainer.data.bucketing import LengthBuckets
 from rmflow.trainer.data.collate import FINEST
 from rmflow.trainer.data.mixture import LabelledBatch
-from rmflow.trainer.data.rows import WINDOW_BATCHES, FixedRows, RowShape
+from rmflow.trainer.data.rows import FixedRows, RowShape, window_for
 
 if typing.TYPE_CHECKING:
     from rmflow.trainer.objective import Objective
@@ -68,18 +68,22 @@ class Tag(grain.transforms.Map):
         return self.index, raw
 
 
-def resolve_packing(packing: str, backend: str, devices: int = 1) -> str:
+def resolve_packing(packing: str, backend: str, devices: int = 1, processes: int = 1) -> str:
     """``auto`` -> ``fixed`` on CPU and on one GPU (each prompt computed once, no padding between
-    pairs; on the GPU with the Pallas kernels, ``resolve_attention``), ``bucket`` over several
-    GPUs (the Pallas kernels have no partitioning rule yet; cuDNN's fused attention takes one
-    sequence a row) and on TPU, whose splash attention takes no run-time mask that could express
-    the shared prompt. ``devices``: how many devices the batch is split over. docs/training.md, "Packing,
-    attention and speed", has the measurements behind these."""
+    pairs, one shape a run; on the GPU with the Pallas kernels, ``resolve_attention``), ``pack``
+    there with several processes (each process's eval set then makes as many batches, as the
+    batches' collectives need; fixed rows make as many as their records fill), ``bucket`` over
+    several GPUs (the Pallas kernels have no partitioning rule yet; cuDNN's fused attention takes
+    one sequence a row) and on TPU, whose splash attention takes no run-time mask that could
+    express the shared prompt. ``devices``: how many devices the batch is split over.
+    docs/training.md, "Packing, attention and speed", has the measurements behind these."""
     if packing not in PACKING:
         raise ValueError(f"packing {packing!r}: use one of {PACKING}")
     if packing != "auto":
         return packing
-    return "fixed" if backend == "cpu" or (backend == "gpu" and devices == 1) else "bucket"
+    if backend == "cpu" or (backend == "gpu" and devices == 1):
+        return "fixed" if processes == 1 else "pack"
+    return "bucket"
 
 
 def collate_fn(packing: str, *, batch_size: int, max_length: int, pad_id: int, rows: int,
@@ -203,7 +207,7 @@ def make_loader(shard_paths: Sequence[str], spec: LoaderSpec) -> grain.IterDatas
         shape = spec.row_shape
         return FixedRows(_workers(ds.map(decode_op).to_iter_dataset(READ_OPTIONS), spec.worker_count), shape=shape,
                          size=collate.size, layout=collate.layout(shape.tokens, shape.slots),
-                         window=WINDOW_BATCHES * spec.batch_size, labels=len(shard_paths) if spec.weights else 0)
+                         window=window_for(shape, spec.batch_size), labels=len(shard_paths) if spec.weights else 0)
     if spec.packing == "bucket":
         ds = LengthBuckets(ds, batch_size=spec.batch_size, window=BUCKET_WINDOW, seed=spec.seed)
     ds = ds.map(decode_op).batch(spec.batch_size, drop_remainder=False, batch_fn=collate)

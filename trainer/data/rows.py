@@ -93,6 +93,24 @@ def first_fit(sizes: Sequence[tuple[int, int]], shape: RowShape) -> list[list[in
     return out
 
 
+def check_fits(size: tuple[int, int], shape: RowShape) -> None:
+    """A unit of ``size`` (tokens, slots) fits an empty row of ``shape``, or a one-line error."""
+    if size[0] > shape.tokens:
+        raise ValueError(f"a record's unit has {size[0]} tokens, more than a row's {shape.tokens}: raise "
+                         "data.row_tokens (0 chooses one from the data)")
+    if size[1] > shape.slots:
+        raise ValueError(f"a record's unit has {size[1]} scored parts (steps, responses), more than a row's "
+                         f"{shape.slots} slots (twice the average the sampled data needs): split such records, "
+                         "or raise data.row_tokens (a row's slots grow with it)")
+
+
+def window_for(shape: RowShape, batch_size: int) -> int:
+    """The records a packer reads ahead: ``WINDOW_BATCHES`` micro-batches' worth, a micro-batch
+    counted as ``batch_size`` records or, when its rows hold more (rows made long for the longest
+    record), as half its slots."""
+    return WINDOW_BATCHES * max(batch_size, shape.rows * shape.slots // 2)
+
+
 def packed_batches(sizes: Sequence[tuple[int, int]], shape: RowShape, window: int) -> list[list[list[int]]]:
     """Every unit of ``sizes`` in micro-batches of ``shape``, as ``FixedRows`` lays out a stream
     (first-fit over a window of ``window`` units, oldest first): each batch's indices into
@@ -102,8 +120,7 @@ def packed_batches(sizes: Sequence[tuple[int, int]], shape: RowShape, window: in
     out = []
     while following < len(sizes) or pending:
         while following < len(sizes) and len(pending) < window:
-            if sizes[following][0] > shape.tokens:
-                raise ValueError(f"a unit of {sizes[following][0]} tokens does not fit a row of {shape.tokens}")
+            check_fits(sizes[following], shape)
             pending.append(following)
             following += 1
         placement = [[pending[i] for i in row] for row in first_fit([sizes[i] for i in pending], shape)]
@@ -111,6 +128,10 @@ def packed_batches(sizes: Sequence[tuple[int, int]], shape: RowShape, window: in
         pending = [i for i in pending if i not in placed]
         out.append(placement)
     return out
+
+
+class OtherPackingState(ValueError):
+    """A loader state saved by another packing mode than ``fixed``."""
 
 
 class FixedRows(grain.IterDataset):
@@ -147,9 +168,7 @@ class _FixedRowsIterator(grain.DatasetIterator):
             self._exhausted = True
             return False
         size = self._spec.size(item[1] if self._spec.labels else item)
-        if size[0] > self._spec.shape.tokens:
-            raise ValueError(f"a record's unit has {size[0]} tokens, more than a row's {self._spec.shape.tokens}: "
-                             "raise data.row_tokens (0 chooses one from the data)")
+        check_fits(size, self._spec.shape)
         self._read.append([state, item, size, False])
         return True
 
@@ -182,7 +201,7 @@ class _FixedRowsIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or set(state) != {"parent", "read", "served"}:
-            raise ValueError("the loader state was not saved by rows of one fixed shape (packing fixed)")
+            raise OtherPackingState("the loader state was not saved by rows of one fixed shape (packing fixed)")
         self._parent.set_state(state["parent"])
         self._read, self._exhausted = [], False
         served = set(state["served"])

@@ -15,7 +15,7 @@ from rmflow.schemas.kinds import PROCESS, RESPONSES
 from rmflow.schemas.record import PairRecord, ResponsesRecord, StepRecord, is_unit
 from rmflow.trainer.data import PackCollate, StepPackCollate
 from rmflow.trainer.data.response_units import record_values, units_in_rows
-from rmflow.trainer.data.rows import WINDOW_BATCHES, packed_batches, row_shape_for
+from rmflow.trainer.data.rows import packed_batches, row_shape_for, window_for
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
 from rmflow.trainer.inference.packed import PackedScorer
 from rmflow.trainer.inference.programs import (
@@ -208,7 +208,7 @@ def record_batches(collate, records: Sequence, *, batch_size: int = 0, row_token
     shape = row_shape_for(sizes, batch_size=max(batch_size, 1), rows=1, longest=longest,
                           row_tokens=max(row_tokens, longest) if row_tokens else 0)
     lay_out = collate.layout(shape.tokens, shape.slots)
-    for placement in packed_batches(sizes, shape, WINDOW_BATCHES * max(batch_size, 1)):
+    for placement in packed_batches(sizes, shape, window_for(shape, batch_size)):
         order = [i for row in placement for i in row]
         local = {i: k for k, i in enumerate(order)}
         yield lay_out([records[i] for i in order], [[local[i] for i in row] for row in placement]), order

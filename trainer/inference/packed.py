@@ -5,9 +5,9 @@ the prompt and themselves only, as in training), in a handful of fixed shapes.
 ``PackedShapes`` is the set of shapes and how items are placed in rows: rows of one length (the
 length most items fit: the model's training length, by default), as many a forward as hold the
 token budget, a quarter of them, or one (a lone short request runs in one row, not a full
-forward); an item longer than a row, up to ``max_length``, in a row of that length, one row a
-forward. ``PackedScorer`` runs them. So a server compiles at most ``MAX_SHAPES`` programs at
-start-up, whatever lengths and mixes of requests come. Several rows of moderate length, not one
+forward); an item longer than a row, up to ``max_length``, in a row of its power of two, one row
+a forward, compiled the first time one comes. ``PackedScorer`` runs them. So a server compiles
+at most 3 programs at start-up, whatever lengths and mixes of requests come. Several rows of moderate length, not one
 long row, because the last layer runs at the reward slots against every key of their row, and
 a CPU runs the blockwise attention's loops a block at a time: on this CPU one row of 16,384
 tokens scored 4,500 tokens/s where 16 rows of 1,024 scored 22,900. A conversation's score is
@@ -28,7 +28,6 @@ from rmflow.trainer.data.response_units import ResponsesUnit, responses_unit
 from rmflow.trainer.inference.programs import _rewards_and_outputs
 from rmflow.trainer.modeling.decoder import RewardTransformer
 
-MAX_SHAPES = 4  # programs a server compiles at start-up, at most
 ALIGN = 128  # row lengths are multiples of this
 SLOT_TOKENS = 8  # a row has a reward slot per this many of its tokens (from 8, at most MAX_SLOTS)...
 MAX_SLOTS = 256  # ...so that the last layer, run at the reward slots, stays a small share of the row
@@ -48,7 +47,7 @@ class PackedShapes:
     """The rows packed scoring runs: rows of ``row_length`` tokens (0: ``max_length``), as many
     a forward as hold ``token_budget`` tokens, and fewer (a quarter, one) for a short queue; an
     item longer than a row (up to ``max_length``) runs in a row of its own length class, one row
-    a forward. At most ``MAX_SHAPES`` shapes (``shapes``)."""
+    a forward, compiled on first use. ``shapes``: the (at most 3) compiled at start-up."""
 
     max_length: int
     token_budget: int = 16384
@@ -63,10 +62,15 @@ class PackedShapes:
         """A row's tokens: the length most items fit (the model's training length, by default)."""
         return _align(min(self.row_length or self.max_length, self.max_length))
 
-    @property
-    def long(self) -> int:
-        """The tokens of the row an item longer than ``row`` runs in (0: none is)."""
-        return _align(self.max_length) if _align(self.max_length) > self.row else 0
+    def long_size(self, tokens: int) -> int:
+        """The row an item longer than ``row`` runs in, alone or with other long ones: the power of
+        two that holds it (from twice ``row``), at most ``max_length`` (aligned). Compiled the
+        first time an item needs it, never at start-up: a model's positions can be far more than
+        any request holds."""
+        size = 2 * self.row
+        while size < tokens:
+            size *= 2
+        return min(size, _align(self.max_length))
 
     @property
     def rows(self) -> int:
@@ -75,11 +79,8 @@ class PackedShapes:
 
     @property
     def row_counts(self) -> tuple[int, ...]:
-        """The forwards' row counts, smallest first: one, a quarter of the full count, the full count
-        (as many as ``MAX_SHAPES`` allows beside the long row)."""
-        counts = sorted({1, max(1, self.rows // 4), self.rows})
-        keep = MAX_SHAPES - (1 if self.long else 0)
-        return tuple(counts[:1] + counts[len(counts) - keep + 1:]) if len(counts) > keep else tuple(counts)
+        """The forwards' row counts, smallest first: one, a quarter of the full count, the full count."""
+        return tuple(sorted({1, max(1, self.rows // 4), self.rows}))
 
     def slots(self, tokens: int) -> int:
         """The reward slots of a row of ``tokens``: a power of two, one per ``SLOT_TOKENS``, from 8
@@ -89,29 +90,30 @@ class PackedShapes:
 
     @property
     def shapes(self) -> tuple[tuple[int, int], ...]:
-        """(rows, tokens) of each compiled program."""
-        return tuple((r, self.row) for r in self.row_counts) + (((1, self.long),) if self.long else ())
+        """(rows, tokens) of each program compiled at start-up."""
+        return tuple((r, self.row) for r in self.row_counts)
 
     def describe(self, up_to: int = 0, units: bool = False) -> str:
-        """What a server of these rows compiled at start-up: every shape (``up_to`` and ``units``
-        change nothing: a row takes short and long items, conversations and units)."""
+        """What a server of these rows compiled at start-up (``up_to`` and ``units`` change
+        nothing: a row takes conversations and units alike)."""
+        longer = (f"; an item over {self.row:,} tokens in a row of its power of two up to {_align(self.max_length):,}, "
+                  "compiled on first use") if _align(self.max_length) > self.row else ""
         return (f"{len(self.shapes)} packed shapes compiled ({', '.join(f'{r} x {n:,}' for r, n in self.shapes)} "
-                "tokens), conversations and response units side by side")
+                f"tokens), conversations and response units side by side{longer}")
 
     def place(self, lengths: Sequence[int], slots: Sequence[int]) -> list[list[int]]:
         """Rows of indices into ``lengths``: longest first, each item to the first of the last
-        ``OPEN_ROWS`` rows of its class (``row`` tokens, or ``long`` for a longer item) with room
+        ``OPEN_ROWS`` rows of its class (``row`` tokens, or ``long_size`` for a longer item) with room
         for its tokens and its reward slots. Deterministic; the rows of ``row`` tokens first."""
-        rows: dict[int, list[list[int]]] = {self.row: [], self.long: []}  # by row length: the rows, and
-        loads: dict[int, list[tuple[int, int]]] = {self.row: [], self.long: []}  # their (tokens, slots)
+        rows: dict[int, list[list[int]]] = {}  # by row length: the rows, and their (tokens, slots)
+        loads: dict[int, list[tuple[int, int]]] = {}
         for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
             n, s = int(lengths[i]), int(slots[i])
-            size = self.row if n <= self.row else self.long
+            size = self.row if n <= self.row else self.long_size(n)
             if n > size or s > self.slots(size):
                 raise ValueError(f"an item of {n} tokens and {s} scores: more than the longest row's "
-                                 f"{self.long or self.row} tokens (max_length {self.max_length}) and its "
-                                 f"{self.slots(self.long or self.row)} scores")
-            these, load = rows[size], loads[size]
+                                 f"{size} tokens (max_length {self.max_length}) and its {self.slots(size)} scores")
+            these, load = rows.setdefault(size, []), loads.setdefault(size, [])
             for r in range(max(0, len(these) - OPEN_ROWS), len(these)):
                 if load[r][0] + n <= size and load[r][1] + s <= self.slots(size):
                     these[r].append(i)
@@ -120,7 +122,7 @@ class PackedShapes:
             else:
                 these.append([i])
                 load.append((n, s))
-        return [sorted(r) for r in rows[self.row]] + ([sorted(r) for r in rows[self.long]] if self.long else [])
+        return [sorted(r) for size in sorted(rows) for r in rows[size]]
 
     def plan(self, lengths: Sequence[int], *, one_length: bool = False,
              groups: Sequence[int] | None = None) -> list[np.ndarray]:
@@ -138,10 +140,10 @@ class PackedShapes:
 
 
 class PackedScorer:
-    """An outcome model's forward over packed rows (``PackedShapes``), jitted once per row size:
-    ``run_items`` scores one batch (conversations and units, as ``plan`` cuts them) in one row,
-    the smallest that holds it; ``run``, ``run_outputs``, ``run_units`` and ``score`` as
-    ``SequenceScorer``'s. The parameters are an argument of the compiled function."""
+    """An outcome model's forward over packed rows (``PackedShapes``), jitted once per shape:
+    ``run_items`` scores a batch of conversations and units (as ``plan`` cuts them: one forward)
+    in rows; ``run``, ``run_outputs``, ``run_units`` and ``score`` as ``SequenceScorer``'s. The
+    parameters are an argument of the compiled function."""
 
     def __init__(self, model: RewardTransformer, shapes: PackedShapes, *, pad_id: int = 0):
         self._graphdef, self._state = nnx.split(model)
@@ -150,8 +152,8 @@ class PackedScorer:
         self.compiled: set[tuple[int, int]] = set()  # (rows, tokens) run so far
 
     def warm_up(self, units: bool = False, up_to: int | None = None) -> None:
-        """Compile every shape now (``units`` and ``up_to`` change nothing: each row takes
-        conversations and units alike, short and long)."""
+        """Compile the start-up shapes now (``units`` and ``up_to`` change nothing: each row takes
+        conversations and units alike); a longer item's row compiles when one first comes."""
         for rows, n in self.shapes.shapes:
             self._forward(self._rows(n, [[] for _ in range(rows)], []))
 
@@ -186,7 +188,8 @@ class PackedScorer:
         placed = shapes.place([_tokens(x) for x in items], [item_scores(x) for x in items])
         short = [r for r in placed if max(_tokens(items[i]) for i in r) <= shapes.row]
         forwards = [(shapes.row, short[k : k + shapes.rows]) for k in range(0, len(short), shapes.rows)]
-        forwards += [(shapes.long, [r]) for r in placed if max(_tokens(items[i]) for i in r) > shapes.row]
+        forwards += [(shapes.long_size(max(_tokens(items[i]) for i in r)), [r]) for r in placed
+                     if max(_tokens(items[i]) for i in r) > shapes.row]
         out: list = [None] * len(items)
         for tokens, rows in forwards:
             count = tokens == shapes.row and next(c for c in shapes.row_counts if c >= len(rows)) or 1
