@@ -131,10 +131,7 @@ def plan_run(cfg: TrainConfig, *, mesh_shape: Mapping[str, int], processes: int,
     eval_rounding = {name: lengths_per_doubling(-(-(count_records(paths) // processes) // local_batch)
                                                 * len(evaluations), backend)
                      for name, paths in eval_sets.items()}
-    if cfg.data.packing == "fixed" and processes > 1:
-        raise TrainError(f"data.packing fixed over {processes} processes: each process's eval sets would make "
-                         "a different number of batches, which the processes must run together; use pack (auto "
-                         "picks it)")
+    check_packing(cfg.data.packing, processes)
     plan = RunPlan(cfg=cfg, sources=sources, manifests=tuple(manifests), manifest=manifest, primary=primary,
                    max_length=max_length, objective=objective, train_sets=train_sets, train_units=train_units,
                    eval_sets=eval_sets, data_evals=data_evals, rows=shards // processes, local_batch=local_batch,
@@ -209,6 +206,15 @@ def check_labels(cfg: TrainConfig, sources, manifests: list[Manifest], objective
                                                            for s, m in zip(sources, manifests) if m.scored_by_weights)
                          + "), and the head's reward would be the first set's: give --attribute-weights "
                          "NAME=WEIGHT,... for the reward, or preprocess the sets with the same weights")
+
+
+def check_packing(packing: str, processes: int) -> None:
+    """Fixed rows run in one process: over several, each process's eval sets would make a
+    different number of batches, which the processes must run together."""
+    if packing == "fixed" and processes > 1:
+        raise TrainError(f"data.packing fixed over {processes} processes: each process's eval sets would make "
+                         "a different number of batches, which the processes must run together; use pack (auto "
+                         "picks it)")
 
 
 def check_batch(batch_size: int, mesh_shape: Mapping[str, int], processes: int) -> None:
