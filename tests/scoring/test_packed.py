@@ -2,6 +2,8 @@
 row within its tokens and reward slots, a handful of programs compiled once, and each
 conversation's and each unit's response's score its own scored alone."""
 
+import time
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -54,6 +56,9 @@ def test_packed_scores_equal_each_item_alone_and_compile_once_per_row_size():
                                      "0" * 32))
     packed = PackedScorer(model, PackedShapes(256, 1024, row_length=128))
     packed.warm_up()
+    assert {(1, 128), (8, 128)} <= packed.compiled  # one row and a full forward before it returns
+    while packed.warming:  # the count between them right after, in the background
+        time.sleep(0.05)
     shapes = {(1, 128), (2, 128), (8, 128)}  # rows of 128 tokens, 1, 2 or 8 a forward
     assert packed.compiled == shapes
     alone = SequenceScorer(model, ScoringShapes(256, max_rows=1))

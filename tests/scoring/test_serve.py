@@ -137,8 +137,8 @@ def test_health_says_loading_until_warm_then_the_model(outcome):
     # --token-budget, a quarter of them, or one (a lone request); conversations and units share them
     assert info["batch_shapes"] == [[1, 128], [8, 128], [32, 128]]
     assert info["compiled_shapes"] <= 4  # the 3 at start-up, and a longer item's row once one came
-    assert info["response_units"] and "3 packed shapes compiled (1 x 128, 8 x 128, 32 x 128 tokens)" \
-        in server.output()
+    assert info["response_units"] and "3 packed shapes (1 x 128, 8 x 128, 32 x 128 tokens: one row and a full " \
+        "forward compiled before ready" in server.output()
 
 
 def test_native_scores_equal_the_api(outcome, conversations):

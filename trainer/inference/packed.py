@@ -18,6 +18,7 @@ byte-identical scores in ``ScoringShapes`` (one item a row, the shape set by the
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,12 +95,13 @@ class PackedShapes:
         return tuple((r, self.row) for r in self.row_counts)
 
     def describe(self, up_to: int = 0, units: bool = False) -> str:
-        """What a server of these rows compiled at start-up (``up_to`` and ``units`` change
-        nothing: a row takes conversations and units alike)."""
+        """What a server of these rows compiles at start-up (``PackedScorer.warm_up``; ``up_to``
+        and ``units`` change nothing: a row takes conversations and units alike)."""
         longer = (f"; an item over {self.row:,} tokens in a row of its power of two up to {_align(self.max_length):,}, "
                   "compiled on first use") if _align(self.max_length) > self.row else ""
-        return (f"{len(self.shapes)} packed shapes compiled ({', '.join(f'{r} x {n:,}' for r, n in self.shapes)} "
-                f"tokens), conversations and response units side by side{longer}")
+        return (f"{len(self.shapes)} packed shapes ({', '.join(f'{r} x {n:,}' for r, n in self.shapes)} tokens: one "
+                "row and a full forward compiled before ready, any between right after), conversations and response "
+                f"units side by side{longer}")
 
     def place(self, lengths: Sequence[int], slots: Sequence[int]) -> list[list[int]]:
         """Rows of indices into ``lengths``: longest first, each item to the first of the last
@@ -150,12 +152,37 @@ class PackedScorer:
         self.shapes, self.pad_id = shapes, pad_id
         self.keeps_outputs = head_of(model.config).keeps_outputs
         self.compiled: set[tuple[int, int]] = set()  # (rows, tokens) run so far
+        self._pending: set[int] = set()  # row counts compiling in the background (``warm_up``)
 
     def warm_up(self, units: bool = False, up_to: int | None = None) -> None:
-        """Compile the start-up shapes now (``units`` and ``up_to`` change nothing: each row takes
-        conversations and units alike); a longer item's row compiles when one first comes."""
-        for rows, n in self.shapes.shapes:
-            self._forward(self._rows(n, [[] for _ in range(rows)], []))
+        """Compile the start-up shapes: one row and a full forward now, the row counts between them
+        in a background thread (until each is ready a forward that would take it runs in the next
+        larger count), so a server says ready after two compilations. ``units`` and ``up_to``
+        change nothing: each row takes conversations and units alike; a longer item's row
+        compiles when one first comes."""
+        counts = self.shapes.row_counts
+        for rows in (counts[0], counts[-1]):
+            self._forward(self._rows(self.shapes.row, [[] for _ in range(rows)], []))
+        later = [c for c in counts if c not in (counts[0], counts[-1])]
+        self._pending.update(later)
+
+        def compile_later():
+            for rows in later:
+                self._forward(self._rows(self.shapes.row, [[] for _ in range(rows)], []))
+                self._pending.discard(rows)
+
+        if later:
+            threading.Thread(target=compile_later, name="rmflow-packed-warm-up", daemon=True).start()
+
+    @property
+    def warming(self) -> bool:
+        """Whether row counts are still compiling in the background (``warm_up``)."""
+        return bool(self._pending)
+
+    def row_count(self, rows: int) -> int:
+        """The compiled row count a forward of ``rows`` rows runs in: the smallest that holds them,
+        passing over those still compiling in the background."""
+        return next(c for c in self.shapes.row_counts if c >= rows and c not in self._pending)
 
     def _rows(self, tokens: int, placement: list[list[int]], items: Sequence) -> dict[str, np.ndarray]:
         r, slots = len(placement), self.shapes.slots(tokens)
@@ -192,7 +219,7 @@ class PackedScorer:
                      if max(_tokens(items[i]) for i in r) > shapes.row]
         out: list = [None] * len(items)
         for tokens, rows in forwards:
-            count = tokens == shapes.row and next(c for c in shapes.row_counts if c >= len(rows)) or 1
+            count = self.row_count(len(rows)) if tokens == shapes.row else 1
             rewards, outputs = self._forward(self._rows(tokens, rows + [[] for _ in range(count - len(rows))], items))
             for row, members in enumerate(rows):
                 first = 0
