@@ -519,6 +519,11 @@ def peek_lengths(buf: bytes) -> tuple[int, int]:
     return fields[4], fields[5]
 
 
+def item_tokens(item: object) -> int:
+    """The tokens a scoring item runs: a unit's prompt once and its responses, or a conversation's."""
+    return item.unit_len if isinstance(item, ResponsesRecord) else len(item)
+
+
 def item_scores(item: object) -> int:
     """The scores a scoring item yields: one per response of a unit (``is_unit``), one for a conversation."""
     return item.k if isinstance(item, ResponsesRecord) else 1

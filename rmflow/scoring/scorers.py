@@ -37,7 +37,7 @@ from rmflow.schemas.heads import ATTRIBUTE_SCORES, RESPONSE_ATTRIBUTES  # noqa: 
 from rmflow.schemas.kinds import kind_named
 from rmflow.schemas.metrics import STEP_THRESHOLD, first_error
 from rmflow.schemas.outputs import inside_of, nested_in
-from rmflow.schemas.record import is_unit, item_scores
+from rmflow.schemas.record import is_unit, item_scores, item_tokens
 from rmflow.schemas.stops import refuse_if_stopping
 from rmflow.scoring.api import BadConversation, RewardModel
 
@@ -340,10 +340,6 @@ def _run_outcome(rm: RewardModel, items: list, shapes) -> list:
     return out
 
 
-def _outcome_size(item) -> int:
-    return item.unit_len if is_unit(item) else len(item)
-
-
 def _run_process(rm: RewardModel, solutions: list, shapes) -> list[dict[str, Any]]:
     return [{"step_scores": [float(x) for x in p], "first_error": first_error(p < STEP_THRESHOLD)}
             for p in rm.scorer(shapes).run(solutions)]
@@ -380,7 +376,7 @@ class Scorer:
 
 # Each reward model kind's scoring of one input (a JSONL line, a server request item): its part
 # of the kind's handlers (rmflow.handlers).
-OUTCOME_SCORER = Scorer(RewardModel.encode, _outcome_size, _run_outcome, ("score", "score_normalized", ATTRIBUTE_SCORES),
+OUTCOME_SCORER = Scorer(RewardModel.encode, item_tokens, _run_outcome, ("score", "score_normalized", ATTRIBUTE_SCORES),
                         _warm_outcome, item_scores)
 PROCESS_SCORER = Scorer(RewardModel.encode_steps, lambda x: len(x[0]), _run_process, ("step_scores", "first_error"),
                         _warm, _step_slots)

@@ -17,7 +17,7 @@ from rmflow.trainer.data import PackCollate, StepPackCollate
 from rmflow.trainer.data.response_units import record_values, units_in_rows
 from rmflow.trainer.data.rows import packed_batches, row_shape_for, window_for
 from rmflow.trainer.data.steps import MIN_STEP_SLOTS, record_step_values, step_slots
-from rmflow.trainer.inference.packed import PackedScorer
+from rmflow.trainer.inference.packed import PackedScorer, score_planned
 from rmflow.trainer.inference.programs import (
     _packed_pair_rewards,
     _rewards,
@@ -122,12 +122,7 @@ class SequenceScorer:
 
     def score(self, sequences: Sequence[np.ndarray], progress=None) -> np.ndarray:
         """Rewards of any number of sequences (each at its last token), in input order."""
-        scores = np.zeros(len(sequences), np.float32)
-        for batch in self.shapes.plan([len(s) for s in sequences]):
-            scores[batch] = self.run([sequences[i] for i in batch])
-            if progress:
-                progress(len(batch))
-        return scores
+        return score_planned(self, sequences, progress)
 
 
 class StepScorer:

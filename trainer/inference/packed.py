@@ -9,8 +9,8 @@ forward); an item longer than a row, up to ``max_length``, in a row of its power
 a forward, compiled the first time one comes. ``PackedScorer`` runs them. So a server compiles
 at most 3 programs at start-up, whatever lengths and mixes of requests come. Several rows of moderate length, not one
 long row, because the last layer runs at the reward slots against every key of their row, and
-a CPU runs the blockwise attention's loops a block at a time: on this CPU one row of 16,384
-tokens scored 4,500 tokens/s where 16 rows of 1,024 scored 22,900. A conversation's score is
+a CPU runs the blockwise attention's loops a block at a time (docs/benchmarks.md, "Compile
+once"). A conversation's score is
 its own alone (its segment sees nothing else), to float rounding: a Beam job that must rerun
 byte-identical scores in ``ScoringShapes`` (one item a row, the shape set by the item alone).
 """
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 from flax import nnx
 from rmflow.schemas.heads import head_of
-from rmflow.schemas.record import ResponsesRecord, is_unit, item_scores
+from rmflow.schemas.record import ResponsesRecord, is_unit, item_scores, item_tokens
 from rmflow.trainer.data.response_units import ResponsesUnit, responses_unit
 from rmflow.trainer.inference.programs import _rewards_and_outputs
 from rmflow.trainer.modeling.decoder import RewardTransformer
@@ -33,10 +33,6 @@ ALIGN = 128  # row lengths are multiples of this
 SLOT_TOKENS = 8  # a row has a reward slot per this many of its tokens (from 8, at most MAX_SLOTS)...
 MAX_SLOTS = 256  # ...so that the last layer, run at the reward slots, stays a small share of the row
 OPEN_ROWS = 32  # rows still taking items while ``place`` fills them (first-fit over these)
-
-
-def _tokens(item) -> int:
-    return item.unit_len if is_unit(item) else len(item)
 
 
 def _align(n: int) -> int:
@@ -212,11 +208,11 @@ class PackedScorer:
         its outputs (one row of N each): the items in rows (``PackedShapes.place``), run in
         forwards of the compiled shapes (one, for a batch ``plan`` cut)."""
         shapes = self.shapes
-        placed = shapes.place([_tokens(x) for x in items], [item_scores(x) for x in items])
-        short = [r for r in placed if max(_tokens(items[i]) for i in r) <= shapes.row]
+        tokens = [item_tokens(x) for x in items]
+        placed = [(r, max(tokens[i] for i in r)) for r in shapes.place(tokens, [item_scores(x) for x in items])]
+        short = [r for r, longest in placed if longest <= shapes.row]
         forwards = [(shapes.row, short[k : k + shapes.rows]) for k in range(0, len(short), shapes.rows)]
-        forwards += [(shapes.long_size(max(_tokens(items[i]) for i in r)), [r]) for r in placed
-                     if max(_tokens(items[i]) for i in r) > shapes.row]
+        forwards += [(shapes.long_size(longest), [r]) for r, longest in placed if longest > shapes.row]
         out: list = [None] * len(items)
         for tokens, rows in forwards:
             count = self.row_count(len(rows)) if tokens == shapes.row else 1
@@ -244,12 +240,18 @@ class PackedScorer:
 
     def score(self, sequences: Sequence[np.ndarray], progress=None) -> np.ndarray:
         """Rewards of any number of sequences (each at its last token), in input order."""
-        scores = np.zeros(len(sequences), np.float32)
-        for batch in self.shapes.plan([len(s) for s in sequences]):
-            scores[batch] = self.run([sequences[i] for i in batch])
-            if progress:
-                progress(len(batch))
-        return scores
+        return score_planned(self, sequences, progress)
+
+
+def score_planned(scorer, sequences: Sequence[np.ndarray], progress=None) -> np.ndarray:
+    """Rewards of any number of sequences, in input order, as ``scorer`` (a packed or a one-a-row
+    scorer) plans and runs them: its shapes' ``plan`` cuts the batches, its ``run`` scores each."""
+    scores = np.zeros(len(sequences), np.float32)
+    for batch in scorer.shapes.plan([len(s) for s in sequences]):
+        scores[batch] = scorer.run([sequences[i] for i in batch])
+        if progress:
+            progress(len(batch))
+    return scores
 
 
 def _sequence_unit(seq: np.ndarray) -> ResponsesUnit:
