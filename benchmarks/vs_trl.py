@@ -189,6 +189,7 @@ def child_trl(args: dict) -> dict:
 
 
 def child_rmflow(args: dict) -> dict:
+    imported = time.time()
     import jax
     from rmflow.schemas.train_config import TrainConfig
     from rmflow.trainer import train
@@ -292,7 +293,13 @@ def child_rmflow(args: dict) -> dict:
             "losses": [h["loss"] for h in history], "eval_accuracy": final["eval_accuracy"],
             "eval_pairs": final["eval_pairs"], "run": cfg.output,
             "eval_sets": {name: final[f"eval/{name}/accuracy"] for name in (args.get("eval_sets") or {})},
-            "peak_device_mib": stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None}
+            "peak_device_mib": stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None,
+            # where the time before the first step went: seconds from this script's start in the child
+            # to its imports done, to ``run`` called, and to the first step's log
+            "timeline": {"imported": round(imported - START, 2),
+                         "run_called": round(time.time() - (time.perf_counter() - start) - START, 2),
+                         "first_step_logged": round(time.time() - (time.perf_counter() - marks[1]) - START, 2)
+                         if len(marks) > 1 else None}}
 
 
 # --------------------------------------------------------------------------- parent
@@ -320,7 +327,8 @@ def summarize(name: str, out: dict, skip: int, launched: float) -> dict:
             "loss": statistics.fmean(out["losses"][-10:]), "eval_accuracy": out["eval_accuracy"],
             "eval_pairs": out["eval_pairs"], "losses": out["losses"], "steps_run": len(steps),
             "eval_sets": out.get("eval_sets", {}), "peak_device_mib": out.get("peak_device_mib"), "run": out.get("run"),
-            "computed": statistics.fmean(s.get("computed_fraction", 1.0) for s in steps), "step_ms": _step_ms(steady)}
+            "computed": statistics.fmean(s.get("computed_fraction", 1.0) for s in steps), "step_ms": _step_ms(steady),
+            "timeline": out.get("timeline")}
 
 
 def _step_ms(steady: list[dict]) -> dict | None:
@@ -444,7 +452,8 @@ def main() -> None:
                     runs.setdefault(name, []).append(summarize(name, out, a.skip, launched))
                     r = runs[name][-1]
                     print(f"  {vocab} repeat {rep + 1}: {name}: end to end {r['e2e']:,.0f} s, steady "
-                          f"{r['tokens_per_s']:,.0f} real tokens/s, {r['compiles']} compiles", flush=True)
+                          f"{r['tokens_per_s']:,.0f} real tokens/s, {r['compiles']} compiles ({r['compile_s']:.1f} s)"
+                          + (f"; timeline {r['timeline']}, step ms {r['step_ms']}" if r.get("timeline") else ""), flush=True)
             vocab_size = json.loads((pathlib.Path(made["shards"]) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
             table(runs, f"{vocab} ({vocab_size:,} tokens): {steps} steps of {a.batch_size} pairs"
                         f"{' (one epoch)' if not a.steps else ''}, max_length {a.max_length}, tiny Llama (hidden "
