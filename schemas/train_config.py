@@ -24,6 +24,7 @@ from rmflow.schemas.sources import (
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
+MOMENTS = ("float32", "bfloat16", "int8")  # AdamW's moment storage (``trainer.moments``)
 PACKING = ("auto", "none", "bucket", "pack", "fixed")
 PACKED = ("pack", "fixed")  # the modes whose rows hold several units (attention with branches and segments)
 SCAN_LAYERS = ("auto", "on", "off")
@@ -162,6 +163,12 @@ class OptimizerConfig(Config):
     adam_b1: float = option(0.9, "AdamW beta1.")
     adam_b2: float = option(0.999, "AdamW beta2.")
     adam_eps: float = option(1e-8, "AdamW epsilon.")
+    moments: str = option("float32", "Storage of AdamW's two moments: float32 (8 bytes a trained parameter), "
+                          "bfloat16 (4; stochastic rounding) or int8 (2.03; blocks of 256 with a float32 scale, "
+                          "square-root companded, stochastic rounding); arrays under 4,096 elements keep float32.")
+    offload: bool = option(False, "Keep the optimizer state in host memory between steps (moved to the device "
+                           "for the update, then back): device memory freed for the state's size, a transfer of "
+                           "it each way a step.", resume_free=True)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -170,6 +177,7 @@ class OptimizerConfig(Config):
             raise ConfigError(f"learning_rate {self.learning_rate}, learning_rate_end {self.learning_rate_end}: the "
                               "peak must be in (0, 1] and the end in [0, peak]")
         _one_of(self.schedule, "schedule", SCHEDULES)
+        _one_of(self.moments, "moments", MOMENTS)
         for name in ("weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} {getattr(self, name)}: must be >= 0")
@@ -409,6 +417,7 @@ def _lora_as_one(flat: dict[str, Any]) -> dict[str, Any]:
 # Options a checkpoint cannot continue under, and why (even with --allow-config-change).
 RESUME_FIXED = {
     "model.path": "the checkpoint's parameters have other shapes",
+    "optimizer.moments": "the checkpoint's optimizer state is stored in another format",
     "lora": "the checkpoint's parameters have other shapes",
     "data.workers": "the loader's saved position is kept per worker process (the batches are the same with any "
                     "count)",

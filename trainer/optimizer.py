@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from rmflow.schemas.train_config import OptimizerConfig
+from rmflow.trainer.moments import scale_by_stored_adam
 
 # The optimizer's numbers passed to the compiled step. Adam's betas stay constants of the program:
 # optax computes 1 - beta from them, which in float32 would round otherwise than from a Python float.
@@ -74,11 +75,16 @@ def make_optimizer(c: OptimizerConfig, total_steps: int = 0, hyper: dict[str, An
     division by the number of pairs, in one pass over the gradients (``clip_scale``). Inside the
     jitted step the numbers come from ``hyper`` (arrays; default: ``c``'s over ``total_steps``);
     what shapes the program comes from ``c``:
-    the schedule, Adam's betas, and whether there is weight decay at all. The state's
-    layout is the same either way."""
+    the schedule, Adam's betas, whether there is weight decay at all, and how the moments are
+    stored (``c.moments``). The state's layout is the same either way."""
     h = hyperparameters(c, total_steps) if hyper is None else hyper
-    return optax.adamw(lambda step: learning_rate_at(step, h, c.schedule), b1=c.adam_b1, b2=c.adam_b2,
-                       eps=h["adam_eps"], weight_decay=h["weight_decay"] if c.weight_decay else 0.0, mask=decay_mask)
+    schedule = lambda step: learning_rate_at(step, h, c.schedule)  # noqa: E731
+    decay = h["weight_decay"] if c.weight_decay else 0.0
+    if c.moments == "float32":
+        return optax.adamw(schedule, b1=c.adam_b1, b2=c.adam_b2, eps=h["adam_eps"], weight_decay=decay, mask=decay_mask)
+    # optax.adamw's chain with the moments stored compactly (``trainer.moments``)
+    return optax.chain(scale_by_stored_adam(c.adam_b1, c.adam_b2, h["adam_eps"], c.moments),
+                       optax.add_decayed_weights(decay, decay_mask), optax.scale_by_learning_rate(schedule))
 
 
 def clip_scale(summed_norm: jax.Array, pairs: jax.Array, max_norm) -> tuple[jax.Array, jax.Array]:

@@ -62,6 +62,8 @@ class StepProgram:
     decays: bool
     clips: bool
     experts: int = 0  # a mixture of experts' count: its router's load-balancing loss is added (``_loss``)
+    moments: str = "float32"  # AdamW's moment storage (``trainer.moments``)
+    offload: bool = False  # the optimizer state lives in host memory between steps
 
     @property
     def sum_keys(self) -> tuple[str, ...]:
@@ -72,7 +74,7 @@ class StepProgram:
 
     def optimizer(self, hyper: dict[str, Any]) -> optax.GradientTransformation:
         return make_optimizer(OptimizerConfig(schedule=self.lr_schedule, adam_b1=self.adam_b1, adam_b2=self.adam_b2,
-                                              weight_decay=float(self.decays)), hyper=hyper)
+                                              weight_decay=float(self.decays), moments=self.moments), hyper=hyper)
 
 
 class _RouterTap:
@@ -135,7 +137,10 @@ def _train_step(program: StepProgram, state: TrainState, batch: dict[str, jax.Ar
     factor, grad_norm = clip_scale(optax.global_norm(grads), sums[program.objective.count_key],
                                    hyper["max_grad_norm"] if program.clips else 0.0)
     grads = jax.tree.map(lambda g: g * factor, grads)
-    updates, opt_state = program.optimizer(hyper).update(grads, state.opt_state, state.params)
+    opt_state = jax.device_put(state.opt_state, jax.memory.Space.Device) if program.offload else state.opt_state
+    updates, opt_state = program.optimizer(hyper).update(grads, opt_state, state.params)
+    if program.offload:  # back to host memory: the step's output sharding keeps it there
+        opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
     params = optax.apply_updates(state.params, updates)
     metrics = {**sums, "grad_norm": grad_norm,
                "learning_rate": learning_rate_at(state.step, hyper, program.lr_schedule)}
@@ -178,6 +183,15 @@ def forget_compiled() -> None:
     jax.clear_caches()
 
 
+def _place(tree: Any, shardings: Any) -> Any:
+    """``tree`` placed with ``shardings`` (one for every leaf, or one for all); a leaf that is
+    only a shape (an abstract model's) becomes its shape with its sharding."""
+    leaves, treedef = jax.tree.flatten(tree)
+    specs = [shardings] * len(leaves) if isinstance(shardings, jax.sharding.Sharding) else treedef.flatten_up_to(shardings)
+    return treedef.unflatten([jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) if isinstance(x, jax.ShapeDtypeStruct)
+                              else jax.device_put(x, sh) for x, sh in zip(leaves, specs)])
+
+
 def _avals(tree: Any) -> tuple:
     """A hashable description of a pytree of (abstract) arrays or shardings: its structure, and
     each leaf's shape, dtype and sharding."""
@@ -207,16 +221,20 @@ class Trainer:
         self.graphdef, params, self.frozen, self.others = nnx.split(model, trainable, nnx.Param, ...)
         experts = model.config.num_experts if model.config.sparse_layers else 0
         self.program = StepProgram(self.graphdef, objective, optim.schedule, optim.adam_b1,
-                                   optim.adam_b2, bool(optim.weight_decay), bool(optim.max_grad_norm), experts)
+                                   optim.adam_b2, bool(optim.weight_decay), bool(optim.max_grad_norm), experts,
+                                   optim.moments, optim.offload)
         self.objective = objective.with_router() if experts else objective
         hyper = hyperparameters(optim, total_steps)
         self.hyper = jax.tree.map(jnp.asarray, {**hyper, "center_coef": np.float32(center_coef),
                                                 "router_coef": np.float32(router_coef)})
         self.tx = make_optimizer(optim, hyper=hyper)
-        self.init_state = TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-            rng=jax.random.key_data(jax.random.key(seed)),
-        )
+        # an abstract model (``model_setup.base_model(abstract=True)``): its optimizer state as shapes too
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        opt_state = jax.eval_shape(self.tx.init, params) if self.abstract else self.tx.init(params)
+        if optim.offload and not self.abstract:  # in host memory from the start: the step's input and output alike
+            opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
+        self.init_state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                                     rng=jax.random.key_data(jax.random.key(seed)))
         self._train_jit = _TRAIN_JIT
         # Compiled train and eval steps by batch shapes, made on demand or ahead of time
         # (``compile_ahead``, ``compile_evals_ahead``), once the mesh is known (``use_mesh``).
@@ -230,17 +248,21 @@ class Trainer:
 
     def use_mesh(self, mesh) -> TrainState:
         """Shard the state over ``mesh`` by the parameter-name rules (``trainer.parallel``) and
-        keep it so: the step's output state has the input's shardings. Returns the placed state."""
+        keep it so: the step's output state has the input's shardings. Returns the placed state
+        (of an abstract trainer: its shapes with their shardings, nothing placed)."""
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
         from rmflow.trainer.parallel import BATCH_AXES, shardings
 
         self._mesh = mesh
         self.state_shardings = shardings(self.init_state, mesh)
-        self.frozen = jax.device_put(self.frozen, shardings(self.frozen, mesh))
+        if self.program.offload:  # the optimizer state kept in host memory (``optimizer.offload``)
+            self.state_shardings = dataclasses.replace(self.state_shardings, opt_state=jax.tree.map(
+                lambda s: s.with_memory_kind("pinned_host"), self.state_shardings.opt_state))
+        self.frozen = _place(self.frozen, shardings(self.frozen, mesh))
         replicated = NamedSharding(mesh, P())
         self.hyper = jax.device_put(self.hyper, replicated)
-        self.others = jax.device_put(self.others, replicated)
+        self.others = _place(self.others, replicated)
         key = (self.program, _avals(self.state_shardings), replicated)
         if key not in _SHARDED_JITS:
             _SHARDED_JITS[key] = jax.jit(_train_step, static_argnums=0, donate_argnums=1,
@@ -253,7 +275,7 @@ class Trainer:
         # a deep model's hundreds of leaves, and every step looks up its executable.
         self._static_key = (self.program, _avals(self._abstract_state), _avals(self.frozen), _avals(self.others))
         self._pending.clear()
-        return jax.device_put(self.init_state, self.state_shardings)
+        return _place(self.init_state, self.state_shardings)
 
     def _key(self, batch_key: tuple) -> tuple:
         return (*self._static_key, batch_key)
@@ -335,6 +357,18 @@ class Trainer:
             self._stopping.clear()
             self._compiler = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rmflow-compile")
         return self._compiler
+
+    @property
+    def mesh(self):
+        """The mesh ``use_mesh`` placed the state on (None before)."""
+        return self._mesh
+
+    def compile_train(self, host_batch: dict[str, np.ndarray]):
+        """(the batch's shapes as the step takes them, the train step compiled for them), on the
+        mesh of ``use_mesh``; kept, so the step finds it when it meets that shape."""
+        batch = self._abstract(host_batch)
+        key = self._key(("train", _shapes(batch)))
+        return batch, _EXECUTABLES.get(key) or self._compile("train", batch)
 
     def _abstract(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]:
         return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_sharding) for k, v in host_batch.items()}

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from rmflow.trainer.moments import Int8Moment
 
 RULES: tuple[tuple[str, P], ...] = (
     (r"embed_tokens\.embedding$", P("tensor", "fsdp")),
@@ -44,6 +45,11 @@ RULES: tuple[tuple[str, P], ...] = (
 )
 
 
+# Attributes naming how an array is held, not which: an NNX variable's value, an int8 moment's
+# codes and block scales (sharded by their parameter's rule).
+_STORAGE = frozenset(("value", *Int8Moment._fields))
+
+
 def param_name(path: tuple) -> str:
     """A pytree path to a dotted name: ``model.layers.0.self_attn.q_proj.kernel``."""
     parts = []
@@ -52,7 +58,7 @@ def param_name(path: tuple) -> str:
             parts.append(str(k.key))
         elif isinstance(k, jax.tree_util.SequenceKey):
             parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey) and k.name != "value":
+        elif isinstance(k, jax.tree_util.GetAttrKey) and k.name not in _STORAGE:
             parts.append(k.name)
     return ".".join(parts)
 
