@@ -266,11 +266,15 @@ def _per_file_table(files: dict) -> Table:
     parameter("set_", list[str], typer.Option([], "--set", help="Override one option: key=value with its dotted "
                                               "name, e.g. optimizer.learning_rate=1e-5 (repeatable).")),
     parameter("resume", bool, typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output.")),
+    parameter("plan", bool, typer.Option(False, "--plan", help="Print the memory plan of one train step per device "
+                                         "(no weight loaded, the step compiled for the mesh) and the levers that "
+                                         "shrink it, then stop; writes nothing.")),
     parameter("allow_config_change", bool, typer.Option(
         False, "--allow-config-change", help="With --resume: continue even though the config changes the run's "
         "trajectory (learning rate, batch size, steps, data ...); the change is kept in config_history.jsonl.")),
 ))
-def train(options: dict, config: str | None, set_: list[str], resume: bool, allow_config_change: bool) -> None:
+def train(options: dict, config: str | None, set_: list[str], resume: bool, plan: bool,
+          allow_config_change: bool) -> None:
     """Train a reward model on preprocessed shards (JAX / Flax / Optax, fed by Grain)."""
     from rmflow.schemas.options import flatten
     from rmflow.workflow import read_yaml_mapping
@@ -282,6 +286,11 @@ def train(options: dict, config: str | None, set_: list[str], resume: bool, allo
     from rmflow.eval.sets import preprocess_eval_sets
 
     cfg = preprocess_eval_sets(cfg)
+    if plan:
+        from rmflow.trainer.memory_plan import print_plan
+
+        console.print(print_plan(cfg), highlight=False, markup=False)
+        return
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 

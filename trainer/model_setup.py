@@ -77,11 +77,12 @@ def check_same_preprocessing(sources, manifests: list[Manifest], subject: str = 
 
 
 def build_model(cfg: TrainConfig, manifest: Manifest, objective: Objective, packing: str | None = None,
-                devices: int = 1, shards: str | None = None) -> RewardTransformer:
+                devices: int = 1, shards: str | None = None, *, abstract: bool = False) -> RewardTransformer:
     """The model, checked against the shards (``manifest``, of the folder ``shards``): token ids
     must fit and the tokenizer must match; its score head the one ``objective`` trains
     (``trainer.objective.for_config``); with LoRA adapters added when the config asks; its
-    attention the one for the rows of ``packing`` (resolved) over ``devices``."""
+    attention the one for the rows of ``packing`` (resolved) over ``devices``. ``abstract``: its
+    variables shapes and dtypes only, no weight drawn or read (``base_model``)."""
     vocab = manifest.tokenizer.vocab_size
     head = objective.model_head
     preset = ModelConfig.preset(cfg.model.path, vocab_size=vocab, **dataclasses.asdict(head)) \
@@ -91,22 +92,34 @@ def build_model(cfg: TrainConfig, manifest: Manifest, objective: Objective, pack
         model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
         check_tokenizer(manifest, folder, "the model", with_template=False, shards=shards)
         check_model_fits(manifest, model_config)  # before any weight is read
-    model = base_model(cfg, preset, head=head, packing=packing, devices=devices)
+    model = base_model(cfg, preset, head=head, packing=packing, devices=devices, abstract=abstract)
     check_model_fits(manifest, model.config)
     return model
 
 
 def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, head: ScoreHead = ScoreHead(),
-               packing: str | None = None, devices: int = 1) -> RewardTransformer:
+               packing: str | None = None, devices: int = 1, *, abstract: bool = False) -> RewardTransformer:
     """The run's initial model: a preset (seeded) or the checkpoint, plus LoRA adapters;
     ``head``: the score head's (2 outputs for a process reward model; an attribute head's names and weights); ``packing`` (resolved)
     and ``devices``: the rows the model will run on (training's packing, split over the mesh), for
-    which ``attention: auto`` is resolved (None: one sequence a row, as scoring has them)."""
+    which ``attention: auto`` is resolved (None: one sequence a row, as scoring has them).
+    ``abstract``: the same model's variables as shapes and dtypes (``nnx.eval_shape``), the
+    checkpoint's architecture read from its config alone: what a memory plan compiles against."""
     dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
     arch = preset_config if is_preset(cfg.model.path) else read_config(resolve(cfg.model.path))[0]
     attention = resolve_attention(cfg.model.attention, dtype, jax.default_backend(), packed=packing in PACKED,
                                   softcap=bool(arch.attn_logit_softcapping),
                                   devices=devices)
+    if abstract:
+        def build():
+            model = RewardTransformer(arch if is_preset(cfg.model.path) else arch.with_head(head), dtype=dtype,
+                                      remat=cfg.model.gradient_checkpointing, rngs=nnx.Rngs(cfg.seed),
+                                      attention=attention, scan_layers=cfg.scans_layers())
+            if cfg.lora is not None:
+                lora.apply(model, cfg.lora, seed=cfg.seed)
+            return model
+
+        return nnx.eval_shape(build)
     if is_preset(cfg.model.path):
         model = RewardTransformer(preset_config, dtype=dtype, remat=cfg.model.gradient_checkpointing,
                                   rngs=nnx.Rngs(cfg.seed),

@@ -44,6 +44,7 @@ from rmflow.trainer.data.rows import OtherPackingState
 from rmflow.trainer.errors import Interrupted, TrainError
 from rmflow.trainer.loggers import Reporters, check_available
 from rmflow.trainer.memory import release_free_memory
+from rmflow.trainer.memory_plan import check_memory
 from rmflow.trainer.model_setup import (
     build_model,
     check_output,
@@ -82,18 +83,22 @@ class Run:
     """A planned run (``trainer.plan``) on this process's devices: the mesh, the model and its
     jitted trainer, the loaders and the evaluation."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, *, abstract: bool = False):
+        """``abstract``: the model's variables as shapes only, no weight drawn or read (what a
+        memory plan compiles against: ``trainer.memory_plan``)."""
         self.cfg = cfg
         self.mesh = make_mesh(cfg.mesh.shape)
         self.plan = plan = plan_run(cfg, mesh_shape=dict(self.mesh.shape), processes=jax.process_count(),
                                     backend=jax.default_backend())
-        model = build_model(cfg, plan.manifest, plan.objective, plan.packing, self.mesh.size, plan.primary)
+        model = build_model(cfg, plan.manifest, plan.objective, plan.packing, self.mesh.size, plan.primary,
+                            abstract=abstract)
         self.trainer = make_trainer(cfg, model, plan.total_steps, plan.objective)
         self.objective = self.trainer.objective  # with the router's loss for a mixture of experts
         # The read-ahead window's groups compile_ahead has looked at, by their batches' ids.
         self._looked_at: dict[tuple[int, ...], list] = {}
         release_free_memory()  # initialisation temporaries
-        plan.warn_small_evals()
+        if not abstract:  # a memory plan's run warns nothing: the run itself will
+            plan.warn_small_evals()
 
     def train_loader(self):
         plan = self.plan
@@ -220,10 +225,9 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     check_output(run_dir)
     # Every check before anything is written: a refused run leaves the existing one intact.
     latest, changed = check_resume(cfg, run_dir, local_sources, resume, allow_config_change)
-    local_evals = {name: [storage.stage_shards(paths[0])] if storage.is_shard_folder(paths) else paths
-                   for name, paths in (cfg.data.eval or {}).items()} or None
-    r = Run(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=canonical_data(local_sources), eval=local_evals),
-                                output=run_dir))
+    run_cfg = dataclasses.replace(staged_config(cfg, local_sources), output=run_dir)
+    check_memory(run_cfg)  # on an accelerator: a step that cannot fit is refused before any weight is loaded
+    r = Run(run_cfg)
     check_available(cfg)
     if resume and latest is None:
         warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
@@ -251,6 +255,16 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     if out.primary and storage.is_remote(cfg.output):  # the closed event files, the last metrics
         storage.mirror(run_dir, cfg.output)
     return TrainResult(state, r.trainer, out.history, r.plan.total_steps)
+
+
+def staged_config(cfg: TrainConfig, local_sources=None) -> TrainConfig:
+    """``cfg`` reading local copies of its remote shards (``local_sources``: its training sets
+    already staged; default: staged here), the training sets and the named eval sets."""
+    local_sources = with_paths(cfg.sources, storage.stage_shards) if local_sources is None else local_sources
+    local_evals = {name: [storage.stage_shards(paths[0])] if storage.is_shard_folder(paths) else paths
+                   for name, paths in (cfg.data.eval or {}).items()} or None
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=canonical_data(local_sources),
+                                                             eval=local_evals))
 
 
 def check_resume(cfg: TrainConfig, run_dir: str, local_sources, resume: bool, allow_config_change: bool

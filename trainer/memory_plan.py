@@ -1,0 +1,231 @@
+"""A run's memory on each device, planned before any weight is loaded.
+
+``plan_memory`` builds the run as ``trainer.train.Run`` does, with an abstract model
+(``model_setup.base_model(abstract=True)``: shapes and dtypes, no weight drawn or read), places
+nothing, and compiles the train step ahead of time for the configured mesh on the widest batch
+the run's loader can make (packing ``fixed``: its one shape). Per device it reports what the
+step's arguments hold, each from its shapes and sharding (trained parameters, frozen weights,
+optimizer state on the device and offloaded to the host, the batch), and what XLA's memory
+analysis of the compiled step adds (temporaries: the gradients, the activations kept for the
+backward pass and the workspace; outputs not written over their inputs). Their sum is the
+step's peak, against the device's memory.
+
+When it does not fit, ``advice`` names the levers and what each saves: the optimizer's moments
+in bfloat16 or int8 and its state offloaded (computed exactly, from the state's shapes), the
+parameters and state sharded over ``fsdp``, layers recomputed, shorter rows, LoRA. A normal run
+on an accelerator makes the same plan before loading weights and refuses a run that cannot fit
+(``check_memory``); the executable compiled for the plan is the one training then runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from rmflow.schemas.train_config import TrainConfig
+from rmflow.trainer.errors import TrainError
+
+GIB = 2 ** 30
+HOST = "pinned_host"
+MOMENTS_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.03}  # a trained parameter's moments (``trainer.moments``)
+
+
+def shard_bytes(tree: Any, *, memory_kind: str | None = None, other_kinds: bool = False) -> int:
+    """Bytes one device holds of ``tree``'s arrays (abstract or placed): each leaf's shard. Only
+    the leaves in ``memory_kind`` (None: the device's own memory), or with ``other_kinds`` those not."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or not hasattr(x, "dtype"):
+            continue
+        kind = sharding.memory_kind if sharding.memory_kind != "device" else None
+        if (kind != memory_kind) != other_kinds:
+            continue
+        total += math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def device_limit() -> int | None:
+    """Bytes the first device holds for arrays (its allocator's limit); None where the backend
+    keeps no such count (CPU: arrays live in host memory)."""
+    stats = jax.devices()[0].memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """A train step's memory on one device, in bytes (``plan_memory``)."""
+
+    device: str
+    mesh: dict[str, int]
+    limit: int | None
+    parameters: int  # the trained parameters' shards
+    frozen: int  # weights not trained (LoRA's base), and the model's other variables
+    optimizer: int  # the optimizer state in the device's memory
+    host_optimizer: int  # the optimizer state offloaded to host memory (``optimizer.offload``)
+    batch: int
+    temporaries: int  # XLA's temporaries: the gradients, the activations, the workspace
+    outputs: int  # the step's outputs not written over its inputs
+    trained: int  # trained parameters, all devices
+    batch_shape: tuple[int, ...]  # (micro-batches, rows, tokens)
+    moments: str
+    moment_savings: dict[str, int]  # moments -> the device bytes that storage saves
+    lora: bool
+    remat: bool
+
+    @property
+    def gradients(self) -> int:
+        """The gradients' share of the temporaries: one of each trained parameter's shard."""
+        return min(self.parameters, self.temporaries)
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.frozen + self.optimizer + self.batch + self.temporaries + self.outputs
+
+    @property
+    def fits(self) -> bool:
+        return self.limit is None or self.total <= self.limit
+
+    def levers(self) -> list[tuple[str, int | None]]:
+        """(what to set, device bytes it saves, or None where only a compilation would say),
+        the exact ones first."""
+        out: list[tuple[str, int | None]] = []
+        for moments, saved in self.moment_savings.items():
+            out.append((f"optimizer.moments={moments}", saved))
+        if self.optimizer:
+            out.append(("optimizer.offload=true", self.optimizer))
+        fsdp, data = self.mesh.get("fsdp", 1), self.mesh.get("data", 1)
+        if fsdp == 1 and data > 1:
+            shared = self.parameters + self.optimizer + self.gradients
+            out.append((f"mesh.fsdp={data} (with mesh.data=1)", shared - shared // data))
+        if not self.remat:
+            out.append(("model.gradient_checkpointing=true (the activations kept: one layer's input each)", None))
+        if not self.lora:
+            out.append(("lora.rank=16 (only adapters trained: no gradients or optimizer state for the base)", None))
+        out.append(("a smaller data.row_tokens or batch_size (the activations grow with a micro-batch's tokens)", None))
+        return out
+
+    def advice(self) -> str:
+        """One line: the levers, each with what it saves and whether that alone makes the step fit."""
+        parts = []
+        for what, saved in self.levers():
+            if saved is None:
+                parts.append(what)
+            else:
+                fits = self.limit is not None and self.total - saved <= self.limit
+                parts.append(f"{what} saves {saved / GIB:.2f} GiB" + (" (fits)" if fits else ""))
+        return "; ".join(parts)
+
+    def render(self) -> str:
+        mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.items())
+        rows = [("trained parameters", self.parameters, f"{self.trained:,} parameters"),
+                ("frozen weights and buffers", self.frozen, "LoRA's base" if self.lora else ""),
+                ("optimizer state", self.optimizer, f"moments {self.moments}"),
+                ("batch", self.batch, " x ".join(map(str, self.batch_shape)) + " (micro-batches x rows x tokens)"),
+                ("temporaries", self.temporaries, f"XLA's: the gradients ({self.gradients / GIB:.2f} GiB), the "
+                                                  "activations, the workspace"),
+                ("step outputs", self.outputs, "not written over the inputs")]
+        lines = [f"Memory plan of one train step, per device ({self.device}; mesh {mesh}):"]
+        lines += [f"  {name:<28}{size / GIB:9.3f} GiB  {note}".rstrip() for name, size, note in rows]
+        if self.host_optimizer:
+            lines.append(f"  {'optimizer state on the host':<28}{self.host_optimizer / GIB:9.3f} GiB  "
+                         "host memory, moved to the device for each update")
+        limit = "no device memory limit known (CPU: the host's memory)" if self.limit is None else \
+            f"of {self.limit / GIB:.2f} GiB: {'fits' if self.fits else 'DOES NOT FIT'}"
+        lines.append(f"  {'total':<28}{self.total / GIB:9.3f} GiB  {limit}")
+        lines.append("Levers: " + self.advice())
+        return "\n".join(lines)
+
+
+def widest_batch(run) -> dict[str, np.ndarray]:
+    """The train step's widest batch in ``run`` (a ``trainer.train.Run``), on the host: its first
+    micro-batch widened to the longest row and the most reward slots its loader can make
+    (packing ``fixed``: the run's one row shape as it is), stacked ``grad_accum`` times."""
+    from rmflow.trainer.batching import stack_micro_batches, widen
+
+    plan, objective = run.plan, run.objective
+    first = next(iter(run.train_loader()))
+    if plan.packing != "fixed":
+        unit = plan.max_length * (2 if objective.kind.pairwise else 1)
+        per_row = -(-plan.local_batch // plan.rows) if plan.packing == "pack" else 1
+        length = plan.max_length if plan.packing != "pack" else unit * per_row
+        slots = first["reward_index"].shape[1] * per_row
+        first = widen(first, length, slots, objective)
+    return stack_micro_batches([first] * run.cfg.grad_accum, objective)
+
+
+def _moment_savings(trainer, state, cfg: TrainConfig) -> dict[str, int]:
+    """Device bytes each smaller moment storage would save (the state's shapes under it,
+    sharded by the same rules); nothing when the state is offloaded already."""
+    from rmflow.trainer.optimizer import make_optimizer
+    from rmflow.trainer.parallel import shardings
+
+    if cfg.optimizer.offload:
+        return {}
+    now = shard_bytes(state.opt_state)
+    out = {}
+    for moments in ("bfloat16", "int8"):
+        if MOMENTS_BYTES[moments] >= MOMENTS_BYTES[cfg.optimizer.moments]:
+            continue
+        optim = dataclasses.replace(cfg.optimizer, moments=moments)
+        shapes = jax.eval_shape(make_optimizer(optim).init, state.params)
+        placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                              shardings(shapes, trainer.mesh))
+        out[moments] = now - shard_bytes(placed)
+    return out
+
+
+def plan_memory(cfg: TrainConfig) -> tuple[MemoryPlan, Any]:
+    """The memory plan of ``cfg``'s train step, and its compiled executable (kept by the trainer's
+    cache: a run of the same config then compiles nothing more for that shape)."""
+    from rmflow.trainer.train import Run
+
+    run = Run(cfg, abstract=True)
+    trainer = run.trainer
+    state = trainer.use_mesh(run.mesh)
+    host = widest_batch(run)
+    batch, compiled = trainer.compile_train(host)
+    analysis = compiled.memory_analysis()
+    temps = int(analysis.temp_size_in_bytes) if analysis is not None else 0
+    outputs = max(int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes), 0) if analysis else 0
+    plan = MemoryPlan(
+        device=jax.devices()[0].device_kind, mesh=dict(run.mesh.shape), limit=device_limit(),
+        parameters=shard_bytes(state.params), frozen=shard_bytes((trainer.frozen, trainer.others)),
+        optimizer=shard_bytes(state.opt_state), host_optimizer=shard_bytes(state.opt_state, memory_kind=HOST),
+        batch=shard_bytes(batch), temporaries=temps, outputs=max(outputs, 0),
+        trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+        batch_shape=tuple(host["input_ids"].shape), moments=cfg.optimizer.moments,
+        moment_savings=_moment_savings(trainer, state, cfg), lora=cfg.lora is not None,
+        remat=cfg.model.gradient_checkpointing)
+    return plan, compiled
+
+
+def check_memory(cfg: TrainConfig, limit: int | None = None) -> MemoryPlan | None:
+    """Refuse, in one line with the levers, a run whose train step cannot fit in its device's
+    memory (``limit``: that memory; default the device's own). No check where the backend keeps
+    no device memory count (CPU) and no limit is given."""
+    limit = device_limit() if limit is None else limit
+    if limit is None:
+        return None
+    plan, _ = plan_memory(cfg)
+    plan = dataclasses.replace(plan, limit=limit)
+    if not plan.fits:
+        raise TrainError(f"the train step needs {plan.total / GIB:.2f} GiB a device and the device holds "
+                         f"{limit / GIB:.2f} GiB: {plan.advice()}. rmflow train --plan prints the whole plan")
+    return plan
+
+
+def print_plan(cfg: TrainConfig) -> str:
+    """``rmflow train --plan``: the plan of ``cfg`` as text, made as a run makes it (XLA set up,
+    the compilation cache used, remote shards staged), nothing written to its output."""
+    from rmflow.trainer.backend import configure_xla
+    from rmflow.trainer.compilation import use_compilation_cache
+    from rmflow.trainer.train import staged_config
+
+    cfg = cfg.with_absolute_paths()
+    configure_xla()
+    use_compilation_cache(cfg.compilation_cache)
+    return plan_memory(staged_config(cfg))[0].render()
