@@ -288,12 +288,13 @@ class Setup(typing.NamedTuple):
 
 def set_up(name: str, records, packing: str, batch_size: int, steps: int, max_length: int,
            packed_attention: str, config: dict | None = None, scan: bool = True, remat: bool = False,
-           lora: LoraConfig | None = None) -> Setup:
+           lora: LoraConfig | None = None, optimizer: dict | None = None) -> Setup:
     """The model (random weights, bfloat16 compute, float32 parameters), its trainer and the
     batches of one configuration. ``remat``: each layer recomputed in the backward pass;
     ``lora``: adapters on a frozen base (its ``base_dtype``), only they and the score head
-    trained. Model FLOPs a token: 6 x parameters, or 4 x with LoRA (a frozen base's weight
-    gradients are never computed)."""
+    trained; ``optimizer``: optimizer options over the defaults (``moments``, ``offload``). Model
+    FLOPs a token: 6 x parameters, or 4 x with LoRA (a frozen base's weight gradients are never
+    computed)."""
     cfg = ModelConfig(**(config or CONFIGS[name]))
     impl = attention_for(packing, packed_attention)
     model = RewardTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl, scan_layers=scan,
@@ -304,7 +305,8 @@ def set_up(name: str, records, packing: str, batch_size: int, steps: int, max_le
         trainable = lora_module.trainable_filter(lora)
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     body = params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    trainer = Trainer(model, OptimizerConfig(learning_rate=1e-5), total_steps=1000, trainable=trainable)
+    trainer = Trainer(model, OptimizerConfig(learning_rate=1e-5, **(optimizer or {})), total_steps=1000,
+                      trainable=trainable)
     batches = (packed_batches(records, batch_size, steps, max_length) if packing == "pack"
                else bucket_batches(records, batch_size, steps, max_length, packing))
     return Setup(cfg, trainer, trainer.init_state, batches, impl, body, 4 if lora is not None else 6)
@@ -320,6 +322,19 @@ def compile_shapes(run: Setup) -> tuple[object, int, float]:
             state, _ = run.trainer.train_step(state, jax.device_put(stack_micro_batches([b])))
     jax.block_until_ready(state.params)
     return state, len(shapes), time.perf_counter() - start
+
+
+def planned_step_bytes(run: Setup, state, batch) -> int | None:
+    """What the memory plan (``trainer.memory_plan``) counts for a step on ``batch``, from the
+    compiled step's memory analysis: its arguments, temporaries and outputs not written over its
+    inputs (the frozen weights among the arguments); None where XLA gives no analysis."""
+    t = run.trainer
+    lowered = t._train_jit.lower(t.program, state, jax.device_put(stack_micro_batches([batch])), t.frozen, t.others,
+                                 t.hyper)
+    a = lowered.compile().memory_analysis()
+    if a is None:
+        return None
+    return int(a.argument_size_in_bytes + a.temp_size_in_bytes + max(a.output_size_in_bytes - a.alias_size_in_bytes, 0))
 
 
 def model_flops(run: Setup, attended: int, computed: int) -> float:
@@ -340,7 +355,7 @@ def peak_device_bytes() -> int | None:
 def throughput(name: str, records, packing: str, batch_size: int, steps: int, peak: float, block: int,
                packed_attention: str = "blockwise", max_length: int = 2048, config: dict | None = None,
                launch: tuple[int, int] | None = None, scan: bool = True, profile: bool = True,
-               remat: bool = False, lora: LoraConfig | None = None, attended=None) -> dict:
+               remat: bool = False, lora: LoraConfig | None = None, attended=None, optimizer: dict | None = None) -> dict:
     """Steady-state training throughput of one configuration (every shape compiled first); one
     row: real tokens/s, padding, model TFLOP/s, MFU over ``peak`` TFLOP/s, compilations, the
     device's peak memory and, with ``profile``, the shares of the step the attention takes (one
@@ -348,15 +363,17 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
     parameter update (``optimizer_seconds``). ``launch``: the Pallas kernels' (num_warps,
     num_stages); ``scan``: the layers as one scanned layer; ``remat`` and ``lora`` as
     ``set_up``; ``attended``: the batch's attended query-key pairs (default ``attended_pairs``,
-    which builds each row's mask: give a closed form for long rows)."""
+    which builds each row's mask: give a closed form for long rows); ``optimizer``: options of the
+    optimizer section over the defaults (``moments``, ``offload``)."""
     attended = attended or attended_pairs
     impl = attention_for(packing, packed_attention)
     before = set_kernel(block if impl in ("blockwise", "pallas") else None, *(launch or (None, None)))
     try:
         run = set_up(name, records, packing, batch_size, steps, max_length, packed_attention, config, scan, remat,
-                     lora)
+                     lora, optimizer)
         cfg, batches = run.cfg, run.batches
         state, shapes, compile_s = compile_shapes(run)
+        planned = planned_step_bytes(run, state, max(batches, key=lambda b: b["input_ids"].size))
         device_batches = [jax.device_put(stack_micro_batches([b])) for b in batches]
         start = time.perf_counter()
         for b in device_batches:
@@ -392,7 +409,8 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
            "attention_share": attn / seconds if attn is not None else None,
            "optimizer_share": update / seconds if update is not None else None,
            "shapes": shapes, "compile_s": compile_s,
-           "peak_device_gib": peak_bytes / 2**30 if peak_bytes is not None else None}
+           "peak_device_gib": peak_bytes / 2**30 if peak_bytes is not None else None,
+           "planned_step_gib": planned / 2**30 if planned is not None else None}
     block_note = f" (block {row['block']})" if row["block"] else ""
     share = (f" attention {attn / seconds:.0%}, parameter update {update / seconds:.0%} of the step"
              if attn is not None else "")

@@ -43,6 +43,9 @@ Two steps, because the GPU machine has no Beam and no network:
      rmflow's run exported, and the export's scores in transformers (bfloat16) against rmflow's;
    - ``trl``: TRL's RewardTrainer and rmflow on the same model, data, batch and recipe, bfloat16,
      TRL with sdpa attention, gradient checkpointing off and on: real tokens/s and peak memory.
+   - ``optimizer``: full fine-tuning of Qwen2.5-1.5B at 2k-token pairs with AdamW's moments in
+     float32, bfloat16 and int8 and the state offloaded to host memory, each in a process of its
+     own: peak device memory and step time, each against float32 moments on the device.
 
 ``--budget-s`` bounds the run: a measurement that would start too late is recorded as skipped.
 ``--keep DIR`` merges the report with the one a previous run left in ``DIR`` (a GPU lent in short
@@ -90,7 +93,7 @@ from bench_common import SHARED_DATA as DATA
 
 TOKENIZER = REPO.parent / "shared" / "assets" / "smollm2-135m-instruct-tokenizer"
 SITE = pathlib.Path("/tmp/rmflow-gpu-site")
-PARTS = ("parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "real", "trl")
+PARTS = ("parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "real", "trl", "optimizer")
 # What the GPU image lacks (its list: the device tool's KINDS.md); the versions this project installs.
 WHEELS = ("grain", "array-record", "portpicker", "tensorboardX", "trl", "datasets", "dill", "multiprocess", "xxhash")
 # Reads the real SmolLM2's quantised source (GGUF) into transformers; not one of the project's packages.
@@ -135,7 +138,10 @@ SIZES = {
             "trl_size_runs": (("Qwen2.5-1.5B", 2048, 4, "full"), ("Llama-3.2-3B", 2048, 4, "full+remat"),
                               ("Llama-3.1-8B", 16384, 1, "lora16"), ("Llama-3.2-3B", 16384, 1, "full+remat")),
             "trl_steps": 30, "trl_batch": 16, "checkpointing": (False, True), "real_batch": 16, "real_steps": 0,
-            "lr": 1e-5},
+            "lr": 1e-5,
+            # optimizer_runs: the optimizer state's settings at one full fine-tuning size, float32 moments first
+            "optimizer_runs": tuple(("Qwen2.5-1.5B", 2048, 4, t) for t in (
+                "full", "full+bf16-moments", "full+int8-moments", "full+offload", "full+int8-moments+offload"))},
     "rehearse": {"max_length": 256, "kernel_batch": 4, "speed_steps": 2, "parity_t": 256,
                  "parity_cases": (("blockwise", "float32", None), ("cudnn", "bfloat16", None),
                                   ("pallas", "float32", 100), ("blockwise", "float32", 100, 32, 2.0)),
@@ -148,7 +154,8 @@ SIZES = {
                  "size_steps": 3,
                  "trl_size_runs": (("toy", 512, 1, "lora16"),),
                  "trl_steps": 6, "trl_batch": 2, "checkpointing": (True,),
-                 "real_batch": 4, "real_steps": 3, "lr": 1e-4},
+                 "real_batch": 4, "real_steps": 3, "lr": 1e-4,
+                 "optimizer_runs": (("toy", 512, 1, "full"), ("toy", 512, 1, "full+int8-moments+offload"))},
 }
 TOY = dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -398,8 +405,13 @@ def part_profile(ctx: Ctx) -> None:
         gc.collect()
 
 
-# How each size run trains: (recompute layers, LoRA rank on all linear layers of a bfloat16 base or None)
-TRAINING = {"full": (False, None), "full+remat": (True, None), "lora16": (True, 16)}
+# How each size run trains: (recompute layers, LoRA rank on all linear layers of a bfloat16 base or None,
+# optimizer options over the defaults)
+TRAINING = {"full": (False, None, {}), "full+remat": (True, None, {}), "lora16": (True, 16, {}),
+            "full+bf16-moments": (False, None, {"moments": "bfloat16"}),
+            "full+int8-moments": (False, None, {"moments": "int8"}),
+            "full+offload": (False, None, {"offload": True}),
+            "full+int8-moments+offload": (False, None, {"moments": "int8", "offload": True})}
 
 
 def size_run(spec: dict) -> dict:
@@ -411,18 +423,18 @@ def size_run(spec: dict) -> dict:
     from rmflow.schemas.train_config import LoraConfig
 
     config = TOY if spec["model"] == "toy" else device.CONFIGS[spec["model"]]
-    remat, rank = TRAINING[spec["training"]]
+    remat, rank, optimizer = TRAINING[spec["training"]]
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules="all-linear", base_dtype="bfloat16") if rank else None
     records = device.synthetic_pairs(spec["pair_tokens"], spec["pairs"] * spec["steps"], config["vocab_size"])
     row = device.throughput(spec["model"], records, "pack", spec["pairs"], spec["steps"], _peak(), spec["block"],
                             spec["attention"], max_length=spec["pair_tokens"], config=config, launch=spec["launch"],
                             scan=spec["scan_layers"], profile=False, remat=remat, lora=lora,
-                            attended=device.synthetic_attended(spec["pair_tokens"]))
+                            attended=device.synthetic_attended(spec["pair_tokens"]), optimizer=optimizer)
     return {"trainer": "rmflow", "model": spec["model"], "training": spec["training"], "pair_tokens": spec["pair_tokens"],
             "fits": True,
             "scan_layers": spec["scan_layers"],
             **{k: row[k] for k in ("pairs_per_step", "rows", "real_tokens_per_s", "mfu", "model_tflops", "step_ms",
-                                   "peak_device_gib", "compile_s", "attention")}}
+                                   "peak_device_gib", "planned_step_gib", "compile_s", "attention")}}
 
 
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemoryError")
@@ -467,6 +479,32 @@ def part_sizes(ctx: Ctx) -> None:
     ctx.add(*size_summaries(ctx.rows))
 
 
+def part_optimizer(ctx: Ctx) -> None:
+    """The optimizer state's settings (``optimizer_runs``: float32, bfloat16 and int8 moments,
+    the state offloaded to host memory) at one size: each run's peak device memory and step time,
+    then each against the first (float32 moments on the device)."""
+    _size_runs(ctx, "rmflow", ctx.size["optimizer_runs"])
+    ctx.add(*optimizer_summaries(ctx.rows))
+
+
+def optimizer_summaries(rows: list[dict]) -> list[dict]:
+    """Each fitted run's peak device memory and step time against the reference run's (the
+    first of its model and length that fitted)."""
+    out, ref = [], {}
+    for r in rows:
+        if not r.get("fits") or "peak_device_gib" not in r:
+            continue
+        key = (r["model"], r["pair_tokens"])
+        base = ref.setdefault(key, r)
+        out.append({"summary": "optimizer", "model": r["model"], "pair_tokens": r["pair_tokens"],
+                    "training": r["training"], "against": base["training"],
+                    "peak_device_gib": r["peak_device_gib"], "planned_step_gib": r.get("planned_step_gib"),
+                    "peak_saved_gib": None if None in (base["peak_device_gib"], r["peak_device_gib"])  # CPU: no count
+                    else round(base["peak_device_gib"] - r["peak_device_gib"], 2),
+                    "step_ratio": round(r["step_ms"] / base["step_ms"], 3)})
+    return out
+
+
 def part_trl_sizes(ctx: Ctx) -> None:
     """TRL's RewardTrainer at the sizes of ``trl_size_runs`` (``trl_size_run``), then its rows
     against rmflow's at the same size (this call's ``sizes`` rows, else the kept report's)."""
@@ -488,7 +526,9 @@ def trl_size_run(spec: dict) -> dict:
     from trl import RewardConfig, RewardTrainer
 
     config = dict(TOY if spec["model"] == "toy" else device.CONFIGS[spec["model"]])
-    remat, rank = TRAINING[spec["training"]]
+    remat, rank, optimizer = TRAINING[spec["training"]]
+    if optimizer:
+        raise ValueError(f"training {spec['training']!r}: TRL's runs here use its default optimizer only")
     qkv_bias = config.pop("qkv_bias", False)
     hf = AutoConfig.for_model(config.pop("model_type"), **config, num_labels=1, pad_token_id=0,
                               **({"attention_bias": True} if qkv_bias and spec["model"].startswith("Llama") else {}))
@@ -788,7 +828,8 @@ def part_checkpoint(ctx: Ctx) -> None:
 
 
 FNS = {"parity": part_parity, "kernel": part_kernel, "speed": part_speed, "profile": part_profile,
-       "sizes": part_sizes, "trl_sizes": part_trl_sizes, "trl": part_trl, "real": part_real, "checkpoint": part_checkpoint}
+       "sizes": part_sizes, "trl_sizes": part_trl_sizes, "trl": part_trl, "real": part_real, "checkpoint": part_checkpoint,
+       "optimizer": part_optimizer}
 
 
 def child(part: str, spec: dict) -> None:

@@ -33,7 +33,7 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     errors = {p: rows["error"][-1500:] for p, rows in report["parts"].items() if isinstance(rows, dict)}
     assert proc.returncode == 0 and not errors, (errors, proc.stdout[-2000:], proc.stderr[-2000:])
     parts = report["parts"]
-    assert set(parts) == {"parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "trl", "real"}
+    assert set(parts) == {"parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "trl", "real", "optimizer"}
     assert report["rehearse"]
     # rmflow as the GPU machine runs it: its wheel, built from this checkout and installed apart
     assert "/site/rmflow/trainer/" in report["rmflow"] and any(w.startswith("rmflow-") for w in report["wheels"])
@@ -66,6 +66,12 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     categories = {r["category"]: r for r in parts["profile"] if "category" in r and "kernel" not in r}
     assert "matrix products" in categories and all(r["ms_per_step"] > 0 for r in categories.values())
     assert [r for r in parts["profile"] if "kernel" in r]
+    # optimizer: the state's settings at one size, each run's peak and step time against float32 moments
+    runs = {r["training"]: r for r in parts["optimizer"] if "summary" not in r}
+    assert set(runs) == {"full", "full+int8-moments+offload"} and all(r["fits"] for r in runs.values())
+    against = {r["training"]: r for r in parts["optimizer"] if r.get("summary") == "optimizer"}
+    assert against["full"]["step_ratio"] == 1.0 and against["full+int8-moments+offload"]["step_ratio"] > 0
+    assert all(r["planned_step_gib"] > 0 for r in runs.values())  # the memory plan's count, beside the peak on a GPU
     # sizes: rmflow on synthetic pairs (LoRA, layers recomputed); TRL beside at the same size, and the ratio
     sizes = {r["training"]: r for r in parts["sizes"] if r.get("trainer") == "rmflow"}
     assert set(sizes) == {"lora16"} and all(r["fits"] and r["real_tokens_per_s"] > 0 for r in sizes.values())
