@@ -355,7 +355,8 @@ def peak_device_bytes() -> int | None:
 def throughput(name: str, records, packing: str, batch_size: int, steps: int, peak: float, block: int,
                packed_attention: str = "blockwise", max_length: int = 2048, config: dict | None = None,
                launch: tuple[int, int] | None = None, scan: bool = True, profile: bool = True,
-               remat: bool = False, lora: LoraConfig | None = None, attended=None, optimizer: dict | None = None) -> dict:
+               remat: bool = False, lora: LoraConfig | None = None, attended=None, optimizer: dict | None = None,
+               plan: bool = False) -> dict:
     """Steady-state training throughput of one configuration (every shape compiled first); one
     row: real tokens/s, padding, model TFLOP/s, MFU over ``peak`` TFLOP/s, compilations, the
     device's peak memory and, with ``profile``, the shares of the step the attention takes (one
@@ -364,7 +365,8 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
     num_stages); ``scan``: the layers as one scanned layer; ``remat`` and ``lora`` as
     ``set_up``; ``attended``: the batch's attended query-key pairs (default ``attended_pairs``,
     which builds each row's mask: give a closed form for long rows); ``optimizer``: options of the
-    optimizer section over the defaults (``moments``, ``offload``)."""
+    optimizer section over the defaults (``moments``, ``offload``); ``plan``: also what the memory
+    plan counts for the widest batch's step (``planned_step_bytes``: one more compilation)."""
     attended = attended or attended_pairs
     impl = attention_for(packing, packed_attention)
     before = set_kernel(block if impl in ("blockwise", "pallas") else None, *(launch or (None, None)))
@@ -373,7 +375,7 @@ def throughput(name: str, records, packing: str, batch_size: int, steps: int, pe
                      lora, optimizer)
         cfg, batches = run.cfg, run.batches
         state, shapes, compile_s = compile_shapes(run)
-        planned = planned_step_bytes(run, state, max(batches, key=lambda b: b["input_ids"].size))
+        planned = planned_step_bytes(run, state, max(batches, key=lambda b: b["input_ids"].size)) if plan else None
         device_batches = [jax.device_put(stack_micro_batches([b])) for b in batches]
         start = time.perf_counter()
         for b in device_batches:

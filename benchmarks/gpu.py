@@ -44,8 +44,9 @@ Two steps, because the GPU machine has no Beam and no network:
    - ``trl``: TRL's RewardTrainer and rmflow on the same model, data, batch and recipe, bfloat16,
      TRL with sdpa attention, gradient checkpointing off and on: real tokens/s and peak memory.
    - ``optimizer``: full fine-tuning of Qwen2.5-1.5B at 2k-token pairs with AdamW's moments in
-     float32, bfloat16 and int8 and the state offloaded to host memory, each in a process of its
-     own: peak device memory and step time, each against float32 moments on the device.
+     float32, bfloat16 and int8 and the state offloaded to host memory, and the 8B LoRA at
+     16k-token pairs, each in a process of its own: peak device memory beside what the memory
+     plan counts for the step, and step time, each against float32 moments on the device.
 
 ``--budget-s`` bounds the run: a measurement that would start too late is recorded as skipped.
 ``--keep DIR`` merges the report with the one a previous run left in ``DIR`` (a GPU lent in short
@@ -141,7 +142,8 @@ SIZES = {
             "lr": 1e-5,
             # optimizer_runs: the optimizer state's settings at one full fine-tuning size, float32 moments first
             "optimizer_runs": tuple(("Qwen2.5-1.5B", 2048, 4, t) for t in (
-                "full", "full+bf16-moments", "full+int8-moments", "full+offload", "full+int8-moments+offload"))},
+                "full", "full+bf16-moments", "full+int8-moments", "full+offload", "full+int8-moments+offload"))
+            + (("Llama-3.1-8B", 16384, 1, "lora16"),)},
     "rehearse": {"max_length": 256, "kernel_batch": 4, "speed_steps": 2, "parity_t": 256,
                  "parity_cases": (("blockwise", "float32", None), ("cudnn", "bfloat16", None),
                                   ("pallas", "float32", 100), ("blockwise", "float32", 100, 32, 2.0)),
@@ -155,7 +157,7 @@ SIZES = {
                  "trl_size_runs": (("toy", 512, 1, "lora16"),),
                  "trl_steps": 6, "trl_batch": 2, "checkpointing": (True,),
                  "real_batch": 4, "real_steps": 3, "lr": 1e-4,
-                 "optimizer_runs": (("toy", 512, 1, "full"), ("toy", 512, 1, "full+int8-moments+offload"))},
+                 "optimizer_runs": (("toy", 512, 1, "full+int8-moments+offload"),)},
 }
 TOY = dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -429,7 +431,8 @@ def size_run(spec: dict) -> dict:
     row = device.throughput(spec["model"], records, "pack", spec["pairs"], spec["steps"], _peak(), spec["block"],
                             spec["attention"], max_length=spec["pair_tokens"], config=config, launch=spec["launch"],
                             scan=spec["scan_layers"], profile=False, remat=remat, lora=lora,
-                            attended=device.synthetic_attended(spec["pair_tokens"]), optimizer=optimizer)
+                            attended=device.synthetic_attended(spec["pair_tokens"]), optimizer=optimizer,
+                            plan=spec.get("plan", False))
     return {"trainer": "rmflow", "model": spec["model"], "training": spec["training"], "pair_tokens": spec["pair_tokens"],
             "fits": True,
             "scan_layers": spec["scan_layers"],
@@ -440,7 +443,7 @@ def size_run(spec: dict) -> dict:
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemoryError")
 
 
-def _size_runs(ctx: Ctx, trainer: str, runs) -> None:
+def _size_runs(ctx: Ctx, trainer: str, runs, plan: bool = False) -> None:
     """Each (model, tokens a pair, pairs a step, training) of ``runs`` in a process of its own
     (``gpu.py size SPEC``: its own peak memory; an out-of-memory failure is that run's
     ``fits: False``), the device's memory given to JAX up to 95%."""
@@ -456,7 +459,7 @@ def _size_runs(ctx: Ctx, trainer: str, runs) -> None:
                 "scan_layers": ctx.plan.get("scan_layers", "on") != "off",  # the speed part's plan; scanned by default
                 "attention": ctx.plan.get("packed_attention", "pallas"), "rehearse": ctx.rehearse,
                 "launch": (kernel.get("num_warps"), kernel.get("num_stages")), "work": str(ctx.work),
-                "tokenizer": str(ctx.inputs / "train" / "tokenizer")}
+                "tokenizer": str(ctx.inputs / "train" / "tokenizer"), "plan": plan}
         try:
             proc = subprocess.run([sys.executable, __file__, "size", json.dumps(spec)], capture_output=True,
                                   text=True, timeout=ctx.left(), env=env)
@@ -481,9 +484,10 @@ def part_sizes(ctx: Ctx) -> None:
 
 def part_optimizer(ctx: Ctx) -> None:
     """The optimizer state's settings (``optimizer_runs``: float32, bfloat16 and int8 moments,
-    the state offloaded to host memory) at one size: each run's peak device memory and step time,
-    then each against the first (float32 moments on the device)."""
-    _size_runs(ctx, "rmflow", ctx.size["optimizer_runs"])
+    the state offloaded to host memory) at one size, and the 8B LoRA at 16k-token pairs: each
+    run's peak device memory beside what the memory plan counts for its step, and its step time,
+    then each against the first of its model (float32 moments on the device)."""
+    _size_runs(ctx, "rmflow", ctx.size["optimizer_runs"], plan=True)
     ctx.add(*optimizer_summaries(ctx.rows))
 
 

@@ -34,6 +34,7 @@ from rmflow.pipelines.preprocess import run as preprocess
 from rmflow.schemas.config import PreprocessConfig
 from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.memory_plan import GIB, plan_memory
+from rmflow.trainer.train import Run
 from rmflow.trainer.train import run as train
 
 SETTINGS = {"full": {}, "int8": {"optimizer": {"moments": "int8"}},
@@ -77,7 +78,7 @@ def one(shards: pathlib.Path, out: pathlib.Path, setting: str, a) -> dict:
     options.update({k: v for k, v in SETTINGS[setting].items() if k != "optimizer"})
     cfg = TrainConfig.from_dict(options)
     start = time.perf_counter()
-    plan, _ = plan_memory(cfg)
+    plan, _ = plan_memory(Run(cfg, abstract=True))
     plan_s = time.perf_counter() - start
     peaks = StepPeaks()
     train(cfg, on_log=lambda rec: peaks.step_ended())

@@ -283,14 +283,14 @@ def train(options: dict, config: str | None, set_: list[str], resume: bool, plan
     # dotted, each option once, so that a flag replaces the file's value however the file spelled it
     cfg = TrainConfig.from_dict({**flatten(TrainConfig, base), **options}).with_overrides(list(set_))
 
+    if plan:  # before the raw eval sets are preprocessed into --output: the plan writes nothing
+        from rmflow.trainer.train import memory_plan
+
+        console.print(memory_plan(cfg).render(), highlight=False, markup=False)
+        return
     from rmflow.eval.sets import preprocess_eval_sets
 
     cfg = preprocess_eval_sets(cfg)
-    if plan:
-        from rmflow.trainer.memory_plan import print_plan
-
-        console.print(print_plan(cfg), highlight=False, markup=False)
-        return
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 

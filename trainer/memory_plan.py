@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,7 +52,7 @@ def shard_bytes(tree: Any, *, memory_kind: str | None = None, other_kinds: bool 
 def device_limit() -> int | None:
     """Bytes the first device holds for arrays (its allocator's limit); None where the backend
     keeps no such count (CPU: arrays live in host memory)."""
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
@@ -90,8 +91,10 @@ class MemoryPlan:
         return self.limit is None or self.total <= self.limit
 
     def levers(self) -> list[tuple[str, int | None]]:
-        """(what to set, device bytes it saves, or None where only a compilation would say),
-        the exact ones first."""
+        """(what to set, the device bytes of state it saves, or None where it changes the step's
+        temporaries alone), those with a figure first. A saving of state is not all a step's
+        peak changes by: compact moments are decoded for the update, an offloaded state is moved
+        to the device for it (``check_memory`` compiles the alternatives to say which fit)."""
         out: list[tuple[str, int | None]] = []
         for moments, saved in self.moment_savings.items():
             out.append((f"optimizer.moments={moments}", saved))
@@ -109,15 +112,9 @@ class MemoryPlan:
         return out
 
     def advice(self) -> str:
-        """One line: the levers, each with what it saves and whether that alone makes the step fit."""
-        parts = []
-        for what, saved in self.levers():
-            if saved is None:
-                parts.append(what)
-            else:
-                fits = self.limit is not None and self.total - saved <= self.limit
-                parts.append(f"{what} saves {saved / GIB:.2f} GiB" + (" (fits)" if fits else ""))
-        return "; ".join(parts)
+        """One line: the levers, each with the state it saves."""
+        return "; ".join(what if saved is None else f"{what} saves {saved / GIB:.2f} GiB of state"
+                         for what, saved in self.levers())
 
     def render(self) -> str:
         mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.items())
@@ -145,15 +142,16 @@ def widest_batch(run) -> dict[str, np.ndarray]:
     micro-batch widened to the longest row and the most reward slots its loader can make
     (packing ``fixed``: the run's one row shape as it is), stacked ``grad_accum`` times."""
     from rmflow.trainer.batching import stack_micro_batches, widen
+    from rmflow.trainer.data import fine_length
 
     plan, objective = run.plan, run.objective
     first = next(iter(run.train_loader()))
-    if plan.packing != "fixed":
+    if plan.packing != "fixed":  # rows up to the length cap, rounded as the loader rounds them
         unit = plan.max_length * (2 if objective.kind.pairwise else 1)
         per_row = -(-plan.local_batch // plan.rows) if plan.packing == "pack" else 1
-        length = plan.max_length if plan.packing != "pack" else unit * per_row
+        length = fine_length(plan.max_length if plan.packing != "pack" else unit * per_row, plan.train_rounding)
         slots = first["reward_index"].shape[1] * per_row
-        first = widen(first, length, slots, objective)
+        first = widen(first, max(length, first["input_ids"].shape[1]), slots, objective)
     return stack_micro_batches([first] * run.cfg.grad_accum, objective)
 
 
@@ -178,13 +176,11 @@ def _moment_savings(trainer, state, cfg: TrainConfig) -> dict[str, int]:
     return out
 
 
-def plan_memory(cfg: TrainConfig) -> tuple[MemoryPlan, Any]:
-    """The memory plan of ``cfg``'s train step, and its compiled executable (kept by the trainer's
-    cache: a run of the same config then compiles nothing more for that shape)."""
-    from rmflow.trainer.train import Run
-
-    run = Run(cfg, abstract=True)
-    trainer = run.trainer
+def plan_memory(run) -> tuple[MemoryPlan, Any]:
+    """The memory plan of a run's train step (``run``: a ``trainer.train.Run`` built abstract),
+    and its compiled executable (kept by the trainer's cache: a run of the same config then
+    compiles nothing more for that shape)."""
+    cfg, trainer = run.cfg, run.trainer
     state = trainer.use_mesh(run.mesh)
     host = widest_batch(run)
     batch, compiled = trainer.compile_train(host)
@@ -203,29 +199,37 @@ def plan_memory(cfg: TrainConfig) -> tuple[MemoryPlan, Any]:
     return plan, compiled
 
 
-def check_memory(cfg: TrainConfig, limit: int | None = None) -> MemoryPlan | None:
-    """Refuse, in one line with the levers, a run whose train step cannot fit in its device's
-    memory (``limit``: that memory; default the device's own). No check where the backend keeps
-    no device memory count (CPU) and no limit is given."""
+# What check_memory tries when a step does not fit: the levers a compilation measures exactly.
+ALTERNATIVES = (("optimizer.moments=int8", "optimizer", "moments", "int8"),
+                ("optimizer.offload=true", "optimizer", "offload", True),
+                ("model.gradient_checkpointing=true", "model", "gradient_checkpointing", True))
+
+
+def check_memory(cfg: TrainConfig, make_run: Callable[[TrainConfig], Any], limit: int | None = None
+                 ) -> MemoryPlan | None:
+    """Refuse, in one line, a run whose train step cannot fit in its device's memory (``limit``:
+    that memory; default the device's own), naming the alternatives (``ALTERNATIVES``, each
+    compiled: its peak, and whether it fits) and the other levers. Checked where the plan is the
+    run's exact shape, one process in packing ``fixed``, and the backend counts device memory
+    (not on CPU) or ``limit`` is given. ``make_run``: a config's run, built abstract."""
+    from rmflow.trainer.data import resolve_packing
+
     limit = device_limit() if limit is None else limit
-    if limit is None:
+    packing = resolve_packing(cfg.data.packing, jax.default_backend(), len(jax.devices()), jax.process_count())
+    if limit is None or packing != "fixed" or jax.process_count() > 1:
         return None
-    plan, _ = plan_memory(cfg)
-    plan = dataclasses.replace(plan, limit=limit)
-    if not plan.fits:
-        raise TrainError(f"the train step needs {plan.total / GIB:.2f} GiB a device and the device holds "
-                         f"{limit / GIB:.2f} GiB: {plan.advice()}. rmflow train --plan prints the whole plan")
-    return plan
-
-
-def print_plan(cfg: TrainConfig) -> str:
-    """``rmflow train --plan``: the plan of ``cfg`` as text, made as a run makes it (XLA set up,
-    the compilation cache used, remote shards staged), nothing written to its output."""
-    from rmflow.trainer.backend import configure_xla
-    from rmflow.trainer.compilation import use_compilation_cache
-    from rmflow.trainer.train import staged_config
-
-    cfg = cfg.with_absolute_paths()
-    configure_xla()
-    use_compilation_cache(cfg.compilation_cache)
-    return plan_memory(staged_config(cfg))[0].render()
+    plan = dataclasses.replace(plan_memory(make_run(cfg))[0], limit=limit)
+    if plan.fits:
+        return plan
+    tried = []
+    for what, section, name, value in ALTERNATIVES:
+        if getattr(getattr(cfg, section), name) == value:
+            continue
+        other = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
+        total = plan_memory(make_run(other))[0].total
+        tried.append(f"{what}: {total / GIB:.2f} GiB" + (" (fits)" if total <= limit else ""))
+    measured = ("optimizer.", "model.gradient_checkpointing")  # the alternatives' settings, compiled above
+    rest = [what for what, _ in plan.levers() if not what.startswith(measured)]
+    raise TrainError(f"the train step needs {plan.total / GIB:.2f} GiB a device and the device holds "
+                     f"{limit / GIB:.2f} GiB; with " + "; ".join(tried + rest)
+                     + ". rmflow train --plan prints the whole plan")

@@ -88,7 +88,7 @@ def build_model(cfg: TrainConfig, manifest: Manifest, objective: Objective, pack
     preset = ModelConfig.preset(cfg.model.path, vocab_size=vocab, **dataclasses.asdict(head)) \
         if is_preset(cfg.model.path) else None
     if preset is None:
-        folder = resolve(cfg.model.path)
+        folder = resolve(cfg.model.path, weights=not abstract)
         model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
         check_tokenizer(manifest, folder, "the model", with_template=False, shards=shards)
         check_model_fits(manifest, model_config)  # before any weight is read
@@ -106,7 +106,7 @@ def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, head:
     ``abstract``: the same model's variables as shapes and dtypes (``nnx.eval_shape``), the
     checkpoint's architecture read from its config alone: what a memory plan compiles against."""
     dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
-    arch = preset_config if is_preset(cfg.model.path) else read_config(resolve(cfg.model.path))[0]
+    arch = preset_config if is_preset(cfg.model.path) else read_config(resolve(cfg.model.path, weights=not abstract))[0]
     attention = resolve_attention(cfg.model.attention, dtype, jax.default_backend(), packed=packing in PACKED,
                                   softcap=bool(arch.attn_logit_softcapping),
                                   devices=devices)

@@ -8,23 +8,26 @@ float32 as AdamW does, then stores them back in the chosen format (``optimizer.m
   value would freeze the second moment; rounding up with the probability of the distance keeps
   each stored value equal to the float32 one in expectation.
 - ``int8``: 1 byte a moment plus a float32 scale a block of ``BLOCK`` values along the last axis
-  (the block's largest magnitude), as 8-bit optimizers store them. The codes are square-root
+  (the block's largest magnitude; a shorter axis is one block), as 8-bit optimizers store them. The codes are square-root
   companded (a code ``k`` means ``(k / levels)**2`` of the scale): most of a block's values are
   far below its largest, and companding gives them the finer levels. The first moment is signed
   (codes -127..127). The second is stored as its square root, the quantity the update divides
   by, with zero left out of its levels (code ``k`` means ``((k + 1) / 256)**2``): a moment
-  decoded as zero would turn the next update into ``m / eps``. Rounding is stochastic here too.
+  decoded as zero would turn the next update into ``m / eps``. Rounding is stochastic here too,
+  unbiased in the moment itself (the average an exponential moving average keeps).
 
 The rounding noise is a hash of the element's index, the step and the moment's place in the
 tree: no random state to store, and a resumed run draws what the uninterrupted run drew. Arrays
-of fewer than ``SMALL`` elements (norm weights, the score head) keep float32 moments, as
-bitsandbytes' 8-bit optimizers do: their share of memory is nil and they move the most per step.
+of fewer than ``SMALL`` elements keep float32 moments, as bitsandbytes' 8-bit optimizers do (their
+share of memory is nil and they move the most per step), and so do, in int8, vectors and arrays
+whose last axis is shorter than a block (``stored_dtype``).
 A compact moment keeps its parameter's shape (int8 codes) or its leading dimensions (block
 scales), so the parameter's sharding rule shards it too (``trainer.parallel.rules``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -34,7 +37,8 @@ from jax import lax
 from optax._src import numerics
 from rmflow.schemas.train_config import MOMENTS
 
-BLOCK = 256  # values sharing one int8 scale, along the last axis
+BLOCK = 256  # values sharing one int8 scale, along the last axis (a shorter axis: the whole axis)
+MIN_BLOCK = 16  # a last axis shorter than this keeps float32 moments under int8
 SMALL = 4096  # arrays with fewer elements keep float32 moments
 _SIGNED = 127  # first-moment code magnitudes 0..127
 _UNSIGNED = 256  # second-moment codes 0..255 mean levels 1/256 .. 256/256 (zero left out)
@@ -53,26 +57,37 @@ def is_compact(x: Any) -> bool:
     return isinstance(x, Int8Moment)
 
 
-def stored_dtype(moments: str, size: int) -> str:
-    """How a moment of an array of ``size`` elements is stored under ``moments``."""
+def stored_dtype(moments: str, shape: tuple[int, ...]) -> str:
+    """How a moment of an array of ``shape`` is stored under ``moments``: float32 for arrays of
+    fewer than ``SMALL`` elements, and in int8 for vectors and arrays whose last axis is shorter
+    than ``MIN_BLOCK`` (a norm's weight, the score head, a LoRA adapter's rank axis: a float32
+    scale for so few values would cost more than it saves)."""
     if moments not in MOMENTS:
         raise ValueError(f"moments {moments!r}: use one of {', '.join(MOMENTS)}")
-    return "float32" if size < SMALL else moments
+    if math.prod(shape) < SMALL or (moments == "int8" and (len(shape) < 2 or shape[-1] < MIN_BLOCK)):
+        return "float32"
+    return moments
+
+
+def _block(last: int) -> int:
+    """Values a scale covers along a last axis of ``last``: ``BLOCK``, or the whole axis when it
+    is shorter (no padding)."""
+    return min(BLOCK, last)
 
 
 def _blocks(x: jax.Array) -> jax.Array:
-    """``x`` with its last axis padded with zeros to whole blocks, as ``[..., blocks, BLOCK]``."""
-    last = x.shape[-1] if x.ndim else 1
-    x = x.reshape(x.shape[:-1] + (last,)) if x.ndim else x.reshape(1)
-    pad = -last % BLOCK
+    """``x`` (2-D or more) with its last axis padded with zeros to whole blocks, as
+    ``[..., blocks, block]``."""
+    last = x.shape[-1]
+    block = _block(last)
+    pad = -last % block
     if pad:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return x.reshape(x.shape[:-1] + ((last + pad) // BLOCK, BLOCK))
+    return x.reshape(x.shape[:-1] + ((last + pad) // block, block))
 
 
 def _unblock(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    last = shape[-1] if shape else 1
-    flat = x.reshape(x.shape[:-2] + (x.shape[-2] * BLOCK,))[..., :last]
+    flat = x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))[..., :shape[-1]]
     return flat.reshape(shape)
 
 
@@ -97,15 +112,16 @@ def _round_bf16(x: jax.Array, u: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
 
 
-def _stochastic_level(r: jax.Array, u: jax.Array, levels: int, first: int) -> jax.Array:
+def _stochastic_level(r: jax.Array, u: jax.Array, levels: int, first: int, power: int = 1) -> jax.Array:
     """The code of ``r`` in [0, 1] among the companded levels ``((k + first) / levels)**2``,
     ``k = 0 .. levels - first``: one of the two levels around it, the upper with the probability
-    of its distance from the lower (unbiased); below the lowest level, the lowest."""
+    that keeps ``r ** power`` unbiased (``power`` 2: the second moment, stored as its root, is
+    what the average keeps); below the lowest level, the lowest."""
     top = levels - first
     k = jnp.clip(jnp.floor(jnp.sqrt(r) * levels) - first, 0, top)
-    lo = jnp.square((k + first) / levels)
-    hi = jnp.square((jnp.minimum(k + 1, top) + first) / levels)
-    p = jnp.where(hi > lo, (r - lo) / jnp.where(hi > lo, hi - lo, 1.0), 0.0)
+    lo = jnp.square((k + first) / levels) ** power
+    hi = jnp.square((jnp.minimum(k + 1, top) + first) / levels) ** power
+    p = jnp.where(hi > lo, (r ** power - lo) / jnp.where(hi > lo, hi - lo, 1.0), 0.0)
     return jnp.minimum(k + (u < p), top)
 
 
@@ -129,7 +145,7 @@ def encode_second(v: jax.Array, u: jax.Array) -> Int8Moment:
     wb, ub = _blocks(jnp.sqrt(v)), _blocks(u)
     scale = jnp.max(wb, axis=-1)
     r = wb / jnp.where(scale > 0, scale, 1.0)[..., None]
-    k = _stochastic_level(r, ub, _UNSIGNED, 1)
+    k = _stochastic_level(r, ub, _UNSIGNED, 1, power=2)
     return Int8Moment(_unblock(k.astype(jnp.uint8), v.shape), scale)
 
 
@@ -140,13 +156,14 @@ def decode_second(m: Int8Moment) -> jax.Array:
 
 
 def _zeros(p: jax.Array, moments: str, second: bool) -> Any:
-    kind = stored_dtype(moments, p.size)
+    kind = stored_dtype(moments, p.shape)
     if kind == "float32":
         return jnp.zeros(p.shape, jnp.float32)
     if kind == "bfloat16":
         return jnp.zeros(p.shape, jnp.bfloat16)
     codes = jnp.zeros(p.shape, jnp.uint8 if second else jnp.int8)
-    return Int8Moment(codes, jnp.zeros(_blocks(jnp.zeros(p.shape, jnp.int8)).shape[:-1], jnp.float32))
+    last = p.shape[-1]
+    return Int8Moment(codes, jnp.zeros(p.shape[:-1] + (-(-last // _block(last)),), jnp.float32))
 
 
 def _decode(m: Any, second: bool) -> jax.Array:
@@ -167,7 +184,7 @@ def scale_by_stored_adam(b1: float, b2: float, eps: Any, moments: str) -> optax.
     """optax.scale_by_adam with its moments stored as ``moments`` says (module docstring); the
     same state type (``optax.ScaleByAdamState``), its ``mu`` and ``nu`` trees holding arrays of
     the stored dtype or ``Int8Moment`` nodes."""
-    stored_dtype(moments, SMALL)  # the name checked once, here
+    stored_dtype(moments, (SMALL,))  # the name checked once, here
 
     def init_fn(params):
         return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32),

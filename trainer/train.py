@@ -44,7 +44,7 @@ from rmflow.trainer.data.rows import OtherPackingState
 from rmflow.trainer.errors import Interrupted, TrainError
 from rmflow.trainer.loggers import Reporters, check_available
 from rmflow.trainer.memory import release_free_memory
-from rmflow.trainer.memory_plan import check_memory
+from rmflow.trainer.memory_plan import MemoryPlan, check_memory, plan_memory
 from rmflow.trainer.model_setup import (
     build_model,
     check_output,
@@ -226,9 +226,9 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     # Every check before anything is written: a refused run leaves the existing one intact.
     latest, changed = check_resume(cfg, run_dir, local_sources, resume, allow_config_change)
     run_cfg = dataclasses.replace(staged_config(cfg, local_sources), output=run_dir)
-    check_memory(run_cfg)  # on an accelerator: a step that cannot fit is refused before any weight is loaded
-    r = Run(run_cfg)
     check_available(cfg)
+    check_memory(run_cfg, abstract_run)  # on an accelerator: a step that cannot fit is refused before any weight is loaded
+    r = Run(run_cfg)
     if resume and latest is None:
         warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
                       RmflowWarning, stacklevel=2)
@@ -255,6 +255,22 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     if out.primary and storage.is_remote(cfg.output):  # the closed event files, the last metrics
         storage.mirror(run_dir, cfg.output)
     return TrainResult(state, r.trainer, out.history, r.plan.total_steps)
+
+
+def abstract_run(cfg: TrainConfig) -> Run:
+    """``cfg``'s run with its model as shapes only: what a memory plan compiles against."""
+    return Run(cfg, abstract=True)
+
+
+def memory_plan(cfg: TrainConfig) -> MemoryPlan:
+    """``rmflow train --plan``: the memory plan of ``cfg``'s train step (``trainer.memory_plan``),
+    made as a run makes it (XLA set up, the compilation cache used, remote shards staged; eval
+    sets are not the step's), nothing written to its output."""
+    cfg = cfg.with_absolute_paths()
+    configure_xla()
+    use_compilation_cache(cfg.compilation_cache)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval=None))
+    return plan_memory(abstract_run(staged_config(cfg)))[0]
 
 
 def staged_config(cfg: TrainConfig, local_sources=None) -> TrainConfig:

@@ -67,11 +67,11 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     assert "matrix products" in categories and all(r["ms_per_step"] > 0 for r in categories.values())
     assert [r for r in parts["profile"] if "kernel" in r]
     # optimizer: the state's settings at one size, each run's peak and step time against float32 moments
-    runs = {r["training"]: r for r in parts["optimizer"] if "summary" not in r}
-    assert set(runs) == {"full", "full+int8-moments+offload"} and all(r["fits"] for r in runs.values())
-    against = {r["training"]: r for r in parts["optimizer"] if r.get("summary") == "optimizer"}
-    assert against["full"]["step_ratio"] == 1.0 and against["full+int8-moments+offload"]["step_ratio"] > 0
-    assert all(r["planned_step_gib"] > 0 for r in runs.values())  # the memory plan's count, beside the peak on a GPU
+    (run,) = [r for r in parts["optimizer"] if "summary" not in r]  # one run here: int8 moments, offloaded
+    assert run["training"] == "full+int8-moments+offload" and run["fits"] and run["real_tokens_per_s"] > 0
+    assert run["planned_step_gib"] > 0  # the memory plan's count, beside the peak on a GPU
+    (against,) = [r for r in parts["optimizer"] if r.get("summary") == "optimizer"]
+    assert against["against"] == run["training"] and against["step_ratio"] == 1.0
     # sizes: rmflow on synthetic pairs (LoRA, layers recomputed); TRL beside at the same size, and the ratio
     sizes = {r["training"]: r for r in parts["sizes"] if r.get("trainer") == "rmflow"}
     assert set(sizes) == {"lora16"} and all(r["fits"] and r["real_tokens_per_s"] > 0 for r in sizes.values())

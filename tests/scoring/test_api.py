@@ -68,11 +68,14 @@ def test_a_model_loaded_again_scores_with_the_programs_already_compiled(workdir)
 
     from rmflow import RewardModel
 
+    def traced_programs():  # one a row (_rewards) and packed rows (_rewards_and_outputs: segments and branches)
+        return inference._rewards._cache_size() + inference._rewards_and_outputs._cache_size()
+
     run = str(workdir / "runs" / "rm1")
     first = RewardModel.load(run).score(CONVS)
-    traced = inference._rewards._cache_size()
+    traced = traced_programs()
     again = RewardModel.load(run).score(CONVS)
-    assert inference._rewards._cache_size() == traced > 0
+    assert traced_programs() == traced > 0
     np.testing.assert_array_equal(again, first)
 
     shards = workdir / "shards"

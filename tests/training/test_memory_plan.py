@@ -17,7 +17,7 @@ from tests.training.test_train import config, synthetic  # noqa: F401 - the fixt
 
 
 def _plan(data, out, **kw):
-    return mp.plan_memory(config(data, out, max_steps=4, **kw))[0]
+    return mp.plan_memory(Run(config(data, out, max_steps=4, **kw), abstract=True))[0]
 
 
 def test_the_plan_counts_what_a_run_places(synthetic, tmp_path):  # noqa: F811
@@ -72,7 +72,10 @@ def test_a_checkpoint_is_planned_from_its_config_alone(synthetic, tmp_path, toke
 
 def test_a_step_that_cannot_fit_is_refused_before_anything_is_loaded(synthetic, tmp_path, monkeypatch):  # noqa: F811
     plan = _plan(synthetic, tmp_path / "p")
-    limit = plan.total - plan.moment_savings["int8"] + 1  # int8 moments alone would make it fit
+    variants = {"optimizer.moments=int8": _plan(synthetic, tmp_path / "i", optimizer={"learning_rate": 1e-3, "moments": "int8"}),
+                "optimizer.offload=true": _plan(synthetic, tmp_path / "o", optimizer={"learning_rate": 1e-3, "offload": True}),
+                "model.gradient_checkpointing=true": _plan(synthetic, tmp_path / "g", model={"path": "micro", "gradient_checkpointing": True})}
+    limit = plan.total - 1
     monkeypatch.setattr(mp, "device_limit", lambda: limit)
     loaded = []
     real_build = Run.__init__
@@ -82,15 +85,18 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_loaded(synthetic, 
         return real_build(self, cfg, abstract=abstract)
 
     monkeypatch.setattr(Run, "__init__", watching)
-    with pytest.raises(TrainError, match=r"needs [\d.]+ GiB a device and the device holds [\d.]+ GiB: "
-                                         r"optimizer.moments=bfloat16 saves [\d.]+ GiB; optimizer.moments=int8 saves "
-                                         r"[\d.]+ GiB \(fits\); optimizer.offload=true saves [\d.]+ GiB \(fits\).*--plan"):
+    with pytest.raises(TrainError, match=r"needs [\d.]+ GiB a device and the device holds [\d.]+ GiB; with ") as e:
         train(config(synthetic, tmp_path / "r", max_steps=4))
-    assert loaded == [True]  # only the plan's abstract build: no weight drawn, no run file written
+    for what, other in variants.items():  # each alternative compiled: its peak, and whether it fits
+        assert f"{what}: {other.total / mp.GIB:.2f} GiB" + (" (fits)" if other.total <= limit else "") in str(e.value)
+    assert "lora.rank=16" in str(e.value) and str(e.value).endswith("rmflow train --plan prints the whole plan")
+    assert loaded == [True] * 4  # the plan and its 3 alternatives, abstract: no weight drawn, no run file written
     assert not (tmp_path / "r" / "checkpoints").exists() and not (tmp_path / "r" / "config.json").exists()
     monkeypatch.setattr(mp, "device_limit", lambda: plan.total + 1)
     train(config(synthetic, tmp_path / "ok", max_steps=4))
-    assert loaded == [True, True, False]
+    assert loaded == [True] * 5 + [False]
+    monkeypatch.setattr(mp, "device_limit", lambda: 1)  # packing pack: rows vary, so no exact plan and no check
+    train(config({"train": str(synthetic), "packing": "pack"}, tmp_path / "pack", max_steps=2))
 
 
 def test_the_run_trains_with_the_step_its_plan_compiled(synthetic, tmp_path, monkeypatch):  # noqa: F811

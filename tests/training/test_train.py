@@ -133,7 +133,7 @@ def test_a_run_builds_its_model_for_the_rows_its_packing_makes(synthetic, tmp_pa
     class Built(Exception):
         pass
 
-    def build_model(cfg, manifest, objective, packing, devices, shards):
+    def build_model(cfg, manifest, objective, packing, devices, shards, abstract=False):
         raise Built(packing, devices)
 
     mesh = types.SimpleNamespace(size=devices, shape={"data": devices, "fsdp": 1, "tensor": 1})

@@ -63,7 +63,7 @@ def test_cli_options_are_their_config_fields():
     from rmflow.cli import app
 
     own = {"preprocess": {"ctx", "detach", "verbose"}, "score": {"ctx"},
-           "train": {"config", "set_", "resume", "allow_config_change"}}
+           "train": {"config", "set_", "resume", "plan", "allow_config_change"}}
     for name, cls in (("preprocess", PreprocessConfig), ("eval", EvalConfig), ("score", ScoreConfig),
                       ("serve", ServeConfig), ("export", ExportConfig), ("train", TrainConfig)):
         fields = {leaf.path.replace(".", "__"): leaf for leaf in leaves(cls)}

@@ -128,14 +128,15 @@ def unstack_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[st
     return tensors
 
 
-def resolve(checkpoint: str) -> str:
-    """A local checkpoint folder, or a hub id downloaded to the local cache."""
+def resolve(checkpoint: str, weights: bool = True) -> str:
+    """A local checkpoint folder, or a hub id downloaded to the local cache (``weights`` False:
+    its JSON files only, the configuration and the tokenizer's)."""
     if os.path.isdir(checkpoint):
         return checkpoint
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(checkpoint, allow_patterns=["*.json", "*.safetensors"])
+        return snapshot_download(checkpoint, allow_patterns=["*.json", "*.safetensors"] if weights else ["*.json"])
     except Exception as e:  # noqa: BLE001 - offline, unknown id, gated
         raise CheckpointError(
             f"{checkpoint!r} is not a folder and could not be fetched from the Hugging Face Hub "
