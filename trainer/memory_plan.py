@@ -10,11 +10,13 @@ analysis of the compiled step adds (temporaries: the gradients, the activations 
 backward pass and the workspace; outputs not written over their inputs). Their sum is the
 step's peak, against the device's memory.
 
-When it does not fit, ``advice`` names the levers and what each saves: the optimizer's moments
-in bfloat16 or int8 and its state offloaded (computed exactly, from the state's shapes), the
-parameters and state sharded over ``fsdp``, layers recomputed, shorter rows, LoRA. A normal run
-on an accelerator makes the same plan before loading weights and refuses a run that cannot fit
-(``check_memory``); the executable compiled for the plan is the one training then runs.
+``advice`` names the levers and the state each saves (the optimizer's moments in bfloat16 or
+int8 and its state offloaded, exactly, from the state's shapes; the parameters and state sharded
+over ``fsdp``), and those that change only the step (layers recomputed, shorter rows, LoRA). A
+run on an accelerator, one process in packing ``fixed`` (one shape: the plan is exact), makes the
+same plan before loading weights and refuses a step that cannot fit, with the peak of each
+alternative compiled the same way (``check_memory``); the executable compiled for the plan is the
+one training then runs.
 """
 
 from __future__ import annotations
