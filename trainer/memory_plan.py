@@ -28,24 +28,23 @@ from typing import Any
 
 import jax
 import numpy as np
-from rmflow.schemas.train_config import TrainConfig
+from rmflow.schemas.train_config import MOMENTS, TrainConfig
 from rmflow.trainer.errors import TrainError
 
 GIB = 2 ** 30
 HOST = "pinned_host"
-MOMENTS_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.03}  # a trained parameter's moments (``trainer.moments``)
 
 
-def shard_bytes(tree: Any, *, memory_kind: str | None = None, other_kinds: bool = False) -> int:
+def shard_bytes(tree: Any, *, memory_kind: str | None = None) -> int:
     """Bytes one device holds of ``tree``'s arrays (abstract or placed): each leaf's shard. Only
-    the leaves in ``memory_kind`` (None: the device's own memory), or with ``other_kinds`` those not."""
+    the leaves in ``memory_kind`` (None: the device's own memory)."""
     total = 0
     for x in jax.tree.leaves(tree):
         sharding = getattr(x, "sharding", None)
         if sharding is None or not hasattr(x, "dtype"):
             continue
         kind = sharding.memory_kind if sharding.memory_kind != "device" else None
-        if (kind != memory_kind) != other_kinds:
+        if kind != memory_kind:
             continue
         total += math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
     return total
@@ -158,8 +157,8 @@ def widest_batch(run) -> dict[str, np.ndarray]:
 
 
 def _moment_savings(trainer, state, cfg: TrainConfig) -> dict[str, int]:
-    """Device bytes each smaller moment storage would save (the state's shapes under it,
-    sharded by the same rules); nothing when the state is offloaded already."""
+    """Device bytes each other moment storage would save, where it saves any (the state's
+    shapes under it, sharded by the same rules); nothing when the state is offloaded already."""
     from rmflow.trainer.optimizer import make_optimizer
     from rmflow.trainer.parallel import shardings
 
@@ -167,14 +166,16 @@ def _moment_savings(trainer, state, cfg: TrainConfig) -> dict[str, int]:
         return {}
     now = shard_bytes(state.opt_state)
     out = {}
-    for moments in ("bfloat16", "int8"):
-        if MOMENTS_BYTES[moments] >= MOMENTS_BYTES[cfg.optimizer.moments]:
+    for moments in MOMENTS:
+        if moments == cfg.optimizer.moments:
             continue
         optim = dataclasses.replace(cfg.optimizer, moments=moments)
         shapes = jax.eval_shape(make_optimizer(optim).init, state.params)
         placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
                               shardings(shapes, trainer.mesh))
-        out[moments] = now - shard_bytes(placed)
+        saved = now - shard_bytes(placed)
+        if saved > 0:
+            out[moments] = saved
     return out
 
 
