@@ -23,6 +23,7 @@ from rmflow.schemas.sources import (
 )
 
 DTYPES = ("float32", "bfloat16")
+BASE_DTYPES = (*DTYPES, "int8", "nf4")  # a LoRA run's frozen base: also quantised (trainer.modeling.quant)
 SCHEDULES = ("linear", "cosine")
 MOMENTS = ("float32", "bfloat16", "int8")  # AdamW's moment storage (``trainer.moments``)
 PACKING = ("auto", "none", "bucket", "pack", "fixed")
@@ -197,7 +198,12 @@ class LoraConfig(Config):
     dropout: float = option(0.0, "Dropout on the adapters' input, in [0, 1).")
     target_modules: tuple[str, ...] = option(LORA_TARGETS, "Projections that get adapters, named as in PEFT ("
                                              + ", ".join(LORA_TARGETS) + "), or all-linear.")
-    base_dtype: str = option("float32", "Storage of the frozen base weights: float32 or bfloat16.")
+    base_dtype: str = option("float32", "Storage of the frozen base's matrices (kernels, embeddings): float32, "
+                                        "bfloat16, int8 or nf4 (4-bit NormalFloat, QLoRA's); int8 and nf4 with a "
+                                        "float32 scale per block, quantised as the checkpoint is read.")
+    base_block_size: int = option(64, "Weights per scale of an int8 or nf4 base, along a kernel's input axis "
+                                      "(an embedding's hidden axis); 0 = the whole axis (a scale per output "
+                                      "channel). Even.")
 
     def __post_init__(self) -> None:
         targets = self.target_modules
@@ -214,7 +220,11 @@ class LoraConfig(Config):
             raise ConfigError(f"alpha {self.alpha!r}: a positive number")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout {self.dropout!r}: a number in [0, 1)")
-        _one_of(self.base_dtype, "base_dtype", DTYPES)
+        _one_of(self.base_dtype, "base_dtype", BASE_DTYPES)
+        check_int(self.base_block_size, "base_block_size", 0)
+        if self.base_block_size % 2:
+            raise ConfigError(f"base_block_size {self.base_block_size}: an even number (two nf4 codes a byte), "
+                              "or 0 for the whole axis")
 
     @property
     def scale(self) -> float:

@@ -28,7 +28,7 @@ from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.inference import NORMALIZATION_FILE, write_normalization
 from rmflow.trainer.model_card import model_card
-from rmflow.trainer.modeling import lora
+from rmflow.trainer.modeling import lora, quant
 from rmflow.trainer.modeling.config import ModelConfig
 from rmflow.trainer.modeling.convert import hf_name, join_fused, resolve, unstack_experts
 from rmflow.trainer.modeling.decoder import RewardTransformer
@@ -70,7 +70,7 @@ def state_dict(model: RewardTransformer) -> dict[str, np.ndarray]:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = hf_name(path)
-        value = np.asarray(var[...], np.float32)
+        value = np.asarray(quant.value(var), np.float32)  # a quantised base weight as it dequantises
         out[name] = np.ascontiguousarray(value.T if transpose else value)
     return unstack_experts(join_fused(out, model.config), model.config)
 
@@ -205,7 +205,8 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
                        "data": run.config.data.train, "tokenizer_sha256": run.manifest.tokenizer.sha256,
                        "format": "peft-adapter" if adapter else "checkpoint", "kind": run.manifest.model_kind,
                        "step_separator": run.manifest.step_separator, "render": dataclasses.asdict(run.manifest.render),
-                       "max_length": run.manifest.max_length, "label_weights": run.manifest.label_weights},
+                       "max_length": run.manifest.max_length, "label_weights": run.manifest.label_weights,
+                       **({"lora": dataclasses.asdict(run.config.lora)} if run.config.lora is not None else {})},
                       f, indent=2)
         if os.path.exists(normalization) and not adapter:  # the run's `rmflow eval --normalize` figures, and OpenRLHF's
             write_normalization(staging, jsontext.read(normalization))

@@ -10,8 +10,9 @@ analysis of the compiled step adds (temporaries: the gradients, the activations 
 backward pass and the workspace; outputs not written over their inputs). Their sum is the
 step's peak, against the device's memory.
 
-``advice`` names the levers and the state each saves (the optimizer's moments in bfloat16 or
-int8 and its state offloaded, exactly, from the state's shapes; the parameters and state sharded
+``advice`` names the levers and the state each saves (LoRA's frozen base in bfloat16, int8 or
+nf4, the optimizer's moments in bfloat16 or int8 and its state offloaded, exactly, from the
+state's shapes; the parameters and state sharded
 over ``fsdp``), and those that change only the step (layers recomputed, shorter rows, LoRA). A
 run on an accelerator, one process in packing ``fixed`` (one shape: the plan is exact), makes the
 same plan before loading weights and refuses a step that cannot fit, with the peak of each
@@ -28,7 +29,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from rmflow.schemas.train_config import MOMENTS, TrainConfig
+from flax import nnx
+from rmflow.schemas.train_config import BASE_DTYPES, MOMENTS, TrainConfig
 from rmflow.trainer.errors import TrainError
 
 GIB = 2 ** 30
@@ -75,6 +77,7 @@ class MemoryPlan:
     batch_shape: tuple[int, ...]  # (micro-batches, rows, tokens)
     moments: str
     moment_savings: dict[str, int]  # moments -> the device bytes that storage saves
+    base_savings: dict[str, int]  # LoRA's base_dtype -> the device bytes that storage of the base saves
     lora: bool
     remat: bool
 
@@ -99,6 +102,8 @@ class MemoryPlan:
         out: list[tuple[str, int | None]] = []
         for moments, saved in self.moment_savings.items():
             out.append((f"optimizer.moments={moments}", saved))
+        for kind, saved in self.base_savings.items():
+            out.append((f"lora.base_dtype={kind}", saved))
         if self.optimizer:
             out.append(("optimizer.offload=true", self.optimizer))
         fsdp, data = self.mesh.get("fsdp", 1), self.mesh.get("data", 1)
@@ -179,6 +184,31 @@ def _moment_savings(trainer, state, cfg: TrainConfig) -> dict[str, int]:
     return out
 
 
+def _base_savings(trainer, cfg: TrainConfig) -> dict[str, int]:
+    """Device bytes each other storage of LoRA's frozen base would save, where it saves any: the
+    frozen weights' shapes as ``lora.base_storage`` holds them, sharded by the same rules."""
+    from rmflow.trainer.modeling import lora, quant
+    from rmflow.trainer.parallel import shardings
+
+    if cfg.lora is None:
+        return {}
+    now = shard_bytes(trainer.frozen)
+    weights = {".".join(map(str, path)): jax.ShapeDtypeStruct(quant.shape(var), np.float32)
+               for path, var in nnx.to_flat_state(trainer.frozen)}
+    out = {}
+    for kind in BASE_DTYPES:
+        if kind == cfg.lora.base_dtype:
+            continue
+        store = lora.base_storage(dataclasses.replace(cfg.lora, base_dtype=kind))
+        stored = jax.eval_shape(lambda w, store=store: {name: store(name, x) for name, x in w.items()}, weights)
+        placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), stored,
+                              shardings(stored, trainer.mesh))
+        saved = now - shard_bytes(placed)
+        if saved > 0:
+            out[kind] = saved
+    return out
+
+
 def plan_memory(run) -> tuple[MemoryPlan, Any]:
     """The memory plan of a run's train step (``run``: a ``trainer.train.Run`` built abstract),
     and its compiled executable (kept by the trainer's cache: a run of the same config then
@@ -197,13 +227,15 @@ def plan_memory(run) -> tuple[MemoryPlan, Any]:
         batch=shard_bytes(batch), temporaries=temps, outputs=max(outputs, 0),
         trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
         batch_shape=tuple(host["input_ids"].shape), moments=cfg.optimizer.moments,
-        moment_savings=_moment_savings(trainer, state, cfg), lora=cfg.lora is not None,
+        moment_savings=_moment_savings(trainer, state, cfg), base_savings=_base_savings(trainer, cfg),
+        lora=cfg.lora is not None,
         remat=cfg.model.gradient_checkpointing)
     return plan, compiled
 
 
 # What check_memory tries when a step does not fit: the levers a compilation measures exactly.
-ALTERNATIVES = (("optimizer.moments=int8", "optimizer", "moments", "int8"),
+ALTERNATIVES = (("lora.base_dtype=nf4", "lora", "base_dtype", "nf4"),
+                ("optimizer.moments=int8", "optimizer", "moments", "int8"),
                 ("optimizer.offload=true", "optimizer", "offload", True),
                 ("model.gradient_checkpointing=true", "model", "gradient_checkpointing", True))
 
@@ -226,12 +258,12 @@ def check_memory(cfg: TrainConfig, make_run: Callable[[TrainConfig], Any], limit
         return plan
     tried = []
     for what, section, name, value in ALTERNATIVES:
-        if getattr(getattr(cfg, section), name) == value:
-            continue
+        if getattr(cfg, section) is None or getattr(getattr(cfg, section), name) == value:
+            continue  # a full fine-tuning has no base to quantise
         other = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
         total = plan_memory(make_run(other))[0].total
         tried.append(f"{what}: {total / GIB:.2f} GiB" + (" (fits)" if total <= limit else ""))
-    measured = ("optimizer.", "model.gradient_checkpointing")  # the alternatives' settings, compiled above
+    measured = ("lora.base_dtype", "optimizer.", "model.gradient_checkpointing")  # the alternatives' settings, compiled above
     rest = [what for what, _ in plan.levers() if not what.startswith(measured)]
     raise TrainError(f"the train step needs {plan.total / GIB:.2f} GiB a device and the device holds "
                      f"{limit / GIB:.2f} GiB; with " + "; ".join(tried + rest)

@@ -17,7 +17,7 @@ from rmflow.trainer.rundir import METRICS_FILE, RunFiles, data_manifest_sha256, 
 
 RECIPE = ("max_steps", "batch_size", "grad_accum", "optimizer.learning_rate", "optimizer.schedule",
           "optimizer.warmup_steps", "optimizer.weight_decay", "center_rewards_coefficient", "objective", "attribute_weights",
-          "data.packing", "model.dtype", "lora.rank", "lora.alpha", "lora.target_modules", "seed")
+          "data.packing", "model.dtype", "lora.rank", "lora.alpha", "lora.target_modules", "lora.base_dtype", "seed")
 
 
 def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter: bool = False) -> str:
@@ -41,7 +41,7 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
     loads = (f"A PEFT adapter (and the score head) for `{hf_class}` on its base model (`adapter_config.json`)"
              if adapter else f"Loads in transformers as `{hf_class}`")
     intro = (f"Trained with rmflow from `{base}`" + (" (random weights: a preset)" if is_preset(base) else "")
-             + f", step {step}. {loads}: {what}.")
+             + f", step {step}. {loads}: {what}." + _quantized_base(run, adapter))
     lines = [*front, "", f"# {os.path.basename(os.path.normpath(run.path))}: {what}", "",
              intro, "",
              "## Data", "",
@@ -67,6 +67,25 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
              "As a reward server for RL loops (native, OpenRLHF and verl endpoints): `rmflow serve PATH`.",
              "", f"License: {license_ or 'not recorded: the base model and the data set it; add it here'}.", ""]
     return "\n".join(lines)
+
+
+def _quantized_base(run: RunFiles, adapter: bool) -> str:
+    """What a LoRA run on a quantised base means for this export (nothing for another run)."""
+    lora = run.config.lora
+    if lora is None or lora.base_dtype not in ("int8", "nf4"):
+        return ""
+    block = f"{lora.base_block_size} weights" if lora.base_block_size else "a whole input axis"
+    if not adapter:
+        return (f" The frozen base was held in {lora.base_dtype} while training (a float32 scale per {block}); these "
+                "weights are that base dequantised plus the adapters, in float32, so they score as the trained "
+                "model did.")
+    note = (f" The adapters were trained on the base held in {lora.base_dtype} (a float32 scale per {block} along "
+            "each linear layer's input, the embeddings along their hidden axis)")
+    if lora.base_dtype == "nf4" and lora.base_block_size == 64:
+        note += (": bitsandbytes quantises the linear layers alike (`BitsAndBytesConfig(load_in_4bit=True, "
+                 "bnb_4bit_quant_type=\"nf4\")`) but keeps the embeddings in full precision, so its scores differ "
+                 "a little from the trained model's; the merged export (without --adapter) scores exactly")
+    return note + "."
 
 
 def _usage_outputs(run: RunFiles, kind: ModelKind) -> list[str]:

@@ -127,7 +127,8 @@ def base_model(cfg: TrainConfig, preset_config: ModelConfig | None = None, head:
     else:
         model = load_reward_model(resolve(cfg.model.path), dtype=dtype, remat=cfg.model.gradient_checkpointing,
                                   seed=cfg.seed, attention=attention, head=head,
-                                  scan_layers=cfg.scans_layers())
+                                  scan_layers=cfg.scans_layers(),
+                                  store=lora.base_storage(cfg.lora) if cfg.lora is not None else None)
     if cfg.lora is not None:
         lora.apply(model, cfg.lora, seed=cfg.seed)
     return model

@@ -124,7 +124,7 @@ def test_lora_config_checks():
     assert TrainConfig(data="d", model="micro", output="o").with_overrides(["lora.rank=2"]).lora.rank == 2
     for bad, match in [({"rank": 0}, "rank"), ({"target_modules": ["lm_head"]}, "target_modules"),
                        ({"dropout": 1.0}, "dropout"), ({"dropout": -0.1}, "dropout"),
-                       ({"base_dtype": "int8"}, "base_dtype"), ({"ranks": 4}, "unknown LoraConfig keys")]:
+                       ({"base_dtype": "int4"}, "base_dtype"), ({"base_block_size": 3}, "base_block_size"), ({"ranks": 4}, "unknown LoraConfig keys")]:
         with pytest.raises(ConfigError, match=match):
             TrainConfig(data="d", model="micro", output="o", lora=bad)
 

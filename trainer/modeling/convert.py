@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -152,8 +152,10 @@ def read_config(folder: str) -> tuple[ModelConfig, dict[str, Any]]:
     return ModelConfig.from_hf(raw), raw
 
 
-def read_tensors(folder: str) -> dict[str, np.ndarray]:
-    """Every tensor of a single or sharded safetensors checkpoint, as float32 numpy arrays."""
+def open_tensors(folder: str) -> dict[str, np.ndarray]:
+    """Every tensor of a single or sharded safetensors checkpoint as a read-only numpy view of the
+    mapped file, in its stored dtype: nothing is read until a tensor is used, so a loader converts
+    (and quantises) one tensor at a time and the checkpoint never sits in memory whole."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         files = sorted(set(jsontext.read(index)["weight_map"].values()))
@@ -163,8 +165,13 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{folder} has no .safetensors files")
     tensors = {}
     for name in files:  # read and converted by numpy on the host: no device program, whatever backend JAX has
-        tensors.update(_read_safetensors(os.path.join(folder, name)))
+        tensors.update(_map_safetensors(os.path.join(folder, name)))
     return tensors
+
+
+def read_tensors(folder: str) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint (``open_tensors``) as a float32 numpy array."""
+    return {name: value.astype(np.float32) for name, value in open_tensors(folder).items()}
 
 
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -172,26 +179,27 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
                        "BOOL": np.bool_}
 
 
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """One safetensors file's tensors as float32 numpy arrays. The format read directly (an 8-byte
-    little-endian header length, a JSON header of dtypes, shapes and byte offsets, the data):
-    safetensors' numpy reader has no bfloat16, and its JAX readers put tensors on a device."""
+def _map_safetensors(path: str) -> dict[str, np.ndarray]:
+    """One safetensors file's tensors as numpy views of the file mapped into memory (the mapping
+    lives as long as a view does). The format read directly (an 8-byte little-endian header
+    length, a JSON header of dtypes, shapes and byte offsets, the data): safetensors' numpy
+    reader has no bfloat16, and its JAX readers put tensors on a device."""
     if os.path.getsize(path) < 8:
         raise CheckpointError(f"{path} is not a safetensors file: it has no header")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        size = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8: 8 + size])
-        out = {}
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise CheckpointError(f"{path}: tensor {key} has dtype {info['dtype']}, which rmflow does not read")
-            start, end = info["data_offsets"]
-            count = (end - start) // np.dtype(dtype).itemsize
-            out[key] = np.frombuffer(data, dtype=dtype, count=count, offset=8 + size + start).reshape(
-                info["shape"]).astype(np.float32)  # a copy: nothing refers to the mapping once closed
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8: 8 + size])
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {key} has dtype {info['dtype']}, which rmflow does not read")
+        start, end = info["data_offsets"]
+        count = (end - start) // np.dtype(dtype).itemsize
+        out[key] = np.frombuffer(data, dtype=dtype, count=count, offset=8 + size + start).reshape(info["shape"])
     return out
 
 
@@ -209,14 +217,16 @@ def _describe(head: ScoreHead) -> str:
 
 
 def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False, seed: int = 0,
-                      attention: str = "auto", head: ScoreHead | None = None, scan_layers: bool = True
-                      ) -> RewardTransformer:
+                      attention: str = "auto", head: ScoreHead | None = None, scan_layers: bool = True,
+                      store: Callable[[str, np.ndarray], Any] | None = None) -> RewardTransformer:
     """Build the reward model a checkpoint describes and load its weights. ``head``: the score
     head the caller needs (1 output: reward, 2: process model, or an attribute head); None takes
-    the checkpoint's."""
+    the checkpoint's. ``store``: how a weight is held, given its dotted name and its float32
+    value (a frozen base in bfloat16 or quantised: ``modeling.lora.base_storage``), applied to
+    each tensor as it is read; None: float32."""
     folder = resolve(checkpoint)
     cfg, raw = read_config(folder)
-    tensors = read_tensors(folder)
+    tensors = open_tensors(folder)
     kind = head_kind(raw)  # None: a causal LM, which gets a fresh score head
     is_classifier = kind is not None
     if kind is not None and not _scores_as(cfg, kind):
@@ -251,7 +261,8 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
             bad_shape.append(f"{name}: checkpoint {tensors[name].shape}, model expects "
                              f"{expected[::-1] if transpose else expected}")
             continue
-        var.set_value(jnp.asarray(value, jnp.float32))
+        value = np.asarray(value, np.float32)  # this tensor read from the file, converted on the host
+        var.set_value(store(".".join(map(str, path)), value) if store else jnp.asarray(value))
         used.add(name)
     unexpected = sorted(set(tensors) - used - set(IGNORED)
                         - {n for n in tensors if n.endswith(IGNORED_SUFFIXES)})

@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from rmflow.trainer.modeling import lora
+from rmflow.trainer.modeling import lora, quant
 from rmflow.trainer.modeling.attention import (
     attention,
     attention_at,
@@ -39,8 +39,9 @@ def _linear(cfg: ModelConfig, dtype, n_in: int, n_out: int, bias: bool, rngs: nn
 
 
 def _proj(linear: nnx.Linear, x: jax.Array) -> jax.Array:
-    """A projection, plus its LoRA adapter when it has one (``trainer.modeling.lora``)."""
-    return linear(x) + lora.delta(linear, x)
+    """A projection (its kernel quantised or not: ``trainer.modeling.quant``), plus its LoRA
+    adapter when it has one (``trainer.modeling.lora``)."""
+    return quant.project(linear, x) + lora.delta(linear, x)
 
 
 class RMSNorm(nnx.Module):
@@ -229,7 +230,8 @@ class Experts(nnx.Module):
             return jax.lax.ragged_dot(a, w.astype(self.dtype), group_sizes, preferred_element_type=jnp.float32)
 
         def project(a, name):  # the experts' projection, plus its LoRA adapters when it has them
-            return grouped(a, getattr(self, name)[...]) + lora.expert_delta(self, name, a, group_sizes, grouped)
+            return quant.with_weight(grouped, a, getattr(self, name)) + lora.expert_delta(self, name, a, group_sizes,
+                                                                                           grouped)
 
         gate = project(x, "gate_proj")
         gate = nnx.silu(gate) if self.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
@@ -250,7 +252,7 @@ class SparseMoE(nnx.Module):
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``x`` (N, H) -> the router's probabilities (N, E) and each token's chosen experts'
         weights and indices, (N, k)."""
-        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+        probs = jax.nn.softmax(quant.project(self.gate, x).astype(jnp.float32), axis=-1)
         weights, chosen = jax.lax.top_k(probs, self.top_k)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdims=True)
@@ -485,7 +487,7 @@ class DecoderModel(nnx.Module):
     def _inputs(self, input_ids, positions, segment_ids, branch_ids, full_layers: int):
         """Embeddings, RoPE tables and the attention context (with the dense mask, built once,
         when ``full_layers`` layers run over every token with a mask-taking implementation)."""
-        x = self.embed_tokens(input_ids)
+        x = quant.embed(self.embed_tokens, input_ids)
         if self.embed_scale is not None:  # the scale rounded to the compute dtype, as transformers does
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq[...], self.dtype, self.rope_scale)

@@ -17,8 +17,12 @@ projection.
 Flax's ``nnx.LoRA`` module is not used: it has no ``alpha / rank`` scale and no input dropout,
 both of which PEFT's adapters (and their exported weights) have; ``nnx.Dropout`` would carry its
 RNG state in the model (in every checkpoint) where a key from the seed and step suffices.
-``base_dtype: bfloat16`` keeps the frozen kernels and embeddings in bfloat16 (half their
-memory; they are upcast where used, and eval and export see the same rounded weights).
+``base_dtype`` is how the frozen matrices (kernels, embeddings, experts; not norms, biases or
+the score head) are held (``base_storage``): float32; bfloat16 (half their memory, upcast where
+used); int8 or nf4 codes with a float32 scale per block of ``base_block_size`` weights
+(``trainer.modeling.quant``, dequantised where used: QLoRA with nf4). A checkpoint's tensors are
+stored so as they are read (``convert.load_reward_model``'s ``store``), a preset's once it is
+built; eval and export see the same weights, since the stored form is a function of the base.
 
 A mixture of experts' experts (``llama.Experts``: each projection stacked over the experts,
 (E, in, out)) get one adapter per expert, stacked alike: ``NAME_lora_A`` (E, in, rank) and
@@ -33,12 +37,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from rmflow.schemas.train_config import LORA_TARGETS as TARGETS
 from rmflow.schemas.train_config import LoraConfig
+from rmflow.trainer.modeling import quant
 
-__all__ = ["TARGETS", "LoraConfig", "adapters", "apply", "delta", "current_key", "dropout_key", "keep_mask",
+__all__ = ["TARGETS", "LoraConfig", "adapters", "apply", "base_storage", "delta", "current_key", "dropout_key", "keep_mask",
            "layer_key", "lora_linears",
            "merge", "strip", "trainable_filter"]
 
@@ -97,7 +103,7 @@ def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
     key = jax.random.key(seed + 7919)
     n = 0
     for _, experts, name in lora_experts(model, cfg.target_modules):
-        e, n_in, n_out = getattr(experts, name)[...].shape
+        e, n_in, n_out = quant.shape(getattr(experts, name))
         key, sub = jax.random.split(key)
         bound = 1.0 / math.sqrt(n_in)  # as each expert's nn.Linear would be initialised
         setattr(experts, f"{name}_lora_A",
@@ -106,7 +112,7 @@ def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
         experts.lora_scale, experts.lora_dropout = cfg.scale, cfg.dropout
         n += 1
     for name, linear in lora_linears(model, cfg.target_modules):
-        n_in, n_out = linear.kernel[...].shape
+        n_in, n_out = quant.shape(linear.kernel)
         key, sub = jax.random.split(key)
         bound = 1.0 / math.sqrt(n_in)  # Kaiming-uniform with a=sqrt(5), as PEFT's nn.Linear init
         linear.lora_A = nnx.LoRAParam(jax.random.uniform(sub, (n_in, cfg.rank), jnp.float32, -bound, bound))
@@ -115,19 +121,44 @@ def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
         linear.lora_dropout = cfg.dropout
         linear.lora_index = TARGETS.index(name.rsplit(".", 1)[-1])  # each adapter of a layer draws its own mask
         n += 1
-    if cfg.base_dtype == "bfloat16":
-        _frozen_to_bfloat16(model)
+    store_base(model, cfg)
     return n
 
 
-def _frozen_to_bfloat16(model: nnx.Module) -> None:
-    """The frozen matrices (kernels, embeddings) in bfloat16; norms, adapters and the score head stay float32."""
+def base_storage(cfg: LoraConfig):
+    """How the frozen base holds a weight, as a function of its dotted name and value: a matrix
+    outside the score head in ``cfg.base_dtype`` (int8 and nf4: ``quant.quantize`` on the host;
+    a traced value, as in a model built abstractly, gets ``quant.placeholder``'s shapes), anything
+    else as float32. A weight already so held is returned as it is."""
+    kind = cfg.base_dtype
+
+    def store(name: str, value):
+        if isinstance(value, quant.Quantized):
+            return value
+        if name.startswith("score.") or value.ndim < 2 or kind == "float32":
+            return jnp.asarray(value, jnp.float32)
+        if kind == "bfloat16":
+            return jnp.asarray(value, jnp.bfloat16)
+        axis = quant.block_axis(name, value.ndim)
+        if isinstance(value, jax.core.Tracer):
+            return quant.placeholder(kind, tuple(value.shape), axis=axis, block=cfg.base_block_size)
+        return quant.quantize(np.asarray(value), kind, axis=axis, block=cfg.base_block_size)
+
+    return store
+
+
+def store_base(model: nnx.Module, cfg: LoraConfig) -> None:
+    """Every parameter of ``model`` as ``base_storage`` holds it, in place."""
+    if cfg.base_dtype == "float32":
+        return
+    store = base_storage(cfg)
     for path, module in modules(model):
-        if path and str(path[0]) == "score":
-            continue
         for name, var in list(vars(module).items()):
-            if type(var) is nnx.Param and var[...].ndim >= 2:
-                setattr(module, name, nnx.Param(var[...].astype(jnp.bfloat16)))
+            if type(var) is nnx.Param:
+                value = var.get_value()
+                stored = store(".".join(map(str, (*path, name))), value)
+                if stored is not value:
+                    setattr(module, name, nnx.Param(stored))
 
 
 def delta(linear: nnx.Linear, x: jax.Array) -> jax.Array:
@@ -204,13 +235,13 @@ def merge(model: nnx.Module) -> int:
     for _, experts, name in lora_experts(model, EXPERT_TARGETS):
         if hasattr(experts, f"{name}_lora_A"):
             a, b = getattr(experts, f"{name}_lora_A")[...], getattr(experts, f"{name}_lora_B")[...]
-            w = getattr(experts, name)[...].astype(jnp.float32) + jnp.einsum("eir,ero->eio", a, b) * experts.lora_scale
+            w = quant.value(getattr(experts, name)).astype(jnp.float32) + jnp.einsum("eir,ero->eio", a, b) * experts.lora_scale
             setattr(experts, name, nnx.Param(w))
             _drop_expert_adapter(experts, name)
             n += 1
     for _, linear in lora_linears(model, TARGETS):
         if hasattr(linear, "lora_A"):
-            w = linear.kernel[...].astype(jnp.float32) + (linear.lora_A[...] @ linear.lora_B[...]) * linear.lora_scale
+            w = quant.value(linear.kernel).astype(jnp.float32) + (linear.lora_A[...] @ linear.lora_B[...]) * linear.lora_scale
             linear.kernel = nnx.Param(w)  # float32, whatever the frozen base was kept in
             del linear.lora_A, linear.lora_B, linear.lora_scale, linear.lora_dropout, linear.lora_index
             n += 1

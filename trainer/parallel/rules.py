@@ -19,12 +19,14 @@ under the parameter's own name. A dimension the axis size does not divide stays 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from rmflow.trainer.modeling.quant import Quantized
 from rmflow.trainer.moments import Int8Moment
 
 RULES: tuple[tuple[str, P], ...] = (
@@ -46,8 +48,8 @@ RULES: tuple[tuple[str, P], ...] = (
 
 
 # Attributes naming how an array is held, not which: an NNX variable's value, an int8 moment's
-# codes and block scales (sharded by their parameter's rule).
-_STORAGE = frozenset(("value", *Int8Moment._fields))
+# or a quantised weight's codes and block scales (sharded by their parameter's rule).
+_STORAGE = frozenset(("value", *Int8Moment._fields, *(f.name for f in dataclasses.fields(Quantized))))
 
 
 def param_name(path: tuple) -> str:
