@@ -243,6 +243,9 @@ class MeshConfig(Config):
                             "-1 = the devices left.", resume_free=True)
     expert: int = option(1, "Expert axis: devices that split the batch and shard a mixture of experts' experts "
                             "(each holds 1/n of them); -1 = the devices left.", resume_free=True)
+    context: int = option(1, "Context axis: devices that split each row's tokens (long pairs): each holds its "
+                             "share of the activations, and attention gathers the row's keys and values; "
+                             "-1 = the devices left.", resume_free=True)
     distributed: str = option("auto", "Several processes (hosts): auto = join when a coordinator is named "
                                       "(coordinator_address or JAX_COORDINATOR_ADDRESS), on = always call "
                                       "jax.distributed.initialize (TPU VM slices, SLURM, MPI find the rest), off.",
@@ -256,13 +259,13 @@ class MeshConfig(Config):
     def __post_init__(self) -> None:
         self._check_types()
         if any(v == 0 or v < -1 for v in self.shape) or self.shape.count(-1) > 1:
-            raise ConfigError(f"data, fsdp, tensor, expert = {self.shape}: positive sizes, at most one -1")
+            raise ConfigError(f"data, fsdp, tensor, expert, context = {self.shape}: positive sizes, at most one -1")
         _one_of(self.distributed, "distributed", DISTRIBUTED)
         check_int(self.num_processes, "num_processes", 0)
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.data, self.fsdp, self.tensor, self.expert)
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.data, self.fsdp, self.tensor, self.expert, self.context)
 
 
 @dataclasses.dataclass(frozen=True)

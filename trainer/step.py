@@ -400,10 +400,11 @@ class Trainer:
             return _EXECUTABLES.setdefault(key, compiled)
 
     def _tracing_mesh(self):
-        """The mesh set while a mixture of experts' steps are traced, so that each batch shard
-        routes its own rows (``llama.SparseMoE``); other models trace without one."""
-        experts = self._mesh is not None and self.program.experts
-        return jax.set_mesh(self._mesh) if experts else contextlib.nullcontext()
+        """The mesh set while the steps of a mixture of experts (each batch shard routes its own
+        rows: ``decoder.SparseMoE``) or of rows split over a ``context`` axis (attention over
+        the gathered row: ``attention.context_attention``) are traced; other runs trace without one."""
+        needed = self._mesh is not None and (self.program.experts or self._mesh.shape.get("context", 1) > 1)
+        return jax.set_mesh(self._mesh) if needed else contextlib.nullcontext()
 
     def _coefs(self) -> tuple:
         return self.hyper["center_coef"], self.hyper["router_coef"]

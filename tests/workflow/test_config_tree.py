@@ -41,7 +41,7 @@ def test_a_key_outside_the_tree_is_refused_naming_the_known_ones():
 
 def test_errors_name_the_option_by_its_path():
     for spec, said in (({"optimizer": {"learning_rate": "x"}}, "optimizer.learning_rate 'x': must be a finite number"),
-                       ({"mesh": {"data": 0}}, r"data, fsdp, tensor, expert = \(0, 1, 1, 1\)"),
+                       ({"mesh": {"data": 0}}, r"data, fsdp, tensor, expert, context = \(0, 1, 1, 1, 1\)"),
                        ({"lora": {"rank": 0}}, "lora.rank 0"),
                        ({"optimizer": 3}, "optimizer 3: a mapping of learning_rate"),
                        ({"data": {"train": "d", "sets": 1}}, r"data: unknown DataConfig keys \['sets'\]"),

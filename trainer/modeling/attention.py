@@ -29,11 +29,17 @@ Implementations (``ATTENTION``):
   ``pallas``.
 
 Segments must be contiguous runs of tokens (every rmflow loader builds them so).
+
+Under a mesh with a ``context`` axis (``mesh.context``: long rows split over devices along their
+tokens), every implementation but ``xla`` runs as ``context_attention``: blockwise, each device's
+queries against the keys and values gathered from the whole row. ``xla``, the reference, is left
+to the compiler's partitioner.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +95,9 @@ def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: st
     query-key products' (default D^-0.5); ``softcap``: the logits soft-capped (``capped_scores``,
     Gemma 2), which cuDNN's kernel cannot do (``resolve_attention`` never picks it then)."""
     scale = scale or q.shape[-1] ** -0.5
+    if implementation != "xla" and context_size() > 1:  # a row split over devices: blockwise over them
+        return context_attention(q, k, v, segment_ids, positions, branch_ids, window=window, block=block or BLOCK,
+                                 scale=scale, softcap=softcap)
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids, positions, branch_ids, window=window, block=block or BLOCK,
                                    scale=scale, softcap=softcap)
@@ -153,10 +162,72 @@ def blockwise_attention(q, k, v, segment_ids, positions, branch_ids, *, window: 
     block = min(block, t)
     pad = -t % block
     if pad:  # padded to whole blocks with segment 0, which nothing attends to
-        widen = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        q, k, v, segment_ids, positions, branch_ids = map(widen, (q, k, v, segment_ids, positions, branch_ids))
+        q, k, v, segment_ids, positions, branch_ids = _pad_tokens(pad, q, k, v, segment_ids, positions, branch_ids)
     out = _flash(q, k, v, segment_ids.astype(jnp.int32), positions.astype(jnp.int32),
-                 branch_ids.astype(jnp.int32), window, block, (scale, softcap))
+                 branch_ids.astype(jnp.int32), jnp.int32(0), window, block, (scale, softcap))
+    return out[:, :t]
+
+
+def _pad_tokens(pad: int, *arrays):
+    """Each (B, T, ...) array with ``pad`` more tokens of zeros (segment 0: padding)."""
+    return tuple(jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in arrays)
+
+
+# --------------------------------------------------------------------------- context parallelism
+
+CONTEXT = "context"  # the mesh axis that splits a row's tokens (``trainer.parallel.mesh``)
+
+
+def context_size() -> int:
+    """Devices of the ``context`` axis of the mesh being traced under (1: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else mesh.shape.get(CONTEXT, 1)
+
+
+def split_tokens(x: jax.Array) -> jax.Array:
+    """``x`` (B, T, ...) held split along its tokens over the ``context`` axis, when the mesh has
+    one (the hidden states between layers: each device keeps its share of the row)."""
+    if context_size() == 1:
+        return x
+    P = jax.sharding.PartitionSpec
+    return jax.lax.with_sharding_constraint(x, P(P.UNCONSTRAINED, CONTEXT, *(P.UNCONSTRAINED,) * (x.ndim - 2)))
+
+
+def context_attention(q, k, v, segment_ids, positions, branch_ids, *, window: int | None = None,
+                      block: int = BLOCK, scale: float | None = None, softcap: float | None = None) -> jax.Array:
+    """Blockwise attention with each row's tokens split over the mesh's ``context`` axis: each
+    device holds the queries, keys and values of its consecutive share of the tokens, gathers
+    every device's keys and values (``all_gather``: the row's K/V, small beside its activations
+    under grouped-query attention) and attends its queries to them by the same rules (the ids
+    are whole on every device, so branch masks, windows and packed segments hold across the
+    split); the backward pass sums each device's key and value gradients back to their owner
+    (the gather's transpose, a reduce-scatter). The row is padded to whole blocks on every device.
+    The batch axes that divide the rows split them as well (``jax.shard_map``); the other axes
+    (``tensor``: the heads) stay with the compiler."""
+    from rmflow.trainer.parallel.mesh import BATCH_AXES
+
+    mesh = jax.sharding.get_abstract_mesh()
+    c = mesh.shape[CONTEXT]
+    b, t = segment_ids.shape
+    block = min(block, -(-t // c))
+    local = -(-t // (c * block)) * block
+    pad = local * c - t
+    seg, pos, br = (a.astype(jnp.int32) for a in (segment_ids, positions, branch_ids))
+    if pad:
+        q, k, v, seg, pos, br = _pad_tokens(pad, q, k, v, seg, pos, br)
+    batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    if batch and b % math.prod(mesh.shape[a] for a in batch):
+        batch = ()  # rows that do not divide: each context group computes them all
+    P = jax.sharding.PartitionSpec
+    rows, ids = P(batch or None, CONTEXT), P(batch or None, None)
+
+    def shard(q, k, v, seg, pos, br):
+        k, v = (jax.lax.all_gather(a, CONTEXT, axis=1, tiled=True) for a in (k, v))
+        offset = jax.lax.axis_index(CONTEXT).astype(jnp.int32) * local
+        return _flash(q, k, v, seg, pos, br, offset, window, block, (scale, softcap))
+
+    out = jax.shard_map(shard, in_specs=(rows, rows, rows, ids, ids, ids), out_specs=rows,
+                        axis_names={*batch, CONTEXT}, check_vma=False)(q, k, v, seg, pos, br)
     return out[:, :t]
 
 
@@ -211,25 +282,33 @@ def _tokens_major(x, groups):
 
 
 class _Layout:
-    """Blocked views of one call's inputs: q as (nb, B, K, G * Qb, D) for GQA (G query heads per
-    KV head), k and v as (nb, B, K, Kb, D)."""
+    """Blocked views of one call's inputs: q as (nbq, B, K, G * Qb, D) for GQA (G query heads per
+    KV head), k and v as (nb, B, K, Kb, D). The queries are the row's tokens from ``offset`` (a
+    multiple of the block; 0 and as many as the keys but under context parallelism), the ids
+    the whole row's: local query block i is the row's block ``i + self.first_query``."""
 
-    def __init__(self, q, k, v, seg, pos, br, block, logits=(None, None)):
-        b, t, n, d = q.shape
-        kh = k.shape[2]
+    def __init__(self, q, k, v, seg, pos, br, offset, block, logits=(None, None)):
+        b, tq, n, d = q.shape
+        t, kh = k.shape[1], k.shape[2]
         self.groups, self.block = n // kh, block
         self.scale, self.softcap = logits[0] or d**-0.5, logits[1]
-        self.q = _heads_major(q.reshape(b, t, kh, n // kh, d), block)
+        self.q = _heads_major(q.reshape(b, tq, kh, n // kh, d), block)
         self.k = _heads_major(k[:, :, :, None], block)
         self.v = _heads_major(v[:, :, :, None], block)
         idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg.shape)
         self.meta = tuple(_blocks(a, block) for a in (seg, pos, br, idx))
+        self.first_query = offset // block
         self.first = _first_key_block(seg, block)
         self.visit = _visited_blocks(seg, br, block)
 
+    def row_block(self, i):
+        """The row's block of local query block ``i``."""
+        return i + self.first_query
+
     def mask(self, i, j, window):
-        """(B, 1, 1, Qb, Kb): may each query of block i attend to each key of block j."""
-        return allowed(*(m[i] for m in self.meta), *(m[j] for m in self.meta), window)[:, None, None]
+        """(B, 1, 1, Qb, Kb): may each query of local block i attend to each key of block j."""
+        g = self.row_block(i)
+        return allowed(*(m[g] for m in self.meta), *(m[j] for m in self.meta), window)[:, None, None]
 
     def scores(self, i, j, qi, ok):
         """Scaled float32 scores of query block i against key block j, (B, K, G, Qb, Kb), masked by ``ok``."""
@@ -242,13 +321,13 @@ class _Layout:
         return x.reshape(x.shape[0], x.shape[1], self.groups * self.block, *x.shape[4:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q, k, v, seg, pos, br, window, block, logits):
-    return _flash_fwd(q, k, v, seg, pos, br, window, block, logits)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, seg, pos, br, offset, window, block, logits):
+    return _flash_fwd(q, k, v, seg, pos, br, offset, window, block, logits)[0]
 
 
-def _flash_fwd(q, k, v, seg, pos, br, window, block, logits):
-    lay = _Layout(q, k, v, seg, pos, br, block, logits)
+def _flash_fwd(q, k, v, seg, pos, br, offset, window, block, logits):
+    lay = _Layout(q, k, v, seg, pos, br, offset, block, logits)
     nb = lay.q.shape[0]
 
     def query_block(i):
@@ -269,9 +348,10 @@ def _flash_fwd(q, k, v, seg, pos, br, window, block, logits):
             return m_new, corr * denom + p.sum(-1), lay.rows(corr)[..., None] * acc + pv
 
         def step(j, carry):  # a key block of other branches only (another response's) is skipped
-            return jax.lax.cond(lay.visit[i, j], lambda c: visit(j, lay.mask(i, j, window), c), lambda c: c, carry)
+            return jax.lax.cond(lay.visit[g, j], lambda c: visit(j, lay.mask(i, j, window), c), lambda c: c, carry)
 
-        m, denom, acc = jax.lax.fori_loop(lay.first[i], i + 1, step, init)
+        g = lay.row_block(i)
+        m, denom, acc = jax.lax.fori_loop(lay.first[g], g + 1, step, init)
         seen = lay.rows(denom > 0)
         out = acc / jnp.where(seen, lay.rows(denom), 1.0)[..., None]
         lse = jnp.where(seen, lay.rows(m) + jnp.log(jnp.where(seen, lay.rows(denom), 1.0)), 0.0)
@@ -279,12 +359,12 @@ def _flash_fwd(q, k, v, seg, pos, br, window, block, logits):
 
     out, lse = jax.lax.map(query_block, jnp.arange(nb))  # (nb, B, K, G * Qb, D), (nb, B, K, G * Qb)
     out = _tokens_major(out, lay.groups).astype(q.dtype)
-    return out, (q, k, v, seg, pos, br, out, lse)
+    return out, (q, k, v, seg, pos, br, offset, out, lse)
 
 
 def _flash_bwd(window, block, logits, res, dout):
-    q, k, v, seg, pos, br, out, lse = res
-    lay = _Layout(q, k, v, seg, pos, br, block, logits)
+    q, k, v, seg, pos, br, offset, out, lse = res
+    lay = _Layout(q, k, v, seg, pos, br, offset, block, logits)
     b, t, n, d = q.shape
     kh = k.shape[2]
     do = _heads_major(dout.reshape(b, t, kh, n // kh, d).astype(jnp.float32), block)  # (nb, B, K, G * Qb, D)
@@ -311,16 +391,18 @@ def _flash_bwd(window, block, logits, res, dout):
             return dq_i, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
 
         def step(j, inner):
-            return jax.lax.cond(lay.visit[i, j], lambda c: visit(j, lay.mask(i, j, window), c), lambda c: c, inner)
+            return jax.lax.cond(lay.visit[g, j], lambda c: visit(j, lay.mask(i, j, window), c), lambda c: c, inner)
 
+        g = lay.row_block(i)
         dq_i = jnp.zeros(qi.shape, jnp.float32)
-        dq_i, dk, dv = jax.lax.fori_loop(lay.first[i], i + 1, step, (dq_i, dk, dv))
+        dq_i, dk, dv = jax.lax.fori_loop(lay.first[g], g + 1, step, (dq_i, dk, dv))
         return (dk, dv), dq_i
 
     zeros = jnp.zeros(lay.k.shape, jnp.float32)
     (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(lay.q.shape[0]))
     dq = _tokens_major(dq, lay.groups).astype(q.dtype)
-    return dq, _tokens_major(dk, 1).astype(k.dtype), _tokens_major(dv, 1).astype(v.dtype), None, None, None
+    return (dq, _tokens_major(dk, 1).astype(k.dtype), _tokens_major(dv, 1).astype(v.dtype), None, None, None,
+            None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -25,6 +25,7 @@ from rmflow.trainer.modeling.attention import (
     attention_at,
     dense_mask,
     resolve_attention,
+    split_tokens,
     takes_dense_mask,
 )
 from rmflow.trainer.modeling.config import ModelConfig
@@ -387,7 +388,7 @@ class DecoderLayer(nnx.Module):
 
 
 def _layer_forward(layer: DecoderLayer, x, cos, sin, ctx):
-    return layer(x, cos, sin, ctx)
+    return layer(split_tokens(x), cos, sin, ctx)
 
 
 def _layer_at(layer: DecoderLayer, x, index, cos, sin, ctx):
@@ -487,7 +488,7 @@ class DecoderModel(nnx.Module):
     def _inputs(self, input_ids, positions, segment_ids, branch_ids, full_layers: int):
         """Embeddings, RoPE tables and the attention context (with the dense mask, built once,
         when ``full_layers`` layers run over every token with a mask-taking implementation)."""
-        x = quant.embed(self.embed_tokens, input_ids)
+        x = split_tokens(quant.embed(self.embed_tokens, input_ids))
         if self.embed_scale is not None:  # the scale rounded to the compute dtype, as transformers does
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq[...], self.dtype, self.rope_scale)

@@ -1,13 +1,16 @@
-"""The device mesh: named axes ``data``, ``fsdp``, ``tensor`` and ``expert``, its shape from the
-config.
+"""The device mesh: named axes ``data``, ``fsdp``, ``tensor``, ``expert`` and ``context``, its shape
+from the config.
 
 ``data`` replicates the parameters and splits the batch; ``fsdp`` splits the batch and shards
 the parameters and optimizer state (each device holds 1/n, gathered per layer when used);
 ``tensor`` shards attention heads and MLP columns within a layer; ``expert`` splits the batch
 and shards a mixture of experts' experts (each device holds 1/n of them; the rest of the model
 is replicated over it, as over ``data``). Batches are split over ``data`` x ``fsdp`` x ``expert``
-(``BATCH_AXES``). One size may be -1: it takes the devices left over. A shape of three sizes
-leaves ``expert`` at 1.
+(``BATCH_AXES``). ``context`` splits each row's tokens: each device holds the activations of its
+share of the row, and attention gathers the row's keys and values
+(``trainer.modeling.attention.context_attention``); the parameters are replicated over it. One
+size may be -1: it takes the devices left over. A shape of three or four sizes leaves the axes
+after it at 1.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 from rmflow.schemas.errors import RmflowError
 
-AXES = ("data", "fsdp", "tensor", "expert")
+AXES = ("data", "fsdp", "tensor", "expert", "context")
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
@@ -28,9 +31,9 @@ class MeshError(RmflowError, ValueError):
 
 
 def mesh_shape(requested: Sequence[int], n_devices: int) -> tuple[int, ...]:
-    """``requested`` (one entry per axis, or the first three: ``expert`` then 1; at most one -1)
-    resolved against ``n_devices``, as long as given."""
-    if len(requested) not in (len(AXES) - 1, len(AXES)):
+    """``requested`` (one entry per axis, or the first three or four: the axes after them 1; at
+    most one -1) resolved against ``n_devices``, as long as given."""
+    if len(requested) not in range(3, len(AXES) + 1):
         raise MeshError(f"mesh shape {tuple(requested)} needs one size per axis {AXES}")
     if any(s == 0 or s < -1 for s in requested) or list(requested).count(-1) > 1:
         raise MeshError(f"mesh shape {tuple(requested)}: sizes are positive, and at most one is -1 (the rest)")
