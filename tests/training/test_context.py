@@ -1,7 +1,7 @@
 """Long rows split over devices along their tokens (``mesh.context``): on 8 fake CPU devices, rows
 of 16k tokens packed with the prompt once (branch masks) give one device's loss and gradients
-(1e-5, float32) over a context axis of 8, and composed with fsdp and tensor; each device then
-holds a share of the activations, not the whole row's."""
+(1e-5, float32) over a context axis of 8, and composed with fsdp and tensor, and in bfloat16 with
+recomputed layers; each device then holds a share of the activations, not the whole row's."""
 
 import textwrap
 
@@ -74,6 +74,19 @@ SCRIPT = textwrap.dedent('''
         _, metrics = t.train_step(state, placed)
         np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_loss), rtol=1e-5)
         print("mesh", shape, "ok", float(loss))
+
+    # bfloat16 compute with its layers recomputed: the loss of one device's bfloat16 model
+    def bf16():
+        return Trainer(RewardTransformer(CFG, dtype=jnp.bfloat16, remat=True, rngs=nnx.Rngs(0)),
+                       OptimizerConfig(learning_rate=1e-3), total_steps=5, center_coef=0.01)
+
+    t = bf16()
+    one_loss, one_grads = loss_and_grads(t, t.init_state.params)
+    t = bf16()
+    state = t.use_mesh(make_mesh((1, 1, 1, 1, 2), jax.devices()[:2]))
+    loss, grads = loss_and_grads(t, state.params, make_mesh((1, 1, 1, 1, 2), jax.devices()[:2]))
+    np.testing.assert_allclose(float(loss), float(one_loss), rtol=1e-3)
+    print("bfloat16 ok", float(loss), float(one_loss))
 
     # Each device keeps its share of the rows: the step's temporaries over a context axis of 8 are
     # a fraction of the same step's on one device.

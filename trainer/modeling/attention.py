@@ -222,7 +222,11 @@ def context_attention(q, k, v, segment_ids, positions, branch_ids, *, window: in
     rows, ids = P(batch or None, CONTEXT), P(batch or None, None)
 
     def shard(q, k, v, seg, pos, br):
-        k, v = (jax.lax.all_gather(a, CONTEXT, axis=1, tiled=True) for a in (k, v))
+        # gathered as float32, so that their gradients' reduce-scatter sums in float32 and is
+        # rounded to the compute dtype once, as one device's are (XLA:CPU also cannot compile a
+        # bfloat16 one)
+        k, v = (jax.lax.all_gather(a.astype(jnp.float32), CONTEXT, axis=1, tiled=True).astype(a.dtype)
+                for a in (k, v))
         offset = jax.lax.axis_index(CONTEXT).astype(jnp.int32) * local
         return _flash(q, k, v, seg, pos, br, offset, window, block, (scale, softcap))
 
