@@ -6,7 +6,7 @@ quarter) is compiled abstractly (no weight made) for a mesh of that many fake CP
 row lengths, and the memory the plan counts a device (``trainer.memory_plan``: the step's
 arguments, XLA's temporaries and its outputs not written over its inputs) is fitted as a line in
 the row's tokens; the longest row whose planned step stays under ``--device-gib`` is where that
-line meets it. XLA:CPU's memory analysis stands in for a GPU's here (the GPU check's ``optimizer``
+line meets it (a pair is at most the model's positions). XLA:CPU's memory analysis stands in for a GPU's here (the GPU check's ``optimizer``
 part measures one such step on a GPU): the figures are a plan, not a measured peak.
 
     .venv/bin/python benchmarks/context_lengths.py [--models Qwen2.5-1.5B:full,Llama-3.1-8B:lora16-nf4]
@@ -96,7 +96,9 @@ def main() -> None:
             lo, hi = planned_gib(name, setting, c, short), planned_gib(name, setting, c, long_)
             slope = (hi - lo) / (long_ - short)
             longest = short + (a.device_gib - lo) / slope if slope > 0 else float("inf")
-            print(f"| {name} | {setting} | {c} | {lo:.2f} | {hi:.2f} | {int(longest // 1024) * 1024:,} |", flush=True)
+            cap = CONFIGS[name]["max_position_embeddings"]
+            said = f"{int(longest // 1024) * 1024:,}" if longest < cap else f"all {cap:,} positions"
+            print(f"| {name} | {setting} | {c} | {lo:.2f} | {hi:.2f} | {said} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ Two steps, because the GPU machine has no Beam and no network:
      TRL with sdpa attention, gradient checkpointing off and on: real tokens/s and peak memory.
    - ``optimizer``: full fine-tuning of Qwen2.5-1.5B at 2k-token pairs with AdamW's moments in
      float32, bfloat16 and int8 and the state offloaded to host memory, and the 8B LoRA at
-     16k-token pairs, each in a process of its own: peak device memory beside what the memory
-     plan counts for the step, and step time, each against float32 moments on the device.
+     16k-token pairs on a bfloat16, an int8 and an nf4 base, each in a process of its own: peak
+     device memory beside what the memory plan counts for the step, and step time, each against
+     the first run of its model (float32 moments on the device; the bfloat16 base).
 
 ``--budget-s`` bounds the run: a measurement that would start too late is recorded as skipped.
 ``--keep DIR`` merges the report with the one a previous run left in ``DIR`` (a GPU lent in short
@@ -143,7 +144,7 @@ SIZES = {
             # optimizer_runs: the optimizer state's settings at one full fine-tuning size, float32 moments first
             "optimizer_runs": tuple(("Qwen2.5-1.5B", 2048, 4, t) for t in (
                 "full", "full+bf16-moments", "full+int8-moments", "full+offload", "full+int8-moments+offload"))
-            + (("Llama-3.1-8B", 16384, 1, "lora16"),)},
+            + tuple(("Llama-3.1-8B", 16384, 1, t) for t in ("lora16", "lora16-int8", "lora16-nf4"))},
     "rehearse": {"max_length": 256, "kernel_batch": 4, "speed_steps": 2, "parity_t": 256,
                  "parity_cases": (("blockwise", "float32", None), ("cudnn", "bfloat16", None),
                                   ("pallas", "float32", 100), ("blockwise", "float32", 100, 32, 2.0)),
@@ -157,7 +158,7 @@ SIZES = {
                  "trl_size_runs": (("toy", 512, 1, "lora16"),),
                  "trl_steps": 6, "trl_batch": 2, "checkpointing": (True,),
                  "real_batch": 4, "real_steps": 3, "lr": 1e-4,
-                 "optimizer_runs": (("toy", 512, 1, "full+int8-moments+offload"),)},
+                 "optimizer_runs": (("toy", 512, 1, "full+int8-moments+offload"), ("toy", 512, 1, "lora16-nf4"))},
 }
 TOY = dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -407,9 +408,10 @@ def part_profile(ctx: Ctx) -> None:
         gc.collect()
 
 
-# How each size run trains: (recompute layers, LoRA rank on all linear layers of a bfloat16 base or None,
-# optimizer options over the defaults)
+# How each size run trains: (recompute layers, LoRA rank on all linear layers or None, optimizer options
+# over the defaults, the LoRA base's storage)
 TRAINING = {"full": (False, None, {}), "full+remat": (True, None, {}), "lora16": (True, 16, {}),
+            "lora16-int8": (True, 16, {}, "int8"), "lora16-nf4": (True, 16, {}, "nf4"),
             "full+bf16-moments": (False, None, {"moments": "bfloat16"}),
             "full+int8-moments": (False, None, {"moments": "int8"}),
             "full+offload": (False, None, {"offload": True}),
@@ -425,8 +427,9 @@ def size_run(spec: dict) -> dict:
     from rmflow.schemas.train_config import LoraConfig
 
     config = TOY if spec["model"] == "toy" else device.CONFIGS[spec["model"]]
-    remat, rank, optimizer = TRAINING[spec["training"]]
-    lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules="all-linear", base_dtype="bfloat16") if rank else None
+    remat, rank, optimizer, *base = TRAINING[spec["training"]]
+    lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules="all-linear",
+                      base_dtype=base[0] if base else "bfloat16") if rank else None
     records = device.synthetic_pairs(spec["pair_tokens"], spec["pairs"] * spec["steps"], config["vocab_size"])
     row = device.throughput(spec["model"], records, "pack", spec["pairs"], spec["steps"], _peak(), spec["block"],
                             spec["attention"], max_length=spec["pair_tokens"], config=config, launch=spec["launch"],
@@ -484,7 +487,8 @@ def part_sizes(ctx: Ctx) -> None:
 
 def part_optimizer(ctx: Ctx) -> None:
     """The optimizer state's settings (``optimizer_runs``: float32, bfloat16 and int8 moments,
-    the state offloaded to host memory) at one size, and the 8B LoRA at 16k-token pairs: each
+    the state offloaded to host memory) at one size, and the 8B LoRA at 16k-token pairs on a
+    bfloat16, int8 and nf4 base: each
     run's peak device memory beside what the memory plan counts for its step, and its step time,
     then each against the first of its model (float32 moments on the device)."""
     _size_runs(ctx, "rmflow", ctx.size["optimizer_runs"], plan=True)
@@ -530,8 +534,8 @@ def trl_size_run(spec: dict) -> dict:
     from trl import RewardConfig, RewardTrainer
 
     config = dict(TOY if spec["model"] == "toy" else device.CONFIGS[spec["model"]])
-    remat, rank, optimizer = TRAINING[spec["training"]]
-    if optimizer:
+    remat, rank, optimizer, *base = TRAINING[spec["training"]]
+    if optimizer or base:
         raise ValueError(f"training {spec['training']!r}: TRL's runs here use its default optimizer only")
     qkv_bias = config.pop("qkv_bias", False)
     hf = AutoConfig.for_model(config.pop("model_type"), **config, num_labels=1, pad_token_id=0,

@@ -414,17 +414,26 @@ class TrainConfig(Config):
 
     def resume_changes(self, stored: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
         """{option: (stored, new)} for every option whose change alters the run's trajectory or
-        that a checkpoint cannot continue under (``RESUME_FIXED``); ``lora`` counts as one option."""
+        that a checkpoint cannot continue under (``RESUME_FIXED``); ``lora``'s adapters count as one
+        option, its base's storage (``LORA_BASE_STORAGE``) as options of their own."""
         free = {leaf.path for leaf in leaves(TrainConfig) if leaf.resume_free} - set(RESUME_FIXED)
         before, now = _lora_as_one(TrainConfig.from_dict(stored).flat()), _lora_as_one(self.flat())
-        return {k: (before.get(k), now[k]) for k in sorted(now) if k not in free and before.get(k) != now[k]}
+        return {k: (before.get(k), now[k]) for k in sorted(now) if k not in free and before.get(k) != now[k]
+                and (k in before or k not in LORA_BASE_STORAGE)}  # LoRA turned on: "lora" says it
+
+
+# How a LoRA run's frozen base is held: it changes the trajectory, not the adapters' shapes (a
+# checkpoint holds the adapters and the head; the base is stored again from its source).
+LORA_BASE_STORAGE = ("lora.base_dtype", "lora.base_block_size")
 
 
 def _lora_as_one(flat: dict[str, Any]) -> dict[str, Any]:
-    lora = {k.partition(".")[2]: v for k, v in flat.items() if k.startswith("lora.")} or None
-    if lora is not None:  # the same projections in another order are the same adapters
-        lora["target_modules"] = sorted(lora["target_modules"])
-    return {k: v for k, v in flat.items() if not k.startswith("lora")} | {"lora": lora}
+    adapters = {k.partition(".")[2]: v for k, v in flat.items()
+                if k.startswith("lora.") and k not in LORA_BASE_STORAGE} or None
+    if adapters is not None:  # the same projections in another order are the same adapters
+        adapters["target_modules"] = sorted(adapters["target_modules"])
+    return ({k: v for k, v in flat.items() if not k.startswith("lora")} | {"lora": adapters}
+            | {k: flat[k] for k in LORA_BASE_STORAGE if k in flat and adapters is not None})
 
 
 # Options a checkpoint cannot continue under, and why (even with --allow-config-change).

@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 from rmflow.schemas.heads import head_of
 from rmflow.schemas.train_config import OptimizerConfig, TrainConfig
+from rmflow.trainer.errors import TrainError
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.decoder import RewardTransformer, router_loss
 from rmflow.trainer.objective import OUTCOME, ROUTER_SUM, Objective
@@ -254,6 +255,9 @@ class Trainer:
         from jax.sharding import PartitionSpec as P
         from rmflow.trainer.parallel import BATCH_AXES, shardings
 
+        if self.program.experts and mesh.shape.get("context", 1) > 1:
+            raise TrainError("a mixture of experts cannot split its rows over a context axis (its router sorts a "
+                             "row's tokens by expert): set mesh.context=1 and use mesh.expert or mesh.fsdp")
         self._mesh = mesh
         self.state_shardings = shardings(self.init_state, mesh)
         if self.program.offload:  # the optimizer state kept in host memory (``optimizer.offload``)

@@ -67,11 +67,13 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     assert "matrix products" in categories and all(r["ms_per_step"] > 0 for r in categories.values())
     assert [r for r in parts["profile"] if "kernel" in r]
     # optimizer: the state's settings at one size, each run's peak and step time against float32 moments
-    (run,) = [r for r in parts["optimizer"] if "summary" not in r]  # one run here: int8 moments, offloaded
-    assert run["training"] == "full+int8-moments+offload" and run["fits"] and run["real_tokens_per_s"] > 0
-    assert run["planned_step_gib"] > 0  # the memory plan's count, beside the peak on a GPU
-    (against,) = [r for r in parts["optimizer"] if r.get("summary") == "optimizer"]
-    assert against["against"] == run["training"] and against["step_ratio"] == 1.0
+    # (here: int8 moments offloaded, and LoRA on an nf4 base)
+    run, qlora = [r for r in parts["optimizer"] if "summary" not in r]
+    assert run["training"] == "full+int8-moments+offload" and qlora["training"] == "lora16-nf4"
+    assert all(r["fits"] and r["real_tokens_per_s"] > 0 for r in (run, qlora))
+    assert run["planned_step_gib"] > 0 and qlora["planned_step_gib"] > 0  # the plan's count, beside a GPU's peak
+    against = [r for r in parts["optimizer"] if r.get("summary") == "optimizer"]
+    assert [r["against"] for r in against] == [run["training"]] * 2 and against[0]["step_ratio"] == 1.0
     # sizes: rmflow on synthetic pairs (LoRA, layers recomputed); TRL beside at the same size, and the ratio
     sizes = {r["training"]: r for r in parts["sizes"] if r.get("trainer") == "rmflow"}
     assert set(sizes) == {"lora16"} and all(r["fits"] and r["real_tokens_per_s"] > 0 for r in sizes.values())

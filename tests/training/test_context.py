@@ -1,7 +1,8 @@
 """Long rows split over devices along their tokens (``mesh.context``): on 8 fake CPU devices, rows
 of 16k tokens packed with the prompt once (branch masks) give one device's loss and gradients
-(1e-5, float32) over a context axis of 8, and composed with fsdp and tensor, and in bfloat16 with
-recomputed layers; each device then holds a share of the activations, not the whole row's."""
+(1e-5, float32) over a context axis of 8, composed with fsdp and tensor, in bfloat16 with recomputed
+layers, and for LoRA on an nf4 base over 5 devices (the row padded to whole blocks on each); each
+device then holds a share of the activations, not the whole row's."""
 
 import textwrap
 
@@ -86,7 +87,30 @@ SCRIPT = textwrap.dedent('''
     state = t.use_mesh(make_mesh((1, 1, 1, 1, 2), jax.devices()[:2]))
     loss, grads = loss_and_grads(t, state.params, make_mesh((1, 1, 1, 1, 2), jax.devices()[:2]))
     np.testing.assert_allclose(float(loss), float(one_loss), rtol=1e-3)
+    for a, b in zip(jax.tree.leaves(one_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32),
+                                   atol=2e-2 * float(np.abs(np.asarray(a, np.float32)).max()) + 1e-6)
     print("bfloat16 ok", float(loss), float(one_loss))
+
+    # LoRA on an nf4 base, the row split over 5 devices (its length not a multiple of 5 blocks: padded)
+    from rmflow.trainer.modeling import lora
+    spec = lora.LoraConfig(rank=4, target_modules="all-linear", base_dtype="nf4")
+
+    def qlora():
+        model = RewardTransformer(CFG, rngs=nnx.Rngs(0))
+        lora.apply(model, spec)
+        return Trainer(model, OptimizerConfig(learning_rate=1e-3), total_steps=5, trainable=lora.trainable_filter(spec))
+
+    assert host["input_ids"].shape[-1] % (5 * 128)
+    t = qlora()
+    one_loss, one_grads = loss_and_grads(t, t.init_state.params)
+    five = make_mesh((1, 1, 1, 1, 5), jax.devices()[:5])
+    t = qlora()
+    loss, grads = loss_and_grads(t, t.use_mesh(five).params, five)
+    np.testing.assert_allclose(float(loss), float(one_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(one_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * float(np.abs(a).max()) + 1e-8)
+    print("nf4 LoRA on 5 ok")
 
     # Each device keeps its share of the rows: the step's temporaries over a context axis of 8 are
     # a fraction of the same step's on one device.
@@ -149,3 +173,23 @@ def test_mesh_shapes_take_a_context_axis():
 
     cfg = TrainConfig(data="d", model="tiny", output="o").with_overrides(["mesh.context=4", "mesh.data=1"])
     assert cfg.mesh.shape == (1, 1, 1, 1, 4)
+
+
+def test_a_mixture_of_experts_is_refused_a_context_axis():
+    """Its router sorts a row's tokens by expert: a row split over devices is refused in one line."""
+    import dataclasses
+
+    from flax import nnx
+    from rmflow.schemas.train_config import OptimizerConfig
+    from rmflow.trainer.errors import TrainError
+    from rmflow.trainer.modeling.decoder import RewardTransformer
+    from rmflow.trainer.parallel import AXES
+    from rmflow.trainer.step import Trainer
+
+    from tests.training.test_step import CFG
+
+    moe = dataclasses.replace(CFG, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=16, sparse_layers=(0, 1))
+    trainer = Trainer(RewardTransformer(moe, rngs=nnx.Rngs(0)), OptimizerConfig(), total_steps=2)
+    with pytest.raises(TrainError, match="mixture of experts cannot split its rows over a context axis"):
+        trainer.use_mesh(jax.sharding.AbstractMesh((1, 1, 1, 1, 2), AXES))

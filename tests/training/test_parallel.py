@@ -205,10 +205,12 @@ RESUME_SCRIPT = textwrap.dedent('''
                   logging={"steps": 1})
     # The whole run on (1, 4, 2): parameters sharded over fsdp and tensor.
     train(TrainConfig(output=str(base / "a"), mesh={"data": 1, "fsdp": 4, "tensor": 2}, **common))
-    # Interrupted after its step-2 checkpoint, resumed on another mesh shape, (2, 1, 4).
+    # Interrupted after its step-2 checkpoint, resumed on another mesh shape, (2, 1, 2) with each
+    # row's tokens split over a context axis of 2.
     shutil.copytree(base / "a", base / "b")
     shutil.rmtree(base / "b" / "checkpoints" / "4")
-    train(TrainConfig(output=str(base / "b"), mesh={"data": 2, "fsdp": 1, "tensor": 4}, **common), resume=True)
+    train(TrainConfig(output=str(base / "b"), mesh={"data": 2, "fsdp": 1, "tensor": 2, "context": 2}, **common),
+          resume=True)
     (ma, _, _), (mb, _, _) = load_trained_model(str(base / "a")), load_trained_model(str(base / "b"))
     from flax import nnx
     for x, y in zip(jax.tree.leaves(nnx.state(ma)), jax.tree.leaves(nnx.state(mb))):
@@ -223,6 +225,6 @@ RESUME_SCRIPT = textwrap.dedent('''
 @pytest.mark.slow
 def test_train_on_a_sharded_mesh_and_resume_on_another(tmp_path, demo_shards):
     """`trainer.train.run` end to end: a run on (1, 4, 2), interrupted after a checkpoint, resumed
-    on (2, 1, 4), ends with the uninterrupted run's parameters and losses."""
+    on (2, 1, 2) x context 2, ends with the uninterrupted run's parameters and losses."""
     out = run_8_devices(RESUME_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path))).replace("sys.argv[2]", repr(str(demo_shards))))
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), (out.stdout[-2000:], out.stderr[-4000:])

@@ -49,6 +49,18 @@ def test_each_weight_takes_its_nearest_level(kind, shape, axis, block):
     assert (blank.codes.shape, blank.codes.dtype) == (q.codes.shape, q.codes.dtype)
 
 
+def test_a_tensor_is_quantised_a_chunk_at_a_time_alike(monkeypatch):
+    """Chunks of a few weights (along the first axis not blocked) give the whole tensor's codes."""
+    w = np.random.default_rng(1).standard_normal((3, 70, 20)).astype(np.float32)
+    for kind in quant.KINDS:
+        whole = quant.quantize(w, kind, axis=1, block=16)
+        monkeypatch.setattr(quant, "CHUNK", 50)
+        parts = quant.quantize(w, kind, axis=1, block=16)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(parts.codes, whole.codes)
+        np.testing.assert_array_equal(parts.block_scales, whole.block_scales)
+
+
 def test_bytes_a_weight():
     """int8: 1 + 4/64 bytes a weight; nf4: 0.5 + 4/64 (QLoRA's without double quantisation)."""
     w = np.ones((4096, 1024), np.float32)

@@ -77,6 +77,9 @@ def test_what_a_break_it_pass_found_stays_fixed():
     stored = {**BASE, "lora": {"rank": 2, "target_modules": ["v_proj", "q_proj"]}}
     again = TrainConfig.from_dict({**BASE, "lora": {"rank": 2, "target_modules": ["q_proj", "v_proj"]}})
     assert again.resume_changes(stored) == {}
+    # the base's storage is an option of its own (the adapters keep their shapes; the run another trajectory)
+    assert on.with_overrides(["lora.base_dtype=nf4"]).resume_changes(on.to_dict()) == {
+        "lora.base_dtype": ("float32", "nf4")}
     for spec, said in (({"lora": True, "lora.rank": 4}, "lora True: a mapping of rank"),
                        ({"optimizer": [1], "optimizer.learning_rate": 1e-4}, r"optimizer \[1\]: a mapping"),
                        ({"data": {"train": "d", "eval": "abc"}}, r"^data.eval 'abc'"),

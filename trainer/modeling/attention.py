@@ -84,8 +84,9 @@ def resolve_attention(name: str, dtype, backend: str | None = None, packed: bool
 
 
 def takes_dense_mask(implementation: str) -> bool:
-    """Whether an implementation takes the dense (B, 1, T, T) mask (built once for all layers)."""
-    return implementation in ("xla", "cudnn")
+    """Whether an implementation takes the dense (B, 1, T, T) mask (built once for all layers);
+    under a ``context`` axis only ``xla`` does (the others run as ``context_attention``)."""
+    return implementation == "xla" or (implementation == "cudnn" and context_size() == 1)
 
 
 def attention(q, k, v, segment_ids, positions, branch_ids, *, implementation: str, window: int | None = None,
@@ -200,8 +201,10 @@ def context_attention(q, k, v, segment_ids, positions, branch_ids, *, window: in
     every device's keys and values (``all_gather``: the row's K/V, small beside its activations
     under grouped-query attention) and attends its queries to them by the same rules (the ids
     are whole on every device, so branch masks, windows and packed segments hold across the
-    split); the backward pass sums each device's key and value gradients back to their owner
-    (the gather's transpose, a reduce-scatter). The row is padded to whole blocks on every device.
+    split); the backward pass gathers them again rather than keep the whole row's, and sums each
+    device's key and value gradients back to their owner (``_context_flash``). Devices hold
+    consecutive shares, so the later ones, whose queries see more keys, do more of the work. The
+    row is padded to whole blocks on every device.
     The batch axes that divide the rows split them as well (``jax.shard_map``); the other axes
     (``tensor``: the heads) stay with the compiler."""
     from rmflow.trainer.parallel.mesh import BATCH_AXES
@@ -222,13 +225,8 @@ def context_attention(q, k, v, segment_ids, positions, branch_ids, *, window: in
     rows, ids = P(batch or None, CONTEXT), P(batch or None, None)
 
     def shard(q, k, v, seg, pos, br):
-        # gathered as float32, so that their gradients' reduce-scatter sums in float32 and is
-        # rounded to the compute dtype once, as one device's are (XLA:CPU also cannot compile a
-        # bfloat16 one)
-        k, v = (jax.lax.all_gather(a.astype(jnp.float32), CONTEXT, axis=1, tiled=True).astype(a.dtype)
-                for a in (k, v))
         offset = jax.lax.axis_index(CONTEXT).astype(jnp.int32) * local
-        return _flash(q, k, v, seg, pos, br, offset, window, block, (scale, softcap))
+        return _context_flash(q, k, v, seg, pos, br, offset, window, block, (scale, softcap))
 
     out = jax.shard_map(shard, in_specs=(rows, rows, rows, ids, ids, ids), out_specs=rows,
                         axis_names={*batch, CONTEXT}, check_vma=False)(q, k, v, seg, pos, br)
@@ -368,6 +366,12 @@ def _flash_fwd(q, k, v, seg, pos, br, offset, window, block, logits):
 
 def _flash_bwd(window, block, logits, res, dout):
     q, k, v, seg, pos, br, offset, out, lse = res
+    dq, dk, dv = _flash_grads(q, k, v, seg, pos, br, offset, out, lse, dout, window, block, logits)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+def _flash_grads(q, k, v, seg, pos, br, offset, out, lse, dout, window, block, logits):
+    """The gradients of q, k and v in float32 (k and v the whole row's)."""
     lay = _Layout(q, k, v, seg, pos, br, offset, block, logits)
     b, t, n, d = q.shape
     kh = k.shape[2]
@@ -404,9 +408,38 @@ def _flash_bwd(window, block, logits, res, dout):
 
     zeros = jnp.zeros(lay.k.shape, jnp.float32)
     (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(lay.q.shape[0]))
-    dq = _tokens_major(dq, lay.groups).astype(q.dtype)
-    return (dq, _tokens_major(dk, 1).astype(k.dtype), _tokens_major(dv, 1).astype(v.dtype), None, None, None,
-            None)
+    return _tokens_major(dq, lay.groups), _tokens_major(dk, 1), _tokens_major(dv, 1)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _gather(a):
+    """(B, t, ...) on each ``context`` device -> (B, t x devices, ...): the whole row, in order.
+    Gathered as float32 (XLA:CPU cannot compile a bfloat16 all-gather here), which the values
+    of a 16-bit type survive exactly."""
+    return jax.lax.all_gather(a.astype(jnp.float32), CONTEXT, axis=1, tiled=True).astype(a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _context_flash(q, k, v, seg, pos, br, offset, window, block, logits):
+    """``_flash`` of a device's queries, keys and values against the whole row's keys and values
+    (gathered over ``context``). The backward pass keeps the device's own keys and values only
+    and gathers them again; each device's key and value gradients (float32) are summed back to
+    their owner (a reduce-scatter) and rounded to their type once, as one device's are."""
+    return _flash_fwd(q, _gather(k), _gather(v), seg, pos, br, offset, window, block, logits)[0]
+
+
+def _context_flash_fwd(q, k, v, seg, pos, br, offset, window, block, logits):
+    out, res = _flash_fwd(q, _gather(k), _gather(v), seg, pos, br, offset, window, block, logits)
+    return out, (q, k, v, seg, pos, br, offset, out, res[-1])
+
+
+def _context_flash_bwd(window, block, logits, res, dout):
+    q, k, v, seg, pos, br, offset, out, lse = res
+    dq, dk, dv = _flash_grads(q, _gather(k), _gather(v), seg, pos, br, offset, out, lse, dout, window, block, logits)
+    dk, dv = (jax.lax.psum_scatter(g, CONTEXT, scatter_dimension=1, tiled=True) for g in (dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+_context_flash.defvjp(_context_flash_fwd, _context_flash_bwd)

@@ -113,8 +113,21 @@ def stack_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str,
                 raise CheckpointError(f"the checkpoint lacks {', '.join(missing[:3])}"
                                       + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
                                       + f": a {cfg.model_type} layer has {cfg.num_experts} experts")
-            tensors[f"{ours}experts.{mine}"] = np.stack([tensors.pop(k).T for k in keys])
+            tensors[f"{ours}experts.{mine}"] = _Stacked([tensors.pop(k) for k in keys])
     return tensors
+
+
+class _Stacked:
+    """Experts' tensors (out, in), stacked transposed, (E, in, out), when read (``np.asarray``):
+    the loader stores a stacked projection as it stores any tensor, so a mixture's experts are
+    not all read from the file before the first is stored."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.shape = (len(parts), *parts[0].shape[::-1])
+
+    def __array__(self, dtype=None, copy=None):
+        return np.stack([np.asarray(p.T, dtype) for p in self.parts])
 
 
 def unstack_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:

@@ -95,30 +95,44 @@ def storage_shapes(kind: str, shape: tuple[int, ...], axis: int, block: int) -> 
     return tuple(codes), tuple(scales)
 
 
+CHUNK = 1 << 22  # weights quantised at a time: a tensor's temporaries stay a few times this, not its size
+
+
 def quantize(w: np.ndarray, kind: str, *, axis: int, block: int) -> Quantized:
-    """``w`` (numpy, any float dtype) as ``kind`` codes and block scales, computed on the host."""
+    """``w`` (numpy, any float dtype) as ``kind`` codes and block scales, computed on the host a
+    chunk of ``CHUNK`` weights at a time (along the first axis not blocked)."""
     if kind not in KINDS:
         raise ValueError(f"quantisation {kind!r}: one of {', '.join(KINDS)}")
     shape = tuple(w.shape)
-    x = np.moveaxis(np.asarray(w, np.float32), axis, -1)
+    x = np.moveaxis(w, axis, -1)  # a view
     n = x.shape[-1]
     b = _block_len(block, n)
     blocks = -(-n // b)
+    codes = np.empty((*x.shape[:-1], blocks * b // (2 if kind == "nf4" else 1)), np.uint8 if kind == "nf4" else np.int8)
+    scales = np.empty((*x.shape[:-1], blocks), np.float32)
+    rows = max(1, CHUNK // max(math.prod(x.shape[1:]), 1)) if x.ndim > 1 else 1
+    for start in range(0, x.shape[0] if x.ndim > 1 else 1, rows):
+        part = slice(start, start + rows) if x.ndim > 1 else slice(None)
+        codes[part], scales[part] = _quantize_chunk(np.asarray(x[part], np.float32), kind, b, blocks)
+    return Quantized(jnp.asarray(np.moveaxis(codes, -1, axis)), jnp.asarray(np.moveaxis(scales, -1, axis)),
+                     kind, shape, axis, block)
+
+
+def _quantize_chunk(x: np.ndarray, kind: str, b: int, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, scales) of ``x`` (float32, blocked along its last axis)."""
+    n = x.shape[-1]
     if blocks * b != n:
         x = np.concatenate([x, np.zeros((*x.shape[:-1], blocks * b - n), np.float32)], axis=-1)
     x = x.reshape(*x.shape[:-1], blocks, b)
     absmax = np.abs(x).max(axis=-1)
-    safe = np.where(absmax > 0, absmax, np.float32(1.0))[..., None]
+    x = x / np.where(absmax > 0, absmax, np.float32(1.0))[..., None]
     if kind == "int8":
-        scales = absmax / np.float32(127)
-        codes = np.rint(x / safe * np.float32(127)).astype(np.int8).reshape(*x.shape[:-2], blocks * b)
-    else:
-        scales = absmax
-        levels = np.searchsorted(_NF4_EDGES, x / safe, side="left").astype(np.uint8)
-        pairs = levels.reshape(*x.shape[:-2], blocks * b // 2, 2)
-        codes = pairs[..., 0] | (pairs[..., 1] << 4)
-    return Quantized(jnp.asarray(np.moveaxis(codes, -1, axis)), jnp.asarray(np.moveaxis(scales, -1, axis)),
-                     kind, shape, axis, block)
+        return np.rint(x * np.float32(127)).astype(np.int8).reshape(*x.shape[:-2], blocks * b), absmax / np.float32(127)
+    levels = np.zeros(x.shape, np.uint8)
+    for edge in _NF4_EDGES:  # the level: how many edges lie below the value (one at an edge: the lower)
+        levels += x > edge
+    pairs = levels.reshape(*x.shape[:-2], blocks * b // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4), absmax
 
 
 def placeholder(kind: str, shape: tuple[int, ...], *, axis: int, block: int) -> Quantized:
@@ -196,5 +210,6 @@ def embed(embedding, ids: jax.Array) -> jax.Array:
     v = embedding.embedding.get_value()
     if not isinstance(v, Quantized):
         return embedding(ids)
-    rows = Quantized(v.codes[ids], v.block_scales[ids], v.kind, (*ids.shape, v.shape[-1]), ids.ndim, v.block)
+    take = lambda a: jnp.take(a, ids, axis=0)  # noqa: E731 - as nnx.Embed takes (an id past the table: NaN)
+    rows = Quantized(take(v.codes), take(v.block_scales), v.kind, (*ids.shape, v.shape[-1]), ids.ndim, v.block)
     return dequantize(rows).astype(embedding.dtype or jnp.float32)
