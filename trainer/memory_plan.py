@@ -161,52 +161,49 @@ def widest_batch(run) -> dict[str, np.ndarray]:
     return stack_micro_batches([first] * run.cfg.grad_accum, objective)
 
 
+def _savings(now: int, alternatives: dict[str, Any], mesh) -> dict[str, int]:
+    """{name: device bytes saved} of each alternative (a tree of shapes, sharded by the rules as
+    the run's own) that holds less than ``now``."""
+    from rmflow.trainer.parallel import shardings
+
+    out = {}
+    for name, shapes in alternatives.items():
+        placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                              shardings(shapes, mesh))
+        saved = now - shard_bytes(placed)
+        if saved > 0:
+            out[name] = saved
+    return out
+
+
 def _moment_savings(trainer, state, cfg: TrainConfig) -> dict[str, int]:
     """Device bytes each other moment storage would save, where it saves any (the state's
     shapes under it, sharded by the same rules); nothing when the state is offloaded already."""
     from rmflow.trainer.optimizer import make_optimizer
-    from rmflow.trainer.parallel import shardings
 
     if cfg.optimizer.offload:
         return {}
-    now = shard_bytes(state.opt_state)
-    out = {}
-    for moments in MOMENTS:
-        if moments == cfg.optimizer.moments:
-            continue
-        optim = dataclasses.replace(cfg.optimizer, moments=moments)
-        shapes = jax.eval_shape(make_optimizer(optim).init, state.params)
-        placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
-                              shardings(shapes, trainer.mesh))
-        saved = now - shard_bytes(placed)
-        if saved > 0:
-            out[moments] = saved
-    return out
+    return _savings(shard_bytes(state.opt_state), {
+        moments: jax.eval_shape(make_optimizer(dataclasses.replace(cfg.optimizer, moments=moments)).init, state.params)
+        for moments in MOMENTS if moments != cfg.optimizer.moments}, trainer.mesh)
 
 
 def _base_savings(trainer, cfg: TrainConfig) -> dict[str, int]:
     """Device bytes each other storage of LoRA's frozen base would save, where it saves any: the
     frozen weights' shapes as ``lora.base_storage`` holds them, sharded by the same rules."""
     from rmflow.trainer.modeling import lora, quant
-    from rmflow.trainer.parallel import shardings
 
     if cfg.lora is None:
         return {}
-    now = shard_bytes(trainer.frozen)
     weights = {".".join(map(str, path)): jax.ShapeDtypeStruct(quant.shape(var), np.float32)
                for path, var in nnx.to_flat_state(trainer.frozen)}
-    out = {}
-    for kind in BASE_DTYPES:
-        if kind == cfg.lora.base_dtype:
-            continue
+
+    def held(kind: str):
         store = lora.base_storage(dataclasses.replace(cfg.lora, base_dtype=kind))
-        stored = jax.eval_shape(lambda w, store=store: {name: store(name, x) for name, x in w.items()}, weights)
-        placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), stored,
-                              shardings(stored, trainer.mesh))
-        saved = now - shard_bytes(placed)
-        if saved > 0:
-            out[kind] = saved
-    return out
+        return jax.eval_shape(lambda w: {name: store(name, x) for name, x in w.items()}, weights)
+
+    return _savings(shard_bytes(trainer.frozen),
+                    {kind: held(kind) for kind in BASE_DTYPES if kind != cfg.lora.base_dtype}, trainer.mesh)
 
 
 def plan_memory(run) -> tuple[MemoryPlan, Any]:

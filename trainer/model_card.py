@@ -82,9 +82,10 @@ def _quantized_base(run: RunFiles, adapter: bool) -> str:
     note = (f" The adapters were trained on the base held in {lora.base_dtype} (a float32 scale per {block} along "
             "each linear layer's input, the embeddings along their hidden axis)")
     if lora.base_dtype == "nf4" and lora.base_block_size == 64:
-        note += (": bitsandbytes quantises the linear layers alike (`BitsAndBytesConfig(load_in_4bit=True, "
-                 "bnb_4bit_quant_type=\"nf4\")`) but keeps the embeddings in full precision, so its scores differ "
-                 "a little from the trained model's; the merged export (without --adapter) scores exactly")
+        note += (": bitsandbytes quantises a dense model's linear layers alike when their input sizes are "
+                 "multiples of 64 (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\")`) but keeps "
+                 "the embeddings in full precision, so its scores differ a little from the trained model's; the "
+                 "merged export (without --adapter) scores exactly")
     return note + "."
 
 
