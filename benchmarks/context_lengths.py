@@ -5,19 +5,19 @@ size, the train step on one packed row of a pair (its prompt half the tokens, ea
 quarter) is compiled abstractly (no weight made) for a mesh of that many fake CPU devices at two
 row lengths, and the memory the plan counts a device (``trainer.memory_plan``: the step's
 arguments, XLA's temporaries and its outputs not written over its inputs) is fitted as a line in
-the row's tokens; the longest row whose planned step stays under ``--device-gib`` is where that
-line meets it (a pair is at most the model's positions). XLA:CPU's memory analysis stands in for a GPU's here (the GPU check's ``optimizer``
-part measures one such step on a GPU): the figures are a plan, not a measured peak.
+the row's tokens; the longest row whose planned step stays under each ``--device-gib`` is where
+that line meets it (a pair is at most the model's positions). XLA:CPU's memory analysis stands
+in for a GPU's here (the GPU check's ``optimizer`` part measures one such step on a GPU): the
+figures are a plan, not a measured peak.
 
     .venv/bin/python benchmarks/context_lengths.py [--models Qwen2.5-1.5B:full,Llama-3.1-8B:lora16-nf4]
-        [--contexts 1,2,4,8] [--lengths 8192,16384] [--device-gib 80]
+        [--contexts 1,2,4,8] [--lengths 8192,16384] [--device-gib 24,80]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -76,29 +76,38 @@ def planned_gib(name: str, setting: str, context: int, tokens: int) -> float:
     return total / GIB
 
 
+def longest_pair(lo: float, hi: float, short: int, long_: int, limit: float, positions: int) -> str:
+    """Where the line through (short, lo) and (long_, hi) meets ``limit`` GiB, in tokens (rounded
+    down to 1,024), capped at the model's positions; "none" when even ``short`` does not fit."""
+    slope = (hi - lo) / (long_ - short)
+    longest = short + (limit - lo) / slope if slope > 0 else float("inf")
+    if longest < 1024 or lo > limit and longest < short:
+        return "none"
+    return f"{int(longest // 1024) * 1024:,}" if longest < positions else f"all {positions:,}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="Qwen2.5-1.5B:full,Llama-3.1-8B:lora16-nf4",
                     help="NAME:full or NAME:loraR[-BASE_DTYPE], comma-separated (device.CONFIGS' names)")
     ap.add_argument("--contexts", default="1,2,4,8")
     ap.add_argument("--lengths", default="8192,16384", help="two row lengths the line is fitted through")
-    ap.add_argument("--device-gib", type=float, default=80.0)
+    ap.add_argument("--device-gib", default="24,80", help="device memories (GiB), each a column")
     a = ap.parse_args()
     contexts = [int(c) for c in a.contexts.split(",")]
     short, long_ = (int(x) for x in a.lengths.split(","))
+    limits = [float(x) for x in a.device_gib.split(",")]
     print(f"planned memory a device (GiB, XLA:CPU's analysis), bfloat16 compute, layers recomputed; the longest "
-          f"pair is where the line through {short:,} and {long_:,} tokens meets {a.device_gib:g} GiB")
-    print("| model | training | context devices | GiB at " + f"{short:,} | GiB at {long_:,} | longest pair (tokens) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          f"pair is where the line through {short:,} and {long_:,} tokens meets the device's memory")
+    print(f"| model | training | context devices | GiB at {short:,} | GiB at {long_:,} | "
+          + " | ".join(f"longest pair, {g:g} GiB" for g in limits) + " |")
+    print("|" + " --- |" * (5 + len(limits)))
     for spec in a.models.split(","):
         name, setting = spec.split(":")
         for c in contexts:
             lo, hi = planned_gib(name, setting, c, short), planned_gib(name, setting, c, long_)
-            slope = (hi - lo) / (long_ - short)
-            longest = short + (a.device_gib - lo) / slope if slope > 0 else float("inf")
-            cap = CONFIGS[name]["max_position_embeddings"]
-            said = f"{int(longest // 1024) * 1024:,}" if longest < cap else f"all {cap:,} positions"
-            print(f"| {name} | {setting} | {c} | {lo:.2f} | {hi:.2f} | {said} |", flush=True)
+            said = [longest_pair(lo, hi, short, long_, g, CONFIGS[name]["max_position_embeddings"]) for g in limits]
+            print(f"| {name} | {setting} | {c} | {lo:.2f} | {hi:.2f} | " + " | ".join(said) + " |", flush=True)
 
 
 if __name__ == "__main__":
