@@ -323,6 +323,9 @@ class ExportConfig(Config):
     max_shard_gb: float = option(2.0, "Split the safetensors weights into files of at most this size.")
     adapter: bool = option(False, "LoRA runs: a PEFT adapter folder (loaded onto the base model by "
                                 "peft.PeftModel.from_pretrained) instead of merged weights.")
+    dtype: str = option("float32", "Type of the exported weights: float32, or bfloat16 (half the size; scores "
+                                   "within bfloat16's rounding of rmflow's). A LoRA run's merged weights are "
+                                   "computed in float32 first.")
     push_to_hub: str = option("", "Also upload the export to this Hugging Face Hub repository (owner/name; "
                                   "created if missing, private), with the token of HF_TOKEN or `hf auth login`.")
 
@@ -334,6 +337,8 @@ class ExportConfig(Config):
             if not getattr(self, name):
                 raise ConfigError(f"export needs {name}: {what}")
         object.__setattr__(self, "step", checkpoint_step(self.step))
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype {self.dtype!r}: float32 or bfloat16")
         if self.max_shard_gb <= 0:
             raise ConfigError(f"max_shard_gb {self.max_shard_gb!r}: must be a size in GB above 0")
 

@@ -15,6 +15,7 @@ import os
 import shutil
 import warnings
 
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from rmflow.schemas import jsontext
@@ -36,7 +37,8 @@ from rmflow.trainer.modeling.decoder import RewardTransformer
 MAX_SHARD_BYTES = 2 << 30
 
 
-def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | None, kind: ModelKind) -> dict:
+def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | None, kind: ModelKind,
+              dtype: str = "float32") -> dict:
     """config.json of the exported model: ``kind``'s Hugging Face head (sequence or token
     classification); ``base`` is the source checkpoint's."""
     c = model_cfg
@@ -59,7 +61,7 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
     labels = score_head.hf_labels(c)
     head = {"architectures": [f"{c.hf_prefix}{kind.head.hf_head}"], "num_labels": c.num_labels,
             "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}, **score_head.hf_config(c)}
-    cfg.update({**head, "pad_token_id": pad_token_id, "torch_dtype": "float32", "dtype": "float32"})
+    cfg.update({**head, "pad_token_id": pad_token_id, "torch_dtype": dtype, "dtype": dtype})
     cfg.pop("problem_type", None)
     return cfg
 
@@ -128,7 +130,7 @@ def export(cfg: ExportConfig) -> str:
     the export's folder."""
     output = os.path.abspath(cfg.output)
     with output_lock(output, "rmflow export"):
-        folder = _export(cfg.run, output, cfg.step, cfg.max_shard_bytes, cfg.adapter)
+        folder = _export(cfg.run, output, cfg.step, cfg.max_shard_bytes, cfg.adapter, cfg.dtype)
     if cfg.push_to_hub:
         push_to_hub(folder, cfg.push_to_hub)
     return folder
@@ -164,7 +166,8 @@ def push_to_hub(folder: str, repo: str) -> str:
     return getattr(commit, "commit_url", str(commit))
 
 
-def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: int, adapter: bool) -> str:
+def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: int, adapter: bool,
+            dtype: str = "float32") -> str:
     check_replaceable(output, EXPORT, inputs=(run_dir,))  # never a folder of other files: replaced whole
     model, run, step = load_trained_model(run_dir, step)
     if adapter and run.config.lora is None:
@@ -190,12 +193,12 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
             if base_path is None:  # a preset's random base exists nowhere else: ship it, in base/
                 plain = nnx.clone(model)
                 lora.strip(plain)
-                _write_checkpoint(plain, os.path.join(staging, "base"), base, pad, kind, max_shard_bytes)
+                _write_checkpoint(plain, os.path.join(staging, "base"), base, pad, kind, max_shard_bytes, dtype)
                 base_path = "base"  # relative: the export moves and uploads whole (loading: docs/training.md)
             write_adapter(model, staging, run.config.lora, base_path, kind)
         else:
             lora.merge(model)  # a LoRA run exports W + A B alpha/rank: a plain checkpoint
-            _write_checkpoint(model, staging, base, pad, kind, max_shard_bytes)
+            _write_checkpoint(model, staging, base, pad, kind, max_shard_bytes, dtype)
         if run.tokenizer_dir is not None:
             for name in os.listdir(run.tokenizer_dir):
                 shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
@@ -233,11 +236,14 @@ def export_pad_id(run) -> int | None:
 
 
 def _write_checkpoint(model: RewardTransformer, folder: str, base: dict | None, pad: int | None, kind: ModelKind,
-                      max_shard_bytes: int):
+                      max_shard_bytes: int, dtype: str = "float32"):
     os.makedirs(folder, exist_ok=True)
-    save_safetensors(state_dict(model), folder, max_shard_bytes)
+    tensors = state_dict(model)
+    if dtype == "bfloat16":  # rounded once, from float32 (a LoRA run's merged weights included)
+        tensors = {name: value.astype(ml_dtypes.bfloat16) for name, value in tensors.items()}
+    save_safetensors(tensors, folder, max_shard_bytes)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        jsontext.dump(hf_config(model.config, base, pad, kind), f, indent=2, sort_keys=True)
+        jsontext.dump(hf_config(model.config, base, pad, kind, dtype), f, indent=2, sort_keys=True)
 
 
 PEFT_PREFIX = "base_model.model."

@@ -200,5 +200,14 @@ def test_an_nf4_lora_run_trains_resumes_plans_and_exports(synthetic, tmp_path): 
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor(ids)).logits[:, 0].numpy()
     np.testing.assert_allclose(rmflow_rewards(loaded, ids), expected, atol=1e-4, rtol=0)
+    # --dtype bfloat16: the merged weights rounded once; transformers in bfloat16 scores within its rounding
+    half = export(ExportConfig(run=str(tmp_path / "run"), output=str(tmp_path / "hf16"), dtype="bfloat16"))
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    hf16 = transformers.AutoModelForSequenceClassification.from_pretrained(half, dtype=torch.bfloat16).eval()
+    assert next(hf16.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        got16 = hf16(input_ids=torch.tensor(ids)).logits[:, 0].float().numpy()
+    print("bfloat16 export against rmflow:", np.abs(got16 - expected).max(), expected)
+    np.testing.assert_allclose(got16, expected, atol=0.025 * max(1.0, float(np.abs(expected).max())), rtol=0)
     assert json.loads((tmp_path / "hf" / EXPORT_INFO).read_text())["lora"]["base_dtype"] == "nf4"
     assert "nf4" in (tmp_path / "hf" / "README.md").read_text()
