@@ -6,6 +6,7 @@ import json
 import pathlib
 import shutil
 import struct
+import time
 
 import pytest
 from rmflow.schemas.config import ConfigError
@@ -40,10 +41,27 @@ def wandb_records(path: pathlib.Path) -> list:
     return [pb.Record.FromString(c) for c in out]
 
 
+def finished_records(run_dir: pathlib.Path, timeout: float = 120.0) -> list:
+    """The records of the run's .wandb file once its exit record is on disk. ``wandb.finish``
+    returns after telling W&B's service process that the run is done; the service flushes and
+    closes the file afterwards, so a file read at once can still be empty (seen on a loaded CI)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        paths = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        assert len(paths) <= 1, paths
+        try:
+            records = wandb_records(paths[0]) if paths else []
+        except Exception:  # a record half-written as we read: read again
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"no exit record in {paths} after {timeout:.0f} s"
+        time.sleep(0.2)
+
+
 def logged(run_dir: pathlib.Path):
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     history, config, run_id = {}, {}, None
-    for r in wandb_records(path):
+    for r in finished_records(run_dir):
         kind = r.WhichOneof("record_type")
         if kind == "history":
             row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
