@@ -1,5 +1,5 @@
 """Long rows split over devices along their tokens (``mesh.context``): on 8 fake CPU devices, rows
-of 16k tokens packed with the prompt once (branch masks) give one device's loss and gradients
+of 8k tokens packed with the prompt once (branch masks) give one device's loss and gradients
 (1e-5, float32) over a context axis of 8, composed with fsdp and tensor, in bfloat16 with recomputed
 layers, and for LoRA on an nf4 base over 5 devices (the row padded to whole blocks on each); each
 device then holds a share of the activations, not the whole row's."""
@@ -33,18 +33,18 @@ SCRIPT = textwrap.dedent('''
     assert len(jax.devices()) == 8
 
     def pairs(n, seed):
-        """Pairs of a 2k-token prompt and replies of 600 to 1,400 tokens: four fill a 16k row."""
+        """Pairs of a 1k-token prompt and replies of 300 to 700 tokens: four fill an 8k row."""
         rng = np.random.default_rng(seed)
         out = []
         for i in range(n):
-            p = rng.integers(3, 64, 2048)
-            c = np.r_[p, rng.integers(3, 64, int(rng.integers(600, 1400)))].astype(np.int32)
-            r = np.r_[p, rng.integers(3, 64, int(rng.integers(600, 1400)))].astype(np.int32)
-            out.append(PairRecord(c, r, len(c) - 1, len(r) - 1, 2048, f"{i:032x}", "s"))
+            p = rng.integers(3, 64, 1024)
+            c = np.r_[p, rng.integers(3, 64, int(rng.integers(300, 700)))].astype(np.int32)
+            r = np.r_[p, rng.integers(3, 64, int(rng.integers(300, 700)))].astype(np.int32)
+            out.append(PairRecord(c, r, len(c) - 1, len(r) - 1, 1024, f"{i:032x}", "s"))
         return out
 
-    host = {k: np.asarray(v) for k, v in stack_micro_batches([PackCollate(4, 4096, rows=2)(pairs(8, 0))]).items()}
-    assert host["input_ids"].shape[-1] >= 16384, host["input_ids"].shape
+    host = {k: np.asarray(v) for k, v in stack_micro_batches([PackCollate(4, 2048, rows=2)(pairs(8, 0))]).items()}
+    assert host["input_ids"].shape[-1] >= 7680, host["input_ids"].shape
     assert int(host["branch_ids"].max()) == 2  # the prompt once, each reply on its branch
 
     def fresh():
