@@ -354,6 +354,9 @@ def eval_(options: dict) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    for p in m.get("probes", []):  # each sanity probe's line (rmflow.eval.probes); a failure in red
+        console.print(f"[{'green' if p['passed'] else 'bold red'}]{'PASS' if p['passed'] else 'FAIL'}[/] "
+                      f"{_escape(p['name'])}: {_escape(p['line'])}")
     console.print(f"report: [bold]{os.path.join(cfg.output, REPORT_FILE)}[/bold]")
 
 
@@ -381,7 +384,7 @@ def score(options: dict, ctx: typer.Context) -> None:
             return lambda n: progress.advance(task, n)
 
         counts = score_file(cfg.model, cfg.input, cfg.output, step=cfg.step, batch_size=cfg.batch_size,
-                            truncate=cfg.truncate, progress_factory=factory)
+                            truncate=cfg.truncate, deterministic=cfg.deterministic, progress_factory=factory)
     total = counts["scored"] + counts["errors"]
     if total and counts["errors"] / total > cfg.max_bad_fraction:  # the file is written either way
         console.print(f"[red]score failed:[/red] {counts['errors']:,} of {total:,} lines "

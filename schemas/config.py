@@ -347,6 +347,12 @@ class ExportConfig(Config):
         return int(self.max_shard_gb * 2**30)
 
 
+# ScoreConfig's and ServeConfig's --deterministic (one meaning, one text)
+DETERMINISTIC_HELP = ("Score each conversation alone in its row, in the batch shape its own length sets: its score is "
+                      "the same to the last bit whatever it is batched with (each of K responses scored as its own "
+                      "conversation); slower than the default packed rows, which agree to float rounding.")
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreConfig(Config):
     """Everything that determines an `rmflow score` (its CLI options)."""
@@ -380,6 +386,7 @@ class ScoreConfig(Config):
                                                      "published.")
     truncate: str = option("error", "A conversation longer than the model's positions: error (reported as a bad "
                                   "record) or left (its earliest tokens dropped, the reply scored kept whole).")
+    deterministic: bool = option(False, DETERMINISTIC_HELP)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "beam_args", tuple(self.beam_args))
@@ -445,6 +452,8 @@ class ServeConfig(Config):
     normalize: bool = option(False, "/get_reward, /classify, /pooling and /v1/embeddings return scores "
                                   "standardised by the model's reward_normalization.json (`rmflow eval "
                                   "--normalize`), as OpenRLHF's --normalize_reward does.")
+    deterministic: bool = option(False, DETERMINISTIC_HELP + " A length's batches are then always full-size "
+                                        "(--response-units is off).")
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -16,6 +16,12 @@ The chat template of the model's own tokenizer is applied; conversations are sco
 sorted by length, results come back in input order as float32 numpy arrays. A conversation
 must end with the assistant reply to score. ``rmflow score`` is a thin wrapper over this class.
 
+Every scoring method takes ``deterministic=True``: each conversation then runs alone in its row,
+in a batch shape its own length sets (``ScoringShapes(deterministic=True)``), so its score is
+the same to the last bit whatever it is scored with, in any call, here, in `rmflow score` or
+behind `rmflow serve --deterministic`. By default conversations share packed rows, which is
+faster and equal to float rounding.
+
 A process reward model (trained on stepwise data) scores every step of a solution: the prompt
 and steps are rendered exactly as `rmflow preprocess` rendered its training data (chat template,
 each step followed by the step separator), and ``score_steps`` returns P(step is correct)::
@@ -255,7 +261,8 @@ class RewardModel:
         self._scorers.clear()
 
     def shapes(self, batch_size: int = SCORING_BATCH_SIZE, token_budget: int | None = None,
-               small_batches: bool = False, *, packed: bool = True, row_length: int = 0):
+               small_batches: bool = False, *, packed: bool = True, row_length: int = 0,
+               deterministic: bool = False):
         """The batch shapes this model scores in. ``packed`` (for the kinds that score packed
         rows, ``trainer.inference.PACKED_CORES``): conversations and K-response units side by side
         in rows of ``row_length`` tokens (0: the length the model was trained at, else its
@@ -264,9 +271,12 @@ class RewardModel:
         ``max_length`` (``PackedShapes``); else one item a row (``ScoringShapes``: power-of-two
         lengths up to the model's positions, ``batch_size`` rows each, or with a token budget as
         many rows as fit it, at most ``batch_size``; ``small_batches``: smaller ones too), an
-        item's shape set by itself alone."""
+        item's shape set by itself alone. ``deterministic``: one item a row in the one shape its
+        length sets (no small batches, no packing), so that its score never depends on its batch."""
         from rmflow.trainer.inference import PACKED_CORES, PackedShapes, ScoringShapes
 
+        if deterministic:
+            return ScoringShapes(self.max_length, max_rows=batch_size, token_budget=token_budget, deterministic=True)
         if packed and self.kind in PACKED_CORES:
             return PackedShapes(self.max_length, token_budget or batch_size * PACKED_TOKENS_PER_ITEM,
                                 row_length or self.trained_max_length or 0)
@@ -284,6 +294,11 @@ class RewardModel:
             make = (PACKED_CORES if isinstance(shapes, PackedShapes) else SCORING_CORES)[self.kind]
             self._scorers[shapes] = make(self._loaded.model, shapes, pad_id=self._loaded.pad_id)
         return self._scorers[shapes]
+
+    @property
+    def model(self):
+        """The network that scores (``trainer.modeling.decoder.RewardTransformer``)."""
+        return self._loaded.model
 
     @property
     def head(self) -> Head:
@@ -305,10 +320,15 @@ class RewardModel:
     def attribute_weights(self) -> dict[str, float]:
         return dict(zip(self.attributes, self._loaded.model.config.attribute_weights))
 
-    def score_groups(self, groups: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    def score_groups(self, groups: Sequence[Sequence[np.ndarray]], *, deterministic: bool = False) -> list[np.ndarray]:
         """The reward of each encoded conversation (``encode``) of each group, one group a prompt's
         K responses, the prompt computed once (``trainer.inference.score_groups``); equal to
-        ``score_ids`` of each alone."""
+        ``score_ids`` of each alone (``deterministic``: ``score_ids`` of each, bitwise)."""
+        if deterministic:
+            flat = [s for g in groups for s in g]
+            scores = self.score_ids(flat, deterministic=True)
+            cuts = np.cumsum([len(g) for g in groups])[:-1]
+            return list(np.split(scores, cuts)) if len(groups) else []
         return self.score_groups_outputs(groups)[0]
 
     def score_groups_outputs(self, groups: Sequence[Sequence[np.ndarray]]
@@ -333,8 +353,8 @@ class RewardModel:
         return RECORD_SCORING[kind_of_record(records[0]).name](self._loaded.model, list(records),
                                                                batch_size=batch_size, pad_id=self.pad_id)
 
-    def score_attributes(self, conversations: Sequence[Conversation], *, batch_size: int = SCORING_BATCH_SIZE
-                         ) -> list[dict[str, float]]:
+    def score_attributes(self, conversations: Sequence[Conversation], *, batch_size: int = SCORING_BATCH_SIZE,
+                         deterministic: bool = False) -> list[dict[str, float]]:
         """An attribute head's outputs for each conversation, by name (``attributes``), in input
         order; the reward (``score``) is their weighted sum."""
         self._require(OUTCOME, "score_attributes")
@@ -342,7 +362,7 @@ class RewardModel:
             raise WrongModelKind(f"score_attributes: this model's head is {self.head.name}, not an attribute head "
                                  "(it was not trained with a regression objective); use score")
         seqs = _encode_each(conversations, self.encode, "conversation")
-        scorer = self.scorer(self.shapes(batch_size))
+        scorer = self.scorer(self.shapes(batch_size, deterministic=deterministic))
         out: list[dict[str, float]] = [{}] * len(seqs)
         for batch in scorer.shapes.plan([len(s) for s in seqs]):
             _, outputs = scorer.run_outputs([seqs[i] for i in batch])
@@ -351,28 +371,31 @@ class RewardModel:
         return out
 
     def score_ids(self, sequences: Sequence[np.ndarray], *, batch_size: int = SCORING_BATCH_SIZE,
-                  progress=None) -> np.ndarray:
-        """Rewards of token sequences (each scored at its last token), in input order."""
+                  progress=None, deterministic: bool = False) -> np.ndarray:
+        """Rewards of token sequences (each scored at its last token), in input order
+        (``deterministic``: each the same to the last bit however it is batched)."""
         self._require(OUTCOME, "score_ids")
         if not len(sequences):
             return np.zeros(0, np.float32)
-        return self.scorer(self.shapes(batch_size)).score(list(sequences), progress)
+        return self.scorer(self.shapes(batch_size, deterministic=deterministic)).score(list(sequences), progress)
 
     def score(self, conversations: Sequence[Conversation], *, batch_size: int = SCORING_BATCH_SIZE,
-              normalized: bool = False) -> np.ndarray:
+              normalized: bool = False, deterministic: bool = False) -> np.ndarray:
         """One reward per conversation, float32, in input order. ``normalized``: standardised by
-        the mean and std that `rmflow eval --normalize` stored with the model."""
+        the mean and std that `rmflow eval --normalize` stored with the model; ``deterministic``:
+        each the same to the last bit whatever it is scored with (the module doc)."""
         self._require(OUTCOME, "score")
-        scores = self.score_ids(_encode_each(conversations, self.encode, "conversation"), batch_size=batch_size)
+        scores = self.score_ids(_encode_each(conversations, self.encode, "conversation"), batch_size=batch_size,
+                                deterministic=deterministic)
         return self.normalize(scores) if normalized else scores
 
     def score_pairs(self, chosen: Sequence[Conversation], rejected: Sequence[Conversation], *,
-                    batch_size: int = SCORING_BATCH_SIZE) -> tuple[np.ndarray, np.ndarray]:
+                    batch_size: int = SCORING_BATCH_SIZE, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Rewards of chosen and rejected conversations, pair by pair (equal lengths)."""
         self._require(OUTCOME, "score_pairs")
         if len(chosen) != len(rejected):
             raise ValueError(f"{len(chosen)} chosen but {len(rejected)} rejected conversations")
-        scores = self.score([*chosen, *rejected], batch_size=batch_size)
+        scores = self.score([*chosen, *rejected], batch_size=batch_size, deterministic=deterministic)
         return scores[: len(chosen)], scores[len(chosen):]
 
     # ------------------------------------------------------------------ process reward models
@@ -399,19 +422,21 @@ class RewardModel:
         return out.input_ids, out.step_ends
 
     def score_step_ids(self, encoded: Sequence[tuple[np.ndarray, np.ndarray]], *, batch_size: int = SCORING_BATCH_SIZE,
-                       progress=None) -> list[np.ndarray]:
+                       progress=None, deterministic: bool = False) -> list[np.ndarray]:
         """P(correct) of each step of each encoded solution, float32, in input order."""
         self._require(PROCESS, "score_step_ids")
-        return self.scorer(self.shapes(batch_size)).score(list(encoded), progress)
+        return self.scorer(self.shapes(batch_size, deterministic=deterministic)).score(list(encoded), progress)
 
-    def score_steps(self, solutions: Sequence[dict[str, Any]], *, batch_size: int = SCORING_BATCH_SIZE) -> list[np.ndarray]:
+    def score_steps(self, solutions: Sequence[dict[str, Any]], *, batch_size: int = SCORING_BATCH_SIZE,
+                    deterministic: bool = False) -> list[np.ndarray]:
         """For a process reward model: P(step is correct) for every step of every solution, one
         float32 array per solution, in input order."""
         self._require(PROCESS, "score_steps")
-        return self.score_step_ids(_encode_each(solutions, self.encode_steps, "solution"), batch_size=batch_size)
+        return self.score_step_ids(_encode_each(solutions, self.encode_steps, "solution"), batch_size=batch_size,
+                                   deterministic=deterministic)
 
     def as_reward_func(self, *, normalized: bool = False, truncate: str = "left", batch_size: int | None = None,
-                       name: str = "rmflow_reward"):
+                       name: str = "rmflow_reward", deterministic: bool = False):
         """This model as a reward function for TRL's ``GRPOTrainer(reward_funcs=...)``: called with
         ``prompts`` and ``completions`` (conversational or plain text) and TRL's other keyword
         arguments, it returns one reward a completion (None where one cannot be scored, as TRL
@@ -420,7 +445,8 @@ class RewardModel:
         from rmflow.scoring.grpo import local_reward_func
 
         self._require(OUTCOME, "as_reward_func")
-        return local_reward_func(self, normalized=normalized, truncate=truncate, batch_size=batch_size, name=name)
+        return local_reward_func(self, normalized=normalized, truncate=truncate, batch_size=batch_size, name=name,
+                                 deterministic=deterministic)
 
     def _require(self, kind: ModelKind, method: str) -> None:
         if self.kind == kind.name:

@@ -87,6 +87,7 @@ class JobSpec:
     output_format: str = "jsonl"
     max_bad_fraction: float = MAX_BAD_FRACTION
     truncate: str = "error"
+    deterministic: bool = False
 
 
 # --------------------------------------------------------------------------- what a record is
@@ -139,7 +140,8 @@ class RewardModelHandler(ModelHandler):
                 out[i] = {"error": err.message, "code": err.code}
         # one item a row, in the core's shapes, a batch never spanning two (what fixes a record's score
         # to the last bit, whatever else the bundle holds: a rerun writes the same bytes)
-        shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget, packed=False)
+        shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget, packed=False,
+                              deterministic=self.spec.deterministic)
         for i, fields in zip(owner, score_encoded(model, encoded, shapes, one_length=True)):
             out[i] = fields if "error" in fields else {"fields": fields}
         return [PredictionResult(ex, r) for ex, r in zip(batch, out)]
@@ -448,7 +450,8 @@ def run(cfg: ScoreConfig, *, wait: bool = True) -> dict[str, Any] | None:
         spec = JobSpec(model=cfg.model, step=cfg.step, staging=new_staging(output), output=output,
                        num_shards=cfg.num_shards or max(1, size // (256 << 20)), token_budget=cfg.token_budget,
                        batch_rows=cfg.batch_size, group_by=group_by, started=time.time(),
-                       output_format=cfg.output_format, max_bad_fraction=cfg.max_bad_fraction, truncate=cfg.truncate)
+                       output_format=cfg.output_format, max_bad_fraction=cfg.max_bad_fraction, truncate=cfg.truncate,
+                       deterministic=cfg.deterministic)
         build(p, files, spec, rm.identity())
         try:  # a local runner raises from run(), a remote job from wait_until_finish()
             result = p.run()

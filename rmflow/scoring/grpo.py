@@ -47,9 +47,10 @@ def _named(fn: RewardFunc, name: str) -> RewardFunc:
 
 
 def local_reward_func(rm, *, normalized: bool = False, truncate: str = "left", batch_size: int | None = None,
-                      name: str = "rmflow_reward") -> RewardFunc:
+                      name: str = "rmflow_reward", deterministic: bool = False) -> RewardFunc:
     """``rm`` (an outcome ``RewardModel``) as a TRL reward function; ``normalized``: rewards
-    standardised by the model's stored mean and std (``rmflow eval --normalize``)."""
+    standardised by the model's stored mean and std (``rmflow eval --normalize``);
+    ``deterministic``: a completion's reward never depends on the others of its call."""
     if normalized and not (rm.normalization and rm.normalization.get("std")):
         raise ValueError("normalized=True: this model has no reward_normalization.json (run `rmflow eval "
                          "--normalize` on it first)")
@@ -64,7 +65,8 @@ def local_reward_func(rm, *, normalized: bool = False, truncate: str = "left", b
                 continue
         out: list[float | None] = [None] * len(completions)
         if encoded:
-            scores = rm.score_ids(encoded, **({"batch_size": batch_size} if batch_size else {}))
+            scores = rm.score_ids(encoded, deterministic=deterministic,
+                                  **({"batch_size": batch_size} if batch_size else {}))
             for i, s in zip(where, rm.normalize(scores) if normalized else scores):
                 out[i] = float(s)
         return out

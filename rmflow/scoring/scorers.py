@@ -75,12 +75,15 @@ LINE_FIELDS = frozenset({"line", "error"})  # what a line that cannot be scored 
 
 
 def score_file(model_path: str, input_path: str, output_path: str, *, step: int | str | None = None,
-               batch_size: int = SCORING_BATCH_SIZE, truncate: str = "error", progress_factory=None) -> dict[str, int]:
+               batch_size: int = SCORING_BATCH_SIZE, truncate: str = "error", deterministic: bool = False,
+               progress_factory=None) -> dict[str, int]:
     """Score a JSONL file through the Python API (``rmflow.RewardModel``), one result line per
     input line, each line what ``encode_record`` reads (a conversation, a preference pair, one
     prompt's K responses, a solution); a line that cannot be scored keeps its fields and gets
     ``line`` and ``error``, and no line takes the others' scores with it (``score_encoded``).
-    ``truncate="left"``: a conversation longer than the model's positions loses its earliest tokens."""
+    ``truncate="left"``: a conversation longer than the model's positions loses its earliest tokens;
+    ``deterministic``: each conversation scored alone in its row (``RewardModel.shapes``), its score
+    the same to the last bit whatever else the file holds."""
     if os.path.isdir(output_path):
         raise ScoreError(f"--output {output_path} is a folder; give the JSONL file to write")
     if not os.path.isfile(input_path):
@@ -115,7 +118,8 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
             kept = echoed(obj, OUTPUT_FIELDS | LINE_FIELDS) \
                 if isinstance(obj, dict) else {}  # the user's own fields (an id ...), to join results back
             rows.append({**kept, "line": line_no, "error": reason})
-    fields = score_encoded(rm, encoded, rm.shapes(batch_size), progress_factory=progress_factory)
+    fields = score_encoded(rm, encoded, rm.shapes(batch_size, deterministic=deterministic),
+                           progress_factory=progress_factory)
     for (row, line_no), result in zip(owners, fields):
         if "error" in result:  # could not be scored (a bug, named): the line's fields and why
             rows[row] = {**rows[row], "line": line_no, "error": result["error"]}
@@ -189,7 +193,8 @@ def score_encoded(rm: RewardModel, records: list[tuple[str, list]], shapes, *, o
     """The output fields of each encoded record (``encode_record``), in order, scored in batches
     of ``shapes`` (``ScoringShapes.plan``; ``one_length``: as a Beam job cuts them): a record of K
     responses in units of its prompt and several responses (``trainer.inference.response_units``,
-    the prompt computed once; K = 1: its one conversation), as the server scores it. A batch that
+    the prompt computed once; K = 1: its one conversation), as the server scores it (deterministic
+    ``shapes``: each response its own conversation, a row of its own). A batch that
     fails is run again an item at a time, so only a record that cannot be scored alone fails, with
     ``{"error": ...}``: no record takes the others' scores with it."""
     from rmflow.trainer.inference import response_units
@@ -197,7 +202,7 @@ def score_encoded(rm: RewardModel, records: list[tuple[str, list]], shapes, *, o
     scorer = handler(rm.kind, "scorer")
     items, owner = [], []  # what the batches run, and the record each belongs to
     for r, (what, seqs) in enumerate(records):
-        parts = response_units(seqs, rm.max_length) if what == RESPONSES else seqs
+        parts = response_units(seqs, rm.max_length) if what == RESPONSES and not deterministic(shapes) else seqs
         items += parts
         owner += [r] * len(parts)
     results: list[Any] = [None] * len(items)
@@ -212,6 +217,12 @@ def score_encoded(rm: RewardModel, records: list[tuple[str, list]], shapes, *, o
     for i, r in enumerate(owner):
         per[r].append(results[i])
     return [_record_fields(what, rs, rm.head) for (what, _), rs in zip(records, per)]
+
+
+def deterministic(shapes) -> bool:
+    """Whether ``shapes`` score each item alone, in the shape it sets (``ScoringShapes``): then no
+    response shares a row with its siblings in a unit either."""
+    return bool(getattr(shapes, "deterministic", False))
 
 
 def _run_isolated(rm: RewardModel, scorer: Scorer, items: list, shapes) -> list:

@@ -102,14 +102,16 @@ class Service:
         if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
             raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
                                     "--normalize` on it first")
-        shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=True, row_length=self.startup_length)
+        # --deterministic: one item a row, a length's one row count (RewardModel.shapes)
+        shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=not cfg.deterministic,
+                           row_length=self.startup_length, deterministic=cfg.deterministic)
         scorer = handler(rm.kind, "scorer")
         # K-response records in units of compiled shapes: an outcome model's (a process model has none)
-        self.units = cfg.response_units and kind_named(rm.kind).head.per_conversation
+        self.units = uses_units(cfg) and kind_named(rm.kind).head.per_conversation
         scorer.warm_up(rm, shapes, self.units, self.startup_length)
         _ = rm.assistant_marker  # rendered once, before the first request
         self.rm, self.shapes = rm, shapes
-        self.batcher = DynamicBatcher(lambda batch: scorer.run(rm, batch, shapes), shapes.plan,
+        self.batcher = DynamicBatcher(lambda batch: scorer.run(rm, batch, shapes), shapes.plan, group=scorer.group,
                                       token_budget=cfg.token_budget, max_wait_s=cfg.max_wait_ms / 1000,
                                       max_queue=cfg.max_queue, max_queue_wait_s=cfg.max_queue_wait_s or None,
                                       on_batch=self.metrics.batch)
@@ -125,6 +127,12 @@ class Service:
         if self.batcher is not None:
             self.batcher.cut(f"the server stopped before scoring it (SIGTERM, --shutdown-timeout-s "
                              f"{self.cfg.shutdown_timeout_s:g} s passed)")
+
+
+def uses_units(cfg: ServeConfig) -> bool:
+    """Whether a record of K responses is queued in units of its prompt and several responses
+    (--response-units; never --deterministic, where each response is a conversation of its own)."""
+    return cfg.response_units and not cfg.deterministic
 
 
 def authorized(request: Request, api_key: str) -> bool:
@@ -262,7 +270,8 @@ def model_info(service: Service) -> Response:
                          "startup_length": service.startup_length,
                          "batch_shapes": [list(s) for s in service.shapes.shapes],
                          "compiled_shapes": len(service.rm.scorer(service.shapes).compiled),
-                         "response_units": service.units, "endpoints": [path for path, _, _ in SCORING]})
+                         "response_units": service.units, "deterministic": service.cfg.deterministic,
+                         "endpoints": [path for path, _, _ in SCORING]})
 
 
 def prometheus(service: Service) -> Response:
@@ -280,7 +289,7 @@ SCORING = (
 
 
 def create_app(service: Service) -> Starlette:
-    units = service.cfg.response_units
+    units = uses_units(service.cfg)
     routes = [Route(path, scoring_endpoint(service, name, functools.partial(reader, units=units)
                                            if reader is read_native else reader, respond), methods=["POST"])
               for path, name, (reader, respond) in SCORING]

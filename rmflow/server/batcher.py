@@ -74,12 +74,15 @@ RATE_SMOOTHING = 0.3  # weight of the newest take in the measured throughput (to
 
 class DynamicBatcher:
     """``run(payloads) -> results`` scores one batch; ``plan(sizes) -> [index arrays]`` cuts a
-    list of item sizes into batches that ``run`` accepts (``ScoringShapes.plan``)."""
+    list of item sizes into batches that ``run`` accepts (``ScoringShapes.plan``); with ``group``,
+    ``plan(sizes, groups=[group(payload), ...])`` (what besides its size fixes an item's place in a
+    batch: ``Scorer.group``)."""
 
-    def __init__(self, run: Callable[[list], Sequence[Any]], plan: Callable[[list[int]], list], *,
+    def __init__(self, run: Callable[[list], Sequence[Any]], plan: Callable[..., list], *,
                  token_budget: int, max_wait_s: float = 0.005, max_queue: int = 4096,
-                 max_queue_wait_s: float | None = None, on_batch: Callable[[BatchStats], None] | None = None):
-        self._run, self._plan, self._on_batch = run, plan, on_batch
+                 max_queue_wait_s: float | None = None, on_batch: Callable[[BatchStats], None] | None = None,
+                 group: Callable[[Any], Any] | None = None):
+        self._run, self._plan, self._on_batch, self._group = run, plan, on_batch, group
         self.token_budget, self.max_wait_s, self.max_queue = token_budget, max_wait_s, max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self._requests: collections.OrderedDict[int, collections.deque[_Item]] = collections.OrderedDict()
@@ -226,7 +229,10 @@ class DynamicBatcher:
     def _run_take(self, taken: list[_Item]) -> None:
         """One take's batches, one after another; then the throughput they ran at."""
         started, done_tokens = time.monotonic(), 0
-        for batch in self._plan([i.size for i in taken]):
+        sizes = [i.size for i in taken]
+        plan = self._plan(sizes) if self._group is None else \
+            self._plan(sizes, groups=[self._group(i.payload) for i in taken])
+        for batch in plan:
             items = [taken[k] for k in batch]
             if self._cut is not None:  # a shutdown out of time: nothing more goes to the device
                 for i in items:

@@ -354,3 +354,28 @@ def test_a_record_whose_keys_fit_two_layouts_is_an_error_line_in_every_scoring_p
     for record in both:
         with pytest.raises(BadConversation, match="fit several layouts"):
             responses_of(record)
+
+
+def test_deterministic_scores_are_the_api_s_bits_in_the_job_and_in_process(job, tmp_path):
+    """`rmflow score --deterministic`, as a Beam job and in process: each conversation's and each
+    pair side's score is ``RewardModel.score(..., deterministic=True)``'s to the last bit."""
+    base, rm, convs, pairs, _ = job
+    bits = lambda x: np.asarray(x, np.float32).view(np.int32)  # noqa: E731
+    chosen = [_messages(p["chosen"], "chosen") for p in pairs]
+    rejected = [_messages(p["rejected"], "rejected") for p in pairs]
+    rc, rr = rm.score_pairs(chosen, rejected, deterministic=True)
+    r = CliRunner().invoke(app, ["score", "--model", str(base / "run"), "-i", str(base / "in"), "-o",
+                                 str(tmp_path / "job"), "--runner", "DirectRunner", "--deterministic"])
+    assert r.exit_code == 0, r.output
+    by_id = {row.get("id"): row for row in _rows(tmp_path / "job")}
+    got = [by_id[f"c{i}"]["score"] for i in range(20) if f"c{i}" in by_id]
+    np.testing.assert_array_equal(bits(got), bits(rm.score(convs, deterministic=True)))
+    np.testing.assert_array_equal(bits([by_id[p["id"]]["score_chosen"] for p in pairs]), bits(rc))
+    np.testing.assert_array_equal(bits([by_id[p["id"]]["score_rejected"] for p in pairs]), bits(rr))
+    (tmp_path / "in.jsonl").write_text((base / "in" / "part-1.jsonl").read_text())
+    r = CliRunner().invoke(app, ["score", "--model", str(base / "run"), "-i", str(tmp_path / "in.jsonl"), "-o",
+                                 str(tmp_path / "out.jsonl"), "--deterministic", "--max-bad-fraction", "1"])
+    assert r.exit_code == 0, r.output
+    rows = {row.get("id"): row for row in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    np.testing.assert_array_equal(bits([rows[p["id"]]["score_chosen"] for p in pairs if p["id"] in rows]),
+                                  bits([c for c, p in zip(rc, pairs) if p["id"] in rows]))

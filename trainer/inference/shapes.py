@@ -27,16 +27,25 @@ class ScoringShapes:
     length gets ``max_rows`` rows (``batch_size`` sequences a forward, what eval and the API do).
     ``small_batches``: each length also has every power of two of rows below its full count, so
     that a few sequences (a lone request on a quiet server, the half of the clients whose requests
-    came in while the last batch ran) run in a forward their size, not a full one."""
+    came in while the last batch ran) run in a forward their size, not a full one.
+
+    ``deterministic``: every batch is one shape, the shape its items' own lengths (and ``groups``)
+    set, with a length's one row count, whatever else is planned beside them (``plan`` always
+    as with ``one_length``); an item then runs in the same compiled program, alone in its row,
+    however it is batched, and its score is the same to the last bit (no small batches: each
+    would be another program)."""
 
     max_length: int
     max_rows: int = SCORING_BATCH_SIZE
     token_budget: int | None = None
     small_batches: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.max_length < 1 or self.max_rows < 1 or (self.token_budget is not None and self.token_budget < 1):
             raise ValueError(f"scoring shapes need a positive max_length, max_rows and token budget: {self}")
+        if self.deterministic and self.small_batches:
+            raise ValueError("deterministic scoring shapes have one row count a length: no small batches")
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -75,7 +84,8 @@ class ScoringShapes:
         (``units``: each also for K-response units)."""
         compiled = sum(n <= up_to for _, n in self.shapes)
         return (f"{compiled} batch shapes up to {up_to:,} tokens compiled{', each also for response units' if units else ''}"
-                f"{', longer ones on first use' if up_to < self.max_length else ''}")
+                f"{', longer ones on first use' if up_to < self.max_length else ''}"
+                f"{'; deterministic: each item alone in its row, in the shape its length sets' if self.deterministic else ''}")
 
     def plan(self, lengths: Sequence[int], *, one_length: bool = False,
              groups: Sequence[Any] | None = None) -> list[np.ndarray]:
@@ -93,7 +103,7 @@ class ScoringShapes:
         Beam job's reruns byte-identical)."""
         if not len(lengths):
             return []
-        if one_length:
+        if one_length or self.deterministic:
             return self._plan_by_shape(lengths, groups)
         sizes = np.asarray(lengths, np.int64)
         self.length_for(int(sizes.max()))  # the longest fits (or the error names the limit)
