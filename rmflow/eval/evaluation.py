@@ -17,6 +17,7 @@ import grain
 import numpy as np
 
 from rmflow.eval.figures import pair_metrics, process_metrics
+from rmflow.eval.probes import pair_probes
 from rmflow.eval.reports import rewardbench_v2_markdown, write_eval, write_process_report, write_report
 from rmflow.eval.rewardbench import TIES, best_of_n_credit, ties_score, v1_scores, v2_scores
 from rmflow.handlers import handler
@@ -239,7 +240,8 @@ def eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str,
         if unlabeled:
             raise EvalError(f"rewardbench-v1 needs a 'subset' on every pair; {unlabeled:,} of {len(records):,} pairs "
                              "have none (RewardBench rows carry it: keep the column when converting)")
-    rc, rr = front_door(loaded).score_records(records, batch_size=cfg.batch_size)
+    rm = front_door(loaded)
+    rc, rr = rm.score_records(records, batch_size=cfg.batch_size)
     metrics = pair_metrics(
         rc, rr, margin=np.array([r.margin or 0.0 for r in records]),
         len_chosen=np.array([len(r.chosen_ids) - r.prompt_len for r in records]),
@@ -248,6 +250,7 @@ def eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str,
     )
     if cfg.mode == "rewardbench-v1":
         metrics["rewardbench_v1"] = v1_scores(metrics["subsets"])
+    metrics["probes"] = pair_probes(rm, records, rc, rr, batch_size=cfg.batch_size)
     config = {**cfg.to_dict(), "model_description": loaded.description}
 
     def write(m: dict[str, Any], output: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from rmflow.eval.figures import ranking_metrics
+from rmflow.eval.probes import probe_lines, response_probes
 from rmflow.eval.reports import figure, input_lines, ranking_plot, write_eval
 from rmflow.schemas.config import EvalConfig
 from rmflow.trainer.inference import LoadedModel, write_normalization
@@ -27,11 +28,13 @@ def eval_records(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[st
     computed once, ``score_responses``), ranked against their labels."""
     from rmflow.eval.evaluation import front_door
 
-    rewards, outputs = front_door(loaded).score_records(records)  # each prompt once
-    rewards = np.concatenate(rewards)
+    rm = front_door(loaded)
+    per_record, outputs = rm.score_records(records)  # each prompt once
+    rewards = np.concatenate(per_record)
     lengths = [r.lasts[i] + 1 for r in records for i in range(r.k)]
     spans = np.cumsum([0] + [r.k for r in records])
     metrics, write = _ranked(cfg, loaded, records, rewards, lengths, list(zip(spans[:-1], spans[1:])))
+    metrics["probes"] = response_probes(rm, records, per_record)
     names = loaded.model.config.attributes
     if names and records and data_attributes(cfg) == names:  # an attribute head against the ratings it learned
         metrics["ranking"]["attributes"] = attribute_metrics(np.concatenate(outputs),
@@ -110,4 +113,12 @@ def markdown(m: dict[str, Any], model: str, data: list[str]) -> str:
     if r.get("attributes"):  # an attribute head's outputs against the ratings
         lines += ["", "| attribute | RMSE | Pearson's r |", "| --- | ---: | ---: |"]
         lines += [f"| {k} | {figure(v['rmse'], 4)} | {figure(v['pearson'], 4)} |" for k, v in r["attributes"].items()]
+    style = next((p for p in m.get("probes", []) if p["name"] == "style and substance"), None)
+    if style:
+        lines += ["", "## Style and substance (RM-Bench)", "", "| chosen \\ rejected | "
+                  + " | ".join(style["styles"]) + " |", "| --- |" + " ---: |" * 3]
+        lines += [f"| {name} | " + " | ".join(f"{x:.4f}" for x in row) + " |"
+                  for name, row in zip(style["styles"], style["table"])]
+    if m.get("probes"):
+        lines += ["", "## Sanity probes", "", *(f"* {x}" for x in probe_lines(m["probes"]))]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from rmflow.eval.probes import probe_lines
 from rmflow.schemas import jsontext
 from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.outputs import EVAL_FILE, REPORT_FILE
@@ -60,6 +61,17 @@ def report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[s
         lines += [f"| {k} | {v['pairs']:,} | {v['accuracy']:.4f} |" for k, v in m["subsets"].items()]
     if m.get("rewardbench_v1"):
         lines += ["", *rewardbench_v1_lines(m["rewardbench_v1"])]
+    length = next((p for p in m.get("probes", []) if p["name"] == "length-controlled accuracy"), None)
+    if length and length.get("bins"):
+        lines += ["", "## Accuracy by length difference", "", "| chosen minus rejected reply (tokens) | pairs | "
+                  "accuracy | 95% interval |", "| --- | ---: | ---: | ---: |"]
+        for b in length["bins"]:
+            lo, hi = b["chosen_minus_rejected_tokens"]
+            span = f"under {hi}" if lo is None else f"{lo} or more" if hi is None else f"{lo} to {hi - 1}"
+            lines.append(f"| {span} | {b['pairs']:,} | {b['accuracy']:.4f} | {b['accuracy_ci95'][0]:.4f} – "
+                         f"{b['accuracy_ci95'][1]:.4f} |")
+    if m.get("probes"):
+        lines += ["", "## Sanity probes", "", *(f"* {x}" for x in probe_lines(m["probes"]))]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"

@@ -76,6 +76,16 @@ class SequenceScorer:
         """Rewards of one batch: at most the rows of the length its longest sequence needs."""
         return self.run_outputs(sequences)[0]
 
+    def run_padded(self, sequences: Sequence[np.ndarray], length: int) -> np.ndarray:
+        """Rewards of sequences each alone in a row of ``length`` tokens (any length that holds the
+        longest; a program of its own per batch size and length): what eval's probes compare with
+        the same sequences in the shapes of the set, to find a score that moves with its padding."""
+        ids = np.full((len(sequences), length), self.pad_id, np.int32)
+        seg, last = np.zeros_like(ids), np.zeros(len(sequences), np.int32)
+        for row, s in enumerate(sequences):
+            ids[row, : len(s)], seg[row, : len(s)], last[row] = s, 1, len(s) - 1
+        return self._run_padded(ids, seg, last)[0]
+
     def run_outputs(self, sequences: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         """Rewards of one batch and, for an attribute head, its outputs (B, N); else None."""
         ids, seg = padded_rows(self.shapes, [len(s) for s in sequences], self.pad_id, "sequences")
