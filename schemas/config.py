@@ -454,6 +454,11 @@ class ServeConfig(Config):
                                   "--normalize`), as OpenRLHF's --normalize_reward does.")
     deterministic: bool = option(False, DETERMINISTIC_HELP + " A length's batches are then always full-size "
                                         "(--response-units is off).")
+    monitor_window: int = option(2048, "Conversations the reward-hacking signals (drift from the model's held-out "
+                                       "scores, score-length correlation, share over the trained length) are "
+                                       "computed over, in /metrics and /v1/model; 0: off.")
+    monitor_log_every: int = option(1000, "Log the signals every this many conversations scored (0: only when one "
+                                          "crosses its threshold).")
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -461,6 +466,7 @@ class ServeConfig(Config):
             raise ConfigError("model: required (a run directory or an exported checkpoint)")
         object.__setattr__(self, "step", checkpoint_step(self.step))
         for name, minimum in (("port", 0), ("max_length", 0), ("startup_length", 0), ("token_budget", 1),
+                              ("monitor_window", 0), ("monitor_log_every", 0),
                               ("max_batch_rows", 1), ("max_queue", 1), ("max_request_items", 1)):
             check_int(getattr(self, name), name, minimum)
         if self.port > 65535:

@@ -40,6 +40,7 @@ from rmflow.schemas.config import ServeConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
+from rmflow.server.monitor import RewardMonitor, sequence_tokens
 from rmflow.server.prometheus import ServerMetrics
 from rmflow.server.protocol import (
     RequestError,
@@ -86,6 +87,8 @@ class Service:
         self.cut_requests = 0  # requests answered 503 once a shutdown ran out of time
         self.disconnected = 0  # requests whose client went away before the answer (their items cancelled)
         self.metrics = ServerMetrics(lambda: self.batcher.depth if self.batcher else 0)
+        self.monitor: RewardMonitor | None = None  # an outcome model's reward-hacking signals (--monitor-window)
+        self.metrics.watch(lambda name: self.monitor.value(name) if self.monitor else math.nan)
 
     def load(self) -> None:
         from rmflow.scoring.api import RewardModel
@@ -111,6 +114,9 @@ class Service:
         scorer.warm_up(rm, shapes, self.units, self.startup_length)
         _ = rm.assistant_marker  # rendered once, before the first request
         self.rm, self.shapes = rm, shapes
+        if cfg.monitor_window and kind_named(rm.kind).head.per_conversation:
+            self.monitor = RewardMonitor(cfg.monitor_window, reference=rm.normalization,
+                                         trained_length=rm.trained_max_length, log_every=cfg.monitor_log_every)
         self.batcher = DynamicBatcher(lambda batch: scorer.run(rm, batch, shapes), shapes.plan, group=scorer.group,
                                       token_budget=cfg.token_budget, max_wait_s=cfg.max_wait_ms / 1000,
                                       max_queue=cfg.max_queue, max_queue_wait_s=cfg.max_queue_wait_s or None,
@@ -208,8 +214,22 @@ async def _answer(service: Service, request: Request, reader: Callable, respond:
     except QueueFull as e:
         headers["Retry-After"] = str(math.ceil(e.retry_after))
         raise RequestError(503, f"overloaded: {e}; retry after {headers['Retry-After']} s", reason="queue_full") from e
-    payload = respond(service, parsed, await _results(service, request, submitted))
+    results = await _results(service, request, submitted)
+    if service.monitor is not None:
+        observe(service.monitor, parsed.encoded, results)
+    payload = respond(service, parsed, results)
     return {**payload, "warnings": parsed.warnings} if parsed.warnings else payload
+
+
+def observe(monitor: RewardMonitor, items: list, results: list) -> None:
+    """A request's conversations, their scores and token counts, to the monitor (a unit of K
+    responses: each response with its prompt)."""
+    scores, tokens = [], []
+    for item, result in zip(items, results):
+        fields = result if isinstance(result, list) else [result]
+        scores += [f["score"] for f in fields]
+        tokens += sequence_tokens(item)
+    monitor.observe(scores, tokens)
 
 
 def scoring_endpoint(service: Service, name: str, reader: Callable, respond: Responder):
@@ -271,6 +291,7 @@ def model_info(service: Service) -> Response:
                          "batch_shapes": [list(s) for s in service.shapes.shapes],
                          "compiled_shapes": len(service.rm.scorer(service.shapes).compiled),
                          "response_units": service.units, "deterministic": service.cfg.deterministic,
+                         "monitor": service.monitor.summary() if service.monitor else None,
                          "endpoints": [path for path, _, _ in SCORING]})
 
 

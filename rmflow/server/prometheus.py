@@ -58,6 +58,16 @@ class ServerMetrics:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
 
+    def watch(self, signal) -> None:
+        """Gauges of the reward-hacking signals (``monitor.RewardMonitor``): ``signal(name)`` is
+        the value of one (nan while it has none)."""
+        for name, text in (("drift", "Window mean score minus the model's held-out mean, in held-out stds."),
+                           ("length_correlation", "Pearson's r of score and tokens over the window."),
+                           ("over_trained_length", "Share of the window longer than the model was trained on."),
+                           ("score_mean", "Mean score over the window."), ("score_std", "Std of the scores over the window.")):
+            Gauge(f"rmflow_monitor_{name}", text, registry=self.registry).set_function(
+                lambda name=name: signal(name))
+
     def batch(self, stats) -> None:
         """One forward pass (``batcher.BatchStats``)."""
         self.sequences.inc(stats.sequences)
