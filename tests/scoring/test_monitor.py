@@ -5,8 +5,8 @@ signals are in /v1/model and /metrics and a stream of over-long conversations is
 
 import numpy as np
 import requests
-from rmflow.server.monitor import MIN_SEQUENCES, RewardMonitor, sequence_tokens
 
+from rmflow.server.monitor import MIN_SEQUENCES, RewardMonitor, sequence_tokens
 from tests.scoring.test_serve import AUTH, Server
 
 
