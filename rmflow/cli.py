@@ -384,7 +384,8 @@ def score(options: dict, ctx: typer.Context) -> None:
             return lambda n: progress.advance(task, n)
 
         counts = score_file(cfg.model, cfg.input, cfg.output, step=cfg.step, batch_size=cfg.batch_size,
-                            truncate=cfg.truncate, deterministic=cfg.deterministic, progress_factory=factory)
+                            truncate=cfg.truncate, deterministic=cfg.deterministic, reward=cfg.reward,
+                            progress_factory=factory)
     total = counts["scored"] + counts["errors"]
     if total and counts["errors"] / total > cfg.max_bad_fraction:  # the file is written either way
         console.print(f"[red]score failed:[/red] {counts['errors']:,} of {total:,} lines "

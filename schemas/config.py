@@ -249,6 +249,12 @@ RAW_INPUT_OPTIONS = ("format", "margin_from_scores", "pairs_from", "attribute_we
 _PRE = {f.name: f for f in dataclasses.fields(PreprocessConfig)}
 
 
+# EvalConfig's, ScoreConfig's and ServeConfig's --reward (one meaning, one text)
+REWARD_HELP = ("An ensemble's reward (a run with ensemble.members): mean, min, or lcb:LAMBDA (the members' mean "
+               "minus LAMBDA x their standard deviation); empty: the one it was trained with. Every answer also "
+               "carries the members' rewards, their mean and std.")
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig(Config):
     """Everything that determines an `rmflow eval` (the CLI options and the workflow's eval keys)."""
@@ -264,6 +270,7 @@ class EvalConfig(Config):
     step: int | str | None = option(None, "Checkpoint step of a run directory to evaluate, or best (the run's "
                                         "metric_for_best ranks it first); default: the newest.")
     batch_size: int = option(SCORING_BATCH_SIZE, "Records per forward pass (a pair, a solution, a prompt with its K responses).")
+    reward: str = option("", REWARD_HELP)
     normalize: bool = option(False, "Store the mean and std of the rewards on this data with the model "
                                   "(reward_normalization.json), to standardise scores.")
     mode: str = option("pairs", "pairs; rewardbench-v1 (subset accuracies, section scores weighted as RewardBench "
@@ -387,6 +394,7 @@ class ScoreConfig(Config):
     truncate: str = option("error", "A conversation longer than the model's positions: error (reported as a bad "
                                   "record) or left (its earliest tokens dropped, the reply scored kept whole).")
     deterministic: bool = option(False, DETERMINISTIC_HELP)
+    reward: str = option("", REWARD_HELP)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "beam_args", tuple(self.beam_args))
@@ -452,13 +460,15 @@ class ServeConfig(Config):
     normalize: bool = option(False, "/get_reward, /classify, /pooling and /v1/embeddings return scores "
                                   "standardised by the model's reward_normalization.json (`rmflow eval "
                                   "--normalize`), as OpenRLHF's --normalize_reward does.")
-    deterministic: bool = option(False, DETERMINISTIC_HELP + " A length's batches are then always full-size "
-                                        "(--response-units is off).")
+    deterministic: bool = option(False, DETERMINISTIC_HELP + " A length's batches are then always full-size, "
+                                        "at most 8 conversations (--response-units is off).")
     monitor_window: int = option(2048, "Conversations the reward-hacking signals (drift from the model's held-out "
                                        "scores, score-length correlation, share over the trained length) are "
                                        "computed over, in /metrics and /v1/model; 0: off.")
     monitor_log_every: int = option(1000, "Log the signals every this many conversations scored (0: only when one "
                                           "crosses its threshold).")
+    reward: str = option("", REWARD_HELP + " /get_reward, /classify, /pooling and /v1/embeddings return this "
+                                           "reward alone.")
 
     def __post_init__(self) -> None:
         self._check_types()

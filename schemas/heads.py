@@ -11,6 +11,10 @@ K responses of), what an answer carries beside the reward, and how the model car
   weighted sum; every answer carries the outputs by name too.
 * ``step-classes``: two classes at each step's end, P(correct) (process reward models), exported
   as a token classifier as TRL and Axolotl do.
+* ``ensemble``: one output per member of an ensemble trained on one backbone, each its own
+  reward; the model's reward is their mean, or a conservative one (``MEMBER_REWARDS``: their
+  minimum, or the mean minus a multiple of their spread); every answer carries the members'
+  rewards, their mean and their spread.
 
 Code that varies by head asks the model's head (``head_of``) for it; it never tests a model's
 attributes or widths itself. A new head (say, an ensemble's N rewards) is one class and one entry
@@ -28,6 +32,11 @@ from rmflow.schemas.errors import RmflowError
 ATTRIBUTE_SCORES = "attribute_scores"  # an attribute head's outputs by name, beside each reward
 RESPONSE_ATTRIBUTES = "response_attribute_scores"  # ... for each response of a K-response record
 ATTRIBUTE_WEIGHTS = "attribute_weights"  # config.json's key for an attribute head's weights by name
+ENSEMBLE_KEY = "rmflow_ensemble"  # config.json's key for an ensemble head: {"members": N, "reward": RULE}
+MEMBER_SCORES, SCORE_MEAN, SCORE_STD = "member_scores", "score_mean", "score_std"  # an ensemble's answer
+# An ensemble's reward over its members' (``member_reward``): their mean; their minimum; the mean
+# minus LAMBDA times their standard deviation (a lower confidence bound; Coste et al., 2024)
+MEMBER_REWARDS = ("mean", "min", "lcb:LAMBDA")
 
 
 class UnknownHead(RmflowError, ValueError):
@@ -40,6 +49,24 @@ class HeadConfig(Protocol):
     num_labels: int
     attributes: tuple[str, ...]
     attribute_weights: tuple[float, ...]
+    members: int
+    member_reward: str
+
+
+def member_reward(rule: str) -> tuple[str, float]:
+    """An ensemble's reward rule (``MEMBER_REWARDS``) as (``mean``, ``min`` or ``lcb``, its lambda);
+    raises UnknownHead naming the forms."""
+    rule = (rule or "mean").strip()
+    if rule in ("mean", "min"):
+        return rule, 0.0
+    if rule.startswith("lcb:"):
+        try:
+            lam = float(rule[4:])
+        except ValueError:
+            lam = -1.0
+        if lam >= 0:
+            return "lcb", lam
+    raise UnknownHead(f"an ensemble's reward {rule!r}: use {', '.join(MEMBER_REWARDS)} (LAMBDA >= 0, e.g. lcb:1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +154,46 @@ class AttributeHead(Head):
                 "attribute_weights)"]
 
 
+@dataclasses.dataclass(frozen=True)
+class EnsembleHead(Head):
+    """One output per member; the reward is the rule ``member_reward`` names over them (config.json's
+    ``rmflow_ensemble``, which ``ModelConfig.from_hf`` reads back)."""
+
+    def describe(self, cfg: HeadConfig, kind_description: str) -> str:
+        return (f"an outcome reward model with an ensemble head: {cfg.members} members on one backbone, each "
+                f"a reward; the reward {rule_text(cfg.member_reward)}")
+
+    def hf_labels(self, cfg: HeadConfig) -> dict[str, str]:
+        return {str(i): f"member_{i}" for i in range(cfg.members)}
+
+    def hf_config(self, cfg: HeadConfig) -> dict[str, Any]:
+        return {ENSEMBLE_KEY: {"members": cfg.members, "reward": cfg.member_reward}}
+
+    def answer(self, outputs: Sequence[float] | None, cfg: HeadConfig) -> dict[str, Any]:
+        if outputs is None:
+            return {}
+        values = [float(x) for x in outputs]
+        mean = sum(values) / len(values)
+        std = (sum((x - mean) ** 2 for x in values) / len(values)) ** 0.5
+        return {MEMBER_SCORES: values, SCORE_MEAN: mean, SCORE_STD: std}
+
+    def recipe(self, cfg: HeadConfig) -> dict[str, str]:
+        return {"ensemble.members": str(cfg.members), "ensemble.reward": cfg.member_reward}
+
+    def usage(self, cfg: HeadConfig, kind_description: str) -> list[str]:
+        kind, lam = member_reward(cfg.member_reward)
+        reward = {"mean": "logits.mean()", "min": "logits.min()",
+                  "lcb": f"logits.mean() - {lam:g} * logits.std(unbiased=False)"}[kind]
+        return [f"    logits = model(**ids).logits[0]  # one reward per ensemble member ({cfg.members})",
+                f"reward = float({reward})  # config.json's rmflow_ensemble reward: {cfg.member_reward}"]
+
+
+def rule_text(rule: str) -> str:
+    kind, lam = member_reward(rule)
+    return {"mean": "is their mean", "min": "is their minimum",
+            "lcb": f"is their mean minus {lam:g} x their standard deviation"}[kind]
+
+
 def weights_text(cfg: HeadConfig) -> str:
     """An attribute head's weights as --attribute-weights takes them (name=weight,...)."""
     return ",".join(f"{n}={w:g}" for n, w in zip(cfg.attributes, cfg.attribute_weights))
@@ -144,7 +211,12 @@ STEP_CLASSES = Head(name="step-classes", kind="process", outputs=2,
                     bias=True, peft_task="TOKEN_CLS", per_conversation=False,
                     api="score_steps([{'prompt': ..., 'completions': [step, ...]}]) (P(correct) for each step)",
                     hf_label_names=("incorrect", "correct"))
-HEADS: dict[str, Head] = {h.name: h for h in (REWARD, ATTRIBUTES, STEP_CLASSES)}
+ENSEMBLE = EnsembleHead(name="ensemble", kind="outcome", outputs=0, hf_head="ForSequenceClassification", bias=False,
+                        peft_task="SEQ_CLS", per_conversation=True,
+                        api="score or score_pairs (a score per whole reply: the members' mean, or the rule asked)",
+                        answer_keys=((MEMBER_SCORES, "response_member_scores"), (SCORE_MEAN, "response_score_means"),
+                                     (SCORE_STD, "response_score_stds")))
+HEADS: dict[str, Head] = {h.name: h for h in (REWARD, ATTRIBUTES, STEP_CLASSES, ENSEMBLE)}
 
 
 def check_head(cfg: HeadConfig) -> None:
@@ -154,13 +226,17 @@ def check_head(cfg: HeadConfig) -> None:
     if named and not len(cfg.attributes) == len(cfg.attribute_weights) == cfg.num_labels:
         raise UnknownHead(f"an attribute head needs one name and one weight per output: num_labels {cfg.num_labels}, "
                           f"attributes {cfg.attributes}, attribute_weights {cfg.attribute_weights}")
+    if cfg.members and (named or cfg.members < 2 or cfg.members != cfg.num_labels):
+        raise UnknownHead(f"an ensemble head needs 2 or more members, one output each and no attributes: members "
+                          f"{cfg.members}, num_labels {cfg.num_labels}, attributes {cfg.attributes}")
+    member_reward(cfg.member_reward)
     head_of(cfg)
 
 
 def same_outputs(a: HeadConfig, b: HeadConfig) -> bool:
     """Whether two heads have the same outputs (their width and names; an attribute head's weights
     are a run's choice, not parameters)."""
-    return (a.num_labels, a.attributes) == (b.num_labels, b.attributes)
+    return (a.num_labels, a.attributes, a.members) == (b.num_labels, b.attributes, b.members)
 
 
 def head_of(cfg: HeadConfig | Mapping[str, Any]) -> Head:
@@ -168,9 +244,12 @@ def head_of(cfg: HeadConfig | Mapping[str, Any]) -> Head:
     get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
     if get("attributes", ()):
         return ATTRIBUTES
+    if get("members", 0):
+        return ENSEMBLE
     width = get("num_labels", 1)
     for head in HEADS.values():
         if head.outputs == width:
             return head
-    widths = ", ".join(f"{h.name}: {h.outputs or 'one per attribute'}" for h in HEADS.values())
+    widths = ", ".join(f"{h.name}: {h.outputs}" for h in HEADS.values() if h.outputs)
+    widths += ", attributes: one per attribute, ensemble: one per member"
     raise UnknownHead(f"a score head of {width} outputs is no head rmflow knows ({widths})")

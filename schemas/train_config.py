@@ -269,6 +269,36 @@ class MeshConfig(Config):
 
 
 @dataclasses.dataclass(frozen=True)
+class EnsembleConfig(Config):
+    """An ensemble trained in one run: members on one backbone (Zhang et al., 2024), whose spread
+    says how sure the reward is and whose conservative reward resists over-optimisation (Coste et
+    al., 2024)."""
+
+    members: int = option(0, "Score heads on one backbone, each its own randomly drawn head trained with the loss "
+                             "on every pair (or prompt): an ensemble of N >= 2 members at the cost of one model; "
+                             "scores come with the members' rewards, their mean and spread. 0 = one reward head. "
+                             "Pairs and K responses per prompt (not the regression objectives, not process models).")
+    reward: str = option("mean", "An ensemble's reward: mean, min, or lcb:LAMBDA (the mean minus LAMBDA x the "
+                                 "members' standard deviation); what eval, score and serve give unless they are "
+                                 "asked for another (--reward).")
+
+    def __post_init__(self) -> None:
+        from rmflow.schemas.heads import UnknownHead, member_reward
+
+        self._check_types()
+        check_int(self.members, "members", 0)
+        if self.members == 1:
+            raise ConfigError("ensemble.members 1: an ensemble has 2 or more members (0: none)")
+        try:
+            member_reward(self.reward)
+        except UnknownHead as e:
+            raise ConfigError(f"ensemble.reward: {e}") from None
+        if not self.members and self.reward != "mean":
+            raise ConfigError(f"ensemble.reward {self.reward!r}: a rule over an ensemble's members; give "
+                              "ensemble.members too")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig(Config):
     """When the run saves, and which checkpoints it keeps."""
 
@@ -359,6 +389,7 @@ class TrainConfig(Config):
                                                   "any lora.* option turns it on; --set lora=none turns it off.",
                                       optional=True)
     mesh: MeshConfig = section(MeshConfig, "The device mesh and the processes of a distributed run.")
+    ensemble: EnsembleConfig = section(EnsembleConfig, "An ensemble of score heads trained in one run.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints: when they are saved, which are kept.")
     logging: LoggingConfig = section(LoggingConfig, "Metrics: how often, and where besides metrics.jsonl.")
 

@@ -35,7 +35,8 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
     cfg = run.model_config
     head = head_of(cfg)
     as_scored = head.recipe(cfg)  # what the head scores by, over the options it was trained with
-    recipe = [(k, as_scored.get(k, _get(flat, k))) for k in RECIPE]
+    recipe = [(k, as_scored.get(k, _get(flat, k))) for k in RECIPE] + \
+        [(k, v) for k, v in as_scored.items() if k not in RECIPE]  # a head's own (an ensemble's members)
     what = head.describe(cfg, kind.description)
     manifest_sha = data_manifest_sha256(run.path)
     loads = (f"A PEFT adapter (and the score head) for `{hf_class}` on its base model (`adapter_config.json`)"

@@ -22,6 +22,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from rmflow.schemas import kinds
 from rmflow.schemas.attributes import parse_weights, weights_over
 from rmflow.schemas.config import SCORED_BY_WEIGHTS
@@ -29,7 +31,7 @@ from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.manifest import Manifest
 from rmflow.schemas.options import ConfigError
 from rmflow.schemas.train_config import OBJECTIVES as CONFIG_OBJECTIVES
-from rmflow.schemas.train_config import TrainConfig, fits_ratings, ranking_loss
+from rmflow.schemas.train_config import EnsembleConfig, TrainConfig, fits_ratings, ranking_loss
 from rmflow.trainer.data.collate import Collate
 from rmflow.trainer.data.packing import PackCollate
 from rmflow.trainer.data.response_units import ResponsesCollate, ResponsesPackCollate
@@ -65,6 +67,13 @@ def pair_rewards(model, batch: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _pairwise(model, mb: dict[str, Any], center_coef: float):
+    if model.config.members:  # an ensemble: each member's loss, their mean; the metrics the reward's
+        outputs = model.logits(*(mb[k] for k in _MODEL_ARGS)).reshape(-1, 2, model.config.members)
+        each = jax.vmap(lambda c, r: pairwise_loss(c, r, mb["margin"], mb["weight"], center_coef)[1], in_axes=-1)(
+            outputs[:, 0], outputs[:, 1])
+        reward = model.reward_of(outputs)
+        _, sums = pairwise_loss(reward[:, 0], reward[:, 1], mb["margin"], mb["weight"], center_coef)
+        return jnp.mean(each["bt_loss_sum"] + center_coef * each["center_sum"]), sums
     chosen, rejected = pair_rewards(model, mb)
     _, sums = pairwise_loss(chosen, rejected, mb["margin"], mb["weight"], center_coef)
     return sums["bt_loss_sum"] + center_coef * sums["center_sum"], sums
@@ -77,9 +86,15 @@ def _stepwise(model, mb: dict[str, Any], center_coef: float):
 
 def _listwise(ranking: str):
     def loss(model, mb: dict[str, Any], center_coef: float):
-        rewards = model(*(mb[k] for k in _MODEL_ARGS))
-        _, sums = listwise_loss(rewards, mb["response_scores"], mb["response_group"], center_coef, ranking,
-                                mb["response_margins"])
+        def sums_of(rewards):
+            return listwise_loss(rewards, mb["response_scores"], mb["response_group"], center_coef, ranking,
+                                 mb["response_margins"])[1]
+
+        if model.config.members:  # an ensemble: each member's loss, their mean; the metrics the reward's
+            outputs = model.logits(*(mb[k] for k in _MODEL_ARGS))
+            sums = sums_of(model.reward_of(outputs))
+            return jnp.mean(jax.vmap(sums_of, in_axes=-1)(outputs)["loss_sum"]), sums
+        sums = sums_of(model(*(mb[k] for k in _MODEL_ARGS)))
         return sums["loss_sum"], sums
 
     return loss
@@ -131,10 +146,18 @@ class Objective:
         """Trains an attribute head (one output per attribute) on the records' ratings."""
         return fits_ratings(self.ranking)
 
-    def head(self, manifest: Manifest, attribute_weights: str = "") -> ScoreHead:
-        """The score head a run of this objective trains on ``manifest``'s shards: its kind's, or an
-        attribute head over the attributes the records keep, weighted by ``attribute_weights``
-        (name=weight,...; empty: those preprocessing scored the responses by)."""
+    def head(self, manifest: Manifest, attribute_weights: str = "", ensemble: EnsembleConfig | None = None
+             ) -> ScoreHead:
+        """The score head a run of this objective trains on ``manifest``'s shards: its kind's, an
+        ensemble's (``ensemble.members`` outputs), or an attribute head over the attributes the
+        records keep, weighted by ``attribute_weights`` (name=weight,...; empty: those
+        preprocessing scored the responses by)."""
+        if ensemble is not None and ensemble.members:
+            if self.regression or not self.kind.pairwise:
+                raise ConfigError(f"ensemble.members {ensemble.members}: an ensemble of reward heads trains on pairs "
+                                  f"or ranked responses; this run trains "
+                                  f"{'an attribute head' if self.regression else self.kind.description}")
+            return ScoreHead(ensemble.members, members=ensemble.members, member_reward=ensemble.reward)
         if not self.regression:
             return ScoreHead(self.kind.head.outputs)
         names = manifest.attributes
@@ -151,14 +174,17 @@ class Objective:
         what = "attribute_weights" if given else "the shards' scores (preprocess's attribute_weights)"
         return ScoreHead(len(names), names, weights_over(names, weights, what))
 
-    def for_data(self, manifest: Manifest, attribute_weights: str = "") -> Objective:
+    def for_data(self, manifest: Manifest, attribute_weights: str = "", ensemble: EnsembleConfig | None = None
+                 ) -> Objective:
         """This objective on ``manifest``'s shards: with the score head it trains there (``head``)
         and, for a regression, the attribute names its metrics name."""
-        head = self.head(manifest, attribute_weights)
+        head = self.head(manifest, attribute_weights, ensemble)
         return dataclasses.replace(self, model_head=head, attributes=head.attributes if self.regression else ())
 
     def fits(self, head: ScoreHead) -> bool:
         """``head`` is one this objective trains."""
+        if head.members or self.model_head.members:
+            return head.members == self.model_head.members
         return bool(head.attributes) == self.regression and (self.regression or head.num_labels == self.kind.head.outputs)
 
     def with_router(self) -> Objective:
@@ -230,4 +256,4 @@ def for_config(cfg: TrainConfig, manifest: Manifest) -> Objective:
     """A run's objective, built once from its config and its shards (data kind x head x loss):
     the kind's objective with the config's ranking loss, its score head over the data; the model
     builder, the loader and the step all take this object."""
-    return objective_for(manifest.kind, cfg.objective).for_data(manifest, cfg.attribute_weights)
+    return objective_for(manifest.kind, cfg.objective).for_data(manifest, cfg.attribute_weights, cfg.ensemble)

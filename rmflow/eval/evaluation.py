@@ -16,6 +16,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from rmflow.eval.ensemble import ensemble_pairs
 from rmflow.eval.figures import pair_metrics, process_metrics
 from rmflow.eval.probes import pair_probes
 from rmflow.eval.reports import rewardbench_v2_markdown, write_eval, write_process_report, write_report
@@ -180,7 +181,7 @@ def _run_eval(cfg: EvalConfig, staging: str) -> dict[str, Any]:
     if cfg.normalize and storage.is_remote(cfg.model):
         raise EvalError("--normalize stores reward_normalization.json in the model folder: give a local copy "
                          f"of {cfg.model}")
-    loaded = load_model(cfg.model, cfg.step)
+    loaded = load_model(cfg.model, cfg.step, cfg.reward)
     kind = loaded.kind
     if cfg.mode not in kind.eval_modes or (cfg.normalize and not kind.head.per_conversation):
         asked = f"--mode {cfg.mode}" + (" and --normalize" if cfg.normalize and not kind.head.per_conversation else "")
@@ -251,6 +252,8 @@ def eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str,
     if cfg.mode == "rewardbench-v1":
         metrics["rewardbench_v1"] = v1_scores(metrics["subsets"])
     metrics["probes"] = pair_probes(rm, records, rc, rr, batch_size=cfg.batch_size)
+    if loaded.model.config.members:  # an ensemble: its members against their reward
+        metrics["ensemble"] = ensemble_pairs(rm, records, rc, rr, cfg.batch_size)
     config = {**cfg.to_dict(), "model_description": loaded.description}
 
     def write(m: dict[str, Any], output: str) -> None:

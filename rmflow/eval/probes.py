@@ -10,8 +10,8 @@ or a broken scoring path fails loudly instead of reporting a plausible number.
   afresh, each side elsewhere in its row) give every pair the opposite verdict, so the accuracy
   is 1 - accuracy - tie rate; a reward read from a side's place, not its reply, breaks it.
 * ``reward at the last token``: a conversation's score is the same alone in its row, padded to
-  twice its length, and twice over in one packed row (the second copy after the first); and it
-  moves when its final token is dropped. A score read from padding, or from a fixed position,
+  at least twice its length, and packed twice over beside others (at an offset in its row); and
+  it moves when its final token is dropped. A score read from padding, or from a fixed position,
   fails it.
 * ``length-controlled accuracy`` (pairs): pairs binned by how much longer the chosen reply is
   than the rejected one; the mean of the accuracy where the chosen reply is longer and where it
@@ -41,7 +41,7 @@ CHANCE = 0.5
 # rounding differs between programs), and "moved" by a dropped token beyond it.
 SAME_SCORE = 1e-3
 MOVED_SHARE = 0.9  # the share of probed conversations whose score must move without its final token
-PROBED_SEQUENCES = 32  # conversations the last-token probe scores (the shortest are passed over)
+PROBED_SEQUENCES = 32  # conversations the last-token probe scores, taken evenly from those it can double
 # length bins: chosen reply minus rejected reply, in tokens
 LENGTH_EDGES = (-64, -8, 8, 64)
 STYLES = ("concise", "detailed_plain", "detailed_markdown")  # RM-Bench's order in each group of three
@@ -82,7 +82,7 @@ def last_token_probe(alone: np.ndarray, padded: np.ndarray, packed: np.ndarray, 
                      scale: float) -> dict[str, Any]:
     """Scores of the same conversations alone, padded to twice their length, each of two copies in
     one packed row ((n, 2)), and without their final token."""
-    tol = SAME_SCORE * scale
+    tol = SAME_SCORE * scale + 1e-6 * float(np.abs(alone).max())  # float32 rounding of large scores
     off = max(float(np.abs(padded - alone).max()), float(np.abs(packed - alone[:, None]).max()))
     moved = float((np.abs(shorter - alone) > tol).mean())
     line = (f"{len(alone)} conversations: largest change padded or packed {off:.1e} (tolerance {tol:.1e}); moved by "

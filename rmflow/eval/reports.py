@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from rmflow.eval.ensemble import markdown_lines as ensemble_lines
 from rmflow.eval.probes import probe_lines
 from rmflow.schemas import jsontext
 from rmflow.schemas.kinds import ModelKind
@@ -70,6 +71,8 @@ def report_markdown(m: dict[str, Any], plots: Sequence[str] = (), config: dict[s
             span = f"under {hi}" if lo is None else f"{lo} or more" if hi is None else f"{lo} to {hi - 1}"
             lines.append(f"| {span} | {b['pairs']:,} | {b['accuracy']:.4f} | {b['accuracy_ci95'][0]:.4f} – "
                          f"{b['accuracy_ci95'][1]:.4f} |")
+    if m.get("ensemble"):
+        lines += ensemble_lines(m["ensemble"])
     if m.get("probes"):
         lines += ["", "## Sanity probes", "", *(f"* {x}" for x in probe_lines(m["probes"]))]
     if plots:
@@ -297,6 +300,11 @@ def pair_summary(m: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
             ("Brier", f"{m['calibration']['brier']:.4f}")]
     if "length_bias" in m:
         rows.append(("longer-reply baseline", f"{m['length_bias']['longer_wins_accuracy']:.4f}"))
+    if "ensemble" in m:
+        e = m["ensemble"]
+        rows += [("members' accuracy (mean)", figure(e["member_accuracy_mean"], 4)),
+                 ("members' mean: accuracy", figure(e["mean_accuracy"], 4)),
+                 ("disagreement AUROC (misordered)", figure(e["spread_auroc_misordered"], 4))]
     if "rewardbench_v1" in m:
         rb = m["rewardbench_v1"]
         if rb["complete"]:

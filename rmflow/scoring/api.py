@@ -18,9 +18,9 @@ must end with the assistant reply to score. ``rmflow score`` is a thin wrapper o
 
 Every scoring method takes ``deterministic=True``: each conversation then runs alone in its row,
 in a batch shape its own length sets (``ScoringShapes(deterministic=True)``), so its score is
-the same to the last bit whatever it is scored with, in any call, here, in `rmflow score` or
-behind `rmflow serve --deterministic`. By default conversations share packed rows, which is
-faster and equal to float rounding.
+the same to the last bit whatever it is scored with, in any call at the same batch settings
+(here ``batch_size``; `rmflow score --deterministic`; `rmflow serve --deterministic`). By
+default conversations share packed rows, which is faster and equal to float rounding.
 
 A process reward model (trained on stepwise data) scores every step of a solution: the prompt
 and steps are rendered exactly as `rmflow preprocess` rendered its training data (chat template,
@@ -103,16 +103,17 @@ class RewardModel:
         self._scorers: dict[Any, Any] = {}  # ScoringShapes -> its scorer (compiled once per shape)
 
     @classmethod
-    def load(cls, path: str, step: int | str | None = None) -> RewardModel:
+    def load(cls, path: str, step: int | str | None = None, *, reward: str = "") -> RewardModel:
         """From a run directory (its newest checkpoint, or ``step``) or an exported checkpoint
-        folder, local or remote (gs://, copied down once)."""
+        folder, local or remote (gs://, copied down once). ``reward``: an ensemble's reward over
+        its members (mean, min, lcb:LAMBDA; ``use_reward``), if not the one it was trained with."""
         from transformers import AutoTokenizer
 
         from rmflow.trainer.backend import configure_xla
         from rmflow.trainer.inference import load_model, require_tokenizer
 
         configure_xla()  # before the backend starts
-        loaded = load_model(path, step)
+        loaded = load_model(path, step, reward)
         tok = AutoTokenizer.from_pretrained(require_tokenizer(path, loaded.tokenizer_dir, "scoring"))
         return cls(loaded, tok, loaded.normalization)
 
@@ -295,6 +296,14 @@ class RewardModel:
             self._scorers[shapes] = make(self._loaded.model, shapes, pad_id=self._loaded.pad_id)
         return self._scorers[shapes]
 
+    def use_reward(self, rule: str) -> None:
+        """An ensemble's reward from now on (``schemas.heads.MEMBER_REWARDS``: mean, min, or
+        lcb:LAMBDA, the members' mean minus LAMBDA x their std); its scorers compile again."""
+        from rmflow.trainer.inference import use_member_reward
+
+        use_member_reward(self._loaded.model, rule, self.description)
+        self._scorers.clear()
+
     @property
     def model(self):
         """The network that scores (``trainer.modeling.decoder.RewardTransformer``)."""
@@ -325,6 +334,8 @@ class RewardModel:
         K responses, the prompt computed once (``trainer.inference.score_groups``); equal to
         ``score_ids`` of each alone (``deterministic``: ``score_ids`` of each, bitwise)."""
         if deterministic:
+            if any(not len(g) for g in groups):
+                raise ValueError("a group with no conversation: each group holds one prompt's K >= 1 conversations")
             flat = [s for g in groups for s in g]
             scores = self.score_ids(flat, deterministic=True)
             cuts = np.cumsum([len(g) for g in groups])[:-1]

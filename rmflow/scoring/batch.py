@@ -88,6 +88,7 @@ class JobSpec:
     max_bad_fraction: float = MAX_BAD_FRACTION
     truncate: str = "error"
     deterministic: bool = False
+    reward: str = ""
 
 
 # --------------------------------------------------------------------------- what a record is
@@ -122,8 +123,7 @@ class RewardModelHandler(ModelHandler):
         self.spec = spec
 
     def load_model(self) -> RewardModel:
-        rm = RewardModel.load(self.spec.model, self.spec.step)
-        return rm
+        return RewardModel.load(self.spec.model, self.spec.step, reward=self.spec.reward)
 
     def run_inference(self, batch: Sequence[tuple[str, int, str]], model: RewardModel,
                       inference_args: dict[str, Any] | None = None) -> Iterable[PredictionResult]:
@@ -442,7 +442,7 @@ def run(cfg: ScoreConfig, *, wait: bool = True) -> dict[str, Any] | None:
         raise BatchScoreError(f"{output} already holds a scoring job's output: give --overwrite to replace it")
     listed = expand_inputs((cfg.input,))
     files, size = [path for path, _ in listed], sum(n for _, n in listed)
-    rm = RewardModel.load(cfg.model, cfg.step)  # fails here, in one line, before any worker starts
+    rm = RewardModel.load(cfg.model, cfg.step, reward=cfg.reward)  # fails here, in one line, before any worker starts
     group_by = cfg.group_by or None
     if group_by and not kind_named(rm.kind).pairwise:
         raise BatchScoreError("--group-by picks the best of each group by score: an outcome reward model's")
@@ -451,7 +451,7 @@ def run(cfg: ScoreConfig, *, wait: bool = True) -> dict[str, Any] | None:
                        num_shards=cfg.num_shards or max(1, size // (256 << 20)), token_budget=cfg.token_budget,
                        batch_rows=cfg.batch_size, group_by=group_by, started=time.time(),
                        output_format=cfg.output_format, max_bad_fraction=cfg.max_bad_fraction, truncate=cfg.truncate,
-                       deterministic=cfg.deterministic)
+                       deterministic=cfg.deterministic, reward=cfg.reward)
         build(p, files, spec, rm.identity())
         try:  # a local runner raises from run(), a remote job from wait_until_finish()
             result = p.run()

@@ -76,7 +76,7 @@ LINE_FIELDS = frozenset({"line", "error"})  # what a line that cannot be scored 
 
 def score_file(model_path: str, input_path: str, output_path: str, *, step: int | str | None = None,
                batch_size: int = SCORING_BATCH_SIZE, truncate: str = "error", deterministic: bool = False,
-               progress_factory=None) -> dict[str, int]:
+               reward: str = "", progress_factory=None) -> dict[str, int]:
     """Score a JSONL file through the Python API (``rmflow.RewardModel``), one result line per
     input line, each line what ``encode_record`` reads (a conversation, a preference pair, one
     prompt's K responses, a solution); a line that cannot be scored keeps its fields and gets
@@ -97,7 +97,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
                                          "path outside it" if inside_of(model_path, [output_path]) else None)
     if inside:  # a file of another output (an export's config.json, a manifest) would be overwritten
         raise ScoreError(inside)
-    rm = RewardModel.load(model_path, step)
+    rm = RewardModel.load(model_path, step, reward=reward)
     rows: list[dict[str, Any]] = []
     encoded, owners = [], []  # each encodable line's (what, sequences), and its (row, line number)
     for line_no, text, problem in _lines(input_path):

@@ -62,6 +62,7 @@ from rmflow.server.responders import (
 log = logging.getLogger("rmflow.serve")
 RETRY_AFTER_S = 1
 SHUTDOWN_GRACE_S = 5.0
+DETERMINISTIC_ROWS = 8  # --deterministic's conversations a forward at most (measured: docs/scoring-serving.md)
 CLIENT_GONE = 499  # the status logged for a request whose client went away (nginx's convention; never sent)
 
 
@@ -94,7 +95,7 @@ class Service:
         from rmflow.scoring.api import RewardModel
 
         cfg = self.cfg
-        rm = RewardModel.load(cfg.model, cfg.step)
+        rm = RewardModel.load(cfg.model, cfg.step, reward=cfg.reward)
         if cfg.max_length > rm.positions:
             raise RequestError(500, f"--max-length {cfg.max_length}: more than the model's {rm.positions} positions")
         # By default all the model can score; the batch shapes up to the length it was trained at
@@ -105,8 +106,10 @@ class Service:
         if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
             raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
                                     "--normalize` on it first")
-        # --deterministic: one item a row, a length's one row count (RewardModel.shapes)
-        shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=not cfg.deterministic,
+        # --deterministic: one item a row, a length's one row count (RewardModel.shapes), at most
+        # DETERMINISTIC_ROWS: a take's last batch of each length is padded to full size
+        rows = min(cfg.max_batch_rows, DETERMINISTIC_ROWS) if cfg.deterministic else cfg.max_batch_rows
+        shapes = rm.shapes(rows, cfg.token_budget, small_batches=not cfg.deterministic,
                            row_length=self.startup_length, deterministic=cfg.deterministic)
         scorer = handler(rm.kind, "scorer")
         # K-response records in units of compiled shapes: an outcome model's (a process model has none)

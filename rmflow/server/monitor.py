@@ -31,12 +31,12 @@ import numpy as np
 THRESHOLDS = {
     "drift": (1.0, "the mean score moved more than 1 std of the held-out scores from their mean: the policy may "
                    "have found what the reward model over-rates; read some of its top-scored replies"),
-    "length_correlation": (0.5, "scores rise with length (Pearson's r above 0.5): the policy may be gaming a "
+    "length_correlation": (0.5, "scores move with length (Pearson's r beyond +-0.5): the policy may be gaming a "
                                 "length bias; compare rewards at matched lengths"),
     "over_trained_length": (0.05, "more than 5% of conversations are longer than the model was trained on: their "
                                   "scores are extrapolation; cap generation length or train longer"),
 }
-MIN_SEQUENCES = 200  # a window smaller than this warns of nothing (its figures are noise)
+MIN_SEQUENCES = 200  # a window holding fewer warns of nothing (its figures are noise); a smaller window: once full
 
 
 class RewardMonitor:
@@ -60,11 +60,12 @@ class RewardMonitor:
         """Conversations just scored: their scores and token counts."""
         if not self.window:
             return
+        kept = [(float(s), int(n)) for s, n in zip(scores, tokens) if np.isfinite(s)]  # a NaN says nothing of drift
         with self._lock:
             before = self.seen
-            self._scores.extend(float(s) for s in scores)
-            self._tokens.extend(int(n) for n in tokens)
-            self.seen += len(scores)
+            self._scores.extend(s for s, _ in kept)
+            self._tokens.extend(n for _, n in kept)
+            self.seen += len(kept)
             figures = self._figures()
             lines = self._crossings(figures)
             logged = self.log_every and self.seen // self.log_every > before // self.log_every
@@ -103,7 +104,8 @@ class RewardMonitor:
         lines = []
         for name, (limit, why) in THRESHOLDS.items():
             value = figures[name]
-            over = value is not None and figures["sequences"] >= MIN_SEQUENCES and abs(value) > limit
+            full = figures["sequences"] >= min(MIN_SEQUENCES, self.window)
+            over = value is not None and full and abs(value) > limit
             if over and not self._warning[name]:
                 self.warnings += 1
                 lines.append(f"rmflow serve: WARNING {name.replace('_', ' ')} {value:+.3f} over the last "

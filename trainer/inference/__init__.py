@@ -28,6 +28,7 @@ from rmflow.trainer.inference.load import (  # noqa: F401
     exported_render,
     load_model,
     require_tokenizer,
+    use_member_reward,
     write_normalization,
 )
 from rmflow.trainer.inference.packed import PackedScorer, PackedShapes  # noqa: F401

@@ -11,6 +11,7 @@ from typing import Any
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import STEP_SEPARATOR
 from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.heads import UnknownHead, member_reward
 from rmflow.schemas.kinds import ModelKind, kind_named
 from rmflow.schemas.manifest import RenderSpec
 from rmflow.schemas.outputs import EXPORT_INFO
@@ -88,11 +89,33 @@ class LoadedModel:
 BARE_HEAD_SEED = 0  # a base model's fresh score head (``load_reward_model``'s default seed)
 
 
-def load_model(path: str, step: int | str | None = None) -> LoadedModel:
+def use_member_reward(model, rule: str, where: str) -> None:
+    """Make an ensemble ``model`` give the reward ``rule`` names over its members
+    (``schemas.heads.MEMBER_REWARDS``; empty: the one it was trained with); raises
+    ModelLoadError for a model that is no ensemble, or a rule that is none."""
+    if not rule:
+        return
+    if not model.config.members:
+        raise ModelLoadError(f"--reward {rule}: a rule over an ensemble's members; {where} has one reward head")
+    try:
+        member_reward(rule)
+    except UnknownHead as e:
+        raise ModelLoadError(f"--reward: {e}") from None
+    model.config = dataclasses.replace(model.config, member_reward=rule)
+
+
+def load_model(path: str, step: int | str | None = None, reward: str = "") -> LoadedModel:
     """A run directory (its newest checkpoint, or ``step``) or a checkpoint folder, local or
     remote (copied down first): an export, any ``*ForSequenceClassification`` reward model, or a
     base model (a causal LM), which gets a fresh score head seeded with ``BARE_HEAD_SEED``, so
-    the untrained baseline is scored, evaluated and served like any model."""
+    the untrained baseline is scored, evaluated and served like any model. ``reward``: an
+    ensemble's reward rule, if not the one it was trained with (``use_member_reward``)."""
+    loaded = _load_model(path, step)
+    use_member_reward(loaded.model, reward, path)
+    return loaded
+
+
+def _load_model(path: str, step: int | str | None = None) -> LoadedModel:
     path = storage.stage_run(path)
     if is_run_dir(path):
         model, run, step = load_trained_model(path, step)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.heads import ATTRIBUTE_WEIGHTS, UnknownHead, check_head, head_of  # noqa: F401 - config.json's key, re-exported
+from rmflow.schemas.heads import ATTRIBUTE_WEIGHTS, ENSEMBLE_KEY, UnknownHead, check_head, head_of  # noqa: F401 - config.json's key, re-exported
 from rmflow.schemas.kinds import KINDS, OUTCOME, ModelKind, kind_named
 from rmflow.schemas.presets import MODEL_PRESETS, PRESET_BASE
 
@@ -100,6 +100,8 @@ class ScoreHead:
     num_labels: int = 1
     attributes: tuple[str, ...] = ()
     attribute_weights: tuple[float, ...] = ()
+    members: int = 0  # an ensemble head's (schemas.heads.ENSEMBLE): one output per member
+    member_reward: str = "mean"  # ... and the reward over them (schemas.heads.MEMBER_REWARDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +162,9 @@ class ModelConfig:
     # reward their weighted sum; an outcome model's kind otherwise. () for the kinds' own heads.
     attributes: tuple[str, ...] = ()
     attribute_weights: tuple[float, ...] = ()
+    # An ensemble head: one output per member, the reward ``member_reward`` over them (schemas.heads)
+    members: int = 0
+    member_reward: str = "mean"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attributes", tuple(self.attributes))
@@ -234,7 +239,7 @@ class ModelConfig:
 
     @property
     def head(self) -> ScoreHead:
-        return ScoreHead(self.num_labels, self.attributes, self.attribute_weights)
+        return ScoreHead(self.num_labels, self.attributes, self.attribute_weights, self.members, self.member_reward)
 
     @property
     def kind(self) -> ModelKind:
@@ -336,6 +341,13 @@ def _head(d: Mapping[str, Any]) -> ScoreHead:
     (a fresh head of the size the run asks for replaces it)."""
     if head_kind(d) is None:
         return ScoreHead(OUTCOME.head.outputs)
+    ensemble = d.get(ENSEMBLE_KEY)
+    if ensemble:
+        if not isinstance(ensemble, Mapping) or ensemble.get("members") != hf_num_labels(d):
+            raise ModelConfigError(f"{ENSEMBLE_KEY} {ensemble!r} must name its members, one per output "
+                                   f"(num_labels {hf_num_labels(d)})")
+        return ScoreHead(hf_num_labels(d), members=int(ensemble["members"]),
+                         member_reward=str(ensemble.get("reward") or "mean"))
     weights = d.get(ATTRIBUTE_WEIGHTS)
     if not weights:
         return ScoreHead(hf_num_labels(d))

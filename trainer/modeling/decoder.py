@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from rmflow.schemas.heads import member_reward
 from rmflow.trainer.modeling import lora, quant
 from rmflow.trainer.modeling.attention import (
     attention,
@@ -572,9 +573,16 @@ class RewardTransformer(nnx.Module):
 
     def reward_of(self, logits: jax.Array) -> jax.Array:
         """The score head's outputs (..., num_labels) -> the reward (...): the output; a process
-        model's log-odds; an attribute head's weighted sum (``attribute_weights``)."""
+        model's log-odds; an attribute head's weighted sum (``attribute_weights``); an ensemble's
+        rule over its members (``member_reward``: their mean, minimum, or mean minus lambda x std)."""
         if self.config.attributes:
             return jnp.sum(logits * jnp.asarray(self.config.attribute_weights, logits.dtype), axis=-1)
+        if self.config.members:
+            rule, lam = member_reward(self.config.member_reward)
+            if rule == "min":
+                return jnp.min(logits, axis=-1)
+            mean = jnp.mean(logits, axis=-1)
+            return mean if rule == "mean" else mean - lam * jnp.std(logits, axis=-1)
         return logits[..., 0] if logits.shape[-1] == 1 else logits[..., 1] - logits[..., 0]
 
     def __call__(self, input_ids, positions, segment_ids, reward_index, branch_ids=None):

@@ -1,0 +1,179 @@
+"""An ensemble of score heads on one backbone (``ensemble.members``, ``schemas.heads.ENSEMBLE``):
+
+* its loss is the mean of its members' Bradley-Terry losses (and listwise losses), each member's
+  head drawn apart; its metrics are the reward's;
+* a run trains, evaluates (each member against the reward, the disagreement's AUROC), scores
+  with the members' rewards, their mean and spread beside the reward, in the API, `rmflow score`
+  and `rmflow serve` (whose OpenRLHF endpoint returns the reward it was started with), gives the
+  reward asked (mean, min, lcb:LAMBDA), and exports one multi-output checkpoint that transformers
+  scores as rmflow does, whose card says what it holds;
+* what cannot be an ensemble is refused in one line.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rmflow.schemas.options import ConfigError
+from rmflow.schemas.train_config import TrainConfig
+from rmflow.trainer.train import run as train
+
+from tests.scoring.test_serve import Server
+
+CONVS = [[{"role": "user", "content": f"Tell me about item {i}."},
+          {"role": "assistant", "content": "It is fine. " * (1 + i % 5)}] for i in range(12)]
+
+
+def test_the_loss_is_the_mean_of_the_members_and_the_metrics_the_reward_s():
+    import dataclasses
+
+    from flax import nnx
+    from rmflow.trainer.loss import pairwise_loss
+    from rmflow.trainer.modeling.config import ModelConfig
+    from rmflow.trainer.modeling.decoder import RewardTransformer
+    from rmflow.trainer.objective import OUTCOME
+
+    cfg = dataclasses.replace(ModelConfig.micro(100), num_labels=3, members=3)
+    model = RewardTransformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(3, 100, (4, 16)), jnp.int32)
+    batch = {"input_ids": ids, "positions": jnp.broadcast_to(jnp.arange(16), (4, 16)),
+             "segment_ids": jnp.ones((4, 16), jnp.int32), "branch_ids": jnp.zeros((4, 16), jnp.int32),
+             "reward_index": jnp.asarray([15, 12, 9, 14]), "margin": jnp.zeros(2), "weight": jnp.ones(2)}
+    loss, sums = OUTCOME.loss(model, batch, 0.1)
+    out = np.asarray(model.logits(*(batch[k] for k in ("input_ids", "positions", "segment_ids", "reward_index",
+                                                        "branch_ids")))).reshape(2, 2, 3)
+    assert len(set(np.round(out[0, 0], 6))) == 3  # each member's head drawn apart
+    each = [pairwise_loss(jnp.asarray(out[:, 0, m]), jnp.asarray(out[:, 1, m]), batch["margin"], batch["weight"],
+                          0.1)[1] for m in range(3)]
+    assert float(loss) == pytest.approx(np.mean([s["bt_loss_sum"] + 0.1 * s["center_sum"] for s in each]), rel=1e-5)
+    assert float(sums["chosen_sum"]) == pytest.approx(out[:, 0].mean(-1).sum(), rel=1e-5)  # the reward: the mean
+    grads = nnx.grad(lambda m: OUTCOME.loss(m, batch, 0.1)[0])(model)
+    assert all(np.abs(np.asarray(grads.score.kernel[...]))[:, m].sum() > 0 for m in range(3))  # each member learns
+    assert jax.tree.leaves(grads)
+
+
+def test_k_responses_train_each_member_on_the_ranking():
+    import dataclasses
+
+    from flax import nnx
+    from rmflow.trainer.data.response_units import ResponsesPackCollate
+    from rmflow.trainer.loss import listwise_loss
+    from rmflow.trainer.modeling.config import ModelConfig
+    from rmflow.trainer.modeling.decoder import RewardTransformer
+    from rmflow.trainer.objective import objective_for
+
+    from tests.training.test_listwise import VOCAB, records
+
+    model = RewardTransformer(dataclasses.replace(ModelConfig.micro(VOCAB), num_labels=2, members=2),
+                              rngs=nnx.Rngs(1))
+    objective = objective_for("multi-response", "plackett-luce")
+    b = ResponsesPackCollate(4, 64, rows=2)(records(4, np.random.default_rng(0)))
+    mb = {k: jnp.asarray(v) for k, v in b.items() if k in objective.device_keys}
+    loss, sums = objective.loss(model, mb, 0.01)
+    out = model.logits(*(mb[k] for k in ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids")))
+    each = [listwise_loss(out[..., m], mb["response_scores"], mb["response_group"], 0.01, "plackett-luce",
+                          mb["response_margins"])[1]["loss_sum"] for m in range(2)]
+    assert float(loss) == pytest.approx(float(np.mean(each)), rel=1e-5)
+    reward = listwise_loss(out.mean(-1), mb["response_scores"], mb["response_group"], 0.01, "plackett-luce",
+                           mb["response_margins"])[1]
+    assert float(sums["loss_sum"]) == pytest.approx(float(reward["loss_sum"]), rel=1e-5)  # metrics: the reward's
+
+
+def test_what_cannot_be_an_ensemble_is_refused_in_one_line():
+    base = {"data": "d", "model": "micro", "output": "o"}
+    with pytest.raises(ConfigError, match="2 or more members"):
+        TrainConfig(**base, ensemble={"members": 1})
+    with pytest.raises(ConfigError, match="give ensemble.members too"):
+        TrainConfig(**base, ensemble={"reward": "min"})
+    with pytest.raises(ConfigError, match="lcb:LAMBDA"):
+        TrainConfig(**base, ensemble={"members": 2, "reward": "lcb:-1"})
+    from rmflow.trainer.objective import PROCESS, REGRESSIONS
+
+    for objective in (PROCESS, REGRESSIONS[0]):
+        with pytest.raises(ConfigError, match="ensemble.members 4: an ensemble of reward heads trains on pairs"):
+            objective.head(None, "", TrainConfig(**base, ensemble={"members": 4}).ensemble)
+
+
+@pytest.fixture(scope="module")
+def ensemble_run(demo_shards, tmp_path_factory):
+    base = tmp_path_factory.mktemp("ensemble")
+    train(TrainConfig(data=str(demo_shards), model="micro", output=str(base / "run"), max_steps=4, batch_size=4,
+                      ensemble={"members": 4}))
+    return base
+
+
+def test_an_ensemble_scores_with_its_members_and_the_reward_asked(ensemble_run, tmp_path):
+    from rmflow import RewardModel
+    from rmflow.scoring.scorers import score_file
+
+    run = str(ensemble_run / "run")
+    rm = RewardModel.load(run)
+    assert rm.head.name == "ensemble" and rm.model_config.members == 4
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in CONVS))
+    score_file(run, str(src), str(tmp_path / "out.jsonl"))
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    members = np.asarray([r["member_scores"] for r in rows])
+    assert members.shape == (12, 4) and members.std(1).min() > 0
+    np.testing.assert_allclose([r["score"] for r in rows], members.mean(1), atol=1e-5)
+    np.testing.assert_allclose([r["score_std"] for r in rows], members.std(1), atol=1e-5)
+    np.testing.assert_allclose(rm.score(CONVS), members.mean(1), atol=1e-5)
+    rm.use_reward("min")
+    np.testing.assert_allclose(rm.score(CONVS), members.min(1), atol=1e-5)
+    lcb = RewardModel.load(run, reward="lcb:1.5")
+    np.testing.assert_allclose(lcb.score(CONVS), members.mean(1) - 1.5 * members.std(1), atol=1e-5)
+    from rmflow.trainer.inference import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="lcb:LAMBDA"):
+        rm.use_reward("median")
+
+
+def test_an_ensemble_evaluates_exports_and_serves(ensemble_run, demo_shards, tmp_path, tokenizer_dir):
+    import torch
+    from rmflow.schemas.config import EvalConfig, ExportConfig
+    from rmflow.trainer.export import export
+    from transformers import AutoModelForSequenceClassification
+
+    from rmflow import RewardModel
+    from rmflow.eval.evaluation import run_eval
+
+    run = ensemble_run / "run"
+    m = run_eval(EvalConfig(model=str(run), data=(str(demo_shards),), output=str(tmp_path / "eval")))
+    e = m["ensemble"]
+    assert e["members"] == 4 and len(e["member_accuracy"]) == 4 and e["reward_accuracy"] == m["accuracy"]
+    assert "## Ensemble (4 members)" in (tmp_path / "eval" / "report.md").read_text()
+
+    folder = export(ExportConfig(run=str(run), output=str(tmp_path / "export")))
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["num_labels"] == 4 and config["rmflow_ensemble"] == {"members": 4, "reward": "mean"}
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "an ensemble head: 4 members on one backbone" in card and "logits.mean()" in card
+    assert "| `ensemble.members` | 4 |" in card
+    rm = RewardModel.load(folder)
+    assert rm.model_config.members == 4
+    hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = [float(hf(input_ids=torch.tensor([rm.encode(c).tolist()])).logits[0].mean()) for c in CONVS[:4]]
+    np.testing.assert_allclose(theirs, rm.score(CONVS[:4]), atol=1e-4)
+
+    server = Server(run, "--reward", "min", max_length=None)
+    try:
+        r = server.post("/v1/score", {"conversations": CONVS[:3]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        want = RewardModel.load(str(run), reward="min").score(CONVS[:3])
+        np.testing.assert_allclose(body["scores"], want, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(body["member_scores"]).min(1), want, atol=1e-5)
+        np.testing.assert_allclose(body["score_std"], np.asarray(body["member_scores"]).std(1), atol=1e-5)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        text = tok.apply_chat_template(CONVS[0], tokenize=False)
+        r = server.post("/get_reward", {"query": [text]})
+        assert r.status_code == 200, r.text
+        assert r.json()["rewards"][0] == pytest.approx(float(want[0]), abs=1e-4)  # the reward it was started with
+    finally:
+        server.stop()
