@@ -356,8 +356,9 @@ class ExportConfig(Config):
 
 # ScoreConfig's and ServeConfig's --deterministic (one meaning, one text)
 DETERMINISTIC_HELP = ("Score each conversation alone in its row, in the batch shape its own length sets: its score is "
-                      "the same to the last bit whatever it is batched with (each of K responses scored as its own "
-                      "conversation); slower than the default packed rows, which agree to float rounding.")
+                      "the same to the last bit whatever it is batched with, in every entry point that asks for it "
+                      "(one set of batch shapes for all; each of K responses scored as its own conversation). The "
+                      "default packed rows agree with it to float rounding.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,8 +461,10 @@ class ServeConfig(Config):
     normalize: bool = option(False, "/get_reward, /classify, /pooling and /v1/embeddings return scores "
                                   "standardised by the model's reward_normalization.json (`rmflow eval "
                                   "--normalize`), as OpenRLHF's --normalize_reward does.")
-    deterministic: bool = option(False, DETERMINISTIC_HELP + " A length's batches are then always full-size, "
-                                        "at most 8 conversations (--response-units is off).")
+    deterministic: bool = option(False, DETERMINISTIC_HELP + " Its batches are then those of every deterministic "
+                                        "entry point (at most 8 conversations and 16,384 tokens, whatever "
+                                        "--max-batch-rows and --token-budget say), always full-size; "
+                                        "--response-units is off.")
     monitor_window: int = option(2048, "Conversations the reward-hacking signals (drift from the model's held-out "
                                        "scores, score-length correlation, share over the trained length) are "
                                        "computed over, in /metrics and /v1/model; 0: off.")

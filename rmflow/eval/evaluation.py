@@ -261,7 +261,9 @@ def eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str,
         if cfg.normalize:  # stored with the model, so scores can be standardised at inference
             both = np.concatenate([rc, rr])
             write_normalization(cfg.model, {"mean": float(both.mean()), "std": float(both.std()), "pairs": len(records),
-                                            "data": list(cfg.data), "split": cfg.split})
+                                            "data": list(cfg.data), "split": cfg.split,
+                                            **({"member_std": m["ensemble"]["reward_std_mean"]}
+                                               if "ensemble" in m else {})})
     return metrics, write
 
 

@@ -33,7 +33,8 @@ def eval_records(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[st
     rewards = np.concatenate(per_record)
     lengths = [r.lasts[i] + 1 for r in records for i in range(r.k)]
     spans = np.cumsum([0] + [r.k for r in records])
-    metrics, write = _ranked(cfg, loaded, records, rewards, lengths, list(zip(spans[:-1], spans[1:])))
+    member_std = float(np.concatenate(outputs).std(-1).mean()) if loaded.model.config.members else None
+    metrics, write = _ranked(cfg, loaded, records, rewards, lengths, list(zip(spans[:-1], spans[1:])), member_std)
     metrics["probes"] = response_probes(rm, records, per_record)
     names = loaded.model.config.attributes
     if names and records and data_attributes(cfg) == names:  # an attribute head against the ratings it learned
@@ -64,7 +65,7 @@ def attribute_metrics(outputs: np.ndarray, ratings: np.ndarray, names: tuple[str
     return out
 
 
-def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, rewards, lengths, spans
+def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, rewards, lengths, spans, member_std: float | None = None
             ) -> tuple[dict[str, Any], Callable]:
     lengths = np.asarray(lengths, np.float64)
     by = [(rewards[a:b], lengths[a:b], np.asarray(p.scores)) for p, (a, b) in zip(prompts, spans)]
@@ -90,7 +91,8 @@ def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, rewards, lengths, spa
                    [plot])
         if cfg.normalize:  # stored with the model, so scores can be standardised at inference
             write_normalization(cfg.model, {"mean": float(np.mean(rewards)), "std": float(np.std(rewards)),
-                                            "responses": len(rewards), "data": list(cfg.data), "split": cfg.split})
+                                            "responses": len(rewards), "data": list(cfg.data), "split": cfg.split,
+                                            **({"member_std": member_std} if member_std is not None else {})})
 
     return metrics, write
 

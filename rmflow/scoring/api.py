@@ -18,9 +18,10 @@ must end with the assistant reply to score. ``rmflow score`` is a thin wrapper o
 
 Every scoring method takes ``deterministic=True``: each conversation then runs alone in its row,
 in a batch shape its own length sets (``ScoringShapes(deterministic=True)``), so its score is
-the same to the last bit whatever it is scored with, in any call at the same batch settings
-(here ``batch_size``; `rmflow score --deterministic`; `rmflow serve --deterministic`). By
-default conversations share packed rows, which is faster and equal to float rounding.
+the same to the last bit whatever it is scored with, in any call, here, in `rmflow score
+--deterministic` or behind `rmflow serve --deterministic` (one set of shapes for all, whatever
+their batch settings; on one kind of device). By default conversations share packed rows, which
+is faster and equal to float rounding.
 
 A process reward model (trained on stepwise data) scores every step of a solution: the prompt
 and steps are rendered exactly as `rmflow preprocess` rendered its training data (chat template,
@@ -273,11 +274,12 @@ class RewardModel:
         lengths up to the model's positions, ``batch_size`` rows each, or with a token budget as
         many rows as fit it, at most ``batch_size``; ``small_batches``: smaller ones too), an
         item's shape set by itself alone. ``deterministic``: one item a row in the one shape its
-        length sets (no small batches, no packing), so that its score never depends on its batch."""
+        length sets, the same for every caller (``ScoringShapes.deterministic_for``: the batch
+        settings are not used), so that its score never depends on its batch or entry point."""
         from rmflow.trainer.inference import PACKED_CORES, PackedShapes, ScoringShapes
 
-        if deterministic:
-            return ScoringShapes(self.max_length, max_rows=batch_size, token_budget=token_budget, deterministic=True)
+        if deterministic:  # the same shapes whatever the caller's batch settings
+            return ScoringShapes.deterministic_for(self.positions)
         if packed and self.kind in PACKED_CORES:
             return PackedShapes(self.max_length, token_budget or batch_size * PACKED_TOKENS_PER_ITEM,
                                 row_length or self.trained_max_length or 0)

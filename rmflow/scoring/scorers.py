@@ -202,7 +202,7 @@ def score_encoded(rm: RewardModel, records: list[tuple[str, list]], shapes, *, o
     scorer = handler(rm.kind, "scorer")
     items, owner = [], []  # what the batches run, and the record each belongs to
     for r, (what, seqs) in enumerate(records):
-        parts = response_units(seqs, rm.max_length) if what == RESPONSES and not deterministic(shapes) else seqs
+        parts = response_units(seqs, rm.max_length) if what == RESPONSES and not isolates(shapes) else seqs
         items += parts
         owner += [r] * len(parts)
     results: list[Any] = [None] * len(items)
@@ -219,7 +219,7 @@ def score_encoded(rm: RewardModel, records: list[tuple[str, list]], shapes, *, o
     return [_record_fields(what, rs, rm.head) for (what, _), rs in zip(records, per)]
 
 
-def deterministic(shapes) -> bool:
+def isolates(shapes) -> bool:
     """Whether ``shapes`` score each item alone, in the shape it sets (``ScoringShapes``): then no
     response shares a row with its siblings in a unit either."""
     return bool(getattr(shapes, "deterministic", False))

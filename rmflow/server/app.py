@@ -40,6 +40,7 @@ from rmflow.schemas.config import ServeConfig
 from rmflow.schemas.errors import RmflowError
 from rmflow.schemas.kinds import kind_named
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
+from rmflow.schemas.heads import SCORE_STD
 from rmflow.server.monitor import RewardMonitor, sequence_tokens
 from rmflow.server.prometheus import ServerMetrics
 from rmflow.server.protocol import (
@@ -62,7 +63,6 @@ from rmflow.server.responders import (
 log = logging.getLogger("rmflow.serve")
 RETRY_AFTER_S = 1
 SHUTDOWN_GRACE_S = 5.0
-DETERMINISTIC_ROWS = 8  # --deterministic's conversations a forward at most (measured: docs/scoring-serving.md)
 CLIENT_GONE = 499  # the status logged for a request whose client went away (nginx's convention; never sent)
 
 
@@ -106,10 +106,8 @@ class Service:
         if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
             raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
                                     "--normalize` on it first")
-        # --deterministic: one item a row, a length's one row count (RewardModel.shapes), at most
-        # DETERMINISTIC_ROWS: a take's last batch of each length is padded to full size
-        rows = min(cfg.max_batch_rows, DETERMINISTIC_ROWS) if cfg.deterministic else cfg.max_batch_rows
-        shapes = rm.shapes(rows, cfg.token_budget, small_batches=not cfg.deterministic,
+        # --deterministic: one item a row, in the shapes every entry point uses (RewardModel.shapes)
+        shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=not cfg.deterministic,
                            row_length=self.startup_length, deterministic=cfg.deterministic)
         scorer = handler(rm.kind, "scorer")
         # K-response records in units of compiled shapes: an outcome model's (a process model has none)
@@ -227,12 +225,13 @@ async def _answer(service: Service, request: Request, reader: Callable, respond:
 def observe(monitor: RewardMonitor, items: list, results: list) -> None:
     """A request's conversations, their scores and token counts, to the monitor (a unit of K
     responses: each response with its prompt)."""
-    scores, tokens = [], []
+    scores, tokens, spreads = [], [], []
     for item, result in zip(items, results):
         fields = result if isinstance(result, list) else [result]
         scores += [f["score"] for f in fields]
+        spreads += [f.get(SCORE_STD, math.nan) for f in fields]  # an ensemble's members' spread
         tokens += sequence_tokens(item)
-    monitor.observe(scores, tokens)
+    monitor.observe(scores, tokens, spreads)
 
 
 def scoring_endpoint(service: Service, name: str, reader: Callable, respond: Responder):

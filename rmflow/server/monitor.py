@@ -11,6 +11,10 @@ Over a sliding window of the last ``--monitor-window`` conversations an outcome 
   climbs.
 * ``over trained length``: the share of conversations longer than the model was trained on, whose
   scores the model was never taught to give.
+* ``spread ratio`` (an ensemble): the members' mean disagreement (the std of their rewards) over
+  the window against theirs on the held-out data (``reward_normalization.json``'s
+  ``member_std``). Members that agree on what they were trained on and disagree on what the policy
+  now writes say the policy has left the data the model knows.
 
 Each is a gauge of ``GET /metrics``, a field of ``GET /v1/model``'s ``monitor``, and part of the
 line logged every ``--monitor-log-every`` conversations; when one crosses its threshold
@@ -35,6 +39,8 @@ THRESHOLDS = {
                                 "length bias; compare rewards at matched lengths"),
     "over_trained_length": (0.05, "more than 5% of conversations are longer than the model was trained on: their "
                                   "scores are extrapolation; cap generation length or train longer"),
+    "spread_ratio": (1.5, "the ensemble's members disagree more than 1.5x as much as on held-out data: the policy "
+                          "writes what the model was not trained on; trust its top rewards least"),
 }
 MIN_SEQUENCES = 200  # a window holding fewer warns of nothing (its figures are noise); a smaller window: once full
 
@@ -51,20 +57,24 @@ class RewardMonitor:
         self.log_every = log_every
         self._scores: collections.deque[float] = collections.deque(maxlen=window)
         self._tokens: collections.deque[int] = collections.deque(maxlen=window)
+        self._spreads: collections.deque[float] = collections.deque(maxlen=window)  # an ensemble's score_std
         self.seen = 0
         self.warnings = 0
         self._warning: dict[str, bool] = dict.fromkeys(THRESHOLDS, False)
         self._lock = threading.Lock()
 
-    def observe(self, scores, tokens) -> None:
-        """Conversations just scored: their scores and token counts."""
+    def observe(self, scores, tokens, spreads=None) -> None:
+        """Conversations just scored: their scores and token counts (and an ensemble's spreads)."""
         if not self.window:
             return
-        kept = [(float(s), int(n)) for s, n in zip(scores, tokens) if np.isfinite(s)]  # a NaN says nothing of drift
+        spreads = [np.nan] * len(scores) if spreads is None else spreads
+        kept = [(float(s), int(n), float(d)) for s, n, d in zip(scores, tokens, spreads)
+                if np.isfinite(s)]  # a NaN says nothing of drift
         with self._lock:
             before = self.seen
-            self._scores.extend(s for s, _ in kept)
-            self._tokens.extend(n for _, n in kept)
+            self._scores.extend(s for s, _, _ in kept)
+            self._tokens.extend(n for _, n, _ in kept)
+            self._spreads.extend(d for _, _, d in kept)
             self.seen += len(kept)
             figures = self._figures()
             lines = self._crossings(figures)
@@ -98,6 +108,11 @@ class RewardMonitor:
         out["length_correlation"] = (float(np.corrcoef(s, n)[0, 1]) if len(s) > 2 and s.std() > 0 and n.std() > 0
                                      else None)
         out["over_trained_length"] = float((n > self.trained_length).mean()) if len(n) and self.trained_length else None
+        d = np.asarray(self._spreads, np.float64)
+        d = d[np.isfinite(d)]
+        out["spread"] = float(d.mean()) if len(d) else None
+        held_out = (self.reference or {}).get("member_std")
+        out["spread_ratio"] = float(d.mean() / held_out) if len(d) and held_out else None
         return out
 
     def _crossings(self, figures: dict[str, Any]) -> list[str]:
@@ -123,7 +138,9 @@ def describe(figures: dict[str, Any]) -> str:
     return (f"{figures['sequences']:,} conversations in the window ({figures['seen']:,} seen): score mean "
             f"{f(figures['score_mean'], '.4f')} std {f(figures['score_std'], '.4f')}, drift {f(figures['drift'], '+.3f')}"
             f", length correlation {f(figures['length_correlation'], '+.3f')}, over trained length "
-            f"{f(figures['over_trained_length'], '.1%')}")
+            f"{f(figures['over_trained_length'], '.1%')}"
+            + (f", spread {f(figures['spread'], '.4f')} ({f(figures['spread_ratio'], '.2f')}x held-out)"
+               if figures["spread"] is not None else ""))
 
 
 def sequence_tokens(item) -> list[int]:

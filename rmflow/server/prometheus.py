@@ -64,7 +64,9 @@ class ServerMetrics:
         for name, text in (("drift", "Window mean score minus the model's held-out mean, in held-out stds."),
                            ("length_correlation", "Pearson's r of score and tokens over the window."),
                            ("over_trained_length", "Share of the window longer than the model was trained on."),
-                           ("score_mean", "Mean score over the window."), ("score_std", "Std of the scores over the window.")):
+                           ("score_mean", "Mean score over the window."), ("score_std", "Std of the scores over the window."),
+                           ("spread", "An ensemble's mean members' std over the window."),
+                           ("spread_ratio", "An ensemble's spread against its held-out spread.")):
             Gauge(f"rmflow_monitor_{name}", text, registry=self.registry).set_function(
                 lambda name=name: signal(name))
 

@@ -90,6 +90,8 @@ def test_the_api_and_rmflow_score_give_each_conversation_its_bits_whatever_it_is
     _, rm = run_and_model
     convs = conversations[:300]
     want = rm.score(convs, deterministic=True)
+    # one set of shapes for every caller: the batch size asked for changes no bit
+    np.testing.assert_array_equal(bits(rm.score(convs[:40], batch_size=3, deterministic=True)), bits(want[:40]))
     for batches in compositions(len(convs), 4, seed=3):
         for batch in batches:
             np.testing.assert_array_equal(bits(rm.score([convs[i] for i in batch], deterministic=True)),

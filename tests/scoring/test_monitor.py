@@ -38,6 +38,20 @@ def test_a_length_gaming_policy_is_warned_of_and_an_honest_one_is_not():
     assert len([x for x in lines if "length correlation" in x]) == 1  # said once while it lasts
 
 
+def test_an_ensemble_whose_members_part_ways_is_warned_of():
+    lines = []
+    m = RewardMonitor(1000, reference={"mean": 0.0, "std": 1.0, "member_std": 0.2}, emit=lines.append)
+    rng = np.random.default_rng(0)
+    for t in range(40):  # the members' disagreement grows from the held-out level to 3x it
+        m.observe(rng.normal(size=50), rng.integers(80, 200, 50), np.full(50, 0.2 * (1 + t / 20)))
+    s = m.summary()
+    assert s["spread_ratio"] > 1.5 and "spread_ratio" in s["warning"]
+    assert [x for x in lines if "WARNING spread ratio" in x] and not [x for x in lines if "drift" in x]
+    quiet = RewardMonitor(1000, reference={"mean": 0.0, "std": 1.0, "member_std": 0.2}, emit=lines.append)
+    quiet.observe(rng.normal(size=500), rng.integers(80, 200, 500), np.full(500, 0.21))
+    assert not quiet.warnings and RewardMonitor(10).summary()["spread"] is None
+
+
 def test_nothing_is_said_before_the_window_holds_enough():
     lines = []
     m = RewardMonitor(4096, reference={"mean": 0.0, "std": 1.0}, emit=lines.append)

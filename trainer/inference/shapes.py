@@ -12,6 +12,12 @@ from rmflow.schemas.config import SCORING_BATCH_SIZE
 from rmflow.trainer.data import bucket_length
 from rmflow.trainer.data.collate import MIN_BUCKET
 
+# Deterministic scoring's shapes (``ScoringShapes.deterministic_for``), one set for every caller so
+# that a conversation runs in the same program (and gets the same bits) in every entry point: at
+# most this many rows a forward, and this many tokens.
+DETERMINISTIC_ROWS = 8
+DETERMINISTIC_TOKENS = 16384
+
 # A forward pass's fixed cost, in tokens, when ``ScoringShapes.plan`` weighs one batch against two:
 # it keeps the plan from splitting a batch to save a few padded tokens.
 BATCH_OVERHEAD_TOKENS = 64
@@ -40,6 +46,15 @@ class ScoringShapes:
     token_budget: int | None = None
     small_batches: bool = False
     deterministic: bool = False
+
+    @classmethod
+    def deterministic_for(cls, positions: int) -> ScoringShapes:
+        """The deterministic shapes of a model of ``positions`` positions: the same for every
+        caller, whatever batch size, token budget or length limit it scores with, so that a
+        conversation's program (and its score's every bit) depends on the model and its own length
+        alone: power-of-two lengths, at most ``DETERMINISTIC_ROWS`` rows and
+        ``DETERMINISTIC_TOKENS`` tokens a forward."""
+        return cls(positions, max_rows=DETERMINISTIC_ROWS, token_budget=DETERMINISTIC_TOKENS, deterministic=True)
 
     def __post_init__(self) -> None:
         if self.max_length < 1 or self.max_rows < 1 or (self.token_budget is not None and self.token_budget < 1):
