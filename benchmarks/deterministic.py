@@ -26,18 +26,11 @@ import time
 
 import numpy as np
 import requests
+from bench_common import load_test_helper
 from serve import conversations, default_model, fits, start_server
 
-
-def bits(x) -> np.ndarray:
-    return np.asarray(x, np.float32).view(np.int32)
-
-
-def compositions(n: int, times: int, seed: int):
-    rng = np.random.default_rng(seed)
-    for _ in range(times):
-        order = rng.permutation(n)
-        yield np.split(order, np.sort(rng.choice(np.arange(1, n), int(rng.integers(1, 12)), replace=False)))
+_helper = load_test_helper("compositions")  # the test's own compositions and bit comparison
+bits, compositions = _helper.bits, _helper.compositions
 
 
 def spread(xs) -> str:

@@ -10,7 +10,7 @@ the held-out HH pairs; and best-of-K on Nectar (7 ranked replies a prompt, GPT-4
 truth): the mean rank of the reply each reward picks (1 = best), the single model's against the
 ensemble's mean, minimum and lower confidence bound (mean - 1 std).
 
-    .venv/bin/python benchmarks/ensemble.py [--steps 300] [--batch-size 8] [--members 4] [--repeat 1]
+    .venv/bin/python benchmarks/ensemble.py [--steps 300] [--batch-size 8] [--members 4] [--repeat 1] [--bootstrap]
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def trained(shards: pathlib.Path, out: pathlib.Path, members: int, a) -> dict:
     stamps: list[float] = []
     cfg = TrainConfig(data={"train": str(shards), "packing": "fixed"}, model="tiny", output=str(out),
                       max_steps=a.steps, batch_size=a.batch_size, seed=0, logging={"steps": 1, "report_to": ()},
+                      center_rewards_coefficient=a.center,
                       optimizer={"learning_rate": a.learning_rate, "warmup_steps": max(a.steps // 10, 1)},
-                      ensemble={"members": members})
+                      ensemble={"members": members, "bootstrap": bool(members and a.bootstrap)})
     start = time.perf_counter()
     train(cfg, on_log=lambda rec: stamps.append(time.perf_counter()))
     gaps = [b - a_ for a_, b in zip(stamps, stamps[1:])][len(stamps) // 4:-1]  # past compiling, before the eval
@@ -63,12 +64,19 @@ def best_of_k(rm, prompts) -> tuple[float, float]:
     """(mean GPT-4 rank of the reply the model's reward picks, share of prompts where it picks rank 1)."""
     from rmflow.rendering.formats import parse_hh_transcript
 
+    from rmflow.scoring.errors import BadConversation
+
     picked = []
     for prompt, replies, ranks in prompts:
         turns = [{"role": r, "content": c} for r, c, *_ in parse_hh_transcript(prompt + " x", "prompt")][:-1]
-        convs = [turns + [{"role": "assistant", "content": reply}] for reply in replies]
-        seqs = [rm.encode(c, truncate="left") for c in convs]
-        picked.append(ranks[int(np.argmax(rm.score_ids(seqs)))])
+        seqs, kept = [], []
+        for reply, rank in zip(replies, ranks):
+            try:  # a reply that cannot be scored (empty, say) cannot be picked
+                seqs.append(rm.encode(turns + [{"role": "assistant", "content": reply}], truncate="left"))
+                kept.append(rank)
+            except BadConversation:
+                continue
+        picked.append(kept[int(np.argmax(rm.score_ids(seqs)))])
     return float(np.mean(picked)), float(np.mean(np.asarray(picked) == 1))
 
 
@@ -82,6 +90,8 @@ def main() -> None:
     ap.add_argument("--learning-rate", type=float, default=1e-3)
     ap.add_argument("--eval-fraction", type=float, default=0.2, help="held-out share of the pairs")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--bootstrap", action="store_true", help="each member its own resample (ensemble.bootstrap)")
+    ap.add_argument("--center", type=float, default=0.01, help="center_rewards_coefficient, both runs")
     a = ap.parse_args()
     from rmflow import RewardModel
 
@@ -100,8 +110,9 @@ def main() -> None:
         single, ens = runs[0][0]["run"], runs[a.members][0]["run"]
         step = {m: statistics.median(r["step_s"] for r in rs) for m, rs in runs.items()}
         wall = {m: statistics.median(r["wall_s"] for r in rs) for m, rs in runs.items()}
-        print(f"\ntiny preset, {a.steps} steps of {a.batch_size} HH-RLHF pairs, learning rate {a.learning_rate:g}; "
-              f"{a.members} heads against one; median of {a.repeat}")
+        print(f"\ntiny preset, {a.steps} steps of {a.batch_size} HH-RLHF pairs, learning rate {a.learning_rate:g}, "
+              f"center_rewards_coefficient {a.center:g}; {a.members} heads{' (bootstrap)' if a.bootstrap else ''} "
+              f"against one; median of {a.repeat}")
         print(f"training cost: step {step[a.members] / step[0]:.2f}x ({1000 * step[a.members]:.0f} against "
               f"{1000 * step[0]:.0f} ms), whole run {wall[a.members] / wall[0]:.2f}x ({wall[a.members]:.0f} against "
               f"{wall[0]:.0f} s)")

@@ -281,6 +281,8 @@ class EnsembleConfig(Config):
     reward: str = option("mean", "An ensemble's reward: mean, min, or lcb:LAMBDA (the mean minus LAMBDA x the "
                                  "members' standard deviation); what eval, score and serve give unless they are "
                                  "asked for another (--reward).")
+    bootstrap: bool = option(False, "Each member weighs each pair by its own Poisson(1) draw, fixed for the run: its "
+                                    "own bootstrap resample of the pairs (more diverse members). Pairs only.")
 
     def __post_init__(self) -> None:
         from rmflow.schemas.heads import UnknownHead, member_reward
@@ -293,9 +295,9 @@ class EnsembleConfig(Config):
             member_reward(self.reward)
         except UnknownHead as e:
             raise ConfigError(f"ensemble.reward: {e}") from None
-        if not self.members and self.reward != "mean":
-            raise ConfigError(f"ensemble.reward {self.reward!r}: a rule over an ensemble's members; give "
-                              "ensemble.members too")
+        if not self.members and (self.reward != "mean" or self.bootstrap):
+            raise ConfigError(f"ensemble.{'bootstrap' if self.bootstrap else 'reward'}: applies to an ensemble's "
+                              "members; give ensemble.members too")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,11 +66,24 @@ def pair_rewards(model, batch: dict[str, Any]) -> tuple[Any, Any]:
     return pairs[:, 0], pairs[:, 1]
 
 
-def _pairwise(model, mb: dict[str, Any], center_coef: float):
+def bootstrap_weights(keys: jax.Array, members: int) -> jax.Array:
+    """Each member's weight of each pair, (pairs, members): a Poisson(1) draw from the pair's key
+    and the member's index (the online bootstrap, Oza and Russell 2001: each member sees its own
+    resample of the pairs, the same one every epoch and after a resume)."""
+    def draw(key, m):
+        return jax.random.poisson(jax.random.fold_in(jax.random.fold_in(jax.random.key(0), m), key), 1.0)
+
+    return jax.vmap(lambda k: jax.vmap(lambda m: draw(k, m))(jnp.arange(members)))(keys).astype(jnp.float32)
+
+
+def _pairwise(model, mb: dict[str, Any], center_coef: float, bootstrap: bool = False):
     if model.config.members:  # an ensemble: each member's loss, their mean; the metrics the reward's
-        outputs = model.logits(*(mb[k] for k in _MODEL_ARGS)).reshape(-1, 2, model.config.members)
-        each = jax.vmap(lambda c, r: pairwise_loss(c, r, mb["margin"], mb["weight"], center_coef)[1], in_axes=-1)(
-            outputs[:, 0], outputs[:, 1])
+        members = model.config.members
+        outputs = model.logits(*(mb[k] for k in _MODEL_ARGS)).reshape(-1, 2, members)
+        weights = mb["weight"][:, None] * (bootstrap_weights(mb["pair_key"], members) if bootstrap
+                                           else jnp.ones((1, members), jnp.float32))
+        each = jax.vmap(lambda c, r, w: pairwise_loss(c, r, mb["margin"], w, center_coef)[1], in_axes=-1)(
+            outputs[:, 0], outputs[:, 1], weights)
         reward = model.reward_of(outputs)
         _, sums = pairwise_loss(reward[:, 0], reward[:, 1], mb["margin"], mb["weight"], center_coef)
         return jnp.mean(each["bt_loss_sum"] + center_coef * each["center_sum"]), sums
@@ -153,6 +166,9 @@ class Objective:
         records keep, weighted by ``attribute_weights`` (name=weight,...; empty: those
         preprocessing scored the responses by)."""
         if ensemble is not None and ensemble.members:
+            if ensemble.bootstrap and self.kind is not kinds.OUTCOME:
+                raise ConfigError("ensemble.bootstrap resamples preference pairs; K responses per prompt train each "
+                                  "member on every prompt (drop ensemble.bootstrap)")
             if self.regression or not self.kind.pairwise:
                 raise ConfigError(f"ensemble.members {ensemble.members}: an ensemble of reward heads trains on pairs "
                                   f"or ranked responses; this run trains "
@@ -179,7 +195,9 @@ class Objective:
         """This objective on ``manifest``'s shards: with the score head it trains there (``head``)
         and, for a regression, the attribute names its metrics name."""
         head = self.head(manifest, attribute_weights, ensemble)
-        return dataclasses.replace(self, model_head=head, attributes=head.attributes if self.regression else ())
+        loss = functools.partial(_pairwise, bootstrap=True) if ensemble is not None and ensemble.bootstrap else self.loss
+        return dataclasses.replace(self, model_head=head, attributes=head.attributes if self.regression else (),
+                                   loss=loss)
 
     def fits(self, head: ScoreHead) -> bool:
         """``head`` is one this objective trains."""
@@ -215,7 +233,7 @@ def greater_is_better(metric: str) -> bool:
     return not metric.endswith(("loss", "mse"))
 
 
-OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight"), (), SUM_KEYS, "pairs",
+OUTCOME = Objective(kinds.OUTCOME, (*ROW_KEYS, "reward_index", "margin", "weight", "pair_key"), (), SUM_KEYS, "pairs",
                     pair_metrics_of_sums, _pairwise, Collate, PackCollate)
 PROCESS = Objective(kinds.PROCESS, (*ROW_KEYS, "reward_index", "step_labels", "step_weight"),
                     ("reward_index", "step_labels", "step_weight"), STEP_SUM_KEYS, "steps", step_metrics_of_sums, _stepwise,

@@ -232,6 +232,11 @@ def _run(cfg: TrainConfig, resume: bool, on_log, on_start, allow_config_change: 
     if resume and latest is None:
         warnings.warn(f"--resume: {cfg.output} has no checkpoint to continue from; starting at step 0",
                       RmflowWarning, stacklevel=2)
+    if cfg.ensemble.members and not cfg.center_rewards_coefficient:
+        warnings.warn("ensemble.members without center_rewards_coefficient: Bradley-Terry leaves each member's "
+                      "offset free, so the members' spread (score_std, lcb rewards, the disagreement figures) "
+                      "measures their offsets more than their disagreement; set center_rewards_coefficient (e.g. "
+                      "0.01) to center each member", RmflowWarning, stacklevel=2)
     if latest is not None:
         check_same_head(run_dir, r.trainer.model(r.trainer.init_state.params).config)
     feed = Feed.of(cfg, r)

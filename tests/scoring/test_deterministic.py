@@ -12,20 +12,8 @@ import requests
 from rmflow.schemas.train_config import TrainConfig
 from rmflow.trainer.train import run as train
 
+from tests.compositions import bits, compositions
 from tests.scoring.test_serve import MAX_LENGTH, Server, _conversations, _fits
-
-
-def bits(x) -> np.ndarray:
-    return np.asarray(x, np.float32).view(np.int32)
-
-
-def compositions(n: int, times: int, seed: int):
-    """``times`` random ways to cut items 0..n-1 into batches: a random order, cut in 2 to 12 at random."""
-    rng = np.random.default_rng(seed)
-    for _ in range(times):
-        order = rng.permutation(n)
-        cuts = np.sort(rng.choice(np.arange(1, n), size=int(rng.integers(1, min(n, 12))), replace=False))
-        yield np.split(order, cuts)
 
 
 def test_a_sequence_s_score_never_depends_on_its_batch_in_deterministic_shapes():

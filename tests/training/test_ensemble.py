@@ -55,6 +55,49 @@ def test_the_loss_is_the_mean_of_the_members_and_the_metrics_the_reward_s():
     assert jax.tree.leaves(grads)
 
 
+def test_a_bootstrap_gives_each_member_its_own_fixed_resample_of_the_pairs():
+    import dataclasses
+
+    from flax import nnx
+    from rmflow.trainer.data import PackCollate
+    from rmflow.trainer.loss import pairwise_loss
+    from rmflow.trainer.modeling.config import ModelConfig
+    from rmflow.trainer.modeling.decoder import RewardTransformer
+    from rmflow.trainer.objective import OUTCOME, bootstrap_weights
+
+    from rmflow.schemas.record import PairRecord
+
+    def random_pairs(n, rng, vocab):
+        out = []
+        for _ in range(n):
+            p = rng.integers(3, vocab, int(rng.integers(2, 8)))
+            c, r = (np.r_[p, rng.integers(3, vocab, int(rng.integers(1, 9)))].astype(np.int32) for _ in range(2))
+            out.append(PairRecord(c, r, len(c) - 1, len(r) - 1, len(p), rng.bytes(16).hex(), "s"))
+        return out
+
+    keys = jnp.arange(20000, dtype=jnp.int32) * 7919
+    w = np.asarray(bootstrap_weights(keys, 3))
+    assert w.shape == (20000, 3) and abs(w.mean() - 1) < 0.03 and abs(w.var() - 1) < 0.05  # Poisson(1)
+    assert (w == 0).mean() == pytest.approx(np.exp(-1), abs=0.02)  # about 37% of pairs left out of each member
+    assert not np.array_equal(w[:, 0], w[:, 1])  # each member its own resample...
+    np.testing.assert_array_equal(w, np.asarray(bootstrap_weights(keys, 3)))  # ...the same every time
+
+    model = RewardTransformer(dataclasses.replace(ModelConfig.micro(64), num_labels=3, members=3), rngs=nnx.Rngs(0))
+    pairs = random_pairs(6, np.random.default_rng(0), vocab=64)
+    b = PackCollate(6, 128)(pairs)
+    assert len(set(b["pair_key"][b["weight"] > 0].tolist())) == 6
+    mb = {k: jnp.asarray(v) for k, v in b.items() if k in OUTCOME.device_keys}
+    boot = dataclasses.replace(OUTCOME, loss=__import__("functools").partial(OUTCOME.loss, bootstrap=True))
+    loss, _ = boot.loss(model, mb, 0.0)
+    out = np.asarray(model.logits(*(mb[k] for k in ("input_ids", "positions", "segment_ids", "reward_index",
+                                                     "branch_ids")))).reshape(-1, 2, 3)
+    bw = np.asarray(mb["weight"])[:, None] * np.asarray(bootstrap_weights(mb["pair_key"], 3))
+    each = [pairwise_loss(jnp.asarray(out[:, 0, m]), jnp.asarray(out[:, 1, m]), mb["margin"], jnp.asarray(bw[:, m]),
+                          0.0)[1]["bt_loss_sum"] for m in range(3)]
+    assert float(loss) == pytest.approx(float(np.mean(each)), rel=1e-5)
+    assert float(loss) != pytest.approx(float(OUTCOME.loss(model, mb, 0.0)[0]), rel=1e-3)  # the draws weigh in
+
+
 def test_k_responses_train_each_member_on_the_ranking():
     import dataclasses
 
@@ -88,6 +131,8 @@ def test_what_cannot_be_an_ensemble_is_refused_in_one_line():
         TrainConfig(**base, ensemble={"members": 1})
     with pytest.raises(ConfigError, match="give ensemble.members too"):
         TrainConfig(**base, ensemble={"reward": "min"})
+    with pytest.raises(ConfigError, match="ensemble.bootstrap: applies to an ensemble's members"):
+        TrainConfig(**base, ensemble={"bootstrap": True})
     with pytest.raises(ConfigError, match="lcb:LAMBDA"):
         TrainConfig(**base, ensemble={"members": 2, "reward": "lcb:-1"})
     from rmflow.trainer.objective import PROCESS, REGRESSIONS
@@ -101,7 +146,7 @@ def test_what_cannot_be_an_ensemble_is_refused_in_one_line():
 def ensemble_run(demo_shards, tmp_path_factory):
     base = tmp_path_factory.mktemp("ensemble")
     train(TrainConfig(data=str(demo_shards), model="micro", output=str(base / "run"), max_steps=4, batch_size=4,
-                      ensemble={"members": 4}))
+                      ensemble={"members": 4, "bootstrap": True}))
     return base
 
 

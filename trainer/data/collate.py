@@ -8,6 +8,8 @@ A batch is a dict of numpy arrays:
   sequence's reward token. Read row by row, the scored sequences come in pairs, chosen then
   rejected, so the model's (R, S) rewards reshaped to (-1, 2) are the pairs in order.
 * ``margin``, ``weight``: (R * S / 2,) per pair; weight 0 marks a slot holding no real pair.
+* ``pair_key``: (R * S / 2,) per pair, a 31-bit number from its id (``pair_key``): what an
+  ensemble's bootstrap draws each member's weight of the pair from, the same every epoch.
 * ``pair_slot``: (n,) the slot of each of the n records collated, in their order (host only).
 * ``real_tokens``: tokens of the real pairs' chosen and rejected sequences as stored (prompt
   counted in both, as every trainer counts them); ``computed_tokens``: the non-padding slots
@@ -86,11 +88,17 @@ def empty_rows(rows: int, length: int, pad_id: int) -> dict[str, np.ndarray]:
             **{k: np.zeros((rows, length), np.int32) for k in ("positions", "segment_ids", "branch_ids")}}
 
 
+def pair_key(record: PairRecord) -> int:
+    """A pair's 31-bit key: the first 31 bits of its id (a hash of its content)."""
+    return int(record.pair_id[:8], 16) & 0x7FFFFFFF
+
+
 def pair_arrays(records: Sequence[PairRecord], slots: int) -> dict[str, np.ndarray]:
-    """margin and weight for ``slots`` pair slots, the first ``len(records)`` real."""
-    margin = np.zeros(slots, np.float32)
+    """margin, weight and key for ``slots`` pair slots, the first ``len(records)`` real."""
+    margin, key = np.zeros(slots, np.float32), np.zeros(slots, np.int32)
     margin[: len(records)] = [r.margin or 0.0 for r in records]
-    return {"margin": margin, "weight": (np.arange(slots) < len(records)).astype(np.float32)}
+    key[: len(records)] = [pair_key(r) for r in records]
+    return {"margin": margin, "weight": (np.arange(slots) < len(records)).astype(np.float32), "pair_key": key}
 
 
 @dataclasses.dataclass(frozen=True)

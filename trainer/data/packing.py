@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from rmflow.schemas.record import PairRecord
-from rmflow.trainer.data.collate import FINEST, check_fits, fine_length, pair_arrays
+from rmflow.trainer.data.collate import FINEST, check_fits, fine_length, pair_arrays, pair_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +118,7 @@ class PackCollate:
         for slot, i in order:
             slots["margin"][slot] = records[i].margin or 0.0
             slots["weight"][slot] = 1.0
+            slots["pair_key"][slot] = pair_key(records[i])
             pair_slot[i] = slot
         return {
             "input_ids": ids, "positions": pos, "segment_ids": seg, "branch_ids": br, "reward_index": index,
