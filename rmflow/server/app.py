@@ -38,9 +38,9 @@ from rmflow.handlers import handler
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import ServeConfig
 from rmflow.schemas.errors import RmflowError
+from rmflow.schemas.heads import SCORE_STD
 from rmflow.schemas.kinds import kind_named
 from rmflow.server.batcher import Closed, DynamicBatcher, QueueFull
-from rmflow.schemas.heads import SCORE_STD
 from rmflow.server.monitor import RewardMonitor, sequence_tokens
 from rmflow.server.prometheus import ServerMetrics
 from rmflow.server.protocol import (

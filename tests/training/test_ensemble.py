@@ -59,13 +59,12 @@ def test_a_bootstrap_gives_each_member_its_own_fixed_resample_of_the_pairs():
     import dataclasses
 
     from flax import nnx
+    from rmflow.schemas.record import PairRecord
     from rmflow.trainer.data import PackCollate
     from rmflow.trainer.loss import pairwise_loss
     from rmflow.trainer.modeling.config import ModelConfig
     from rmflow.trainer.modeling.decoder import RewardTransformer
     from rmflow.trainer.objective import OUTCOME, bootstrap_weights
-
-    from rmflow.schemas.record import PairRecord
 
     def random_pairs(n, rng, vocab):
         out = []
