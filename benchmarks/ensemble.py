@@ -121,9 +121,10 @@ def main() -> None:
         e = hh["ensemble"]
         print(f"held-out HH-RLHF ({hh['pairs']} pairs): single model {one['accuracy']:.4f}; members' mean "
               f"{e['mean_accuracy']:.4f}; members {', '.join(f'{x:.4f}' for x in e['member_accuracy'])} (mean "
-              f"{e['member_accuracy_mean']:.4f}); disagreement AUROC for a misordered pair "
+              f"{e['member_accuracy_mean']:.4f}); AUROC for a misordered pair: disagreement "
               f"{e['spread_auroc_misordered']:.3f} (std of the margins: right {e['spread_right']:.4f}, misordered "
-              f"{e['spread_misordered']:.4f})")
+              f"{e['spread_misordered']:.4f}), disagreement against the mean margin {e['flip_auroc_misordered']:.3f}, "
+              f"a small mean margin alone {e['margin_auroc_misordered']:.3f}")
         llmbar = run_eval(EvalConfig(model=ens, data=(str(DATA / "llmbar_rewardbench_v1.jsonl.gz"),),
                                      output=f"{tmp}/eval-llmbar"))
         print(f"spread (members' std of a reward): held-out HH {e['reward_std_mean']:.4f}, LLMBar "

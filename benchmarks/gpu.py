@@ -95,7 +95,7 @@ from bench_common import SHARED_DATA as DATA
 
 TOKENIZER = REPO.parent / "shared" / "assets" / "smollm2-135m-instruct-tokenizer"
 SITE = pathlib.Path("/tmp/rmflow-gpu-site")
-PARTS = ("parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "real", "trl", "optimizer")
+PARTS = ("parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "real", "trl", "optimizer", "deterministic")
 # What the GPU image lacks (its list: the device tool's KINDS.md); the versions this project installs.
 WHEELS = ("grain", "array-record", "portpicker", "tensorboardX", "trl", "datasets", "dill", "multiprocess", "xxhash")
 # Reads the real SmolLM2's quantised source (GGUF) into transformers; not one of the project's packages.
@@ -144,7 +144,9 @@ SIZES = {
             # optimizer_runs: the optimizer state's settings at one full fine-tuning size, float32 moments first
             "optimizer_runs": tuple(("Qwen2.5-1.5B", 2048, 4, t) for t in (
                 "full", "full+bf16-moments", "full+int8-moments", "full+offload", "full+int8-moments+offload"))
-            + tuple(("Llama-3.1-8B", 16384, 1, t) for t in ("lora16", "lora16-int8", "lora16-nf4"))},
+            + tuple(("Llama-3.1-8B", 16384, 1, t) for t in ("lora16", "lora16-int8", "lora16-nf4")),
+            # deterministic: sequences of random lengths scored in random batch compositions
+            "det_sequences": 1000, "det_lengths": (16, 1024), "det_compositions": 20},
     "rehearse": {"max_length": 256, "kernel_batch": 4, "speed_steps": 2, "parity_t": 256,
                  "parity_cases": (("blockwise", "float32", None), ("cudnn", "bfloat16", None),
                                   ("pallas", "float32", 100), ("blockwise", "float32", 100, 32, 2.0)),
@@ -158,7 +160,8 @@ SIZES = {
                  "trl_size_runs": (("toy", 512, 1, "lora16"),),
                  "trl_steps": 6, "trl_batch": 2, "checkpointing": (True,),
                  "real_batch": 4, "real_steps": 3, "lr": 1e-4,
-                 "optimizer_runs": (("toy", 512, 1, "full+int8-moments+offload"), ("toy", 512, 1, "lora16-nf4"))},
+                 "optimizer_runs": (("toy", 512, 1, "full+int8-moments+offload"), ("toy", 512, 1, "lora16-nf4")),
+                 "det_sequences": 60, "det_lengths": (8, 200), "det_compositions": 3},
 }
 TOY = dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -825,6 +828,49 @@ def part_real(ctx: Ctx) -> None:
     ctx.add(*export_parity(rm["run"], ctx.work / "export", ctx.rehearse))
 
 
+def part_deterministic(ctx: Ctx) -> None:
+    """Deterministic scoring on this device (``RewardModel.shapes(deterministic=True)``): random
+    sequences scored in random batch compositions, every score's bits against the first
+    composition's (none may differ), the default packed rows' changes and largest deviation, and
+    the throughput of the two, alternated."""
+    import numpy as np
+    from bench_common import load_test_helper
+    from rmflow.trainer.inference import load_model
+
+    from rmflow.scoring.api import RewardModel
+
+    helper = load_test_helper("compositions")
+    rm = RewardModel(load_model(model_folder(ctx)), tokenizer=None)
+    size, rng = ctx.size, np.random.default_rng(0)
+    seqs = [rng.integers(3, 1000, int(rng.integers(*size["det_lengths"]))).astype(np.int32)
+            for _ in range(size["det_sequences"])]
+    rm.limit_length(max(size["det_lengths"]))
+    modes = {"deterministic": True, "default": False}
+
+    def scored(mode: bool, batches) -> np.ndarray:
+        out = np.zeros(len(seqs), np.float32)
+        for b in batches:
+            out[b] = rm.score_ids([seqs[i] for i in b], deterministic=mode)
+        return out
+
+    first = {name: scored(mode, [np.arange(len(seqs))]) for name, mode in modes.items()}  # compiled here
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(3):
+        for name, mode in modes.items():
+            start = time.perf_counter()
+            scored(mode, [np.arange(len(seqs))])
+            times[name].append(time.perf_counter() - start)
+    for name, mode in modes.items():
+        n = size["det_compositions"] if mode else min(3, size["det_compositions"])
+        changed = sum(int((helper.bits(scored(mode, b)) != helper.bits(first[name])).sum())
+                      for b in helper.compositions(len(seqs), n, seed=1))
+        ctx.add({"mode": name, "sequences": len(seqs), "compositions": n, "scores_changed": changed,
+                 "seconds": statistics.median(times[name])})
+    ctx.add({"summary": "deterministic / default", "throughput_ratio":
+             statistics.median(times["default"]) / statistics.median(times["deterministic"]),
+             "largest_deviation": float(np.abs(first["default"] - first["deterministic"]).max())})
+
+
 def part_checkpoint(ctx: Ctx) -> None:
     """The real SmolLM2-135M-Instruct built from the GGUF pieces into ``ctx.checkpoint``: in a
     folder beside it, renamed when complete, so a build stopped midway is never taken for one."""
@@ -837,7 +883,7 @@ def part_checkpoint(ctx: Ctx) -> None:
 
 FNS = {"parity": part_parity, "kernel": part_kernel, "speed": part_speed, "profile": part_profile,
        "sizes": part_sizes, "trl_sizes": part_trl_sizes, "trl": part_trl, "real": part_real, "checkpoint": part_checkpoint,
-       "optimizer": part_optimizer}
+       "optimizer": part_optimizer, "deterministic": part_deterministic}
 
 
 def child(part: str, spec: dict) -> None:

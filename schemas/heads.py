@@ -64,7 +64,7 @@ def member_reward(rule: str) -> tuple[str, float]:
             lam = float(rule[4:])
         except ValueError:
             lam = -1.0
-        if lam >= 0:
+        if 0 <= lam < float("inf"):
             return "lcb", lam
     raise UnknownHead(f"an ensemble's reward {rule!r}: use {', '.join(MEMBER_REWARDS)} (LAMBDA >= 0, e.g. lcb:1)")
 

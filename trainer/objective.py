@@ -92,6 +92,12 @@ def _pairwise(model, mb: dict[str, Any], center_coef: float, bootstrap: bool = F
     return sums["bt_loss_sum"] + center_coef * sums["center_sum"], sums
 
 
+def _pairwise_bootstrapped(model, mb: dict[str, Any], center_coef: float):
+    """``_pairwise`` of an ensemble whose members each weigh the pairs by their bootstrap draws (one
+    function, so that a run's step program hashes alike in every call)."""
+    return _pairwise(model, mb, center_coef, bootstrap=True)
+
+
 def _stepwise(model, mb: dict[str, Any], center_coef: float):
     _, sums = step_loss(model.logits(*(mb[k] for k in _MODEL_ARGS)), mb["step_labels"], mb["step_weight"])
     return sums["loss_sum"], sums
@@ -166,13 +172,13 @@ class Objective:
         records keep, weighted by ``attribute_weights`` (name=weight,...; empty: those
         preprocessing scored the responses by)."""
         if ensemble is not None and ensemble.members:
-            if ensemble.bootstrap and self.kind is not kinds.OUTCOME:
-                raise ConfigError("ensemble.bootstrap resamples preference pairs; K responses per prompt train each "
-                                  "member on every prompt (drop ensemble.bootstrap)")
             if self.regression or not self.kind.pairwise:
                 raise ConfigError(f"ensemble.members {ensemble.members}: an ensemble of reward heads trains on pairs "
                                   f"or ranked responses; this run trains "
                                   f"{'an attribute head' if self.regression else self.kind.description}")
+            if ensemble.bootstrap and self.kind is not kinds.OUTCOME:
+                raise ConfigError("ensemble.bootstrap resamples preference pairs; K responses per prompt train each "
+                                  "member on every prompt (drop ensemble.bootstrap)")
             return ScoreHead(ensemble.members, members=ensemble.members, member_reward=ensemble.reward)
         if not self.regression:
             return ScoreHead(self.kind.head.outputs)
@@ -195,7 +201,7 @@ class Objective:
         """This objective on ``manifest``'s shards: with the score head it trains there (``head``)
         and, for a regression, the attribute names its metrics name."""
         head = self.head(manifest, attribute_weights, ensemble)
-        loss = functools.partial(_pairwise, bootstrap=True) if ensemble is not None and ensemble.bootstrap else self.loss
+        loss = _pairwise_bootstrapped if ensemble is not None and ensemble.bootstrap else self.loss
         return dataclasses.replace(self, model_head=head, attributes=head.attributes if self.regression else (),
                                    loss=loss)
 

@@ -194,8 +194,9 @@ def check_same_head(run_dir: str, model_config) -> None:
             return f"{head[0]} output(s)" + (f" ({', '.join(head[1])})" if head[1] else "")
 
         raise TrainError(f"--resume: the run's checkpoints hold a score head of {said(before)}; this config trains "
-                         f"one of {said(now)} (another objective or other attribute ratings): resume with the run's "
-                         "objective and data, or start a new run (another --output)")
+                         f"one of {said(now)} (another objective, other attribute ratings or another "
+                         "ensemble.members): resume with the run's objective, data and ensemble, or start a new run "
+                         "(another --output)")
 
 
 def run(cfg: TrainConfig, *, resume: bool = False, on_log: Callable[[dict], None] | None = None,

@@ -3,10 +3,12 @@ member's rewards, and figures of the members against the ensemble.
 
 On pairs: each member's accuracy (its own chosen reward above its own rejected), their mean,
 best and worst, against the accuracy of the members' mean and of the model's reward (its rule:
-the mean, the minimum or a lower confidence bound); and how well the members' disagreement on a
-pair (the standard deviation of their margins) predicts that the model misorders it: AUROC
-(0.5: it tells nothing; 1: every misordered pair is less certain than every right one) and the
-mean disagreement on right and on misordered pairs.
+the mean, the minimum or a lower confidence bound); and how well three measures of doubt about a
+pair predict that the model misorders it, each as an AUROC (0.5: it tells nothing; 1: every
+misordered pair is doubted more than every right one): the members' disagreement (the standard
+deviation of their margins), that disagreement against the mean margin (a small mean margin
+among members that disagree: the verdict could flip), and, for comparison, the small mean margin
+alone (what one model's own margin tells).
 """
 
 from __future__ import annotations
@@ -48,11 +50,14 @@ def pair_figures(chosen: np.ndarray, rejected: np.ndarray, reward_correct: np.nd
     each = (margins > 0).mean(0)
     spread = margins.std(1)
     wrong = ~np.asarray(reward_correct, bool)
+    size = np.abs(margins.mean(1))
     return {"members": int(chosen.shape[1]), "member_accuracy": [float(x) for x in each],
             "member_accuracy_mean": float(each.mean()), "member_accuracy_best": float(each.max()),
             "member_accuracy_worst": float(each.min()),
             "mean_accuracy": float((margins.mean(1) > 0).mean()), "reward_accuracy": float(1 - wrong.mean()),
             "spread_auroc_misordered": auroc(spread, wrong),
+            "flip_auroc_misordered": auroc(spread / np.maximum(size, 1e-12), wrong),
+            "margin_auroc_misordered": auroc(-size, wrong),
             "spread_right": float(spread[~wrong].mean()) if (~wrong).any() else None,
             "spread_misordered": float(spread[wrong].mean()) if wrong.any() else None,
             "reward_std_mean": float(np.concatenate([chosen.std(1), rejected.std(1)]).mean())}
@@ -76,5 +81,7 @@ def markdown_lines(e: dict[str, Any]) -> list[str]:
             f"| members' accuracy: mean (worst - best) | {f(e['member_accuracy_mean'])} "
             f"({f(e['member_accuracy_worst'])} - {f(e['member_accuracy_best'])}) |",
             f"| AUROC of the members' disagreement for a misordered pair | {f(e['spread_auroc_misordered'])} |",
+            f"| ... of their disagreement against the mean margin | {f(e.get('flip_auroc_misordered'))} |",
+            f"| ... of a small mean margin alone | {f(e.get('margin_auroc_misordered'))} |",
             f"| disagreement (std of the members' margins): right pairs, misordered | {f(e['spread_right'])}, "
             f"{f(e['spread_misordered'])} |"]

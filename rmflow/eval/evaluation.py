@@ -262,7 +262,8 @@ def eval_pairs(cfg: EvalConfig, loaded: LoadedModel, records) -> tuple[dict[str,
             both = np.concatenate([rc, rr])
             write_normalization(cfg.model, {"mean": float(both.mean()), "std": float(both.std()), "pairs": len(records),
                                             "data": list(cfg.data), "split": cfg.split,
-                                            **({"member_std": m["ensemble"]["reward_std_mean"]}
+                                            **({"member_std": m["ensemble"]["reward_std_mean"],
+                                                "reward": loaded.model.config.member_reward}
                                                if "ensemble" in m else {})})
     return metrics, write
 

@@ -92,7 +92,8 @@ def _ranked(cfg: EvalConfig, loaded: LoadedModel, prompts, rewards, lengths, spa
         if cfg.normalize:  # stored with the model, so scores can be standardised at inference
             write_normalization(cfg.model, {"mean": float(np.mean(rewards)), "std": float(np.std(rewards)),
                                             "responses": len(rewards), "data": list(cfg.data), "split": cfg.split,
-                                            **({"member_std": member_std} if member_std is not None else {})})
+                                            **({"member_std": member_std, "reward": loaded.model.config.member_reward}
+                                               if member_std is not None else {})})
 
     return metrics, write
 

@@ -304,6 +304,7 @@ class RewardModel:
         from rmflow.trainer.inference import use_member_reward
 
         use_member_reward(self._loaded.model, rule, self.description)
+        self.normalization = self._loaded.normalization  # figures of another rule no longer apply
         self._scorers.clear()
 
     @property
@@ -469,6 +470,7 @@ class RewardModel:
 
     def normalize(self, scores: np.ndarray) -> np.ndarray:
         if not self.normalization or not self.normalization.get("std"):
-            raise ValueError("this model has no reward_normalization.json: run `rmflow eval --normalize` first")
+            raise ValueError("this model has no reward_normalization.json (for an ensemble: of the reward it scores "
+                             "with): run `rmflow eval --normalize` first")
         return ((np.asarray(scores, np.float64) - self.normalization["mean"])
                 / self.normalization["std"]).astype(np.float32)

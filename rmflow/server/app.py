@@ -104,8 +104,8 @@ class Service:
         self.max_length_source = "--max-length" if cfg.max_length else "the model's positions"
         self.startup_length = min(cfg.startup_length or rm.trained_max_length or rm.max_length, rm.max_length)
         if cfg.normalize and not (rm.normalization and rm.normalization.get("std")):
-            raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json; run `rmflow eval "
-                                    "--normalize` on it first")
+            raise RequestError(500, f"--normalize: {cfg.model} has no reward_normalization.json (for an ensemble: of "
+                                    "the reward it scores with); run `rmflow eval --normalize` on it first")
         # --deterministic: one item a row, in the shapes every entry point uses (RewardModel.shapes)
         shapes = rm.shapes(cfg.max_batch_rows, cfg.token_budget, small_batches=not cfg.deterministic,
                            row_length=self.startup_length, deterministic=cfg.deterministic)

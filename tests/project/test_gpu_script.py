@@ -33,7 +33,13 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     errors = {p: rows["error"][-1500:] for p, rows in report["parts"].items() if isinstance(rows, dict)}
     assert proc.returncode == 0 and not errors, (errors, proc.stdout[-2000:], proc.stderr[-2000:])
     parts = report["parts"]
-    assert set(parts) == {"parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "trl", "real", "optimizer"}
+    assert set(parts) == {"parity", "kernel", "speed", "profile", "sizes", "trl_sizes", "trl", "real", "optimizer",
+                          "deterministic"}
+    # deterministic: no score moves by a bit over the random compositions; the default's do (or not), timed
+    det = {r["mode"]: r for r in parts["deterministic"] if "mode" in r}
+    assert det["deterministic"]["scores_changed"] == 0 and det["deterministic"]["compositions"] == 3
+    (ratio,) = [r for r in parts["deterministic"] if r.get("summary") == "deterministic / default"]
+    assert ratio["throughput_ratio"] > 0 and ratio["largest_deviation"] < 1e-3
     assert report["rehearse"]
     # rmflow as the GPU machine runs it: its wheel, built from this checkout and installed apart
     assert "/site/rmflow/trainer/" in report["rmflow"] and any(w.startswith("rmflow-") for w in report["wheels"])

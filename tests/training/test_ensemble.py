@@ -185,10 +185,15 @@ def test_an_ensemble_evaluates_exports_and_serves(ensemble_run, demo_shards, tmp
     from rmflow.eval.evaluation import run_eval
 
     run = ensemble_run / "run"
-    m = run_eval(EvalConfig(model=str(run), data=(str(demo_shards),), output=str(tmp_path / "eval")))
+    m = run_eval(EvalConfig(model=str(run), data=(str(demo_shards),), output=str(tmp_path / "eval"), normalize=True))
     e = m["ensemble"]
     assert e["members"] == 4 and len(e["member_accuracy"]) == 4 and e["reward_accuracy"] == m["accuracy"]
     assert "## Ensemble (4 members)" in (tmp_path / "eval" / "report.md").read_text()
+    stats = json.loads((run / "reward_normalization.json").read_text())
+    assert stats["reward"] == "mean" and stats["member_std"] == pytest.approx(e["reward_std_mean"])
+    assert RewardModel.load(str(run)).normalization == stats  # the rule they were taken of
+    other = RewardModel.load(str(run), reward="min")
+    assert other.normalization is None and other.identity()["reward"] == "min"  # not another rule's figures
 
     folder = export(ExportConfig(run=str(run), output=str(tmp_path / "export")))
     config = json.loads((tmp_path / "export" / "config.json").read_text())

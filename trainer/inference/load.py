@@ -60,9 +60,11 @@ class LoadedModel:
 
     def identity(self) -> dict[str, Any]:
         """What a scorer reports with its scores: the weights (run and step), the kind and the
-        tokenizer's fingerprint (the same hash the manifest keeps, chat template included)."""
+        tokenizer's fingerprint (the same hash the manifest keeps, chat template included); an
+        ensemble's reward rule too."""
+        rule = {"reward": self.model.config.member_reward} if self.model.config.members else {}
         return {"description": self.description, "run": self.run, "step": self.step, "kind": self.kind.name,
-                "tokenizer_hash": tokenizer_fingerprint(self.tokenizer_dir) if self.tokenizer_dir else None}
+                "tokenizer_hash": tokenizer_fingerprint(self.tokenizer_dir) if self.tokenizer_dir else None, **rule}
 
     @property
     def step_separator(self) -> str:
@@ -71,11 +73,15 @@ class LoadedModel:
 
     @property
     def normalization(self) -> dict[str, Any] | None:
-        """The mean and std `rmflow eval --normalize` stored with the model, or None."""
+        """The mean and std `rmflow eval --normalize` stored with the model, or None; None too for
+        an ensemble scoring by another reward rule than the one the figures were taken of."""
         path = os.path.join(self.folder, NORMALIZATION_FILE)
         if not os.path.exists(path):
             return None
-        return jsontext.read(path)
+        stats = jsontext.read(path)
+        if self.model.config.members and stats.get("reward", "mean") != self.model.config.member_reward:
+            return None
+        return stats
 
     @property
     def kind(self) -> ModelKind:
