@@ -376,7 +376,7 @@ def score(options: dict, ctx: typer.Context) -> None:
         return
     from rich.progress import Progress
 
-    from rmflow.scoring.scorers import score_file
+    from rmflow.scoring.scorers import ScoringMode, score_file
 
     with Progress(console=console) as progress:
         def factory(total: int):
@@ -384,7 +384,7 @@ def score(options: dict, ctx: typer.Context) -> None:
             return lambda n: progress.advance(task, n)
 
         counts = score_file(cfg.model, cfg.input, cfg.output, step=cfg.step, batch_size=cfg.batch_size,
-                            truncate=cfg.truncate, deterministic=cfg.deterministic, reward=cfg.reward,
+                            truncate=cfg.truncate, mode=ScoringMode(cfg.deterministic, cfg.reward),
                             progress_factory=factory)
     total = counts["scored"] + counts["errors"]
     if total and counts["errors"] / total > cfg.max_bad_fraction:  # the file is written either way

@@ -74,16 +74,25 @@ def echoed(fields: dict[str, Any], reserved: frozenset[str] | set[str]) -> dict[
 LINE_FIELDS = frozenset({"line", "error"})  # what a line that cannot be scored gets
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoringMode:
+    """How a job's scores are computed, beside its model and batches: ``deterministic`` (each
+    conversation alone in its row, its score the same to the last bit however it is batched) and
+    an ensemble's ``reward`` rule (empty: the one it was trained with)."""
+
+    deterministic: bool = False
+    reward: str = ""
+
+
 def score_file(model_path: str, input_path: str, output_path: str, *, step: int | str | None = None,
-               batch_size: int = SCORING_BATCH_SIZE, truncate: str = "error", deterministic: bool = False,
-               reward: str = "", progress_factory=None) -> dict[str, int]:
+               batch_size: int = SCORING_BATCH_SIZE, truncate: str = "error", mode: ScoringMode = ScoringMode(),
+               progress_factory=None) -> dict[str, int]:
     """Score a JSONL file through the Python API (``rmflow.RewardModel``), one result line per
     input line, each line what ``encode_record`` reads (a conversation, a preference pair, one
     prompt's K responses, a solution); a line that cannot be scored keeps its fields and gets
     ``line`` and ``error``, and no line takes the others' scores with it (``score_encoded``).
     ``truncate="left"``: a conversation longer than the model's positions loses its earliest tokens;
-    ``deterministic``: each conversation scored alone in its row (``RewardModel.shapes``), its score
-    the same to the last bit whatever else the file holds."""
+    ``mode``: deterministic scores, an ensemble's reward rule (``ScoringMode``)."""
     if os.path.isdir(output_path):
         raise ScoreError(f"--output {output_path} is a folder; give the JSONL file to write")
     if not os.path.isfile(input_path):
@@ -97,7 +106,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
                                          "path outside it" if inside_of(model_path, [output_path]) else None)
     if inside:  # a file of another output (an export's config.json, a manifest) would be overwritten
         raise ScoreError(inside)
-    rm = RewardModel.load(model_path, step, reward=reward)
+    rm = RewardModel.load(model_path, step, reward=mode.reward)
     rows: list[dict[str, Any]] = []
     encoded, owners = [], []  # each encodable line's (what, sequences), and its (row, line number)
     for line_no, text, problem in _lines(input_path):
@@ -118,7 +127,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, step: int 
             kept = echoed(obj, OUTPUT_FIELDS | LINE_FIELDS) \
                 if isinstance(obj, dict) else {}  # the user's own fields (an id ...), to join results back
             rows.append({**kept, "line": line_no, "error": reason})
-    fields = score_encoded(rm, encoded, rm.shapes(batch_size, deterministic=deterministic),
+    fields = score_encoded(rm, encoded, rm.shapes(batch_size, deterministic=mode.deterministic),
                            progress_factory=progress_factory)
     for (row, line_no), result in zip(owners, fields):
         if "error" in result:  # could not be scored (a bug, named): the line's fields and why

@@ -73,7 +73,7 @@ def conversations(shared_data, run_and_model):
 
 def test_the_api_and_rmflow_score_give_each_conversation_its_bits_whatever_it_is_scored_with(
         run_and_model, conversations, tmp_path):
-    from rmflow.scoring.scorers import score_file
+    from rmflow.scoring.scorers import ScoringMode, score_file
 
     _, rm = run_and_model
     convs = conversations[:300]
@@ -95,7 +95,7 @@ def test_the_api_and_rmflow_score_give_each_conversation_its_bits_whatever_it_is
     src = tmp_path / "in.jsonl"
     records = [{"prompt": prompt[0]["content"], "responses": [r["content"] for r in replies]}, *convs[:20]]
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
-    score_file(str(run_and_model[0]), str(src), str(tmp_path / "out.jsonl"), deterministic=True)
+    score_file(str(run_and_model[0]), str(src), str(tmp_path / "out.jsonl"), mode=ScoringMode(deterministic=True))
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     single = [[{"role": "user", "content": prompt[0]["content"]}, r] for r in replies]
     np.testing.assert_array_equal(bits(rows[0]["response_scores"]), bits(rm.score(single, deterministic=True)))
