@@ -29,7 +29,7 @@ what they need through the model's own scorers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -178,7 +178,7 @@ def sequence_probe(rm, sequences: Sequence[np.ndarray], scale: float) -> dict[st
         return probe("reward at the last token", True, "no conversation short enough to probe at twice its length")
     alone = rm.score_ids(seqs, deterministic=True)
     longest = 2 * max(map(len, seqs))  # every one padded to at least twice its length, in one program
-    padded = rm.scorer(rm.shapes(len(seqs), deterministic=True)).run_padded(seqs, longest)
+    padded = rm.scorer(rm.shapes(deterministic=True)).run_padded(seqs, longest)
     rows = PackedShapes(rm.positions, token_budget=4 * longest, row_length=longest)
     got = PackedScorer(rm.model, rows, pad_id=rm.pad_id).run_items([s for s in seqs for _ in range(2)])
     packed = np.asarray([r for r, _ in got], np.float64).reshape(len(seqs), 2)
@@ -186,8 +186,7 @@ def sequence_probe(rm, sequences: Sequence[np.ndarray], scale: float) -> dict[st
     return last_token_probe(alone, padded, packed, shorter, scale)
 
 
-def pair_probes(rm, records, rc: np.ndarray, rr: np.ndarray, *, batch_size: int,
-                score_records: Callable | None = None) -> list[dict[str, Any]]:
+def pair_probes(rm, records, rc: np.ndarray, rr: np.ndarray, *, batch_size: int) -> list[dict[str, Any]]:
     """Every probe of a pair eval: ``records`` (PairRecords) and their rewards ``rc``, ``rr``."""
     import dataclasses
 
@@ -195,7 +194,7 @@ def pair_probes(rm, records, rc: np.ndarray, rr: np.ndarray, *, batch_size: int,
     scale = float(np.concatenate([rc, rr]).std()) or 1.0
     swapped = [dataclasses.replace(r, chosen_ids=r.rejected_ids, rejected_ids=r.chosen_ids,
                                    chosen_last=r.rejected_last, rejected_last=r.chosen_last) for r in records]
-    sc, sr = (score_records or rm.score_records)(swapped, batch_size=batch_size)
+    sc, sr = rm.score_records(swapped, batch_size=batch_size)
     len_diff = np.asarray([(r.chosen_last - r.rejected_last) for r in records], np.float64)
     seqs = [r.chosen_ids[: r.chosen_last + 1] for r in records]
     return [chance_probe(float((d > 0).mean()), len(d)),

@@ -50,6 +50,7 @@ from rmflow.scoring.scorers import (
     PAIR_FIELDS,
     RESPONSE_ATTRIBUTES,
     RESPONSE_SCORES,
+    ScoringMode,
     echoed,
     encode_record,
     score_encoded,
@@ -87,8 +88,7 @@ class JobSpec:
     output_format: str = "jsonl"
     max_bad_fraction: float = MAX_BAD_FRACTION
     truncate: str = "error"
-    deterministic: bool = False
-    reward: str = ""
+    mode: ScoringMode = ScoringMode()  # deterministic scores, an ensemble's reward rule
 
 
 # --------------------------------------------------------------------------- what a record is
@@ -123,7 +123,7 @@ class RewardModelHandler(ModelHandler):
         self.spec = spec
 
     def load_model(self) -> RewardModel:
-        return RewardModel.load(self.spec.model, self.spec.step, reward=self.spec.reward)
+        return RewardModel.load(self.spec.model, self.spec.step, reward=self.spec.mode.reward)
 
     def run_inference(self, batch: Sequence[tuple[str, int, str]], model: RewardModel,
                       inference_args: dict[str, Any] | None = None) -> Iterable[PredictionResult]:
@@ -141,7 +141,7 @@ class RewardModelHandler(ModelHandler):
         # one item a row, in the core's shapes, a batch never spanning two (what fixes a record's score
         # to the last bit, whatever else the bundle holds: a rerun writes the same bytes)
         shapes = model.shapes(self.spec.batch_rows, self.spec.token_budget, packed=False,
-                              deterministic=self.spec.deterministic)
+                              deterministic=self.spec.mode.deterministic)
         for i, fields in zip(owner, score_encoded(model, encoded, shapes, one_length=True)):
             out[i] = fields if "error" in fields else {"fields": fields}
         return [PredictionResult(ex, r) for ex, r in zip(batch, out)]
@@ -451,7 +451,7 @@ def run(cfg: ScoreConfig, *, wait: bool = True) -> dict[str, Any] | None:
                        num_shards=cfg.num_shards or max(1, size // (256 << 20)), token_budget=cfg.token_budget,
                        batch_rows=cfg.batch_size, group_by=group_by, started=time.time(),
                        output_format=cfg.output_format, max_bad_fraction=cfg.max_bad_fraction, truncate=cfg.truncate,
-                       deterministic=cfg.deterministic, reward=cfg.reward)
+                       mode=ScoringMode(cfg.deterministic, cfg.reward))
         build(p, files, spec, rm.identity())
         try:  # a local runner raises from run(), a remote job from wait_until_finish()
             result = p.run()

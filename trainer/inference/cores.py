@@ -40,6 +40,16 @@ def padded_rows(shapes: ScoringShapes, lengths: Sequence[int], pad_id: int, what
     return np.full((rows, length), pad_id, np.int32), np.zeros((rows, length), np.int32)
 
 
+def _placed(sequences: Sequence[np.ndarray], ids: np.ndarray, seg: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, segment ids, each row's last token) with each sequence at the start of its row of the
+    padding ``ids`` and ``seg`` (filled in place)."""
+    last = np.zeros(len(ids), np.int32)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s)], seg[row, : len(s)], last[row] = s, 1, len(s) - 1
+    return ids, seg, last
+
+
 class SequenceScorer:
     """An outcome model's forward, jitted once over the shapes of ``ScoringShapes``: ``score``
     cuts any number of token sequences into batches of those shapes and returns the rewards in
@@ -81,18 +91,12 @@ class SequenceScorer:
         longest; a program of its own per batch size and length): what eval's probes compare with
         the same sequences in the shapes of the set, to find a score that moves with its padding."""
         ids = np.full((len(sequences), length), self.pad_id, np.int32)
-        seg, last = np.zeros_like(ids), np.zeros(len(sequences), np.int32)
-        for row, s in enumerate(sequences):
-            ids[row, : len(s)], seg[row, : len(s)], last[row] = s, 1, len(s) - 1
-        return self._run_padded(ids, seg, last)[0]
+        return self._run_padded(*_placed(sequences, ids, np.zeros_like(ids)))[0]
 
     def run_outputs(self, sequences: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         """Rewards of one batch and, for an attribute head, its outputs (B, N); else None."""
         ids, seg = padded_rows(self.shapes, [len(s) for s in sequences], self.pad_id, "sequences")
-        last = np.zeros(len(ids), np.int32)
-        for row, s in enumerate(sequences):
-            ids[row, : len(s)], seg[row, : len(s)], last[row] = s, 1, len(s) - 1
-        rewards, outputs = self._run_padded(ids, seg, last)
+        rewards, outputs = self._run_padded(*_placed(sequences, ids, seg))
         return rewards[: len(sequences)], None if outputs is None else outputs[: len(sequences)]
 
     def run_units(self, units: Sequence[ResponsesRecord]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
