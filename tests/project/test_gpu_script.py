@@ -3,6 +3,7 @@ a GPU session spends its time measuring, not debugging the script."""
 
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -63,7 +64,10 @@ def test_the_gpu_check_rehearses_every_part(tmp_path):
     (summary,) = [r for r in parts["speed"] if r.get("summary") == "pack / bucket"]
     assert summary["ratio"] > 0 and {r.get("packing") for r in parts["speed"]} >= {"pack", "bucket"}
     timed_runs = [r for r in parts["speed"] if "real_tokens_per_s" in r]
-    assert timed_runs and all(0 < r["attention_share"] and 0 < r["optimizer_share"] < 1 for r in timed_runs)
+    # each share is a part timed alone over the step timed whole: on a loaded CPU a part alone can
+    # take longer than the step did, so only that both were measured is checked here, not a bound
+    assert timed_runs and all(0 < r["attention_share"] < math.inf and 0 < r["optimizer_share"] < math.inf
+                              for r in timed_runs)
     # profile: a steady step traced, its time split by kind of kernel; the device's busy time within the step
     steps = [r for r in parts["profile"] if r.get("summary") == "step"]
     assert steps and steps[0]["step_ms"] > 0 and 0 < steps[0]["dispatch_ms"] and 0 < steps[0]["mfu"] < 1
