@@ -1,5 +1,7 @@
-"""An ensemble of score heads (``ensemble.members``) against one reward model, trained the same way
-on the same HH-RLHF pairs.
+"""An ensemble of score heads (``ensemble.members``), or of members with their own top layers
+(``--layers``: ``ensemble.layers``), against one reward model, trained the same way on the same
+HH-RLHF pairs (``--lora RANK``: both LoRA runs; with ``--layers`` the model's layer count, N
+LoRA members over every layer of one frozen base).
 
 Printed: training cost (median step time past compiling, and the whole run's wall time, as
 ratios against the single model's, the two alternated ``--repeat`` times); on the held-out HH
@@ -11,6 +13,7 @@ truth): the mean rank of the reply each reward picks (1 = best), the single mode
 ensemble's mean, minimum and lower confidence bound (mean - 1 std).
 
     .venv/bin/python benchmarks/ensemble.py [--steps 300] [--batch-size 8] [--members 4] [--repeat 1] [--bootstrap]
+        [--layers 0] [--lora 0]
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ def trained(shards: pathlib.Path, out: pathlib.Path, members: int, a) -> dict:
                       max_steps=a.steps, batch_size=a.batch_size, seed=0, logging={"steps": 1, "report_to": ()},
                       center_rewards_coefficient=a.center,
                       optimizer={"learning_rate": a.learning_rate, "warmup_steps": max(a.steps // 10, 1)},
-                      ensemble={"members": members, "bootstrap": bool(members and a.bootstrap)})
+                      ensemble={"members": members, "bootstrap": bool(members and a.bootstrap),
+                                "layers": a.layers if members else 0},
+                      lora={"rank": a.lora} if a.lora else None)
     start = time.perf_counter()
     train(cfg, on_log=lambda rec: stamps.append(time.perf_counter()))
     gaps = [b - a_ for a_, b in zip(stamps, stamps[1:])][len(stamps) // 4:-1]  # past compiling, before the eval
@@ -92,6 +97,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--bootstrap", action="store_true", help="each member its own resample (ensemble.bootstrap)")
     ap.add_argument("--center", type=float, default=0.01, help="center_rewards_coefficient, both runs")
+    ap.add_argument("--layers", type=int, default=0, help="the members' own top layers (ensemble.layers)")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA of this rank, both runs (0: full fine-tuning)")
     a = ap.parse_args()
     from rmflow import RewardModel
 
@@ -111,8 +118,9 @@ def main() -> None:
         step = {m: statistics.median(r["step_s"] for r in rs) for m, rs in runs.items()}
         wall = {m: statistics.median(r["wall_s"] for r in rs) for m, rs in runs.items()}
         print(f"\ntiny preset, {a.steps} steps of {a.batch_size} HH-RLHF pairs, learning rate {a.learning_rate:g}, "
-              f"center_rewards_coefficient {a.center:g}; {a.members} heads{' (bootstrap)' if a.bootstrap else ''} "
-              f"against one; median of {a.repeat}")
+              f"center_rewards_coefficient {a.center:g}{f', LoRA rank {a.lora}' if a.lora else ''}; {a.members} "
+              f"{f'members with their own top {a.layers} layers' if a.layers else 'heads'}"
+              f"{' (bootstrap)' if a.bootstrap else ''} against one; median of {a.repeat}")
         print(f"training cost: step {step[a.members] / step[0]:.2f}x ({1000 * step[a.members]:.0f} against "
               f"{1000 * step[0]:.0f} ms), whole run {wall[a.members] / wall[0]:.2f}x ({wall[a.members]:.0f} against "
               f"{wall[0]:.0f} s)")

@@ -34,6 +34,9 @@ RESPONSE_ATTRIBUTES = "response_attribute_scores"  # ... for each response of a 
 ATTRIBUTE_WEIGHTS = "attribute_weights"  # config.json's key for an attribute head's weights by name
 ENSEMBLE_KEY = "rmflow_ensemble"  # config.json's key for an ensemble head: {"members": N, "reward": RULE}
 MEMBER_SCORES, SCORE_MEAN, SCORE_STD = "member_scores", "score_mean", "score_std"  # an ensemble's answer
+# An ensemble whose members have their own top layers exports one checkpoint per member, in
+# MEMBER_FOLDER + its index, beside ENSEMBLE_FILE ({"members", "reward", "layers", "checkpoints"})
+ENSEMBLE_FILE, MEMBER_FOLDER = "ensemble.json", "member-"
 # An ensemble's reward over its members' (``member_reward``): their mean; their minimum; the mean
 # minus LAMBDA times their standard deviation (a lower confidence bound; Coste et al., 2024)
 MEMBER_REWARDS = ("mean", "min", "lcb:LAMBDA")
@@ -51,6 +54,7 @@ class HeadConfig(Protocol):
     attribute_weights: tuple[float, ...]
     members: int
     member_reward: str
+    member_layers: int
 
 
 def member_reward(rule: str) -> tuple[str, float]:
@@ -122,6 +126,10 @@ class Head:
         """The model card's usage example's last lines: what the logits are, and the reward."""
         return [f"    logits = model(**ids).logits  # the score head's outputs: {kind_description}"]
 
+    def loading(self, cfg: HeadConfig, auto_class: str) -> list[str]:
+        """The model card's usage example's line that loads the export with transformers."""
+        return [f'model = {auto_class}.from_pretrained("PATH").eval()']
+
 
 @dataclasses.dataclass(frozen=True)
 class AttributeHead(Head):
@@ -160,8 +168,10 @@ class EnsembleHead(Head):
     ``rmflow_ensemble``, which ``ModelConfig.from_hf`` reads back)."""
 
     def describe(self, cfg: HeadConfig, kind_description: str) -> str:
-        return (f"an outcome reward model with an ensemble head: {cfg.members} members on one backbone, each "
-                f"a reward; the reward {rule_text(cfg.member_reward)}")
+        shared = (f"sharing all but the top {cfg.member_layers} layers, which each has its own"
+                  if cfg.member_layers else "on one backbone")
+        return (f"an outcome reward model with an ensemble head: {cfg.members} members {shared}, each a reward; the "
+                f"reward {rule_text(cfg.member_reward)}")
 
     def hf_labels(self, cfg: HeadConfig) -> dict[str, str]:
         return {str(i): f"member_{i}" for i in range(cfg.members)}
@@ -178,14 +188,25 @@ class EnsembleHead(Head):
         return {MEMBER_SCORES: values, SCORE_MEAN: mean, SCORE_STD: std}
 
     def recipe(self, cfg: HeadConfig) -> dict[str, str]:
-        return {"ensemble.members": str(cfg.members), "ensemble.reward": cfg.member_reward}
+        return {"ensemble.members": str(cfg.members), "ensemble.reward": cfg.member_reward,
+                **({"ensemble.layers": str(cfg.member_layers)} if cfg.member_layers else {})}
 
     def usage(self, cfg: HeadConfig, kind_description: str) -> list[str]:
         kind, lam = member_reward(cfg.member_reward)
         reward = {"mean": "logits.mean()", "min": "logits.min()",
                   "lcb": f"logits.mean() - {lam:g} * logits.std(unbiased=False)"}[kind]
+        if cfg.member_layers:
+            return [f"    logits = torch.cat([m(**ids).logits[0] for m in models])  # one reward per member "
+                    f"({cfg.members})", f"reward = float({reward})  # {ENSEMBLE_FILE}'s reward: {cfg.member_reward}"]
         return [f"    logits = model(**ids).logits[0]  # one reward per ensemble member ({cfg.members})",
                 f"reward = float({reward})  # config.json's rmflow_ensemble reward: {cfg.member_reward}"]
+
+    def loading(self, cfg: HeadConfig, auto_class: str) -> list[str]:
+        if not cfg.member_layers:
+            return super().loading(cfg, auto_class)
+        return [f"# one checkpoint per member: its own top {cfg.member_layers} layers over the shared ones",
+                f'models = [{auto_class}.from_pretrained(f"PATH/{MEMBER_FOLDER}{{m}}").eval() '
+                f"for m in range({cfg.members})]"]
 
 
 def rule_text(rule: str) -> str:
@@ -230,13 +251,17 @@ def check_head(cfg: HeadConfig) -> None:
         raise UnknownHead(f"an ensemble head needs 2 or more members, one output each and no attributes: members "
                           f"{cfg.members}, num_labels {cfg.num_labels}, attributes {cfg.attributes}")
     member_reward(cfg.member_reward)
+    if cfg.member_layers and not cfg.members:
+        raise UnknownHead(f"member_layers {cfg.member_layers}: the top layers of an ensemble's members; this head "
+                          "has no members")
     head_of(cfg)
 
 
 def same_outputs(a: HeadConfig, b: HeadConfig) -> bool:
     """Whether two heads have the same outputs (their width and names; an attribute head's weights
     are a run's choice, not parameters)."""
-    return (a.num_labels, a.attributes, a.members) == (b.num_labels, b.attributes, b.members)
+    return (a.num_labels, a.attributes, a.members, a.member_layers) == (b.num_labels, b.attributes, b.members,
+                                                                         b.member_layers)
 
 
 def head_of(cfg: HeadConfig | Mapping[str, Any]) -> Head:

@@ -283,6 +283,10 @@ class EnsembleConfig(Config):
                                  "asked for another (--reward).")
     bootstrap: bool = option(False, "Each member weighs each pair by its own Poisson(1) draw, fixed for the run: its "
                                     "own bootstrap resample of the pairs (more diverse members). Pairs only.")
+    layers: int = option(0, "The top this many decoder layers are each member's own: copies of the base's, trained "
+                            "apart (with LoRA: each its own adapters); the layers below are shared and run once a "
+                            "step. 0: the members share every layer (score heads only); the model's layer count: "
+                            "N members over one embedding. Costs the layers' compute and parameters once per member.")
 
     def __post_init__(self) -> None:
         from rmflow.schemas.heads import UnknownHead, member_reward
@@ -295,9 +299,10 @@ class EnsembleConfig(Config):
             member_reward(self.reward)
         except UnknownHead as e:
             raise ConfigError(f"ensemble.reward: {e}") from None
-        if not self.members and (self.reward != "mean" or self.bootstrap):
-            raise ConfigError(f"ensemble.{'bootstrap' if self.bootstrap else 'reward'}: applies to an ensemble's "
-                              "members; give ensemble.members too")
+        check_int(self.layers, "layers", 0)
+        if not self.members and (self.reward != "mean" or self.bootstrap or self.layers):
+            given = "bootstrap" if self.bootstrap else "layers" if self.layers else "reward"
+            raise ConfigError(f"ensemble.{given}: applies to an ensemble's members; give ensemble.members too")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from flax import nnx
 from rmflow.schemas import jsontext
 from rmflow.schemas.config import ExportConfig
 from rmflow.schemas.errors import RmflowError, RmflowWarning
-from rmflow.schemas.heads import head_of
+from rmflow.schemas.heads import ENSEMBLE_FILE, MEMBER_FOLDER, head_of
 from rmflow.schemas.kinds import ModelKind, kind_named
 from rmflow.schemas.outputs import EXPORT_INFO, check_replaceable, output_lock, staged_output
 from rmflow.schemas.presets import is_preset
@@ -31,7 +31,7 @@ from rmflow.trainer.inference import NORMALIZATION_FILE, write_normalization
 from rmflow.trainer.model_card import model_card
 from rmflow.trainer.modeling import lora, quant
 from rmflow.trainer.modeling.config import ModelConfig
-from rmflow.trainer.modeling.convert import hf_name, join_fused, resolve, unstack_experts
+from rmflow.trainer.modeling.convert import hf_name, join_fused, member_layer, resolve, unstack_experts
 from rmflow.trainer.modeling.decoder import RewardTransformer
 
 MAX_SHARD_BYTES = 2 << 30
@@ -66,15 +66,38 @@ def hf_config(model_cfg: ModelConfig, base: dict | None, pad_token_id: int | Non
     return cfg
 
 
-def state_dict(model: RewardTransformer) -> dict[str, np.ndarray]:
-    """The model's tensors by their Hugging Face names, fused where its family's checkpoints fuse
-    them (``modeling.convert.join_fused``)."""
+def _named(model: RewardTransformer) -> dict[str, np.ndarray]:
+    """The model's tensors by their Hugging Face names, float32 (a quantised base weight as it
+    dequantises)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = hf_name(path)
-        value = np.asarray(quant.value(var), np.float32)  # a quantised base weight as it dequantises
+        value = np.asarray(quant.value(var), np.float32)
         out[name] = np.ascontiguousarray(value.T if transpose else value)
-    return unstack_experts(join_fused(out, model.config), model.config)
+    return out
+
+
+def state_dict(model: RewardTransformer) -> dict[str, np.ndarray]:
+    """The model's tensors by their Hugging Face names, fused where its family's checkpoints fuse
+    them (``modeling.convert.join_fused``)."""
+    return unstack_experts(join_fused(_named(model), model.config), model.config)
+
+
+def member_state_dicts(model: RewardTransformer) -> list[dict[str, np.ndarray]]:
+    """An ensemble whose members have their own top layers (``ModelConfig.member_layers``) as one
+    plain reward model per member: the shared layers, the member's own in the base's top layers'
+    places, and the score head's output for that member."""
+    cfg = model.config
+    first, plain = cfg.num_hidden_layers - cfg.member_layers, cfg.one_member()
+    named = _named(model)
+    shared = {n: v for n, v in named.items() if member_layer(n) is None and not n.startswith("score.")}
+    out = []
+    for m in range(cfg.members):
+        own = {f"model.layers.{first + j}.{rest}": v for n, v in named.items()
+               for (i, j, rest) in [member_layer(n) or (-1, 0, "")] if i == m}
+        score = {n: v[m:m + 1] for n, v in named.items() if n.startswith("score.")}
+        out.append(unstack_experts(join_fused({**shared, **own, **score}, plain), plain))
+    return out
 
 
 def _save_file(tensors: dict[str, np.ndarray], path: str) -> None:
@@ -177,6 +200,10 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
                           f"({', '.join(f for f, _ in run.model_config.fused_projections())}), which a PEFT adapter of "
                           "rmflow's separate projections cannot target: export it without --adapter (merged weights)")
     experts = sorted(set(lora.EXPERT_TARGETS) & set(run.config.lora.target_modules)) if run.config.lora else []
+    if adapter and run.model_config.member_layers:
+        raise ExportError(f"{run_dir}: an ensemble whose members have their own layers (ensemble.layers "
+                          f"{run.model_config.member_layers}) exports one merged checkpoint per member; export it "
+                          "without --adapter")
     if adapter and run.model_config.sparse_layers and experts:
         raise ExportError(f"{run_dir}: adapters on a mixture of experts' experts ({', '.join(experts)}), stacked over "
                           "the experts, have no PEFT layout: export it without --adapter (merged weights)")
@@ -198,10 +225,12 @@ def _export(run_dir: str, output: str, step: int | str | None, max_shard_bytes: 
             write_adapter(model, staging, run.config.lora, base_path, kind)
         else:
             lora.merge(model)  # a LoRA run exports W + A B alpha/rank: a plain checkpoint
-            _write_checkpoint(model, staging, base, pad, kind, max_shard_bytes, dtype)
-        if run.tokenizer_dir is not None:
-            for name in os.listdir(run.tokenizer_dir):
-                shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(staging, name))
+            members = [f for f in _write_checkpoints(model, staging, base, pad, kind, max_shard_bytes, dtype)
+                       if f != staging]
+        if run.tokenizer_dir is not None:  # beside the checkpoint, and in each member's (each loads alone)
+            for folder in [staging, *(() if adapter else members)]:
+                for name in os.listdir(run.tokenizer_dir):
+                    shutil.copy(os.path.join(run.tokenizer_dir, name), os.path.join(folder, name))
         normalization = os.path.join(run.path, NORMALIZATION_FILE)  # the run as loaded (a remote one staged once)
         with open(os.path.join(staging, EXPORT_INFO), "w") as f:
             jsontext.dump({"run": run_dir if storage.is_remote(run_dir) else os.path.abspath(run_dir), "step": step,
@@ -237,13 +266,36 @@ def export_pad_id(run) -> int | None:
 
 def _write_checkpoint(model: RewardTransformer, folder: str, base: dict | None, pad: int | None, kind: ModelKind,
                       max_shard_bytes: int, dtype: str = "float32"):
+    _write_tensors(state_dict(model), model.config, folder, base, pad, kind, max_shard_bytes, dtype)
+
+
+def _write_tensors(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, folder: str, base: dict | None,
+                   pad: int | None, kind: ModelKind, max_shard_bytes: int, dtype: str = "float32"):
     os.makedirs(folder, exist_ok=True)
-    tensors = state_dict(model)
     if dtype == "bfloat16":  # rounded once, from float32 (a LoRA run's merged weights included)
         tensors = {name: value.astype(ml_dtypes.bfloat16) for name, value in tensors.items()}
     save_safetensors(tensors, folder, max_shard_bytes)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        jsontext.dump(hf_config(model.config, base, pad, kind, dtype), f, indent=2, sort_keys=True)
+        jsontext.dump(hf_config(model_cfg, base, pad, kind, dtype), f, indent=2, sort_keys=True)
+
+
+def _write_checkpoints(model: RewardTransformer, folder: str, base: dict | None, pad: int | None, kind: ModelKind,
+                       max_shard_bytes: int, dtype: str = "float32") -> list[str]:
+    """The model as one checkpoint in ``folder``; an ensemble whose members have their own top
+    layers as one plain checkpoint per member (``MEMBER_FOLDER`` + its index) and ``ENSEMBLE_FILE``
+    naming them, its reward rule and its own layers (``convert.open_tensors`` reads them back as
+    one model). Returns the checkpoint folders."""
+    cfg = model.config
+    if not cfg.member_layers:
+        _write_checkpoint(model, folder, base, pad, kind, max_shard_bytes, dtype)
+        return [folder]
+    names = [f"{MEMBER_FOLDER}{m}" for m in range(cfg.members)]
+    for name, tensors in zip(names, member_state_dicts(model)):
+        _write_tensors(tensors, cfg.one_member(), os.path.join(folder, name), base, pad, kind, max_shard_bytes, dtype)
+    with open(os.path.join(folder, ENSEMBLE_FILE), "w") as f:
+        jsontext.dump({"members": cfg.members, "reward": cfg.member_reward, "layers": cfg.member_layers,
+                       "checkpoints": names}, f, indent=2)
+    return [os.path.join(folder, name) for name in names]
 
 
 PEFT_PREFIX = "base_model.model."

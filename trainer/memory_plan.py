@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from rmflow.schemas.train_config import BASE_DTYPES, MOMENTS, TrainConfig
 from rmflow.trainer.errors import TrainError
 
@@ -39,12 +38,14 @@ HOST = "pinned_host"
 
 def shard_bytes(tree: Any, *, memory_kind: str | None = None) -> int:
     """Bytes one device holds of ``tree``'s arrays (abstract or placed): each leaf's shard. Only
-    the leaves in ``memory_kind`` (None: the device's own memory)."""
-    total = 0
+    the leaves in ``memory_kind`` (None: the device's own memory). A placed array that is several
+    leaves (an ensemble's LoRA members' one frozen base) counts once."""
+    total, seen = 0, set()
     for x in jax.tree.leaves(tree):
         sharding = getattr(x, "sharding", None)
-        if sharding is None or not hasattr(x, "dtype"):
+        if sharding is None or not hasattr(x, "dtype") or (isinstance(x, jax.Array) and id(x) in seen):
             continue
+        seen.add(id(x))
         kind = sharding.memory_kind if sharding.memory_kind != "device" else None
         if kind != memory_kind:
             continue
@@ -196,14 +197,22 @@ def _base_savings(trainer, cfg: TrainConfig) -> dict[str, int]:
     if cfg.lora is None:
         return {}
     weights = {".".join(map(str, path)): jax.ShapeDtypeStruct(quant.shape(var), np.float32)
-               for path, var in nnx.to_flat_state(trainer.frozen)}
+               for path, var in lora.held_once(trainer.frozen).items()}
 
     def held(kind: str):
         store = lora.base_storage(dataclasses.replace(cfg.lora, base_dtype=kind))
         return jax.eval_shape(lambda w: {name: store(name, x) for name, x in w.items()}, weights)
 
-    return _savings(shard_bytes(trainer.frozen),
+    return _savings(shard_bytes(list(lora.held_once(trainer.frozen).values())),
                     {kind: held(kind) for kind in BASE_DTYPES if kind != cfg.lora.base_dtype}, trainer.mesh)
+
+
+def _held_frozen(trainer) -> list:
+    """The trainer's frozen weights as held (``lora.held_once``: an ensemble's LoRA members keep
+    one frozen base)."""
+    from rmflow.trainer.modeling import lora
+
+    return list(lora.held_once(trainer.frozen).values())
 
 
 def plan_memory(run) -> tuple[MemoryPlan, Any]:
@@ -219,7 +228,7 @@ def plan_memory(run) -> tuple[MemoryPlan, Any]:
     outputs = max(int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes), 0) if analysis else 0
     plan = MemoryPlan(
         device=jax.devices()[0].device_kind, mesh=dict(run.mesh.shape), limit=device_limit(),
-        parameters=shard_bytes(state.params), frozen=shard_bytes((trainer.frozen, trainer.others)),
+        parameters=shard_bytes(state.params), frozen=shard_bytes((_held_frozen(trainer), trainer.others)),
         optimizer=shard_bytes(state.opt_state), host_optimizer=shard_bytes(state.opt_state, memory_kind=HOST),
         batch=shard_bytes(batch), temporaries=temps, outputs=max(outputs, 0),
         trained=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),

@@ -9,7 +9,7 @@ import os
 import re
 from typing import Any
 
-from rmflow.schemas.heads import head_of
+from rmflow.schemas.heads import ENSEMBLE_FILE, MEMBER_FOLDER, head_of
 from rmflow.schemas.kinds import ModelKind
 from rmflow.schemas.manifest import MANIFEST_FILE
 from rmflow.schemas.presets import is_preset
@@ -40,7 +40,9 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
     what = head.describe(cfg, kind.description)
     manifest_sha = data_manifest_sha256(run.path)
     loads = (f"A PEFT adapter (and the score head) for `{hf_class}` on its base model (`adapter_config.json`)"
-             if adapter else f"Loads in transformers as `{hf_class}`")
+             if adapter else f"Loads in transformers as `{hf_class}`" if not cfg.member_layers else
+             f"Loads in transformers as {cfg.members} `{hf_class}` checkpoints, one per member "
+             f"(`{MEMBER_FOLDER}0` ... `{MEMBER_FOLDER}{cfg.members - 1}`, named in `{ENSEMBLE_FILE}`)")
     intro = (f"Trained with rmflow from `{base}`" + (" (random weights: a preset)" if is_preset(base) else "")
              + f", step {step}. {loads}: {what}." + _quantized_base(run, adapter))
     lines = [*front, "", f"# {os.path.basename(os.path.normpath(run.path))}: {what}", "",
@@ -57,7 +59,7 @@ def model_card(run: RunFiles, step: int, kind: ModelKind, hf_class: str, adapter
              "## Evaluation", "", *_evaluation(run, kind), "",
              "## Usage", "", "```python", "import torch",
              f"from transformers import AutoModel{kind.head.hf_head}, AutoTokenizer", "",
-             f'model = AutoModel{kind.head.hf_head}.from_pretrained("PATH").eval()',
+             *head.loading(cfg, f"AutoModel{kind.head.hf_head}"),
              'tok = AutoTokenizer.from_pretrained("PATH")',
              'conversation = [{"role": "user", "content": "How do I boil an egg?"},',
              '                {"role": "assistant", "content": "Eight minutes in boiling water."}]',

@@ -179,7 +179,8 @@ class Objective:
             if ensemble.bootstrap and self.kind is not kinds.OUTCOME:
                 raise ConfigError("ensemble.bootstrap resamples preference pairs; K responses per prompt train each "
                                   "member on every prompt (drop ensemble.bootstrap)")
-            return ScoreHead(ensemble.members, members=ensemble.members, member_reward=ensemble.reward)
+            return ScoreHead(ensemble.members, members=ensemble.members, member_reward=ensemble.reward,
+                             member_layers=ensemble.layers)
         if not self.regression:
             return ScoreHead(self.kind.head.outputs)
         names = manifest.attributes
@@ -208,7 +209,7 @@ class Objective:
     def fits(self, head: ScoreHead) -> bool:
         """``head`` is one this objective trains."""
         if head.members or self.model_head.members:
-            return head.members == self.model_head.members
+            return (head.members, head.member_layers) == (self.model_head.members, self.model_head.member_layers)
         return bool(head.attributes) == self.regression and (self.regression or head.num_labels == self.kind.head.outputs)
 
     def with_router(self) -> Objective:

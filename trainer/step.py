@@ -186,11 +186,22 @@ def forget_compiled() -> None:
 
 def _place(tree: Any, shardings: Any) -> Any:
     """``tree`` placed with ``shardings`` (one for every leaf, or one for all); a leaf that is
-    only a shape (an abstract model's) becomes its shape with its sharding."""
+    only a shape (an abstract model's) becomes its shape with its sharding. An array that is
+    several leaves (an ensemble's members' one frozen base, ``lora.share_frozen``) is placed
+    once and stays one array."""
     leaves, treedef = jax.tree.flatten(tree)
     specs = [shardings] * len(leaves) if isinstance(shardings, jax.sharding.Sharding) else treedef.flatten_up_to(shardings)
-    return treedef.unflatten([jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) if isinstance(x, jax.ShapeDtypeStruct)
-                              else jax.device_put(x, sh) for x, sh in zip(leaves, specs)])
+    placed: dict[tuple[int, Any], Any] = {}
+
+    def place(x, sh):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+        key = (id(x), sh)
+        if key not in placed:
+            placed[key] = (x, jax.device_put(x, sh))  # x kept alive, so its id is not reused meanwhile
+        return placed[key][1]
+
+    return treedef.unflatten([place(x, sh) for x, sh in zip(leaves, specs)])
 
 
 def _avals(tree: Any) -> tuple:

@@ -132,6 +132,8 @@ def test_what_cannot_be_an_ensemble_is_refused_in_one_line():
         TrainConfig(**base, ensemble={"reward": "min"})
     with pytest.raises(ConfigError, match="ensemble.bootstrap: applies to an ensemble's members"):
         TrainConfig(**base, ensemble={"bootstrap": True})
+    with pytest.raises(ConfigError, match="ensemble.layers: applies to an ensemble's members"):
+        TrainConfig(**base, ensemble={"layers": 1})
     with pytest.raises(ConfigError, match="lcb:LAMBDA"):
         TrainConfig(**base, ensemble={"members": 2, "reward": "lcb:-1"})
     from rmflow.trainer.objective import PROCESS, REGRESSIONS
@@ -226,3 +228,134 @@ def test_an_ensemble_evaluates_exports_and_serves(ensemble_run, demo_shards, tmp
         assert r.json()["rewards"][0] == pytest.approx(float(want[0]), abs=1e-4)  # the reward it was started with
     finally:
         server.stop()
+
+
+def test_members_with_their_own_top_layers_are_each_a_model_over_the_shared_layers():
+    """``ensemble.layers``: the shared layers run once, then each member's own copy of the top
+    layers; member m scores as a plain model of the shared layers, its own layers and the score
+    head's output m, and the loss trains every member's layers."""
+    import dataclasses
+
+    from flax import nnx
+    from rmflow.trainer.modeling.config import ModelConfig
+    from rmflow.trainer.modeling.decoder import RewardTransformer
+    from rmflow.trainer.objective import OUTCOME
+
+    cfg = dataclasses.replace(ModelConfig.micro(100), num_labels=3, members=3, member_layers=1)
+    model = RewardTransformer(cfg, rngs=nnx.Rngs(0))
+    assert len(model.model.layers) == 1 and [len(m.layers) for m in model.members] == [1, 1, 1]
+    # copies of one draw, each its own arrays (a train step donates its parameters)
+    q = [m.layers[0].self_attn.q_proj.kernel.get_value() for m in model.members]
+    assert np.array_equal(q[0], q[1]) and q[0] is not q[1]
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(3, 100, (4, 16)), jnp.int32)
+    batch = {"input_ids": ids, "positions": jnp.broadcast_to(jnp.arange(16), (4, 16)),
+             "segment_ids": jnp.ones((4, 16), jnp.int32), "branch_ids": jnp.zeros((4, 16), jnp.int32),
+             "reward_index": jnp.asarray([15, 12, 9, 14]), "margin": jnp.zeros(2), "weight": jnp.ones(2)}
+    args = [batch[k] for k in ("input_ids", "positions", "segment_ids", "reward_index", "branch_ids")]
+    # members made to differ, as training makes them
+    for m, member in enumerate(model.members):
+        kernel = member.layers[0].mlp.down_proj.kernel
+        kernel.set_value(kernel[...] * (1 + 0.5 * m))
+    out = np.asarray(model.logits(*args))
+    assert out.shape == (4, 3) and len(set(np.round(out[0], 5))) == 3
+    for m, member in enumerate(model.members):
+        plain = RewardTransformer(dataclasses.replace(ModelConfig.micro(100), num_labels=1), rngs=nnx.Rngs(9))
+        plain.model.embed_tokens, plain.model.norm = model.model.embed_tokens, model.model.norm
+        plain.model.layers = nnx.List([*model.model.layers, *member.layers])
+        plain.score.kernel.set_value(model.score.kernel[...][:, m:m + 1])
+        np.testing.assert_allclose(np.asarray(plain.logits(*args))[:, 0], out[:, m], atol=1e-6)
+    grads = nnx.grad(lambda mdl: OUTCOME.loss(mdl, batch, 0.1)[0])(model)
+    for m in range(3):
+        assert np.abs(np.asarray(grads.members[m].layers[0].mlp.down_proj.kernel[...])).sum() > 0
+    assert np.abs(np.asarray(grads.model.layers[0].mlp.down_proj.kernel[...])).sum() > 0
+
+
+def test_lora_members_over_every_layer_keep_one_frozen_base():
+    """N LoRA members over every layer of one frozen (nf4) base: each member's own adapters,
+    every frozen weight one array, placed once: the frozen bytes of one model."""
+    import dataclasses
+
+    from rmflow.trainer.memory_plan import shard_bytes
+    from rmflow.trainer.model_setup import base_model
+    from rmflow.trainer.modeling import lora
+    from rmflow.trainer.modeling.config import ModelConfig, ScoreHead
+    from rmflow.trainer.objective import OUTCOME
+    from rmflow.trainer.step import Trainer
+
+    def frozen_bytes(head, ensemble):
+        cfg = TrainConfig(data="d", model="micro", output="o", lora={"rank": 4, "base_dtype": "nf4"},
+                          ensemble=ensemble)
+        model = base_model(cfg, ModelConfig.preset("micro", vocab_size=100, **dataclasses.asdict(head)), head=head)
+        trainer = Trainer(model, cfg.optimizer, trainable=lora.trainable_filter(cfg.lora),
+                          objective=OUTCOME.for_data(None, "", cfg.ensemble))
+        return model, shard_bytes(trainer.frozen)
+
+    model, ensemble = frozen_bytes(ScoreHead(3, members=3, member_layers=2), {"members": 3, "layers": 2})
+    _, single = frozen_bytes(ScoreHead(), {})
+    first, second = (m.layers[1].mlp.up_proj for m in list(model.members)[:2])
+    assert first.kernel.get_value().codes is second.kernel.get_value().codes  # one frozen weight
+    assert not np.array_equal(first.lora_A[...], second.lora_A[...])  # each member its own adapters
+    assert ensemble == single
+
+
+@pytest.fixture(scope="module")
+def layered_run(demo_shards, tmp_path_factory):
+    base = tmp_path_factory.mktemp("layered")
+    train(TrainConfig(data=str(demo_shards), model="micro", output=str(base / "run"), max_steps=4, batch_size=4,
+                      center_rewards_coefficient=0.01, ensemble={"members": 3, "layers": 1, "reward": "lcb:1"}))
+    return base / "run"
+
+
+def test_an_ensemble_with_its_own_layers_exports_one_checkpoint_per_member(layered_run, tmp_path):
+    import torch
+    from rmflow.schemas.config import ExportConfig
+    from rmflow.trainer.export import export
+    from transformers import AutoModelForSequenceClassification
+
+    from rmflow import RewardModel
+
+    rm = RewardModel.load(str(layered_run))
+    assert rm.model_config.member_layers == 1
+    folder = export(ExportConfig(run=str(layered_run), output=str(tmp_path / "export")))
+    manifest = json.loads((tmp_path / "export" / "ensemble.json").read_text())
+    assert manifest == {"members": 3, "reward": "lcb:1", "layers": 1,
+                        "checkpoints": ["member-0", "member-1", "member-2"]}
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "checkpoints, one per member (`member-0` ... `member-2`, named in `ensemble.json`)" in card
+    assert 'from_pretrained(f"PATH/member-{m}")' in card and "logits.mean() - 1 * logits.std" in card
+    theirs = []
+    for m in range(3):
+        config = json.loads((tmp_path / "export" / f"member-{m}" / "config.json").read_text())
+        assert config["num_labels"] == 1 and "rmflow_ensemble" not in config  # each a plain reward model
+        hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "export" / f"member-{m}",
+                                                                dtype=torch.float32).eval()
+        with torch.no_grad():
+            theirs.append([float(hf(input_ids=torch.tensor([rm.encode(c).tolist()])).logits[0, 0]) for c in CONVS[:4]])
+    theirs = np.asarray(theirs).T  # (conversations, members)
+    assert theirs.std(1).min() > 0  # the members differ
+    np.testing.assert_allclose(theirs.mean(1) - theirs.std(1), rm.score(CONVS[:4]), atol=1e-4)
+    exported = RewardModel.load(folder)  # rmflow reads the members back as one model
+    assert exported.model_config.member_layers == 1 and exported.model_config.member_reward == "lcb:1"
+    np.testing.assert_allclose(exported.score(CONVS[:4]), rm.score(CONVS[:4]), atol=1e-5)
+    # a member whose shared layers differ is no member of this ensemble
+    from safetensors.numpy import load_file, save_file
+
+    weights = tmp_path / "export" / "member-2" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"] + 1
+    save_file(tensors, weights, metadata={"format": "pt"})
+    from rmflow.trainer.inference import ModelLoadError
+    from rmflow.trainer.modeling.convert import CheckpointError
+
+    with pytest.raises((CheckpointError, ModelLoadError), match="member-2's model.layers.0.mlp.up_proj.weight differs"):
+        RewardModel.load(folder)
+
+
+def test_more_own_layers_than_the_model_has_is_refused_in_one_line(demo_shards, tmp_path):
+    from rmflow.schemas.errors import RmflowError
+
+    with pytest.raises(RmflowError, match=r"ensemble.layers 3: the members' own top layers, from 0 to the model's 2"):
+        train(TrainConfig(data=str(demo_shards), model="micro", output=str(tmp_path / "run"), max_steps=1,
+                          batch_size=4, ensemble={"members": 2, "layers": 3}))
+    assert not (tmp_path / "run" / "checkpoints").exists()

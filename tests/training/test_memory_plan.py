@@ -125,3 +125,16 @@ def test_the_cli_prints_the_plan_and_writes_nothing(synthetic, tmp_path):  # noq
     assert r.exit_code == 0, r.output
     assert "Memory plan of one train step" in r.output and "moments int8" in r.output and "total" in r.output
     assert not out.exists()
+
+
+def test_lora_members_are_planned_with_one_frozen_base(synthetic, tmp_path):  # noqa: F811
+    """N LoRA members over every layer hold one frozen base (``lora.share_frozen``), which the plan
+    counts once, as the run places it."""
+    lora = {"rank": 4, "alpha": 8}
+    single = _plan(synthetic, tmp_path / "one", lora=lora)
+    members = {"members": 3, "layers": 2, "reward": "mean"}
+    plan = _plan(synthetic, tmp_path / "ens", lora=lora, ensemble=members)
+    assert plan.frozen == single.frozen and plan.parameters > single.parameters  # their adapters, 3 times
+    run = Run(config(synthetic, tmp_path / "r", max_steps=4, lora=lora, ensemble=members))
+    run.trainer.use_mesh(run.mesh)
+    assert mp.shard_bytes((run.trainer.frozen, run.trainer.others)) == plan.frozen  # placed: one array each

@@ -228,3 +228,72 @@ def test_train_on_a_sharded_mesh_and_resume_on_another(tmp_path, demo_shards):
     on (2, 1, 2) x context 2, ends with the uninterrupted run's parameters and losses."""
     out = run_8_devices(RESUME_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path))).replace("sys.argv[2]", repr(str(demo_shards))))
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), (out.stdout[-2000:], out.stderr[-4000:])
+
+
+ENSEMBLE_SCRIPT = textwrap.dedent('''
+    import dataclasses
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tests.training.test_step import CFG, records
+    from rmflow.trainer.data import Collate
+    from rmflow.trainer.memory_plan import shard_bytes
+    from rmflow.trainer.modeling import lora
+    from rmflow.trainer.modeling.decoder import RewardTransformer
+    from rmflow.trainer.objective import OUTCOME
+    from rmflow.trainer.parallel import make_mesh
+    from rmflow.trainer.parallel.mesh import BATCH_AXES
+    from rmflow.trainer.batching import stack_micro_batches
+    from rmflow.schemas.train_config import EnsembleConfig, LoraConfig, OptimizerConfig
+    from rmflow.trainer.step import Trainer
+
+    assert len(jax.devices()) == 8
+    ENS = dataclasses.replace(CFG, num_labels=3, members=3, member_layers=1)
+    objective = OUTCOME.for_data(None, "", EnsembleConfig(members=3, layers=1))
+    host = [{k: np.asarray(v) for k, v in stack_micro_batches([Collate(8, 64)(records(8, seed=s))]).items()}
+            for s in range(2)]
+
+    def fresh(lora_cfg):
+        model = RewardTransformer(ENS, rngs=nnx.Rngs(0))
+        if lora_cfg is not None:
+            lora.apply(model, lora_cfg)
+        return Trainer(model, OptimizerConfig(learning_rate=1e-3), total_steps=5, center_coef=0.01,
+                       objective=objective, trainable=lora.trainable_filter(lora_cfg))
+
+    def train(mesh, lora_cfg):
+        t = fresh(lora_cfg)
+        state = t.init_state if mesh is None else t.use_mesh(mesh)
+        out = []
+        for hb in host:
+            b = {k: jnp.asarray(v) for k, v in hb.items()} if mesh is None else \\
+                jax.device_put(hb, NamedSharding(mesh, P(None, BATCH_AXES)))
+            state, m = t.train_step(state, b)
+            out.append(float(m["loss_sum"]))
+        return t, state, out
+
+    for lora_cfg in (None, LoraConfig(rank=4)):
+        _, ref_state, ref = train(None, lora_cfg)
+        for shape in [(2, 2, 2), (1, 4, 2)]:
+            t, state, got = train(make_mesh(shape), lora_cfg)
+            np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+            for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+            q = state.params["members"][2]["layers"][0]["self_attn"]["q_proj"]
+            q = q["lora_A" if lora_cfg else "kernel"][...]
+            if lora_cfg is None:  # a member's own layers shard by the same rules as the shared ones
+                assert q.addressable_shards[0].data.shape == (32 // shape[1], 32 // shape[2]), q.sharding
+            else:  # the members' frozen copies stay one array each on the mesh
+                frozen = [x for x in jax.tree.leaves(t.frozen) if x.ndim == 2]
+                assert len({id(x) for x in frozen}) < len(frozen)
+            print("mesh", shape, "lora" if lora_cfg else "full", "ok")
+    print("OK")
+''')
+
+
+@pytest.mark.slow
+def test_an_ensemble_with_its_own_layers_trains_on_a_mesh_as_on_one_device():
+    """Members with their own top layers (``ensemble.layers``), fully trained and as LoRA
+    members over one frozen base, on (data, fsdp, tensor) meshes: the loss and parameters of one
+    device, the members' layers sharded by the rules, the frozen copies one array each."""
+    out = run_8_devices(ENSEMBLE_SCRIPT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), (out.stdout[-2000:], out.stderr[-4000:])

@@ -18,7 +18,7 @@ from rmflow.schemas.outputs import EXPORT_INFO
 from rmflow.trainer import storage
 from rmflow.trainer.checkpoints import load_trained_model
 from rmflow.trainer.modeling.config import head_kind
-from rmflow.trainer.modeling.convert import load_reward_model
+from rmflow.trainer.modeling.convert import load_reward_model, read_raw_config
 from rmflow.trainer.rundir import is_run_dir, tokenizer_fingerprint
 
 NORMALIZATION_FILE = "reward_normalization.json"  # in a model folder: `rmflow eval --normalize`'s mean and std
@@ -135,7 +135,7 @@ def _load_model(path: str, step: int | str | None = None) -> LoadedModel:
     if step is not None:
         raise ModelLoadError(f"{path} is an exported checkpoint (one set of weights): --step applies to run directories")
     model = load_reward_model(path, seed=BARE_HEAD_SEED)
-    raw = jsontext.read(os.path.join(path, "config.json"))
+    raw = read_raw_config(path)
     pad = raw.get("pad_token_id") or 0
     description = f"checkpoint {os.path.abspath(path)}"
     if head_kind(raw) is None:  # a base model, scored as it is: the untrained baseline

@@ -102,6 +102,7 @@ class ScoreHead:
     attribute_weights: tuple[float, ...] = ()
     members: int = 0  # an ensemble head's (schemas.heads.ENSEMBLE): one output per member
     member_reward: str = "mean"  # ... and the reward over them (schemas.heads.MEMBER_REWARDS)
+    member_layers: int = 0  # ... and the top layers each member has of its own (0: the head only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +166,9 @@ class ModelConfig:
     # An ensemble head: one output per member, the reward ``member_reward`` over them (schemas.heads)
     members: int = 0
     member_reward: str = "mean"
+    # ... whose members each have their own copy of the top ``member_layers`` decoder layers
+    # (``decoder.MemberLayers``); the layers below are shared. 0: the members share every layer.
+    member_layers: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attributes", tuple(self.attributes))
@@ -173,6 +177,9 @@ class ModelConfig:
             check_head(self)
         except UnknownHead as e:
             raise ModelConfigError(str(e)) from None
+        if not 0 <= self.member_layers <= self.num_hidden_layers:
+            raise ModelConfigError(f"ensemble.layers {self.member_layers}: the members' own top layers, from 0 to the "
+                                   f"model's {self.num_hidden_layers}")
         if self.model_type not in ARCHITECTURES:
             raise ModelConfigError(
                 f"model_type {self.model_type!r} is not supported; rmflow builds {sorted(ARCHITECTURES)}"
@@ -239,7 +246,8 @@ class ModelConfig:
 
     @property
     def head(self) -> ScoreHead:
-        return ScoreHead(self.num_labels, self.attributes, self.attribute_weights, self.members, self.member_reward)
+        return ScoreHead(self.num_labels, self.attributes, self.attribute_weights, self.members, self.member_reward,
+                         self.member_layers)
 
     @property
     def kind(self) -> ModelKind:
@@ -249,6 +257,10 @@ class ModelConfig:
 
     def with_head(self, head: ScoreHead) -> ModelConfig:
         return dataclasses.replace(self, **dataclasses.asdict(head))
+
+    def one_member(self) -> ModelConfig:
+        """One member of an ensemble as a plain reward model (a member's export): the outcome head."""
+        return self.with_head(ScoreHead(OUTCOME.head.outputs))
 
     @property
     def hf_prefix(self) -> str:
@@ -347,7 +359,8 @@ def _head(d: Mapping[str, Any]) -> ScoreHead:
             raise ModelConfigError(f"{ENSEMBLE_KEY} {ensemble!r} must name its members, one per output "
                                    f"(num_labels {hf_num_labels(d)})")
         return ScoreHead(hf_num_labels(d), members=int(ensemble["members"]),
-                         member_reward=str(ensemble.get("reward") or "mean"))
+                         member_reward=str(ensemble.get("reward") or "mean"),
+                         member_layers=int(ensemble.get("layers") or 0))
     weights = d.get(ATTRIBUTE_WEIGHTS)
     if not weights:
         return ScoreHead(hf_num_labels(d))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 from flax import nnx
 from rmflow.schemas import jsontext
 from rmflow.schemas.errors import RmflowError
-from rmflow.schemas.heads import UnknownHead, head_of, same_outputs
+from rmflow.schemas.heads import ENSEMBLE_FILE, ENSEMBLE_KEY, UnknownHead, head_of, same_outputs
 from rmflow.schemas.kinds import kind_named
 from rmflow.trainer.modeling.config import (
     ATTRIBUTE_WEIGHTS,
@@ -49,6 +50,26 @@ def hf_name(path: tuple) -> tuple[str, bool]:
     if leaf == "embedding":
         return ".".join([*parents, "weight"]), False
     return ".".join([*parents, leaf]), False
+
+
+_MEMBER_LAYER = re.compile(r"^members\.(\d+)\.layers\.(\d+)\.")
+
+
+def member_layer(name: str) -> tuple[int, int, str] | None:
+    """An ensemble member's own layer's tensor name (``members.M.layers.J.REST``) as (M, J, REST);
+    None for any other name."""
+    found = _MEMBER_LAYER.match(name)
+    return (int(found[1]), int(found[2]), name[found.end():]) if found else None
+
+
+def source_name(name: str, cfg: ModelConfig) -> str:
+    """The base checkpoint's name of a tensor: an ensemble member's own layer J is a copy of the
+    base's layer ``num_hidden_layers - member_layers + J`` (``decoder.MemberLayers``)."""
+    member = member_layer(name)
+    if member is None:
+        return name
+    _, j, rest = member
+    return f"model.layers.{cfg.num_hidden_layers - cfg.member_layers + j}.{rest}"
 
 
 def _layer_names(tensors, fused: str) -> list[str]:
@@ -159,11 +180,64 @@ def resolve(checkpoint: str, weights: bool = True) -> str:
 
 
 def read_config(folder: str) -> tuple[ModelConfig, dict[str, Any]]:
+    raw = read_raw_config(folder)
+    return ModelConfig.from_hf(raw), raw
+
+
+def read_raw_config(folder: str) -> dict[str, Any]:
+    """A checkpoint's config.json; for an ensemble exported one checkpoint per member
+    (``ENSEMBLE_FILE``), its first member's with the ensemble's head: one output per member."""
+    ensemble = _ensemble_file(folder)
+    if ensemble is not None:
+        raw = read_raw_config(os.path.join(folder, ensemble["checkpoints"][0]))
+        n = len(ensemble["checkpoints"])
+        labels = {str(m): f"member_{m}" for m in range(n)}
+        return {**raw, "num_labels": n, "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()},
+                ENSEMBLE_KEY: {"members": n, "reward": ensemble["reward"], "layers": ensemble["layers"]}}
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint")
-    raw = jsontext.read(path)
-    return ModelConfig.from_hf(raw), raw
+    return jsontext.read(path)
+
+
+def _ensemble_file(folder: str) -> dict[str, Any] | None:
+    """An ensemble export's ``ENSEMBLE_FILE``, checked (None: the folder is one checkpoint)."""
+    path = os.path.join(folder, ENSEMBLE_FILE)
+    if not os.path.exists(path):
+        return None
+    ensemble = jsontext.read(path)
+    checkpoints = ensemble.get("checkpoints") if isinstance(ensemble, dict) else None
+    if (not isinstance(checkpoints, list) or len(checkpoints) < 2 or not isinstance(ensemble.get("layers"), int)
+            or not all(isinstance(c, str) and os.path.isdir(os.path.join(folder, c)) for c in checkpoints)):
+        raise CheckpointError(f"{path} must name 2 or more member checkpoints (folders beside it), the members' own "
+                              f"layers and their reward (as rmflow export writes it); it holds {ensemble!r:.300}")
+    return ensemble
+
+
+def _ensemble_tensors(folder: str, ensemble: dict[str, Any]) -> dict[str, np.ndarray]:
+    """An ensemble export's members as one model's tensors: the shared layers (which every
+    member's checkpoint must hold alike), member m's own top layers as ``members.m.layers.j``,
+    the score head one row per member; each member's tensors as the model holds them
+    (``split_fused``, ``stack_experts``) before they are renamed."""
+    cfg = read_config(os.path.join(folder, ensemble["checkpoints"][0]))[0]
+    first = cfg.num_hidden_layers - ensemble["layers"]
+    out: dict[str, np.ndarray] = {}
+    scores: dict[str, list[np.ndarray]] = {}
+    for m, checkpoint in enumerate(ensemble["checkpoints"]):
+        tensors = stack_experts(split_fused(open_tensors(os.path.join(folder, checkpoint)), cfg), cfg)
+        for name, value in tensors.items():
+            layer = re.match(r"^model\.layers\.(\d+)\.", name)
+            if layer and int(layer[1]) >= first:
+                out[f"members.{m}.layers.{int(layer[1]) - first}.{name[layer.end():]}"] = value
+            elif name.startswith("score."):
+                scores.setdefault(name, []).append(value)
+            elif name not in out:
+                out[name] = value
+            elif not np.array_equal(np.asarray(out[name]), np.asarray(value)):
+                raise CheckpointError(f"{folder}: {checkpoint}'s {name} differs from {ensemble['checkpoints'][0]}'s; "
+                                      f"the members of an ensemble share every layer below their own top "
+                                      f"{ensemble['layers']}")
+    return {**out, **{name: np.concatenate(rows) for name, rows in scores.items()}}
 
 
 def open_tensors(folder: str) -> dict[str, np.ndarray]:
@@ -175,6 +249,9 @@ def open_tensors(folder: str) -> dict[str, np.ndarray]:
         files = sorted(set(jsontext.read(index)["weight_map"].values()))
     else:
         files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    ensemble = _ensemble_file(folder) if not files else None
+    if ensemble is not None:
+        return _ensemble_tensors(folder, ensemble)
     if not files:
         raise CheckpointError(f"{folder} has no .safetensors files")
     tensors = {}
@@ -262,12 +339,17 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
         model.score = score_layer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     missing, bad_shape, used = [], [], set()
+    stored: dict[str, Any] = {}  # with ``store`` (a frozen base): each member's copy of a layer is one array
     for path, var in nnx.to_flat_state(state):
         name, transpose = hf_name(path)
+        name = name if name in tensors else source_name(name, cfg)  # a member's layer: the base's it copies
         if name.startswith("score.") and not is_classifier:
             continue
         if name not in tensors:
             missing.append(name)
+            continue
+        if store is not None and name in stored and member_layer(hf_name(path)[0]):
+            var.set_value(stored[name])
             continue
         value = tensors[name].T if transpose else tensors[name]
         expected = var.get_value().shape  # abstract (a shape and dtype) until set
@@ -277,6 +359,8 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
             continue
         value = np.asarray(value, np.float32)  # this tensor read from the file, converted on the host
         var.set_value(store(".".join(map(str, path)), value) if store else jnp.asarray(value))
+        if store is not None and member_layer(hf_name(path)[0]):
+            stored[name] = var.get_value()
         used.add(name)
     unexpected = sorted(set(tensors) - used - set(IGNORED)
                         - {n for n in tensors if n.endswith(IGNORED_SUFFIXES)})

@@ -451,16 +451,25 @@ def run_layers(layers, fn, x, *args, scan: bool, remat: bool, collect: bool = Fa
     return (x, outs, total) if collect else (x, total)
 
 
+def _summed(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Two router statistics added; one of no layers (size 0) adds nothing."""
+    return a if not b.size else b if not a.size else a + b
+
+
+MEMBER_KEYS = 1 << 20  # member m's adapter dropout draws from layer_key(key, MEMBER_KEYS + m): apart from any layer's
+
+
 class DecoderModel(nnx.Module):
     """The transformer body (Hugging Face's ``model.`` prefix). ``scan_layers``: the layers run
-    as one scanned layer (``run_layers``)."""
+    as one scanned layer (``run_layers``). An ensemble with ``cfg.member_layers`` holds the layers
+    below its members' own (``MemberLayers``) here: ``num_hidden_layers - member_layers``."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, remat: bool = False, rngs: nnx.Rngs, attention: str = "auto",
                  scan_layers: bool = True):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=jnp.float32,
                                       embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, index=i)
-                                for i in range(cfg.num_hidden_layers)])
+                                for i in range(cfg.num_hidden_layers - cfg.member_layers)])
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None  # Gemma: embeddings times sqrt(hidden)
         self.windows = tuple(dict.fromkeys(cfg.layer_window(i) for i in range(cfg.num_hidden_layers)))
         self.norm = _norm(cfg, cfg.hidden_size, dtype)
@@ -523,6 +532,44 @@ class DecoderModel(nnx.Module):
                            remat=self.remat)
         return (x, stats) if with_router else x
 
+    def members_at(self, input_ids, positions, segment_ids, index, tops, branch_ids=None):
+        """An ensemble's hidden states before the final norm at the tokens ``index`` (B, S), one
+        per member, (B, S, N, H), and the router statistics: the layers here run once over all
+        tokens, then each member's own ``tops`` (``MemberLayers.layers``), the last of them only at
+        ``index``. A member's adapter dropout draws its own masks (``MEMBER_KEYS``). The statistics
+        are the shared layers' plus the mean of the members' (each a model's worth of routing)."""
+        first = len(self.layers)
+        depth = first + len(tops[0])
+        x, cos, sin, ctx = self._inputs(input_ids, positions, segment_ids, branch_ids, depth - 1)
+        x, stats = self._run(self.layers, _layer_forward, x, cos, sin, ctx)
+        key = lora.current_key()
+        outs, member_stats = [], jnp.zeros((0,), jnp.float32)
+        for m, layers in enumerate(tops):
+            with lora.dropout_key(lora.layer_key(key, MEMBER_KEYS + m)):
+                y, s = self._run(layers[:-1], _layer_forward, x, cos, sin, ctx)
+                y, _ = apply_layer(layers[-1], len(layers) - 1, _layer_at, y, index, cos, sin, ctx, remat=self.remat)
+            outs.append(y)
+            member_stats = _summed(member_stats, s / len(tops))
+        return jnp.stack(outs, axis=-2), _summed(stats, member_stats)
+
+
+class MemberLayers(nnx.Module):
+    """An ensemble member's own top layers (``ModelConfig.member_layers``): decoder layers
+    ``first`` up to the model's last, numbered as the base's (their windows and experts are those
+    layers'), trained apart from the other members' copies."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, first: int):
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, index=i)
+                                for i in range(first, cfg.num_hidden_layers)])
+
+
+def _copied(module: nnx.Module) -> nnx.Module:
+    """A copy of ``module`` whose arrays are its own (``nnx.clone`` shares them: a train step
+    that donates its parameters cannot take one buffer twice)."""
+    out = nnx.clone(module)
+    nnx.update(out, jax.tree.map(jnp.copy, nnx.state(out)))
+    return out
+
 
 def score_layer(cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, init_std: float | None = None) -> nnx.Linear:
     """A fresh score head: hidden size to the head's outputs (with a bias where the head has one),
@@ -553,22 +600,40 @@ class RewardTransformer(nnx.Module):
         self.model = DecoderModel(cfg, dtype=dtype, remat=remat, rngs=rngs, attention=attention,
                                   scan_layers=scan_layers)
         self.score = score_layer(cfg, dtype=dtype, rngs=rngs, init_std=score_init_std)
+        # an ensemble's members' own top layers: one draw, copied (each its own arrays), as a
+        # checkpoint's layers are; ``lora.share_frozen`` makes the frozen copies of a LoRA run one
+        first = cfg.num_hidden_layers - cfg.member_layers
+        member = MemberLayers(cfg, dtype=dtype, rngs=rngs, first=first) if cfg.member_layers else None
+        self.members = nnx.List([member] + [_copied(member) for _ in range(cfg.members - 1)]) if member else None
 
     def hidden_at(self, input_ids, positions, segment_ids, reward_index, branch_ids=None, *,
                   with_router: bool = False):
-        """Final-norm hidden states at the reward tokens, (B, [K,] H) (``with_router``: and the
-        router statistics, ``DecoderModel.hidden_at``)."""
+        """Final-norm hidden states at the reward tokens, (B, [K,] H); an ensemble with its own
+        top layers, one per member, (B, [K,] N, H) (``with_router``: and the router statistics,
+        ``DecoderModel.hidden_at``)."""
         idx = reward_index if reward_index.ndim == 2 else reward_index[:, None]
-        g, stats = self.model.hidden_at(input_ids, positions, segment_ids, idx, branch_ids, with_router=True)
-        g = self.model.norm(g)  # (B, K, H)
+        if self.members is not None:
+            g, stats = self.model.members_at(input_ids, positions, segment_ids, idx,
+                                             [m.layers for m in self.members], branch_ids)
+        else:
+            g, stats = self.model.hidden_at(input_ids, positions, segment_ids, idx, branch_ids, with_router=True)
+        g = self.model.norm(g)  # (B, K, [N,] H)
         g = g if reward_index.ndim == 2 else g[:, 0]
         return (g, stats) if with_router else g
 
     def logits(self, input_ids, positions, segment_ids, reward_index, branch_ids=None, *, with_router: bool = False):
         """The score head's outputs at the reward tokens, (B, [K,] num_labels), float32
-        (``with_router``: and the router statistics)."""
+        (``with_router``: and the router statistics); an ensemble with its own top layers reads
+        member m's output from member m's hidden state."""
         g, stats = self.hidden_at(input_ids, positions, segment_ids, reward_index, branch_ids, with_router=True)
-        out = self.score(g).astype(jnp.float32)
+        if self.members is None:
+            out = self.score(g)
+        else:  # (..., N, H) x (H, N) -> (..., N): each member's column on its own hidden state
+            dtype = self.score.dtype or g.dtype
+            out = jnp.einsum("...nh,hn->...n", g.astype(dtype), self.score.kernel[...].astype(dtype))
+            if self.score.bias is not None:
+                out = out + self.score.bias[...].astype(dtype)
+        out = out.astype(jnp.float32)
         return (out, stats) if with_router else out
 
     def reward_of(self, logits: jax.Array) -> jax.Array:

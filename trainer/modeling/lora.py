@@ -122,7 +122,31 @@ def apply(model: nnx.Module, cfg: LoraConfig, *, seed: int = 0) -> int:
         linear.lora_index = TARGETS.index(name.rsplit(".", 1)[-1])  # each adapter of a layer draws its own mask
         n += 1
     store_base(model, cfg)
+    share_frozen(model)
     return n
+
+
+def held_once(frozen) -> dict[tuple, nnx.Variable]:
+    """A model's frozen state (``nnx.State``) by path, as its arrays are held: without the other
+    members' copies of member 0's frozen weights (``share_frozen``), which abstract shapes cannot
+    show."""
+    return {path: var for path, var in nnx.to_flat_state(frozen)
+            if not (len(path) > 1 and path[0] == "members" and path[1] != 0)}
+
+
+def share_frozen(model: nnx.Module) -> None:
+    """An ensemble's members' own top layers (``decoder.MemberLayers``) under LoRA: each frozen
+    weight held once, member 0's array in every member. The copies are equal (the base's layers)
+    and never trained, so N LoRA members keep one frozen base; each member's adapters are its own."""
+    members = getattr(model, "members", None)
+    if not members:
+        return
+    first = list(modules(members[0]))
+    for member in list(members)[1:]:
+        for (_, source), (_, module) in zip(first, modules(member), strict=True):
+            for name, var in list(vars(module).items()):
+                if type(var) is nnx.Param:
+                    var.set_value(getattr(source, name).get_value())
 
 
 def base_storage(cfg: LoraConfig):
