@@ -24,6 +24,7 @@ from rmflow.schemas.config import (
     ServeConfig,
 )
 from rmflow.schemas.errors import RmflowError, RmflowWarning
+from rmflow.schemas.heads import ENSEMBLE_FILE, MEMBER_FOLDER
 from rmflow.schemas.kinds import OUTCOME, kind_named
 from rmflow.schemas.outputs import EXPORT_INFO, REPORT_FILE
 from rmflow.schemas.stops import unwinding
@@ -424,7 +425,10 @@ def export(options: dict) -> None:
                       "peft.PeftModel.from_pretrained(base_model, path)")
         return
     kind = kind_named(jsontext.read(os.path.join(out, EXPORT_INFO))["kind"])
-    console.print(f"exported to [bold]{out}[/bold]: load it with transformers.AutoModel{kind.head.hf_head}.from_pretrained")
+    where = f"each of {out}/{MEMBER_FOLDER}0 ... (one checkpoint per member, {ENSEMBLE_FILE} names the reward)" \
+        if os.path.exists(os.path.join(out, ENSEMBLE_FILE)) else ""
+    console.print(f"exported to [bold]{out}[/bold]: load {where or 'it'} with "
+                  f"transformers.AutoModel{kind.head.hf_head}.from_pretrained")
 
 
 if __name__ == "__main__":

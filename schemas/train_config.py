@@ -479,6 +479,7 @@ RESUME_FIXED = {
     "model.path": "the checkpoint's parameters have other shapes",
     "optimizer.moments": "the checkpoint's optimizer state is stored in another format",
     "lora": "the checkpoint's parameters have other shapes",
+    "ensemble.layers": "the checkpoint's parameters have other shapes (each member's own layers)",
     "data.workers": "the loader's saved position is kept per worker process (the batches are the same with any "
                     "count)",
 }

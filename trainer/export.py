@@ -14,6 +14,7 @@ import dataclasses
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -83,21 +84,20 @@ def state_dict(model: RewardTransformer) -> dict[str, np.ndarray]:
     return unstack_experts(join_fused(_named(model), model.config), model.config)
 
 
-def member_state_dicts(model: RewardTransformer) -> list[dict[str, np.ndarray]]:
+def member_state_dicts(model: RewardTransformer) -> Iterator[dict[str, np.ndarray]]:
     """An ensemble whose members have their own top layers (``ModelConfig.member_layers``) as one
-    plain reward model per member: the shared layers, the member's own in the base's top layers'
-    places, and the score head's output for that member."""
+    plain reward model per member, one at a time (each written before the next is built): the
+    shared layers, the member's own in the base's top layers' places, and the score head's output
+    for that member."""
     cfg = model.config
     first, plain = cfg.num_hidden_layers - cfg.member_layers, cfg.one_member()
     named = _named(model)
     shared = {n: v for n, v in named.items() if member_layer(n) is None and not n.startswith("score.")}
-    out = []
     for m in range(cfg.members):
         own = {f"model.layers.{first + j}.{rest}": v for n, v in named.items()
                for (i, j, rest) in [member_layer(n) or (-1, 0, "")] if i == m}
         score = {n: v[m:m + 1] for n, v in named.items() if n.startswith("score.")}
-        out.append(unstack_experts(join_fused({**shared, **own, **score}, plain), plain))
-    return out
+        yield unstack_experts(join_fused({**shared, **own, **score}, plain), plain)
 
 
 def _save_file(tensors: dict[str, np.ndarray], path: str) -> None:

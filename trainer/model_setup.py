@@ -25,7 +25,7 @@ from rmflow.trainer.errors import TrainError
 from rmflow.trainer.modeling import lora
 from rmflow.trainer.modeling.attention import resolve_attention
 from rmflow.trainer.modeling.config import ModelConfig, ScoreHead
-from rmflow.trainer.modeling.convert import load_reward_model, read_config, resolve
+from rmflow.trainer.modeling.convert import is_ensemble_export, load_reward_model, read_config, resolve
 from rmflow.trainer.modeling.decoder import RewardTransformer
 from rmflow.trainer.objective import Objective
 from rmflow.trainer.rundir import EVAL_DATA, RUN_DIRECTORY, tokenizer_fingerprint
@@ -89,6 +89,10 @@ def build_model(cfg: TrainConfig, manifest: Manifest, objective: Objective, pack
         if is_preset(cfg.model.path) else None
     if preset is None:
         folder = resolve(cfg.model.path, weights=not abstract)
+        if is_ensemble_export(folder):
+            raise TrainError(f"model.path {cfg.model.path} is an ensemble exported one checkpoint per member: train "
+                             "from one member's folder (member-0 ...) or the base model, or resume the ensemble's "
+                             "run (--resume)")
         model_config, _ = read_config(folder)  # an unsupported or incomplete config.json fails first
         check_tokenizer(manifest, folder, "the model", with_template=False, shards=shards)
         check_model_fits(manifest, model_config)  # before any weight is read

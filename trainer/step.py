@@ -184,11 +184,12 @@ def forget_compiled() -> None:
     jax.clear_caches()
 
 
-def _place(tree: Any, shardings: Any) -> Any:
+def _place(tree: Any, shardings: Any, *, shared: bool = False) -> Any:
     """``tree`` placed with ``shardings`` (one for every leaf, or one for all); a leaf that is
-    only a shape (an abstract model's) becomes its shape with its sharding. An array that is
-    several leaves (an ensemble's members' one frozen base, ``lora.share_frozen``) is placed
-    once and stays one array."""
+    only a shape (an abstract model's) becomes its shape with its sharding. ``shared``: an array
+    that is several leaves (an ensemble's members' one frozen base, ``lora.share_frozen``) is
+    placed once and stays one array; never for a train state, whose donated leaves must each be
+    their own buffer."""
     leaves, treedef = jax.tree.flatten(tree)
     specs = [shardings] * len(leaves) if isinstance(shardings, jax.sharding.Sharding) else treedef.flatten_up_to(shardings)
     placed: dict[tuple[int, Any], Any] = {}
@@ -196,6 +197,8 @@ def _place(tree: Any, shardings: Any) -> Any:
     def place(x, sh):
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+        if not shared:
+            return jax.device_put(x, sh)
         key = (id(x), sh)
         if key not in placed:
             placed[key] = (x, jax.device_put(x, sh))  # x kept alive, so its id is not reused meanwhile
@@ -274,10 +277,10 @@ class Trainer:
         if self.program.offload:  # the optimizer state kept in host memory (``optimizer.offload``)
             self.state_shardings = dataclasses.replace(self.state_shardings, opt_state=jax.tree.map(
                 lambda s: s.with_memory_kind("pinned_host"), self.state_shardings.opt_state))
-        self.frozen = _place(self.frozen, shardings(self.frozen, mesh))
+        self.frozen = _place(self.frozen, shardings(self.frozen, mesh), shared=True)
         replicated = NamedSharding(mesh, P())
         self.hyper = jax.device_put(self.hyper, replicated)
-        self.others = _place(self.others, replicated)
+        self.others = _place(self.others, replicated, shared=True)
         key = (self.program, _avals(self.state_shardings), replicated)
         if key not in _SHARDED_JITS:
             _SHARDED_JITS[key] = jax.jit(_train_step, static_argnums=0, donate_argnums=1,

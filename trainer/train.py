@@ -187,15 +187,16 @@ def check_same_head(run_dir: str, model_config) -> None:
     objective or other attribute ratings make another head), checked before any file of the run
     is rewritten, so that a refused resume leaves the run as it was."""
     stored = jsontext.read(os.path.join(run_dir, MODEL_CONFIG))
-    before = (stored.get("num_labels", 1), tuple(stored.get("attributes") or ()))
-    now = (model_config.num_labels, model_config.attributes)
+    before = (stored.get("num_labels", 1), tuple(stored.get("attributes") or ()), stored.get("member_layers", 0))
+    now = (model_config.num_labels, model_config.attributes, model_config.member_layers)
     if before != now:
         def said(head):
-            return f"{head[0]} output(s)" + (f" ({', '.join(head[1])})" if head[1] else "")
+            return (f"{head[0]} output(s)" + (f" ({', '.join(head[1])})" if head[1] else "")
+                    + (f", each member with its own top {head[2]} layers" if head[2] else ""))
 
         raise TrainError(f"--resume: the run's checkpoints hold a score head of {said(before)}; this config trains "
                          f"one of {said(now)} (another objective, other attribute ratings or another "
-                         "ensemble.members): resume with the run's objective, data and ensemble, or start a new run "
+                         "ensemble.members or ensemble.layers): resume with the run's objective, data and ensemble, or start a new run "
                          "(another --output)")
 
 

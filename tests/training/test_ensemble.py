@@ -359,3 +359,62 @@ def test_more_own_layers_than_the_model_has_is_refused_in_one_line(demo_shards, 
         train(TrainConfig(data=str(demo_shards), model="micro", output=str(tmp_path / "run"), max_steps=1,
                           batch_size=4, ensemble={"members": 2, "layers": 3}))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_members_copy_a_checkpoint_s_top_layers_and_lora_members_store_them_once(tmp_path):
+    """From a Hugging Face base, member m's own layer j is the base's layer L - K + j; with a
+    frozen (nf4) base each is quantised once, read once and held once for every member."""
+    import torch
+    import transformers
+    from flax import nnx
+    from rmflow.trainer.modeling import lora
+    from rmflow.trainer.modeling.config import ScoreHead
+    from rmflow.trainer.modeling.convert import load_reward_model, open_tensors
+
+    transformers.set_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2)).to(torch.float32)
+    hf.save_pretrained(tmp_path)
+    base = open_tensors(str(tmp_path))
+    head = ScoreHead(3, members=3, member_layers=2)
+    model = load_reward_model(str(tmp_path), head=head)
+    assert len(model.model.layers) == 1
+    np.testing.assert_array_equal(model.model.layers[0].mlp.up_proj.kernel[...], base["model.layers.0.mlp.up_proj.weight"].T)
+    for member in model.members:
+        for j in range(2):
+            np.testing.assert_array_equal(member.layers[j].mlp.up_proj.kernel[...],
+                                          base[f"model.layers.{1 + j}.mlp.up_proj.weight"].T)
+    stored = []
+    store = lora.base_storage(lora.LoraConfig(base_dtype="nf4"))
+    quantized = load_reward_model(str(tmp_path), head=head, store=lambda n, v: stored.append(n) or store(n, v))
+    assert not [n for n in stored if n.startswith(("members.1.", "members.2."))]  # member 0's copy read and stored once
+    codes = [m.layers[1].self_attn.o_proj.kernel.get_value().codes for m in quantized.members]
+    assert codes[0] is codes[1] is codes[2]
+    assert len(nnx.to_flat_state(nnx.state(quantized, nnx.Param))) == len(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+
+def test_an_ensemble_export_is_no_base_and_its_own_layers_are_fixed_on_resume(layered_run, tmp_path):
+    from rmflow.schemas.config import ExportConfig
+    from rmflow.trainer.errors import TrainError
+    from rmflow.trainer.export import export
+    from rmflow.trainer.rundir import read_run
+
+    run = read_run(str(layered_run))
+    folder = export(ExportConfig(run=str(layered_run), output=str(tmp_path / "export")))
+    data = run.config.data.train
+    with pytest.raises(TrainError, match="is an ensemble exported one checkpoint per member"):
+        train(TrainConfig(data=data, model=folder, output=str(tmp_path / "again"), max_steps=1, batch_size=4,
+                          ensemble={"members": 3, "layers": 1}))
+    with pytest.raises(TrainError, match="ensemble.layers"):  # its parameters' shapes: not even when allowed
+        train(TrainConfig(data=data, model="micro", output=str(layered_run), max_steps=6, batch_size=4,
+                          center_rewards_coefficient=0.01, ensemble={"members": 3, "layers": 2, "reward": "lcb:1"}),
+              resume=True, allow_config_change=True)
+    (tmp_path / "export" / "ensemble.json").write_text(json.dumps({"members": 3, "layers": 1,
+                                                                   "checkpoints": ["member-0", "member-1"]}))
+    from rmflow.trainer.modeling.convert import CheckpointError
+
+    from rmflow import RewardModel
+
+    with pytest.raises(CheckpointError, match="must name 2 or more member checkpoints"):
+        RewardModel.load(folder)

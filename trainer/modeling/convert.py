@@ -200,6 +200,11 @@ def read_raw_config(folder: str) -> dict[str, Any]:
     return jsontext.read(path)
 
 
+def is_ensemble_export(folder: str) -> bool:
+    """Whether ``folder`` is an ensemble exported one checkpoint per member (``ENSEMBLE_FILE``)."""
+    return os.path.exists(os.path.join(folder, ENSEMBLE_FILE))
+
+
 def _ensemble_file(folder: str) -> dict[str, Any] | None:
     """An ensemble export's ``ENSEMBLE_FILE``, checked (None: the folder is one checkpoint)."""
     path = os.path.join(folder, ENSEMBLE_FILE)
@@ -207,7 +212,9 @@ def _ensemble_file(folder: str) -> dict[str, Any] | None:
         return None
     ensemble = jsontext.read(path)
     checkpoints = ensemble.get("checkpoints") if isinstance(ensemble, dict) else None
-    if (not isinstance(checkpoints, list) or len(checkpoints) < 2 or not isinstance(ensemble.get("layers"), int)
+    layers = ensemble.get("layers") if isinstance(ensemble, dict) else None
+    if (not isinstance(checkpoints, list) or len(checkpoints) < 2 or not isinstance(layers, int) or layers < 1
+            or not isinstance(ensemble.get("reward"), str)
             or not all(isinstance(c, str) and os.path.isdir(os.path.join(folder, c)) for c in checkpoints)):
         raise CheckpointError(f"{path} must name 2 or more member checkpoints (folders beside it), the members' own "
                               f"layers and their reward (as rmflow export writes it); it holds {ensemble!r:.300}")
@@ -340,9 +347,11 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
     state = nnx.state(model, nnx.Param)
     missing, bad_shape, used = [], [], set()
     stored: dict[str, Any] = {}  # with ``store`` (a frozen base): each member's copy of a layer is one array
+    copies = not is_ensemble_export(folder)  # a base's layers that each member copies (an export: its own)
     for path, var in nnx.to_flat_state(state):
         name, transpose = hf_name(path)
-        name = name if name in tensors else source_name(name, cfg)  # a member's layer: the base's it copies
+        if copies:  # a member's own layer: the base's it copies
+            name = source_name(name, cfg)
         if name.startswith("score.") and not is_classifier:
             continue
         if name not in tensors:
