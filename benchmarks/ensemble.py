@@ -13,7 +13,7 @@ truth): the mean rank of the reply each reward picks (1 = best), the single mode
 ensemble's mean, minimum and lower confidence bound (mean - 1 std).
 
     .venv/bin/python benchmarks/ensemble.py [--steps 300] [--batch-size 8] [--members 4] [--repeat 1] [--bootstrap]
-        [--layers 0] [--lora 0]
+        [--layers 0] [--lora 0] [--single-seeds 1]
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from rmflow.trainer.train import run as train
 from rmflow.eval.evaluation import run_eval
 
 
-def trained(shards: pathlib.Path, out: pathlib.Path, members: int, a) -> dict:
+def trained(shards: pathlib.Path, out: pathlib.Path, members: int, a, seed: int = 0) -> dict:
     stamps: list[float] = []
     cfg = TrainConfig(data={"train": str(shards), "packing": "fixed"}, model="tiny", output=str(out),
-                      max_steps=a.steps, batch_size=a.batch_size, seed=0, logging={"steps": 1, "report_to": ()},
+                      max_steps=a.steps, batch_size=a.batch_size, seed=seed, logging={"steps": 1, "report_to": ()},
                       center_rewards_coefficient=a.center,
                       optimizer={"learning_rate": a.learning_rate, "warmup_steps": max(a.steps // 10, 1)},
                       ensemble={"members": members, "bootstrap": bool(members and a.bootstrap),
@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--center", type=float, default=0.01, help="center_rewards_coefficient, both runs")
     ap.add_argument("--layers", type=int, default=0, help="the members' own top layers (ensemble.layers)")
     ap.add_argument("--lora", type=int, default=0, help="LoRA of this rank, both runs (0: full fine-tuning)")
+    ap.add_argument("--single-seeds", type=int, default=1,
+                    help="also train single models of seeds 1 .. N-1: how much one model's figures vary by seed")
     a = ap.parse_args()
     from rmflow import RewardModel
 
@@ -146,6 +148,12 @@ def main() -> None:
             rank, top = best_of_k(rm, prompts)
             print(f"best-of-7 on Nectar ({len(prompts)} prompts), {name}: mean rank of the pick {rank:.3f}, "
                   f"picks rank 1 on {top:.1%}")
+        for seed in range(1, a.single_seeds):
+            other = trained(shards, pathlib.Path(tmp) / f"seed{seed}", 0, a, seed=seed)["run"]
+            accuracy = run_eval(EvalConfig(model=other, data=(str(shards),), output=f"{tmp}/eval-seed{seed}"))
+            rank, top = best_of_k(RewardModel.load(other), prompts)
+            print(f"single model, seed {seed}: held-out accuracy {accuracy['accuracy']:.4f}; best-of-7 on Nectar: "
+                  f"mean rank of the pick {rank:.3f}, picks rank 1 on {top:.1%}", flush=True)
 
 
 if __name__ == "__main__":

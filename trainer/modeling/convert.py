@@ -345,32 +345,8 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
     if not is_classifier:  # a causal LM: a fresh score head, seeded (its bias, if any, 0)
         model.score = score_layer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
-    missing, bad_shape, used = [], [], set()
-    stored: dict[str, Any] = {}  # with ``store`` (a frozen base): each member's copy of a layer is one array
     copies = not is_ensemble_export(folder)  # a base's layers that each member copies (an export: its own)
-    for path, var in nnx.to_flat_state(state):
-        name, transpose = hf_name(path)
-        if copies:  # a member's own layer: the base's it copies
-            name = source_name(name, cfg)
-        if name.startswith("score.") and not is_classifier:
-            continue
-        if name not in tensors:
-            missing.append(name)
-            continue
-        if store is not None and name in stored and member_layer(hf_name(path)[0]):
-            var.set_value(stored[name])
-            continue
-        value = tensors[name].T if transpose else tensors[name]
-        expected = var.get_value().shape  # abstract (a shape and dtype) until set
-        if value.shape != expected:
-            bad_shape.append(f"{name}: checkpoint {tensors[name].shape}, model expects "
-                             f"{expected[::-1] if transpose else expected}")
-            continue
-        value = np.asarray(value, np.float32)  # this tensor read from the file, converted on the host
-        var.set_value(store(".".join(map(str, path)), value) if store else jnp.asarray(value))
-        if store is not None and member_layer(hf_name(path)[0]):
-            stored[name] = var.get_value()
-        used.add(name)
+    missing, bad_shape, used = _fill(state, tensors, cfg if copies else None, is_classifier, store)
     unexpected = sorted(set(tensors) - used - set(IGNORED)
                         - {n for n in tensors if n.endswith(IGNORED_SUFFIXES)})
     if missing or bad_shape or unexpected:
@@ -381,6 +357,40 @@ def load_reward_model(checkpoint: str, *, dtype=jnp.float32, remat: bool = False
     nnx.update(model, state)
     check_concrete(model, checkpoint)
     return model
+
+
+def _fill(state, tensors: dict[str, np.ndarray], copies: ModelConfig | None, is_classifier: bool,
+          store: Callable[[str, np.ndarray], Any] | None) -> tuple[list[str], list[str], set[str]]:
+    """Set each of ``state``'s parameters from its checkpoint tensor (through ``store``); returns
+    the names missing, those of the wrong shape, and those used. ``copies``: the config whose
+    ensemble members' own layers copy the checkpoint's top layers (``source_name``); with
+    ``store`` (a frozen base) each member's copy of a layer is one array, stored once."""
+    missing, bad_shape, used = [], [], set()
+    stored: dict[str, Any] = {}
+    for path, var in nnx.to_flat_state(state):
+        name, transpose = hf_name(path)
+        member = member_layer(name)
+        name = source_name(name, copies) if copies is not None else name
+        if name.startswith("score.") and not is_classifier:
+            continue
+        if name not in tensors:
+            missing.append(name)
+            continue
+        if store is not None and member and name in stored:
+            var.set_value(stored[name])
+            continue
+        value = tensors[name].T if transpose else tensors[name]
+        expected = var.get_value().shape  # abstract (a shape and dtype) until set
+        if value.shape != expected:
+            bad_shape.append(f"{name}: checkpoint {tensors[name].shape}, model expects "
+                             f"{expected[::-1] if transpose else expected}")
+            continue
+        value = np.asarray(value, np.float32)  # this tensor read from the file, converted on the host
+        var.set_value(store(".".join(map(str, path)), value) if store else jnp.asarray(value))
+        if store is not None and member:
+            stored[name] = var.get_value()
+        used.add(name)
+    return missing, bad_shape, used
 
 
 def check_concrete(model: RewardTransformer, checkpoint: str) -> None:
