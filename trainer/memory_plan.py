@@ -203,7 +203,7 @@ def _base_savings(trainer, cfg: TrainConfig) -> dict[str, int]:
         store = lora.base_storage(dataclasses.replace(cfg.lora, base_dtype=kind))
         return jax.eval_shape(lambda w: {name: store(name, x) for name, x in w.items()}, weights)
 
-    return _savings(shard_bytes(list(lora.held_once(trainer.frozen).values())),
+    return _savings(shard_bytes(_held_frozen(trainer)),
                     {kind: held(kind) for kind in BASE_DTYPES if kind != cfg.lora.base_dtype}, trainer.mesh)
 
 
